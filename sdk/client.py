@@ -1,0 +1,371 @@
+"""The producer client: publish requests to JetStream, await typed replies on one shared inbox."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Generator, Iterable, Mapping, Sequence
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from . import telemetry as _telemetry
+from .errors import (
+    BadRequest,
+    ConnectionFailed,
+    JetbatchError,
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    StreamNotFound,
+    UnknownModel,
+    error_for_code,
+)
+from .protocol import (
+    DEFAULT_PREFIX,
+    BatchInfo,
+    ContentType,
+    Headers,
+    ProtocolError,
+    Status,
+    Subjects,
+    batch_info_from_headers,
+    deadline_header,
+    decode_error,
+    decode_payload,
+    encode_payload,
+    validate_model_name,
+)
+
+__all__ = ["Client", "Result"]
+
+# JetStream API error codes the producer must see as typed errors, not as generic API errors.
+_JS_STREAM_FULL = {10077, 10078, 10047, 10048}  # max msgs / max bytes / insufficient resources
+_JS_MSG_TOO_BIG = {10054}
+_PUBLISH_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Result:
+    """A successful reply: the decoded output and how the request was batched."""
+
+    request_id: str
+    output: Any
+    batch: BatchInfo
+    latency_s: float
+
+
+class Client:
+    """An asyncio client for jetbatch.
+
+    Use ``async with Client.connect("nats://host:4222") as client:`` then
+    ``await client.infer(payload, model="m1")``. One inbox subscription serves every request: each
+    request registers a future under its request id before it is published.
+    """
+
+    def __init__(self, nc: NATS, *, prefix: str = DEFAULT_PREFIX, owns_connection: bool = False) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._subjects = Subjects(prefix)
+        self._owns_connection = owns_connection
+        self._pending: dict[str, asyncio.Future[Msg]] = {}
+        self._inbox = nc.new_inbox()
+        self._sub: Any = None
+        self._closed = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(
+        cls,
+        url: str | Sequence[str] | None = None,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        connect_timeout_s: float = 2.0,
+        **nats_options: Any,
+    ) -> "_Connecting":
+        """Connect to NATS. Await it, or use it as ``async with``.
+
+        ``url`` defaults to ``$NATS_URL`` or ``nats://127.0.0.1:4222``. Extra keyword arguments go
+        to ``nats.connect`` (``user``/``password``, ``token``, ``nkeys_seed``, ``user_credentials``,
+        ``tls``, ...). Raises :class:`ConnectionFailed` if no server answers.
+        """
+        return _Connecting(cls._open(url, prefix=prefix, connect_timeout_s=connect_timeout_s, **nats_options))
+
+    @classmethod
+    async def _open(
+        cls, url: str | Sequence[str] | None, *, prefix: str, connect_timeout_s: float, **nats_options: Any
+    ) -> "Client":
+        import os
+
+        servers = url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
+        servers_list = [servers] if isinstance(servers, str) else list(servers)
+        options: dict[str, Any] = {
+            "connect_timeout": connect_timeout_s,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+            "allow_reconnect": True,
+            "error_cb": _quiet_error_cb,
+        }
+        options.update(nats_options)
+        try:
+            nc = await nats.connect(servers=servers_list, **options)
+        except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise ConnectionFailed(f"cannot connect to NATS at {', '.join(servers_list)}: {exc or type(exc).__name__}") from exc
+        client = cls(nc, prefix=prefix, owns_connection=True)
+        await client._start()
+        return client
+
+    @classmethod
+    async def from_connection(cls, nc: NATS, *, prefix: str = DEFAULT_PREFIX) -> "Client":
+        """Wrap an existing nats-py connection (it stays open when the client closes)."""
+        client = cls(nc, prefix=prefix, owns_connection=False)
+        await client._start()
+        return client
+
+    async def _start(self) -> None:
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+
+    async def close(self) -> None:
+        """Fail pending requests with ConnectionFailed and close the connection if we opened it."""
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionFailed("client closed"))
+        self._pending.clear()
+        try:
+            if self._sub is not None:
+                await self._sub.unsubscribe()
+        except nats.errors.Error:
+            pass
+        if self._owns_connection:
+            try:
+                await self._nc.drain()
+            except (nats.errors.Error, asyncio.TimeoutError):
+                await self._nc.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def subjects(self) -> Subjects:
+        return self._subjects
+
+    @property
+    def nats(self) -> NATS:
+        """The underlying nats-py connection."""
+        return self._nc
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def infer(
+        self,
+        payload: Any,
+        *,
+        model: str | None = None,
+        timeout: float = 30.0,
+        content_type: ContentType | str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
+        """Submit one request and return its decoded output, or raise a typed :class:`JetbatchError`.
+
+        ``model=None`` sends it to the classifier (``<prefix>.in``); a model name sends it straight
+        to that model's queue. ``timeout`` (seconds) bounds the whole call and is also sent as the
+        request's deadline, so the worker does not compute a request nobody waits for.
+        """
+        result = await self.infer_result(
+            payload, model=model, timeout=timeout, content_type=content_type, request_id=request_id, headers=headers
+        )
+        return result.output
+
+    async def infer_result(
+        self,
+        payload: Any,
+        *,
+        model: str | None = None,
+        timeout: float = 30.0,
+        content_type: ContentType | str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Result:
+        """Like :meth:`infer`, but return a :class:`Result` with the batch metadata."""
+        if self._closed:
+            raise ConnectionFailed("client is closed")
+        started = time.monotonic()
+        rid = request_id or uuid.uuid4().hex
+        try:
+            if request_id is not None:
+                validate_model_name(rid)  # same token rules: it becomes the last inbox token
+            subject = self._subjects.ingress if model is None else self._subjects.model(model)
+            data, ctype = encode_payload(payload, content_type)
+        except ProtocolError as exc:
+            raise BadRequest(str(exc), request_id=rid) from exc
+
+        hdrs: dict[str, str] = dict(headers or {})
+        hdrs[Headers.MSG_ID] = rid
+        hdrs[Headers.REPLY_TO] = f"{self._inbox}.{rid}"
+        hdrs[Headers.CONTENT_TYPE] = ctype.value
+        hdrs.setdefault(Headers.DEADLINE, deadline_header(timeout))
+        if model is not None:
+            hdrs[Headers.MODEL] = model
+
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Msg] = loop.create_future()
+        if rid in self._pending:
+            raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid)
+        self._pending[rid] = fut
+        span = _telemetry.start_producer_span(subject, rid, model, hdrs, len(data))
+        status = "error"
+        try:
+            await self._publish(subject, data, hdrs, rid, model, deadline=started + timeout)
+            remaining = timeout - (time.monotonic() - started)
+            try:
+                msg = await asyncio.wait_for(asyncio.shield(fut), timeout=max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
+            result = self._to_result(msg, rid, time.monotonic() - started)
+            status = "ok"
+            return result
+        except JetbatchError as exc:
+            if span is not None:
+                _telemetry.record_error(span, exc)
+            if exc.code:
+                status = exc.code
+            raise
+        finally:
+            self._pending.pop(rid, None)
+            if not fut.done():
+                fut.cancel()
+            _telemetry.end_producer_span(span, model, status, time.monotonic() - started)
+
+    async def infer_many(
+        self,
+        payloads: Iterable[Any],
+        *,
+        model: str | None = None,
+        timeout: float = 30.0,
+        content_type: ContentType | str | None = None,
+        max_in_flight: int = 1024,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Submit many requests concurrently and return their outputs in order.
+
+        With ``return_exceptions=True`` a failed request yields its exception in place of its output
+        instead of raising the first error.
+        """
+        gate = asyncio.Semaphore(max_in_flight)
+
+        async def one(p: Any) -> Any:
+            async with gate:
+                return await self.infer(p, model=model, timeout=timeout, content_type=content_type)
+
+        return await asyncio.gather(*(one(p) for p in payloads), return_exceptions=return_exceptions)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    async def _publish(
+        self, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float
+    ) -> None:
+        """Publish with retries under the same Nats-Msg-Id, so JetStream dedupes a retried request."""
+        last: Exception | None = None
+        for attempt in range(_PUBLISH_ATTEMPTS):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await self._js.publish(subject, data, timeout=min(remaining, 5.0), headers=hdrs)
+                return
+            except nats.errors.MaxPayloadError as exc:
+                raise PayloadTooLarge(
+                    f"payload of {len(data)} bytes is over the server's max_payload ({self._nc.max_payload} bytes)",
+                    request_id=rid,
+                ) from exc
+            except nats.js.errors.NoStreamResponseError as exc:
+                raise await self._no_stream_error(subject, model, rid) from exc
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in _JS_STREAM_FULL:
+                    raise Overloaded(f"queue {subject} is full: {exc.description}", request_id=rid) from exc
+                if exc.err_code in _JS_MSG_TOO_BIG:
+                    raise PayloadTooLarge(
+                        f"payload of {len(data)} bytes is over the stream's max message size", request_id=rid
+                    ) from exc
+                raise JetbatchError(f"JetStream refused the request: {exc.description}", request_id=rid) from exc
+            except (nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as exc:
+                if isinstance(exc, nats.errors.NoRespondersError):
+                    raise await self._no_stream_error(subject, model, rid) from exc
+                raise ConnectionFailed("connection to NATS is closed", request_id=rid) from exc
+            except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+                last = exc  # no PubAck (server busy or reconnecting): retry, dedupe makes it safe
+                await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
+        raise RequestTimeout(f"JetStream did not acknowledge the request ({last or 'deadline reached'})", request_id=rid)
+
+    async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError:
+        if model is not None:
+            try:
+                await self._js.stream_info(self._subjects.models_stream)
+            except (nats.js.errors.NotFoundError, nats.js.errors.APIError, nats.errors.Error, asyncio.TimeoutError):
+                pass
+            else:
+                return UnknownModel(f"no model named {model!r} is served", request_id=rid)
+        return StreamNotFound(
+            f"no JetStream stream captures {subject}: start a jetbatch sidecar on this server first",
+            request_id=rid,
+        )
+
+    def _on_reply_sync(self, msg: Msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[-1]
+        fut = self._pending.get(rid)
+        # A duplicate reply (redelivery after a worker crash) finds the future done: drop it.
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        self._on_reply_sync(msg)
+
+    def _to_result(self, msg: Msg, rid: str, latency_s: float) -> Result:
+        headers = msg.headers or {}
+        if headers.get(Headers.STATUS, Status.OK.value) == Status.ERROR.value:
+            body = decode_error(msg.data)
+            raise error_for_code(body.code, body.message, request_id=rid)
+        try:
+            output = decode_payload(msg.data, headers.get(Headers.CONTENT_TYPE))
+        except ProtocolError as exc:
+            raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
+        return Result(request_id=rid, output=output, batch=batch_info_from_headers(headers), latency_s=latency_s)
+
+
+class _Connecting:
+    """Awaitable and async context manager returned by :meth:`Client.connect`."""
+
+    def __init__(self, opening: Awaitable[Client]) -> None:
+        self._opening = opening
+        self._client: Client | None = None
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        return self._opening.__await__()
+
+    async def __aenter__(self) -> Client:
+        self._client = await self._opening
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+async def _quiet_error_cb(exc: Exception) -> None:
+    # nats-py logs every reconnect attempt as an error by default; the client surfaces failures
+    # as typed errors on the calls that need the connection instead.
+    return None
+

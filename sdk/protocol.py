@@ -1,0 +1,398 @@
+"""The jetbatch wire contract, shared by the SDK and the sidecar.
+
+Everything a client in another language needs lives here and in docs/protocol.md: subject names,
+header names, error codes and payload encodings. This module must import without torch or the
+sidecar; tensors are described by :class:`Tensor` (dtype, shape, raw little-endian bytes).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import msgspec
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "BatchInfo",
+    "ContentType",
+    "ErrorBody",
+    "ErrorCode",
+    "Headers",
+    "ProtocolError",
+    "Status",
+    "Subjects",
+    "Tensor",
+    "TENSOR_DTYPES",
+    "batch_info_from_headers",
+    "decode_payload",
+    "deadline_from_headers",
+    "deadline_header",
+    "encode_error",
+    "decode_error",
+    "encode_payload",
+    "validate_model_name",
+]
+
+DEFAULT_PREFIX = "jetbatch"
+
+
+class Headers:
+    """NATS header names. Routing metadata travels in headers so the `nats` CLI and tracing see it."""
+
+    MSG_ID = "Nats-Msg-Id"  # request id; JetStream dedupes republished/retried messages on it
+    REPLY_TO = "Jetbatch-Reply-To"  # caller's inbox; the JetStream publish reply field carries the PubAck
+    DEADLINE = "Jetbatch-Deadline"  # absolute Unix time in integer milliseconds
+    CONTENT_TYPE = "Content-Type"
+    MODEL = "Jetbatch-Model"  # on requests to jetbatch.in: the producer's model choice; on replies: the model that served
+    TRACEPARENT = "traceparent"
+    TRACESTATE = "tracestate"
+    # Reply headers.
+    STATUS = "Jetbatch-Status"  # "ok" or "error"
+    ERROR_CODE = "Jetbatch-Error-Code"
+    REQUEST_ID = "Jetbatch-Request-Id"
+    BATCH_ID = "Jetbatch-Batch-Id"
+    BATCH_SIZE = "Jetbatch-Batch-Size"
+    QUEUE_WAIT_MS = "Jetbatch-Queue-Wait-Ms"
+    MODEL_LOADED = "Jetbatch-Model-Loaded"  # "true" when this batch paid a model load
+    TRACE_ID = "Jetbatch-Trace-Id"  # the batch span's trace id (hex), when tracing is on
+    WORKER = "Jetbatch-Worker"
+    # Dead-letter headers.
+    DLQ_REASON = "Jetbatch-Dlq-Reason"
+    DLQ_STAGE = "Jetbatch-Dlq-Stage"
+    DLQ_SUBJECT = "Jetbatch-Dlq-Subject"
+    DLQ_DELIVERIES = "Jetbatch-Dlq-Deliveries"
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+
+
+class ErrorCode(str, enum.Enum):
+    """Typed error codes carried by error replies (`Jetbatch-Status: error`)."""
+
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_MODEL = "unknown_model"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    MODEL_FAILED = "model_failed"
+    OVERLOADED = "overloaded"
+    INTERNAL = "internal"
+
+
+class ContentType(str, enum.Enum):
+    """Payload encodings understood by the sidecar (the `Content-Type` header)."""
+
+    TENSOR = "application/vnd.jetbatch.tensor+msgpack"
+    MSGPACK = "application/msgpack"
+    JSON = "application/json"
+    BYTES = "application/octet-stream"
+
+
+class ProtocolError(ValueError):
+    """A message does not follow the wire contract. Maps to a `bad_request` reply."""
+
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def validate_model_name(name: str) -> str:
+    """Return ``name`` if it is a valid single NATS subject token, else raise :class:`ProtocolError`.
+
+    Model names become the last token of ``<prefix>.model.<name>``: no dots, spaces, wildcards
+    (``*``, ``>``) or other characters outside ``[A-Za-z0-9_-]``; 1 to 64 characters.
+    """
+    if not isinstance(name, str) or not _TOKEN_RE.match(name):
+        raise ProtocolError(
+            f"invalid model name {name!r}: use 1-64 characters from A-Z a-z 0-9 _ - "
+            "(no dots, spaces or wildcards)"
+        )
+    return name
+
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """All subject and stream names under one prefix (default ``jetbatch``)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not _PREFIX_RE.match(self.prefix):
+            raise ProtocolError(f"invalid subject prefix {self.prefix!r}: dot-separated tokens of A-Z a-z 0-9 _ -")
+
+    @property
+    def ingress(self) -> str:
+        """Requests whose model is decided by the classifier."""
+        return f"{self.prefix}.in"
+
+    def model(self, name: str) -> str:
+        """The per-model queue subject."""
+        return f"{self.prefix}.model.{validate_model_name(name)}"
+
+    @property
+    def models_wildcard(self) -> str:
+        return f"{self.prefix}.model.>"
+
+    def model_from_subject(self, subject: str) -> str | None:
+        head = f"{self.prefix}.model."
+        if subject.startswith(head):
+            return subject[len(head) :]
+        return None
+
+    def dead_letter(self, stage: str) -> str:
+        return f"{self.prefix}.dlq.{stage}"
+
+    @property
+    def dead_letter_wildcard(self) -> str:
+        return f"{self.prefix}.dlq.>"
+
+    @property
+    def _stream_base(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_-]", "_", self.prefix).upper()
+
+    @property
+    def ingress_stream(self) -> str:
+        return f"{self._stream_base}_IN"
+
+    @property
+    def models_stream(self) -> str:
+        return f"{self._stream_base}_MODELS"
+
+    @property
+    def dead_letter_stream(self) -> str:
+        return f"{self._stream_base}_DLQ"
+
+    @property
+    def kv_bucket(self) -> str:
+        """Key-value bucket where workers advertise what they hold."""
+        return f"{self._stream_base}_WORKERS"
+
+    @property
+    def status_subject(self) -> str:
+        """Every sidecar answers status requests here (see `jetbatch status`)."""
+        return f"{self.prefix}.status"
+
+
+# --- Typed bodies -------------------------------------------------------------------------------
+
+TENSOR_DTYPES: frozenset[str] = frozenset(
+    {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+)
+_DTYPE_SIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    """A dense tensor on the wire: dtype name, shape and raw little-endian C-order bytes.
+
+    Decoding gives ``data`` as a read-only ``memoryview`` into the received message (no copy);
+    :meth:`to_torch` wraps it with ``torch.frombuffer`` (no copy either).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+    def validate(self) -> "Tensor":
+        """Check dtype and that shape and byte length agree; raise :class:`ProtocolError` if not."""
+        if self.dtype not in TENSOR_DTYPES:
+            raise ProtocolError(f"$.dtype: unsupported tensor dtype {self.dtype!r}; expected one of {sorted(TENSOR_DTYPES)}")
+        count = 1
+        for dim in self.shape:
+            if dim < 0:
+                raise ProtocolError(f"$.shape: negative dimension in {list(self.shape)}")
+            count *= dim
+        expected = count * _DTYPE_SIZE[self.dtype]
+        if len(self.data) != expected:
+            raise ProtocolError(
+                f"$.data: {len(self.data)} bytes do not match shape {list(self.shape)} of {self.dtype} ({expected} bytes)"
+            )
+        return self
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> "Tensor":
+        """Encode a torch tensor (moved to CPU, made contiguous). Needs torch only if you pass one."""
+        import ctypes
+
+        t = tensor.detach().cpu().contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in TENSOR_DTYPES:
+            raise ProtocolError(f"unsupported tensor dtype {dtype!r}")
+        nbytes = t.numel() * t.element_size()
+        raw = ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
+        return cls(dtype=dtype, shape=tuple(t.shape), data=memoryview(_to_little_endian(raw, t.element_size())))
+
+    @classmethod
+    def from_numpy(cls, array: Any) -> "Tensor":
+        """Encode a numpy array (converted to little-endian, C order)."""
+        dtype = str(array.dtype)
+        if dtype not in TENSOR_DTYPES:
+            raise ProtocolError(f"unsupported array dtype {dtype!r}")
+        arr = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        import numpy
+
+        arr = numpy.ascontiguousarray(arr)
+        return cls(dtype=dtype, shape=tuple(arr.shape), data=memoryview(arr).cast("B"))
+
+    def to_torch(self) -> Any:
+        """A torch tensor viewing ``data`` without copying (read-only memory: do not write in place)."""
+        import importlib
+
+        torch = importlib.import_module("torch")
+        self.validate()
+        dtype = getattr(torch, self.dtype)
+        if len(self.data) == 0:
+            return torch.empty(self.shape, dtype=dtype)
+        flat = torch.frombuffer(self.data, dtype=dtype)
+        if sys.byteorder != "little":  # pragma: no cover - wire order is little-endian
+            flat = flat.byteswap()
+        return flat.reshape(self.shape)
+
+
+def _to_little_endian(raw: bytes, itemsize: int) -> bytes:
+    if sys.byteorder == "little" or itemsize == 1:
+        return raw
+    import array  # pragma: no cover
+
+    arr = array.array({2: "H", 4: "I", 8: "Q"}[itemsize], raw)  # pragma: no cover
+    arr.byteswap()  # pragma: no cover
+    return arr.tobytes()  # pragma: no cover
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """Body of an error reply, JSON-encoded so any client and the `nats` CLI can read it."""
+
+    code: str
+    message: str
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """How a request was batched, read from the reply's headers."""
+
+    batch_id: str
+    batch_size: int
+    queue_wait_ms: float
+    model_loaded: bool
+    model: str
+    worker: str = ""
+    trace_id: str = ""
+
+
+# --- Encoders built once and reused -------------------------------------------------------------
+
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_msgpack_decoder = msgspec.msgpack.Decoder()
+_tensor_decoder = msgspec.msgpack.Decoder(Tensor)
+_json_encoder = msgspec.json.Encoder()
+_json_decoder = msgspec.json.Decoder()
+_error_decoder = msgspec.json.Decoder(ErrorBody)
+
+
+def encode_payload(obj: Any, content_type: ContentType | str | None = None) -> tuple[bytes, ContentType]:
+    """Encode a request or result body and pick its content type.
+
+    ``bytes`` are sent raw, a :class:`Tensor` (or torch tensor, or numpy array) as the tensor
+    encoding, anything else as msgpack unless ``content_type`` asks for JSON.
+    """
+    ctype = ContentType(content_type) if content_type is not None else None
+    if isinstance(obj, (bytes, bytearray, memoryview)) and ctype in (None, ContentType.BYTES):
+        return bytes(obj), ContentType.BYTES
+    tensor = _as_tensor(obj)
+    if tensor is not None and ctype in (None, ContentType.TENSOR):
+        return _msgpack_encoder.encode(tensor), ContentType.TENSOR
+    if ctype is ContentType.JSON:
+        try:
+            return _json_encoder.encode(obj), ContentType.JSON
+        except TypeError as exc:
+            raise ProtocolError(f"cannot encode payload as JSON: {exc}") from exc
+    try:
+        return _msgpack_encoder.encode(obj), ContentType.MSGPACK
+    except TypeError as exc:
+        raise ProtocolError(f"cannot encode payload as msgpack: {exc}") from exc
+
+
+def _as_tensor(obj: Any) -> Tensor | None:
+    if isinstance(obj, Tensor):
+        return obj
+    module = type(obj).__module__
+    if module.startswith("torch") and hasattr(obj, "data_ptr"):
+        return Tensor.from_torch(obj)
+    if module == "numpy" and type(obj).__name__ == "ndarray":
+        return Tensor.from_numpy(obj)
+    return None
+
+
+def decode_payload(data: bytes, content_type: str | None) -> Any:
+    """Decode a body by its content type; raise :class:`ProtocolError` naming what is wrong."""
+    ctype = (content_type or ContentType.BYTES.value).split(";")[0].strip().lower()
+    try:
+        if ctype == ContentType.BYTES.value:
+            return data
+        if ctype == ContentType.TENSOR.value:
+            return _tensor_decoder.decode(data).validate()
+        if ctype == ContentType.MSGPACK.value:
+            return _msgpack_decoder.decode(data)
+        if ctype == ContentType.JSON.value:
+            return _json_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable {ctype} payload: {exc}") from exc
+    raise ProtocolError(f"unsupported content type {content_type!r}; expected one of {[c.value for c in ContentType]}")
+
+
+def encode_error(code: ErrorCode, message: str, request_id: str = "") -> bytes:
+    return _json_encoder.encode(ErrorBody(code=code.value, message=message, request_id=request_id))
+
+
+def decode_error(data: bytes) -> ErrorBody:
+    try:
+        return _error_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ErrorBody(code=ErrorCode.INTERNAL.value, message=data[:200].decode("utf-8", "replace"))
+
+
+def deadline_from_headers(headers: Mapping[str, str] | None) -> float | None:
+    """The request's deadline as Unix seconds, or None. Raises :class:`ProtocolError` if malformed."""
+    if not headers or Headers.DEADLINE not in headers:
+        return None
+    raw = headers[Headers.DEADLINE]
+    try:
+        return int(raw) / 1000.0
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"header {Headers.DEADLINE}: expected integer Unix milliseconds, got {raw!r}") from exc
+
+
+def deadline_header(timeout_s: float, now: float | None = None) -> str:
+    """Header value for a deadline ``timeout_s`` seconds from now."""
+    return str(int(((time.time() if now is None else now) + timeout_s) * 1000))
+
+
+def batch_info_from_headers(headers: Mapping[str, str] | None) -> BatchInfo:
+    """Read the batch metadata a worker puts on every reply."""
+    h = headers or {}
+
+    def num(key: str, cast: Any, default: Any) -> Any:
+        try:
+            return cast(h[key])
+        except (KeyError, TypeError, ValueError):
+            return default
+
+    return BatchInfo(
+        batch_id=h.get(Headers.BATCH_ID, ""),
+        batch_size=num(Headers.BATCH_SIZE, int, 0),
+        queue_wait_ms=num(Headers.QUEUE_WAIT_MS, float, 0.0),
+        model_loaded=h.get(Headers.MODEL_LOADED, "false").lower() == "true",
+        model=h.get(Headers.MODEL, ""),
+        worker=h.get(Headers.WORKER, ""),
+        trace_id=h.get(Headers.TRACE_ID, ""),
+    )

@@ -1,0 +1,55 @@
+"""Producer-side tracing and metrics, on the OpenTelemetry API only.
+
+Everything here is a no-op unless the application installs an OpenTelemetry SDK: the SDK package
+depends on ``opentelemetry-api`` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, MutableMapping
+
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+__all__ = ["end_producer_span", "record_error", "start_producer_span"]
+
+_INSTRUMENTATION = "jetbatch.sdk"
+_tracer = trace.get_tracer(_INSTRUMENTATION)
+_meter = metrics.get_meter(_INSTRUMENTATION)
+_latency = _meter.create_histogram(
+    "jetbatch.client.request.duration", unit="s", description="End-to-end latency seen by the producer"
+)
+
+
+def start_producer_span(
+    subject: str, request_id: str, model: str | None, headers: MutableMapping[str, str], body_size: int
+) -> Span:
+    """Start the PRODUCER span of one request and inject its context into ``headers``."""
+    tracer = trace.get_tracer(_INSTRUMENTATION)
+    span = tracer.start_span(
+        f"{subject} publish",
+        kind=SpanKind.PRODUCER,
+        attributes={
+            "messaging.system": "nats",
+            "messaging.operation.type": "publish",
+            "messaging.destination.name": subject,
+            "messaging.message.id": request_id,
+            "messaging.message.body.size": body_size,
+            "jetbatch.model": model or "",
+        },
+    )
+    propagate.inject(headers, context=trace.set_span_in_context(span))
+    return span
+
+
+def record_error(span: Span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, str(exc)))
+
+
+def end_producer_span(span: Span | None, model: str | None, status: str, latency_s: float) -> None:
+    if span is not None:
+        span.set_attribute("jetbatch.status", status)
+        span.end()
+    attrs: dict[str, Any] = {"jetbatch.model": model or "", "jetbatch.status": status}
+    _latency.record(latency_s, attributes=attrs)
