@@ -26,6 +26,7 @@ from .errors import (
     UnknownModel,
     error_for_code,
 )
+from .connection import connect_nats
 from .protocol import (
     DEFAULT_PREFIX,
     BatchInfo,
@@ -101,22 +102,7 @@ class Client:
     async def _open(
         cls, url: str | Sequence[str] | None, *, prefix: str, connect_timeout_s: float, **nats_options: Any
     ) -> "Client":
-        import os
-
-        servers = url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
-        servers_list = [servers] if isinstance(servers, str) else list(servers)
-        options: dict[str, Any] = {
-            "connect_timeout": connect_timeout_s,
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.5,
-            "allow_reconnect": True,
-            "error_cb": _quiet_error_cb,
-        }
-        options.update(nats_options)
-        try:
-            nc = await nats.connect(servers=servers_list, **options)
-        except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
-            raise ConnectionFailed(f"cannot connect to NATS at {', '.join(servers_list)}: {exc or type(exc).__name__}") from exc
+        nc = await connect_nats(url, connect_timeout_s=connect_timeout_s, **nats_options)
         client = cls(nc, prefix=prefix, owns_connection=True)
         await client._start()
         return client
@@ -362,10 +348,4 @@ class _Connecting:
     async def __aexit__(self, *exc: object) -> None:
         if self._client is not None:
             await self._client.close()
-
-
-async def _quiet_error_cb(exc: Exception) -> None:
-    # nats-py logs every reconnect attempt as an error by default; the client surfaces failures
-    # as typed errors on the calls that need the connection instead.
-    return None
 

@@ -302,12 +302,14 @@ _error_decoder = msgspec.json.Decoder(ErrorBody)
 def encode_payload(obj: Any, content_type: ContentType | str | None = None) -> tuple[bytes, ContentType]:
     """Encode a request or result body and pick its content type.
 
-    ``bytes`` are sent raw, a :class:`Tensor` (or torch tensor, or numpy array) as the tensor
+    ``bytes`` are sent as they are (labelled ``content_type``, default octet-stream: a body the
+    caller encoded itself), a :class:`Tensor` (or torch tensor, or numpy array) as the tensor
     encoding, anything else as msgpack unless ``content_type`` asks for JSON.
     """
     ctype = ContentType(content_type) if content_type is not None else None
-    if isinstance(obj, (bytes, bytearray, memoryview)) and ctype in (None, ContentType.BYTES):
-        return bytes(obj), ContentType.BYTES
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        # Bytes with an explicit content type are a body the caller already encoded.
+        return bytes(obj), ctype or ContentType.BYTES
     tensor = _as_tensor(obj)
     if tensor is not None and ctype in (None, ContentType.TENSOR):
         return _msgpack_encoder.encode(tensor), ContentType.TENSOR

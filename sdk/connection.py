@@ -1,0 +1,58 @@
+"""Opening a NATS connection with jetbatch's defaults, shared by the SDK and the sidecars."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Sequence
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+
+from .errors import ConnectionFailed
+
+__all__ = ["DEFAULT_URL", "connect_nats"]
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+async def connect_nats(
+    url: str | Sequence[str] | None = None, *, connect_timeout_s: float = 2.0, **nats_options: Any
+) -> NATS:
+    """Connect to NATS, failing fast with :class:`ConnectionFailed` if no server answers, and
+    reconnecting forever afterwards (a server restart must not kill a long-running producer).
+
+    ``url`` defaults to ``$NATS_URL`` or ``nats://127.0.0.1:4222``; a comma-separated string names
+    several servers of a cluster. Other keyword arguments go to ``nats.connect``.
+    """
+    servers = url or os.environ.get("NATS_URL") or DEFAULT_URL
+    if isinstance(servers, str):
+        servers_list = [s.strip() for s in servers.split(",") if s.strip()]
+    else:
+        servers_list = list(servers)
+    options: dict[str, Any] = {
+        "connect_timeout": connect_timeout_s,
+        # nats-py retries the *initial* connect forever when this is -1: try a couple of times,
+        # then switch to reconnecting forever once connected (below).
+        "max_reconnect_attempts": 2,
+        "reconnect_time_wait": 0.5,
+        "allow_reconnect": True,
+        "error_cb": _quiet_error_cb,
+    }
+    options.update(nats_options)
+    try:
+        nc = await nats.connect(servers=servers_list, **options)
+    except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        raise ConnectionFailed(
+            f"cannot connect to NATS at {', '.join(servers_list)}: {exc or type(exc).__name__}"
+        ) from exc
+    if "max_reconnect_attempts" not in nats_options:
+        nc.options["max_reconnect_attempts"] = -1
+    return nc
+
+
+async def _quiet_error_cb(exc: Exception) -> None:
+    # nats-py reports every failed reconnect attempt here; callers see failures as typed errors
+    # on the calls that need the connection instead.
+    return None

@@ -1,0 +1,268 @@
+"""Sidecar configuration: msgspec Structs decoded from TOML, overridable by environment variables.
+
+All defaults live in the Structs below. One file format serves every role: a worker reads
+``[models.*]``, a classifier reads ``[classifier]``, ``jetbatch up`` reads both.
+
+Environment overrides: ``JETBATCH_<SECTION>__<KEY>=value`` (double underscore between levels, the
+way the ``dynamic-batcher`` package reads ``DYNAMIC_BATCHER__BATCH_SIZE``), e.g.
+``JETBATCH_WORKER__POLICY=fifo`` or ``JETBATCH_MODELS__m1__MAX_BATCH_SIZE=32`` (section and key
+names are case-insensitive; model names keep their case). ``NATS_URL`` sets ``nats.url``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping
+
+import msgspec
+from msgspec import Meta
+
+from sdk.protocol import DEFAULT_PREFIX, ProtocolError, Subjects, validate_model_name
+
+__all__ = [
+    "ClassifierConfig",
+    "Config",
+    "ConfigError",
+    "ModelConfig",
+    "NatsConfig",
+    "StreamsConfig",
+    "TelemetryConfig",
+    "WorkerConfig",
+    "load_config",
+    "parse_config",
+]
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+MiB = 1024 * 1024
+
+
+class ConfigError(Exception):
+    """A configuration file or environment variable is invalid. ``str()`` is one line for the CLI."""
+
+
+class _Base(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class NatsConfig(_Base):
+    """How to reach NATS. ``url`` None means: ``$NATS_URL``, else an embedded server (up/demo)."""
+
+    url: str | None = None
+    prefix: str = DEFAULT_PREFIX
+    connect_timeout_s: PositiveFloat = 2.0
+    # Credentials: never logged or put in spans.
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    nkeys_seed_file: str | None = None
+    creds_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            Subjects(self.prefix)
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+
+
+class StreamsConfig(_Base):
+    """JetStream stream and consumer limits (see docs/protocol.md)."""
+
+    replicas: Annotated[int, Meta(ge=1, le=5)] = 1
+    max_msg_size: PositiveInt = 8 * MiB
+    max_msgs: PositiveInt = 1_000_000
+    max_bytes: PositiveInt = 1024 * MiB
+    duplicate_window_s: PositiveFloat = 120.0
+    ack_wait_s: PositiveFloat = 30.0
+    max_deliver: PositiveInt = 5
+    max_ack_pending: PositiveInt = 1024
+    dlq_max_age_s: PositiveFloat = 7 * 24 * 3600.0
+
+
+class ModelConfig(_Base):
+    """One model served by a worker."""
+
+    handler: str  # "torchscript", "sleep", "identity", or "package.module:Class"
+    path: str | None = None
+    max_batch_size: PositiveInt = 16
+    max_delay_ms: NonNegFloat = 5.0  # batching window, counted from the first request of the batch
+    max_concurrent_batches: PositiveInt = 1
+    memory_bytes: Annotated[int, Meta(ge=0)] | None = None  # estimate until measured after load
+    load_cost_s: NonNegFloat = 1.0  # estimate until measured
+    batch_cost_s: NonNegFloat = 0.005  # fixed seconds per batch, estimate until measured
+    item_cost_s: NonNegFloat = 0.0005  # seconds per item, estimate until measured
+    max_wait_ms: PositiveFloat = 2000.0  # bounded-waiting target for the scheduler
+    options: dict[str, Any] = {}  # handler-specific settings
+
+
+class WorkerConfig(_Base):
+    id: str | None = None  # defaults to hostname-pid
+    device: str = "auto"  # "auto" (CUDA if available, else CPU), "cpu", "cuda", "cuda:1", ...
+    policy: str = "cost-aware"
+    policy_options: dict[str, Any] = {}
+    max_resident_models: Annotated[int, Meta(ge=1)] | None = 1
+    memory_budget_bytes: Annotated[int, Meta(ge=1)] | None = None
+    poll_interval_ms: Annotated[float, Meta(ge=10)] = 250.0  # bounds JetStream info calls when idle
+    prefetch_weights: bool = True  # read the next model's weights from disk while the current one runs
+    drain_timeout_s: PositiveFloat = 20.0
+    coordinate: bool = True  # advertise residency in the cluster KV bucket and respect other workers
+
+
+class ClassifierConfig(_Base):
+    """The classifier sidecar: pulls ``<prefix>.in`` and republishes to ``<prefix>.model.<name>``."""
+
+    router: Literal["torch", "rules", "callable"] = "rules"
+    max_batch_size: PositiveInt = 64
+    max_delay_ms: NonNegFloat = 5.0
+    # torch router
+    handler: str = "torchscript"  # "torchscript" or "package.module:Class"
+    path: str | None = None
+    labels: dict[str, str] = {}  # class index (as a string) or label -> model name
+    confidence_threshold: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    fallback_model: str | None = None
+    device: str = "cpu"
+    # rules router: first match wins; each rule is {header = "...", equals = "..."} or
+    # {field = "a.b", equals = ...} plus model = "..."
+    rules: list[dict[str, Any]] = []
+    default_model: str | None = None
+    # callable router
+    callable: str | None = None  # "package.module:function"
+    options: dict[str, Any] = {}
+
+
+class TelemetryConfig(_Base):
+    console: bool = False  # print spans to stdout (debugging); exporters otherwise come from OTEL_*
+
+
+class Config(_Base):
+    nats: NatsConfig = NatsConfig()
+    streams: StreamsConfig = StreamsConfig()
+    worker: WorkerConfig = WorkerConfig()
+    models: dict[str, ModelConfig] = {}
+    classifier: ClassifierConfig | None = None
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    def __post_init__(self) -> None:
+        for name in self.models:
+            try:
+                validate_model_name(name)
+            except ProtocolError as exc:
+                raise ValueError(f"models: {exc}") from None
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.nats.prefix)
+
+
+def _set_path(raw: dict[str, Any], path: list[str], value: str) -> None:
+    node = raw
+    for key in path[:-1]:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = {}
+            node[key] = child
+        node = child
+    node[path[-1]] = value
+
+
+def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> list[str]:
+    applied = []
+    for var, value in sorted(environ.items()):
+        if not var.startswith("JETBATCH_") or "__" not in var:
+            continue
+        parts = var[len("JETBATCH_") :].split("__")
+        path = [p.lower() for p in parts]
+        if path[0] == "models" and len(path) > 1:
+            path[1] = parts[1]  # model names are case-sensitive
+        _set_path(raw, path, value)
+        applied.append(var)
+    if environ.get("NATS_URL") and not environ.get("JETBATCH_NATS__URL"):
+        raw.setdefault("nats", {})
+        if isinstance(raw["nats"], dict):
+            raw["nats"].setdefault("url", environ["NATS_URL"])
+    return applied
+
+
+def parse_config(
+    text: str | None, *, source: str = "<config>", environ: Mapping[str, str] | None = None
+) -> Config:
+    """Decode a TOML document (or none) plus environment overrides into a :class:`Config`.
+
+    Raises :class:`ConfigError` with a one-line message naming ``source``, the key and the problem.
+    """
+    try:
+        raw: dict[str, Any] = tomllib.loads(text) if text else {}
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    env_vars = _env_overrides(raw, os.environ if environ is None else environ)
+    try:
+        # strict=False: environment values arrive as strings ("32", "true") and must coerce.
+        return msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        where = f"{source} (or environment {', '.join(env_vars)})" if env_vars else source
+        raise ConfigError(f"{where}: {_describe(_name_dict_keys(exc, raw))}") from None
+
+
+def _name_dict_keys(exc: msgspec.ValidationError, raw: dict[str, Any]) -> str:
+    """msgspec reports dict entries as ``models[...]``: find the entry so the message names it."""
+    message = str(exc)
+    models = raw.get("models")
+    if "$.models[...]" in message and isinstance(models, dict):
+        for name, value in models.items():
+            try:
+                msgspec.convert(value, ModelConfig, strict=False)
+            except msgspec.ValidationError as inner:
+                inner_msg = str(inner).replace("`$", f"`$.models.{name}", 1)
+                if "`$" not in str(inner):
+                    inner_msg = f"{inner} - at `$.models.{name}`"
+                return inner_msg
+    return message
+
+
+def _describe(message: str) -> str:
+    # msgspec says "Expected `int`, got `str` - at `$.models.m1.max_batch_size`": put the key first.
+    if " - at `$." in message:
+        problem, _, path = message.rpartition(" - at `$.")
+        return f"{path.rstrip('`')}: {problem}"
+    if message.startswith("Object contains unknown field"):
+        field, _, path = message.partition(" - at `$")
+        path = path.strip("`").lstrip(".")
+        return f"{path + ': ' if path else ''}{field.replace('Object contains unknown field', 'unknown key')}"
+    if message.startswith("Object missing required field"):
+        field, _, path = message.partition(" - at `$")
+        path = path.strip("`").lstrip(".")
+        return f"{path + ': ' if path else ''}{field.replace('Object missing required field', 'missing required key')}"
+    return message
+
+
+def load_config(path: str | os.PathLike[str] | None, *, environ: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a TOML config file (None: defaults and environment only)."""
+    if path is None:
+        return parse_config(None, source="environment", environ=environ)
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot read: {exc}") from None
+    config = parse_config(text, source=str(p), environ=environ)
+    return _resolve_paths(config, p.parent)
+
+
+def _resolve_paths(config: Config, base: Path) -> Config:
+    """Model and classifier paths are relative to the config file, like most TOML tools do."""
+    models = {
+        name: msgspec.structs.replace(m, path=str((base / m.path).resolve())) if m.path else m
+        for name, m in config.models.items()
+    }
+    classifier = config.classifier
+    if classifier is not None and classifier.path:
+        classifier = msgspec.structs.replace(classifier, path=str((base / classifier.path).resolve()))
+    return msgspec.structs.replace(config, models=models, classifier=classifier)

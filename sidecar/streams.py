@@ -1,0 +1,234 @@
+"""Every JetStream stream and consumer jetbatch uses, with their configs, in one place.
+
+Streams are created idempotently at startup: created when missing, updated when they differ from
+the configuration (logged), and a clear :class:`StreamSetupError` when the server refuses the
+change (for example a retention change, which JetStream forbids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Iterable
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from sdk.protocol import Subjects
+
+from .config import StreamsConfig
+
+__all__ = [
+    "StreamSetupError",
+    "classifier_consumer_config",
+    "classifier_consumer_name",
+    "dead_letter_stream_config",
+    "ensure_classifier_streams",
+    "ensure_model_consumer",
+    "ensure_streams",
+    "ingress_stream_config",
+    "model_consumer_config",
+    "model_consumer_name",
+    "models_stream_config",
+]
+
+log = logging.getLogger("jetbatch.streams")
+
+
+class StreamSetupError(Exception):
+    """A stream or consumer could not be created or brought in line with the configuration."""
+
+
+def ingress_stream_config(subjects: Subjects, cfg: StreamsConfig) -> StreamConfig:
+    """``<prefix>.in``: requests waiting for the classifier."""
+    return _work_queue(subjects.ingress_stream, [subjects.ingress], cfg, "jetbatch requests to classify")
+
+
+def models_stream_config(subjects: Subjects, cfg: StreamsConfig, models: Iterable[str]) -> StreamConfig:
+    """One stream holding every per-model queue ``<prefix>.model.<name>``.
+
+    Its subjects list names each served model explicitly (not a wildcard), so a publish to a model
+    nobody serves is refused by the server and the producer gets ``UnknownModel`` at once.
+    """
+    subjects_list = sorted({subjects.model(m) for m in models})
+    return _work_queue(subjects.models_stream, subjects_list, cfg, "jetbatch per-model queues")
+
+
+def dead_letter_stream_config(subjects: Subjects, cfg: StreamsConfig) -> StreamConfig:
+    """``<prefix>.dlq.<stage>``: requests that could not be served, with their reason in headers."""
+    return StreamConfig(
+        name=subjects.dead_letter_stream,
+        description="jetbatch dead letters",
+        subjects=[subjects.dead_letter_wildcard],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,  # a full dead-letter stream drops its oldest entries, never blocks serving
+        max_msgs=cfg.max_msgs,
+        max_bytes=cfg.max_bytes,
+        max_age=cfg.dlq_max_age_s,
+        max_msg_size=cfg.max_msg_size + 64 * 1024,  # room for the reason headers
+        num_replicas=cfg.replicas,
+        duplicate_window=cfg.duplicate_window_s,
+    )
+
+
+def _work_queue(name: str, subjects_list: list[str], cfg: StreamsConfig, description: str) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        description=description,
+        subjects=subjects_list,
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        # A full queue refuses new messages: the producer gets Overloaded instead of a silent drop.
+        discard=DiscardPolicy.NEW,
+        max_msgs=cfg.max_msgs,
+        max_bytes=cfg.max_bytes,
+        max_msg_size=cfg.max_msg_size,
+        duplicate_window=cfg.duplicate_window_s,
+        num_replicas=cfg.replicas,
+    )
+
+
+def model_consumer_name(model: str) -> str:
+    return f"model-{model}"
+
+
+def classifier_consumer_name() -> str:
+    return "classifier"
+
+
+def model_consumer_config(subjects: Subjects, cfg: StreamsConfig, model: str) -> ConsumerConfig:
+    """The durable pull consumer every worker shares for one model's queue."""
+    return ConsumerConfig(
+        durable_name=model_consumer_name(model),
+        description=f"jetbatch workers for model {model}",
+        filter_subject=subjects.model(model),
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=cfg.ack_wait_s,
+        max_deliver=cfg.max_deliver,
+        max_ack_pending=cfg.max_ack_pending,
+        max_waiting=512,
+        num_replicas=0,  # inherit the stream's replicas
+    )
+
+
+def classifier_consumer_config(subjects: Subjects, cfg: StreamsConfig) -> ConsumerConfig:
+    """The durable pull consumer classifier replicas share on ``<prefix>.in``."""
+    return ConsumerConfig(
+        durable_name=classifier_consumer_name(),
+        description="jetbatch classifiers",
+        filter_subject=subjects.ingress,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=cfg.ack_wait_s,
+        max_deliver=cfg.max_deliver,
+        max_ack_pending=cfg.max_ack_pending,
+        max_waiting=512,
+        num_replicas=0,
+    )
+
+
+_COMPARED = (
+    "retention", "storage", "discard", "max_msgs", "max_bytes", "max_msg_size",
+    "duplicate_window", "num_replicas", "max_age",
+)  # fmt: skip
+
+
+async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_subjects: bool) -> None:
+    """Create ``wanted`` or update the existing stream to match it.
+
+    With ``merge_subjects`` the existing subjects are kept and the wanted ones added: several
+    workers serving different model sets share the models stream.
+    """
+    assert wanted.name is not None
+    for _attempt in range(5):
+        try:
+            info = await js.stream_info(wanted.name)
+        except nats.js.errors.NotFoundError:
+            try:
+                await js.add_stream(wanted)
+                log.info("created stream %s", wanted.name)
+                return
+            except nats.js.errors.BadRequestError as exc:
+                if exc.err_code == 10058:  # created concurrently by another sidecar: compare again
+                    continue
+                raise StreamSetupError(f"cannot create stream {wanted.name}: {exc.description}") from exc
+        current = info.config
+        subjects = list(wanted.subjects or [])
+        if merge_subjects:
+            subjects = sorted(set(current.subjects or []) | set(subjects))
+        diffs = [
+            f"{key} {getattr(current, key)!r} -> {getattr(wanted, key)!r}"
+            for key in _COMPARED
+            if getattr(wanted, key) is not None and _norm(getattr(current, key)) != _norm(getattr(wanted, key))
+        ]
+        if sorted(current.subjects or []) != subjects:
+            diffs.append(f"subjects -> {subjects}")
+        if not diffs:
+            return
+        updated = StreamConfig.from_response({**current.as_dict(), **wanted.as_dict(), "subjects": subjects})
+        try:
+            await js.update_stream(updated)
+        except nats.js.errors.APIError as exc:
+            raise StreamSetupError(
+                f"stream {wanted.name} differs from the configuration ({'; '.join(diffs)}) and the server "
+                f"refused the update: {exc.description}. Delete the stream or fix the configuration."
+            ) from exc
+        log.info("updated stream %s: %s", wanted.name, "; ".join(diffs))
+        if not merge_subjects:
+            return
+    raise StreamSetupError(f"stream {wanted.name} kept changing while it was being set up")
+
+
+def _norm(value: object) -> object:
+    if hasattr(value, "value"):
+        return getattr(value, "value")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+async def ensure_streams(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, models: Iterable[str]) -> None:
+    """Create or update the models and dead-letter streams for a worker serving ``models``."""
+    models = list(models)
+    try:
+        await _ensure_stream(js, models_stream_config(subjects, cfg, models), merge_subjects=True)
+        await _ensure_stream(js, dead_letter_stream_config(subjects, cfg), merge_subjects=False)
+    except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+        raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?") from exc
+
+
+async def ensure_classifier_streams(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig) -> None:
+    """Create or update the ingress and dead-letter streams and the classifier consumer."""
+    try:
+        await _ensure_stream(js, ingress_stream_config(subjects, cfg), merge_subjects=False)
+        await _ensure_stream(js, dead_letter_stream_config(subjects, cfg), merge_subjects=False)
+        await _ensure_consumer(js, subjects.ingress_stream, classifier_consumer_config(subjects, cfg))
+    except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+        raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?") from exc
+
+
+async def ensure_model_consumer(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, model: str) -> None:
+    """Create or update the shared durable consumer for ``model``."""
+    await _ensure_consumer(js, subjects.models_stream, model_consumer_config(subjects, cfg, model))
+
+
+async def _ensure_consumer(js: JetStreamContext, stream: str, wanted: ConsumerConfig) -> None:
+    try:
+        # add_consumer on an existing durable with a compatible config updates it in place.
+        await js.add_consumer(stream, wanted)
+    except nats.js.errors.APIError as exc:
+        raise StreamSetupError(
+            f"cannot create or update consumer {wanted.durable_name} on {stream}: {exc.description}"
+        ) from exc

@@ -1,0 +1,54 @@
+"""Connecting a sidecar to NATS with the credentials and TLS settings of its configuration."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from sdk.connection import connect_nats
+
+from .config import ConfigError, NatsConfig
+
+__all__ = ["connect", "connect_options"]
+
+
+def connect_options(cfg: NatsConfig) -> dict[str, Any]:
+    """nats-py keyword arguments for ``cfg``'s credentials and TLS (secrets are never logged)."""
+    options: dict[str, Any] = {}
+    if cfg.user is not None:
+        options["user"] = cfg.user
+        options["password"] = cfg.password or ""
+    if cfg.token is not None:
+        options["token"] = cfg.token
+    if cfg.nkeys_seed_file is not None:
+        _must_exist(cfg.nkeys_seed_file, "nats.nkeys_seed_file")
+        options["nkeys_seed"] = cfg.nkeys_seed_file
+    if cfg.creds_file is not None:
+        _must_exist(cfg.creds_file, "nats.creds_file")
+        options["user_credentials"] = cfg.creds_file
+    if cfg.tls_ca_file or cfg.tls_cert_file:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        if cfg.tls_ca_file:
+            _must_exist(cfg.tls_ca_file, "nats.tls_ca_file")
+            ctx.load_verify_locations(cfg.tls_ca_file)
+        if cfg.tls_cert_file:
+            _must_exist(cfg.tls_cert_file, "nats.tls_cert_file")
+            if not cfg.tls_key_file:
+                raise ConfigError("nats.tls_key_file: required with nats.tls_cert_file")
+            _must_exist(cfg.tls_key_file, "nats.tls_key_file")
+            ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+        options["tls"] = ctx
+    return options
+
+
+def _must_exist(path: str, key: str) -> None:
+    if not Path(path).is_file():
+        raise ConfigError(f"{key}: file {path} not found")
+
+
+async def connect(cfg: NatsConfig, url: str | None = None, *, name: str = "jetbatch") -> NATS:
+    """Open a connection for a sidecar; raises sdk.ConnectionFailed when no server answers."""
+    return await connect_nats(url or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, **connect_options(cfg))

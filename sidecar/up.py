@@ -1,0 +1,218 @@
+"""``jetbatch up``: the sidecars of one config in one process tree, with an embedded NATS server
+when no URL is given. :class:`Deployment` is also what the demo, the benchmarks and the tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Sequence
+
+from .config import load_config
+from .natsserver import EmbeddedNats
+
+__all__ = ["Deployment", "run_up"]
+
+
+class Deployment:
+    """A NATS server (embedded unless ``nats_url`` is given), a worker process per config, and a
+    classifier process when the config has a ``[classifier]`` section and ``classifier`` is True."""
+
+    def __init__(
+        self,
+        config_path: str | os.PathLike[str],
+        *,
+        nats_url: str | None = None,
+        classifier: bool = True,
+        workers: int = 1,
+        store_dir: str | os.PathLike[str] | None = None,
+        log_level: str = "WARNING",
+        extra_env: dict[str, str] | None = None,
+        worker_config_paths: Sequence[str | os.PathLike[str]] | None = None,
+        capture_output: bool = True,
+    ) -> None:
+        self.config_path = Path(config_path)
+        self.config = load_config(self.config_path)
+        self.nats_url = nats_url or self.config.nats.url
+        self.with_classifier = classifier and self.config.classifier is not None
+        self.workers = workers
+        self.worker_config_paths = [Path(p) for p in worker_config_paths] if worker_config_paths else None
+        self.store_dir = store_dir
+        self.log_level = log_level
+        self.extra_env = extra_env or {}
+        self.capture_output = capture_output
+        self.server: EmbeddedNats | None = None
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: dict[str, Path] = {}
+        self._log_dir = Path(tempfile.mkdtemp(prefix="jetbatch-up-"))
+
+    @property
+    def url(self) -> str:
+        assert self.nats_url is not None, "start() first"
+        return self.nats_url
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        log_path = self._log_dir / f"{name}.log"
+        self._logs[name] = log_path
+        out = open(log_path, "wb") if self.capture_output else None
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "sidecar.cli", *args, "--nats-url", self.url, "--log-level", self.log_level],
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            env=env,
+        )
+        if out is not None:
+            out.close()
+
+    def start_worker(self, index: int) -> str:
+        name = f"worker{index}"
+        path = self.worker_config_paths[index] if self.worker_config_paths else self.config_path
+        self._spawn(name, ["worker", "--config", str(path)])
+        return name
+
+    def start_classifier(self, index: int = 0) -> str:
+        name = f"classifier{index}"
+        self._spawn(name, ["classifier", "--config", str(self.config_path)])
+        return name
+
+    def start(self, ready_timeout_s: float = 60.0) -> "Deployment":
+        if self.nats_url is None:
+            self.server = EmbeddedNats(store_dir=self.store_dir).start()
+            self.nats_url = self.server.url
+        try:
+            for i in range(self.workers):
+                self.start_worker(i)
+            if self.with_classifier:
+                self.start_classifier()
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until every stream the sidecars create exists (requests can be published), or a child
+        dies (its log tail is raised)."""
+        asyncio.run(self._wait_ready(timeout_s))
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        from sdk.connection import connect_nats
+
+        from .status import collect_status
+
+        want_workers = len(self.worker_config_paths or []) or self.workers
+        deadline = time.monotonic() + timeout_s
+        nc = await connect_nats(self.url)
+        try:
+            while True:
+                self._check_children()
+                reports = await collect_status(nc, self.config.subjects, wait_s=0.2)
+                workers = sum(1 for r in reports if r.role == "worker")
+                classifiers = sum(1 for r in reports if r.role == "classifier")
+                if workers >= want_workers and classifiers >= (1 if self.with_classifier else 0):
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"sidecars not ready after {timeout_s:.0f}s ({workers} workers, {classifiers} classifiers answered)\n"
+                        + self.logs_tail()
+                    )
+        finally:
+            await nc.close()
+
+    def _check_children(self) -> None:
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise RuntimeError(f"{name} exited with status {code}\n{self.logs_tail(name)}")
+
+    def logs_tail(self, name: str | None = None, lines: int = 20) -> str:
+        parts = []
+        for n, path in self._logs.items():
+            if name is not None and n != name:
+                continue
+            try:
+                text = path.read_text(errors="replace").splitlines()[-lines:]
+            except OSError:
+                continue
+            parts.append(f"--- {n} ---\n" + "\n".join(text))
+        return "\n".join(parts)
+
+    def stop_process(self, name: str, *, kill: bool = False, timeout_s: float = 30.0) -> int | None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        if kill:
+            proc.kill()
+        else:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name in list(self.procs):
+            self.stop_process(name)
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def __enter__(self) -> "Deployment":
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Run until Ctrl-C or SIGTERM, then stop the children and the embedded server."""
+    config_path = args.config
+    if config_path is None:
+        from .example_models import build_examples
+
+        config_path = str(build_examples(Path(os.environ.get("JETBATCH_HOME", ".jetbatch")) / "examples").up_toml)
+    dep = Deployment(
+        config_path,
+        nats_url=args.nats_url,
+        classifier=not args.no_classifier,
+        store_dir=Path(os.environ.get("JETBATCH_HOME", ".jetbatch")) / "nats",
+        log_level=args.log_level,
+        capture_output=False,
+    )
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    dep.start()
+    print(f"jetbatch up: NATS at {dep.url}; sidecars: {', '.join(dep.procs)}. Ctrl-C to stop.", flush=True)
+    try:
+        while not stop["now"]:
+            for name, proc in list(dep.procs.items()):
+                if proc.poll() is not None:
+                    print(f"jetbatch up: {name} exited with status {proc.returncode}", file=sys.stderr)
+                    stop["now"] = True
+            time.sleep(0.2)
+    finally:
+        dep.stop()
+    return 0

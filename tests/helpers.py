@@ -1,0 +1,74 @@
+"""Test helpers: configs and an in-process worker running inside the test's event loop."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import anyio
+import msgspec
+
+from sidecar.config import Config, parse_config
+from sidecar.transport import connect
+from sidecar.worker import BatchReport, Worker
+
+
+from sidecar import scheduler as _sched
+
+# Until every policy exists, tests use the default when it is available.
+try:
+    _sched.make_policy("cost-aware")
+    _DEFAULT_TEST_POLICY = "cost-aware"
+except ValueError:
+    _DEFAULT_TEST_POLICY = "longest-backlog"
+
+
+def make_config(prefix: str, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> Config:
+    """A Config from plain dicts (as a TOML file would give), under a test-unique prefix."""
+    raw: dict[str, Any] = {"nats": {"prefix": prefix}, "models": models}
+    for key, value in sections.items():
+        raw.setdefault(key, {}).update(value)
+    raw.setdefault("worker", {}).setdefault("poll_interval_ms", 50)
+    raw["worker"].setdefault("policy", _DEFAULT_TEST_POLICY)
+    return msgspec.convert(raw, Config)
+
+
+def sleep_model(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"handler": "sleep", "max_batch_size": 8, "max_delay_ms": 20, "options": {"load_s": 0.0, "batch_s": 0.001, "item_s": 0.0}}
+    base.update(overrides)
+    return base
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    config: Config, url: str, *, on_batch: Callable[[BatchReport], None] | None = None, **kw: Any
+) -> AsyncIterator[Worker]:
+    nc = await connect(config.nats, url)
+    worker = Worker(config, nc, on_batch=on_batch, **kw)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            with anyio.fail_after(20):
+                await worker.ready.wait()
+            yield worker
+            worker.stop()
+    finally:
+        await nc.close()
+
+
+async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until true, failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await anyio.sleep(0.01)
+
+
+__all__ = ["make_config", "parse_config", "running_worker", "sleep_model", "wait_until"]

@@ -1,0 +1,121 @@
+"""The worker against a real nats-server: replies, batching, errors, and that it keeps serving."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import sdk
+from sdk.protocol import ContentType, Headers
+from tests.helpers import make_config, running_worker, sleep_model
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_request_gets_reply_with_batch_metadata(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            result = await client.infer_result({"x": [1, 2, 3]}, model="m1", timeout=10)
+    assert result.output == {"x": [1, 2, 3]}
+    assert result.batch.model == "m1"
+    assert result.batch.batch_size == 1
+    assert result.batch.model_loaded is True  # the first batch paid the load
+    assert len(result.batch.batch_id) == 16
+
+
+async def test_concurrent_requests_share_batches(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model(max_batch_size=8, max_delay_ms=50)})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"warm", model="m1", timeout=10)  # load first, then measure batching
+            results = await _gather_results(client, [f"r{i}".encode() for i in range(24)], "m1")
+    assert [r.output for r in results] == [f"r{i}".encode() for i in range(24)]
+    batch_ids = {r.batch.batch_id for r in results}
+    assert len(batch_ids) < 24
+    for bid in batch_ids:
+        members = [r for r in results if r.batch.batch_id == bid]
+        assert members[0].batch.batch_size == len(members) <= 8
+
+
+async def _gather_results(client: sdk.Client, payloads: list[bytes], model: str) -> list[sdk.Result]:
+    import asyncio
+
+    return await asyncio.gather(*(client.infer_result(p, model=model, timeout=20) for p in payloads))
+
+
+async def test_lone_request_waits_about_max_delay(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=200, max_batch_size=8)})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"warm", model="m1", timeout=10)
+            started = time.monotonic()
+            result = await client.infer_result(b"alone", model="m1", timeout=10)
+            elapsed = time.monotonic() - started
+    assert result.batch.batch_size == 1
+    # The batch window held it for about max_delay (200 ms); generous bounds on a shared machine.
+    assert 0.15 <= elapsed < 2.0
+
+
+async def test_garbled_payload_is_bad_request_and_worker_keeps_serving(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            with pytest.raises(sdk.BadRequest) as info:
+                await client.infer(b"\xc1\xff\x00garbage", model="m1", timeout=10, content_type=ContentType.MSGPACK)
+            assert info.value.code == "bad_request"
+            assert "msgpack" in info.value.message
+            assert await client.infer([1, 2], model="m1", timeout=10) == [1, 2]
+
+
+async def test_bad_tensor_gets_bad_request_rest_of_batch_served(nats_url: str, prefix: str) -> None:
+    import asyncio
+
+    import msgspec
+
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=100)})
+    bad = msgspec.msgpack.encode({"dtype": "float32", "shape": [4], "data": b"\x00" * 3})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"warm", model="m1", timeout=10)
+            good = [client.infer_result(f"ok{i}".encode(), model="m1", timeout=10) for i in range(3)]
+            broken = client.infer(bad, model="m1", timeout=10, content_type=ContentType.TENSOR)
+            outcome = await asyncio.gather(*good, broken, return_exceptions=True)
+    assert [r.output for r in outcome[:3]] == [b"ok0", b"ok1", b"ok2"]
+    assert isinstance(outcome[3], sdk.BadRequest)
+    assert "do not match shape" in str(outcome[3])
+
+
+async def test_unknown_model_is_typed_error(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            with pytest.raises(sdk.UnknownModel):
+                await client.infer(b"x", model="nosuchmodel", timeout=5)
+            with pytest.raises(sdk.BadRequest):
+                await client.infer(b"x", model="bad.name", timeout=5)
+
+
+async def test_expired_deadline_is_not_computed(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            past = str(int((time.time() - 5) * 1000))
+            with pytest.raises(sdk.DeadlineExceeded):
+                await client.infer(b"late", model="m1", timeout=10, headers={Headers.DEADLINE: past})
+    assert worker.stats["requests"] == 1
+
+
+async def test_handler_failure_isolates_poison_request(nats_url: str, prefix: str) -> None:
+    import asyncio
+
+    model = sleep_model(max_delay_ms=100, options={"load_s": 0, "batch_s": 0, "item_s": 0, "fail_on": "poison"})
+    config = make_config(prefix, {"m1": model})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"warm", model="m1", timeout=10)
+            calls = [client.infer(p, model="m1", timeout=10) for p in (b"a", b"poison", b"b", b"c")]
+            outcome = await asyncio.gather(*calls, return_exceptions=True)
+    assert outcome[0] == b"a" and outcome[2] == b"b" and outcome[3] == b"c"
+    assert isinstance(outcome[1], sdk.ModelFailed)
