@@ -252,7 +252,12 @@ class Tensor(msgspec.Struct, frozen=True):
         dtype = getattr(torch, self.dtype)
         if len(self.data) == 0:
             return torch.empty(self.shape, dtype=dtype)
-        flat = torch.frombuffer(self.data, dtype=dtype)
+        import warnings
+
+        with warnings.catch_warnings():
+            # Read-only by design: the tensor views the received message without copying.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(self.data, dtype=dtype)
         if sys.byteorder != "little":  # pragma: no cover - wire order is little-endian
             flat = flat.byteswap()
         return flat.reshape(self.shape)

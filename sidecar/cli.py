@@ -37,8 +37,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .handlers import HandlerError
     from .natsserver import NatsServerNotFound
     from .streams import StreamSetupError
+    from .up import DeploymentError
 
-    return (CliError, ConfigError, HandlerError, NatsServerNotFound, StreamSetupError, JetbatchError)
+    return (CliError, ConfigError, HandlerError, NatsServerNotFound, StreamSetupError, JetbatchError, DeploymentError)
 
 
 # --- subcommands ------------------------------------------------------------------------------

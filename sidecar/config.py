@@ -227,18 +227,14 @@ def _name_dict_keys(exc: msgspec.ValidationError, raw: dict[str, Any]) -> str:
 
 def _describe(message: str) -> str:
     # msgspec says "Expected `int`, got `str` - at `$.models.m1.max_batch_size`": put the key first.
-    if " - at `$." in message:
-        problem, _, path = message.rpartition(" - at `$.")
-        return f"{path.rstrip('`')}: {problem}"
-    if message.startswith("Object contains unknown field"):
-        field, _, path = message.partition(" - at `$")
-        path = path.strip("`").lstrip(".")
-        return f"{path + ': ' if path else ''}{field.replace('Object contains unknown field', 'unknown key')}"
-    if message.startswith("Object missing required field"):
-        field, _, path = message.partition(" - at `$")
-        path = path.strip("`").lstrip(".")
-        return f"{path + ': ' if path else ''}{field.replace('Object missing required field', 'missing required key')}"
-    return message
+    problem, sep, path = message.rpartition(" - at `$")
+    if not sep:
+        problem, path = message, ""
+    path = path.rstrip("`").lstrip(".")
+    problem = problem.replace("Object contains unknown field", "unknown key").replace(
+        "Object missing required field", "missing required key"
+    )
+    return f"{path}: {problem}" if path else problem
 
 
 def load_config(path: str | os.PathLike[str] | None, *, environ: Mapping[str, str] | None = None) -> Config:

@@ -19,7 +19,11 @@ from typing import Sequence
 from .config import load_config
 from .natsserver import EmbeddedNats
 
-__all__ = ["Deployment", "run_up"]
+__all__ = ["Deployment", "DeploymentError", "run_up"]
+
+
+class DeploymentError(RuntimeError):
+    """A sidecar exited or did not become ready; the message ends with its log tail."""
 
 
 class Deployment:
@@ -123,7 +127,7 @@ class Deployment:
                 if workers >= want_workers and classifiers >= (1 if self.with_classifier else 0):
                     return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
+                    raise DeploymentError(
                         f"sidecars not ready after {timeout_s:.0f}s ({workers} workers, {classifiers} classifiers answered)\n"
                         + self.logs_tail()
                     )
@@ -134,7 +138,7 @@ class Deployment:
         for name, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
-                raise RuntimeError(f"{name} exited with status {code}\n{self.logs_tail(name)}")
+                raise DeploymentError(f"{name} exited with status {code}\n{self.logs_tail(name)}")
 
     def logs_tail(self, name: str | None = None, lines: int = 20) -> str:
         parts = []

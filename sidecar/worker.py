@@ -38,7 +38,7 @@ from sdk.protocol import (
 )
 
 from . import scheduler as sched
-from .config import Config, ModelConfig
+from .config import Config, ConfigError, ModelConfig
 from .handlers import BadInput, Handler, HandlerError, create_handler, resolve_device
 from .streams import ensure_model_consumer, ensure_streams, model_consumer_name
 from .status import StatusReport, serve_status
@@ -128,7 +128,10 @@ class Worker:
         self.subjects: Subjects = config.subjects
         self.worker_id = config.worker.id or f"{socket.gethostname()}-{os.getpid()}"
         self.device = resolve_device(config.worker.device)
-        self.policy: sched.Policy = sched.make_policy(config.worker.policy, **config.worker.policy_options)
+        try:
+            self.policy: sched.Policy = sched.make_policy(config.worker.policy, **config.worker.policy_options)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"worker.policy: {exc}") from None
         self.costs = _Costs()
         self.slots: dict[str, _Slot] = {}
         for name, mcfg in config.models.items():
@@ -534,10 +537,13 @@ class Worker:
     # --- loads -----------------------------------------------------------------------------
 
     async def _load(self, slot: _Slot, evict: Sequence[str], *, reason: str) -> None:
+        # Wait outside the device lock: the victims' in-flight batches need it to finish.
+        for name in evict:
+            victim = self.slots[name]
+            await self._wait_for(lambda: victim.in_flight == 0)
         async with self._device_lock:
             for name in evict:
                 victim = self.slots[name]
-                await self._wait_for(lambda: victim.in_flight == 0 or self._stopping.is_set())
                 await self._unload(victim)
                 self.stats["evictions"] += 1
                 self.telemetry.evictions.add(1, {"jetbatch.model": name})

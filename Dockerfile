@@ -1,0 +1,24 @@
+# jetbatch sidecar image (worker or classifier). CPU by default; for CUDA build with
+#   docker build --build-arg BASE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 .
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 JETBATCH_HOME=/var/lib/jetbatch
+RUN (command -v python3 >/dev/null || (apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-venv && rm -rf /var/lib/apt/lists/*)) \
+    && python3 -m venv /opt/jetbatch
+ENV PATH=/opt/jetbatch/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY sdk ./sdk
+COPY sidecar ./sidecar
+RUN pip install --no-cache-dir --index-url ${TORCH_INDEX} torch \
+    && pip install --no-cache-dir '.[sidecar]'
+# Non-root: the sidecar needs no privileges; its only state is the example models it may build.
+RUN useradd --system --uid 10001 --home /var/lib/jetbatch --create-home jetbatch
+USER jetbatch
+WORKDIR /var/lib/jetbatch
+# Healthy when this sidecar answers on the status subject (see docs/protocol.md).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD jetbatch status --wait 1 --json | grep -q '"id"' || exit 1
+ENTRYPOINT ["jetbatch"]
+CMD ["worker", "--config", "/etc/jetbatch/models.toml"]

@@ -1,0 +1,94 @@
+"""Configuration errors are one line naming the file and key, with exit status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import ConfigError, load_config, parse_config
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "sidecar.cli", *args], capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[models.m1]\nhandler = "sleep"\nmax_batch_size = "big"\n', "models.m1.max_batch_size: Expected `int`, got `str`"),
+        ('[models.m1]\nhandler = "sleep"\nmax_batch_size = 0\n', "models.m1.max_batch_size: Expected `int` >= 1"),
+        ('[models.m1]\nhandler = "sleep"\nbatch = 3\n', "models.m1: unknown key `batch`"),
+        ('[models.m1]\nmax_batch_size = 3\n', "missing required key `handler`"),
+        ('[models."a.b"]\nhandler = "sleep"\n', "invalid model name 'a.b'"),
+        ('[worker]\npoll_interval_ms = 1\n', "worker.poll_interval_ms: Expected `float` >= 10"),
+        ("[models.m1\n", "invalid TOML"),
+    ],
+)
+def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(str(path))
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_environment_overrides() -> None:
+    text = '[models.m1]\nhandler = "sleep"\n'
+    cfg = parse_config(text, environ={"JETBATCH_MODELS__m1__MAX_BATCH_SIZE": "32", "JETBATCH_WORKER__POLICY": "fifo", "NATS_URL": "nats://x:1"})
+    assert cfg.models["m1"].max_batch_size == 32
+    assert cfg.worker.policy == "fifo"
+    assert cfg.nats.url == "nats://x:1"
+    with pytest.raises(ConfigError, match="JETBATCH_MODELS__m1__MAX_BATCH_SIZE"):
+        parse_config(text, environ={"JETBATCH_MODELS__m1__MAX_BATCH_SIZE": "many"})
+
+
+def test_model_paths_are_relative_to_the_config_file(tmp_path: Path) -> None:
+    (tmp_path / "models.toml").write_text('[models.m1]\nhandler = "torchscript"\npath = "m1.pt"\n')
+    assert load_config(tmp_path / "models.toml").models["m1"].path == str(tmp_path / "m1.pt")
+
+
+def test_cli_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text('[models.m1]\nhandler = "sleep"\nmax_delay_ms = -1\n')
+    proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert str(path) in lines[0] and "models.m1.max_delay_ms" in lines[0]
+
+
+def test_cli_missing_config_file(tmp_path: Path) -> None:
+    proc = run_cli("worker", "--config", str(tmp_path / "nope.toml"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("nope.toml: file not found")
+
+
+def test_cli_unknown_policy_and_handler(tmp_path: Path, nats_url: str) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text('[worker]\npolicy = "psychic"\n[models.m1]\nhandler = "sleep"\n')
+    proc = run_cli("worker", "--config", str(path), "--nats-url", nats_url)
+    assert proc.returncode == 2 and "worker.policy" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    path.write_text('[models.m1]\nhandler = "nosuch.module:Thing"\n')
+    proc = run_cli("worker", "--config", str(path), "--nats-url", nats_url)
+    assert proc.returncode == 2 and "cannot import nosuch.module" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_server_down_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text('[models.m1]\nhandler = "sleep"\n')
+    proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "cannot connect to NATS at nats://127.0.0.1:1" in proc.stderr
+    assert "Traceback" not in proc.stderr

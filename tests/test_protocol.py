@@ -1,0 +1,137 @@
+"""The wire contract: round trips (hypothesis), validation, and typed errors for bad bodies."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdk.protocol import (
+    ContentType,
+    ErrorCode,
+    Headers,
+    ProtocolError,
+    Subjects,
+    Tensor,
+    batch_info_from_headers,
+    deadline_from_headers,
+    decode_error,
+    decode_payload,
+    encode_error,
+    encode_payload,
+    validate_model_name,
+)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(json_values)
+def test_msgpack_and_json_round_trip(value: object) -> None:
+    for ctype in (ContentType.MSGPACK, ContentType.JSON):
+        data, used = encode_payload(value, ctype)
+        assert used is ctype
+        assert decode_payload(data, used.value) == value
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.binary(max_size=256))
+def test_bytes_round_trip(value: bytes) -> None:
+    data, used = encode_payload(value)
+    assert used is ContentType.BYTES
+    assert decode_payload(data, used.value) == value
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(DTYPES), st.lists(st.integers(0, 5), min_size=0, max_size=3))
+def test_tensor_round_trip(dtype: torch.dtype, shape: list[int]) -> None:
+    source = (torch.arange(int(torch.tensor(shape).prod().item()) if shape else 1) % 7).to(dtype).reshape(shape)
+    data, used = encode_payload(source)
+    assert used is ContentType.TENSOR
+    decoded = decode_payload(data, used.value)
+    assert isinstance(decoded, Tensor)
+    back = decoded.to_torch()
+    assert back.dtype == dtype and list(back.shape) == shape
+    assert torch.equal(back, source)
+
+
+def test_tensor_decode_does_not_copy() -> None:
+    import ctypes
+
+    data, _ = encode_payload(torch.arange(1024, dtype=torch.float32))
+    decoded = decode_payload(data, ContentType.TENSOR.value)
+    assert decoded.data.obj is data  # msgspec gives a view into the received message
+    t = decoded.to_torch()
+    # torch.frombuffer wraps that memory: the tensor's first element lies inside the message bytes.
+    msg_start = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    assert msg_start <= t.data_ptr() < msg_start + len(data)
+    assert torch.equal(t, torch.arange(1024, dtype=torch.float32))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.binary(max_size=128), st.sampled_from([c.value for c in ContentType] + ["text/plain", "", "application/x-unknown"]))
+def test_random_bytes_decode_or_raise_protocol_error(data: bytes, ctype: str) -> None:
+    try:
+        decode_payload(data, ctype)
+    except ProtocolError:
+        pass  # the only acceptable failure: it becomes a bad_request reply
+
+
+def test_tensor_shape_and_length_disagree() -> None:
+    body = msgspec.msgpack.encode({"dtype": "float32", "shape": [2, 3], "data": b"\x00" * 20})
+    with pytest.raises(ProtocolError, match="do not match shape"):
+        decode_payload(body, ContentType.TENSOR.value)
+    body = msgspec.msgpack.encode({"dtype": "complex64", "shape": [1], "data": b"\x00" * 8})
+    with pytest.raises(ProtocolError, match="unsupported tensor dtype"):
+        decode_payload(body, ContentType.TENSOR.value)
+    body = msgspec.msgpack.encode({"dtype": "float32", "shape": "nope", "data": b""})
+    with pytest.raises(ProtocolError, match=r"\$\.shape"):
+        decode_payload(body, ContentType.TENSOR.value)
+
+
+@pytest.mark.parametrize("name", ["m1", "resnet-50", "A_b-9"])
+def test_valid_model_names(name: str) -> None:
+    assert validate_model_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["a.b", "a b", "*", ">", "m>", "", "x" * 65, "mé"])
+def test_invalid_model_names(name: str) -> None:
+    with pytest.raises(ProtocolError):
+        validate_model_name(name)
+
+
+def test_subjects_and_streams() -> None:
+    s = Subjects("acme.jb")
+    assert s.ingress == "acme.jb.in"
+    assert s.model("m1") == "acme.jb.model.m1"
+    assert s.model_from_subject("acme.jb.model.m1") == "m1"
+    assert s.models_stream == "ACME_JB_MODELS"
+    with pytest.raises(ProtocolError):
+        Subjects("bad prefix")
+
+
+def test_error_body_round_trip_and_garbage() -> None:
+    body = decode_error(encode_error(ErrorCode.UNKNOWN_MODEL, "no such model", "r1"))
+    assert (body.code, body.message, body.request_id) == ("unknown_model", "no such model", "r1")
+    assert decode_error(b"\xff not json").code == "internal"
+
+
+def test_deadline_header() -> None:
+    assert deadline_from_headers({Headers.DEADLINE: "1500"}) == 1.5
+    assert deadline_from_headers({}) is None
+    with pytest.raises(ProtocolError, match=Headers.DEADLINE):
+        deadline_from_headers({Headers.DEADLINE: "soon"})
+
+
+def test_batch_info_tolerates_missing_and_bad_headers() -> None:
+    info = batch_info_from_headers({Headers.BATCH_SIZE: "x", Headers.MODEL_LOADED: "TRUE", Headers.BATCH_ID: "b"})
+    assert info.batch_size == 0 and info.model_loaded is True and info.batch_id == "b"

@@ -1,0 +1,171 @@
+"""The SDK on its own: imports without torch, typed errors, blocking client, duplicate replies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import sdk
+from tests.helpers import make_config, running_worker, sleep_model
+
+NO_TORCH = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch.") or name == "sidecar" or name.startswith("sidecar."):
+                raise ImportError(f"{name} is blocked in this test")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    import sdk
+    from sdk import Client, BlockingClient, JetbatchError, Tensor
+    assert "torch" not in sys.modules and "sidecar" not in sys.modules
+    data, ctype = sdk.protocol.encode_payload({"a": 1})
+    print("ok", ctype.value)
+    """
+)
+
+
+def test_sdk_imports_and_works_without_torch() -> None:
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok application/msgpack"
+
+
+def test_public_api_matches_all() -> None:
+    exported = {name for name in dir(sdk) if not name.startswith("_")} - {
+        "blocking", "client", "connection", "errors", "protocol", "telemetry",
+    }
+    assert exported == set(sdk.__all__)
+    for name in sdk.__all__:
+        assert getattr(sdk, name) is not None
+
+
+def test_error_tree() -> None:
+    for cls in (sdk.BadRequest, sdk.UnknownModel, sdk.ModelFailed, sdk.Overloaded, sdk.RequestTimeout, sdk.ConnectionFailed):
+        assert issubclass(cls, sdk.JetbatchError)
+    assert issubclass(sdk.RequestTimeout, TimeoutError)
+    assert issubclass(sdk.PayloadTooLarge, sdk.BadRequest)
+
+
+@pytest.mark.anyio
+async def test_server_down_is_connection_failed() -> None:
+    with pytest.raises(sdk.ConnectionFailed, match="cannot connect to NATS"):
+        await sdk.Client.connect("nats://127.0.0.1:1", connect_timeout_s=0.5)
+
+
+@pytest.mark.anyio
+async def test_missing_streams_is_stream_not_found(nats_url: str, prefix: str) -> None:
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        with pytest.raises(sdk.StreamNotFound):
+            await client.infer(b"x", model="m1", timeout=5)
+        with pytest.raises(sdk.StreamNotFound):
+            await client.infer(b"x", timeout=5)
+
+
+@pytest.mark.anyio
+async def test_payload_over_max_payload(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model()}, streams={"max_msg_size": 1024})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            with pytest.raises(sdk.PayloadTooLarge):
+                await client.infer(b"x" * 4096, model="m1", timeout=5)  # over the stream's limit
+            with pytest.raises(sdk.PayloadTooLarge):
+                await client.infer(b"x" * (client.nats.max_payload + 1), model="m1", timeout=5)  # over the server's
+            assert await client.infer(b"small", model="m1", timeout=10) == b"small"
+
+
+@pytest.mark.anyio
+async def test_full_stream_is_overloaded(nats_url: str, prefix: str) -> None:
+    import anyio
+
+    config = make_config(prefix, {"m1": sleep_model()}, streams={"max_msgs": 2})
+    # Create the streams with a worker, then stop it so the queue fills up.
+    async with running_worker(config, nats_url):
+        pass
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(_ignore_timeout, client, f"fill{i}".encode())
+            await anyio.sleep(0)  # let them publish (their timeouts end the group)
+            with pytest.raises(sdk.Overloaded, match="full"):
+                await _publish_when_full(client)
+            tg.cancel_scope.cancel()
+
+
+async def _ignore_timeout(client: sdk.Client, payload: bytes) -> None:
+    try:
+        await client.infer(payload, model="m1", timeout=3)
+    except sdk.RequestTimeout:
+        pass
+
+
+async def _publish_when_full(client: sdk.Client) -> None:
+    import anyio
+
+    with anyio.fail_after(10):
+        while True:
+            info = await client.nats.jetstream().stream_info(client.subjects.models_stream)
+            if info.state.messages >= 2:
+                break
+            await anyio.sleep(0.01)
+    await client.infer(b"one too many", model="m1", timeout=3)
+
+
+def test_blocking_client(nats_url: str, prefix: str) -> None:
+    import threading
+
+    import anyio
+
+    config = make_config(prefix, {"m1": sleep_model()})
+    ready = threading.Event()
+    done = threading.Event()
+
+    async def serve() -> None:
+        async with running_worker(config, nats_url):
+            ready.set()
+            await anyio.to_thread.run_sync(done.wait)
+
+    thread = threading.Thread(target=lambda: anyio.run(serve), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        with sdk.BlockingClient.connect(nats_url, prefix=prefix) as client:
+            assert client.infer([1, 2, 3], model="m1", timeout=10) == [1, 2, 3]
+            assert client.infer_many([b"a", b"b"], model="m1", timeout=10) == [b"a", b"b"]
+            with pytest.raises(sdk.UnknownModel):
+                client.infer(b"x", model="nope", timeout=5)
+    finally:
+        done.set()
+        thread.join(30)
+
+
+@pytest.mark.anyio
+async def test_duplicate_replies_are_dropped(nats_url: str, prefix: str) -> None:
+    """A redelivered request can be answered twice; the caller sees one result, and a late
+    duplicate for a finished request is ignored."""
+    import asyncio
+
+    from sdk.protocol import Headers
+
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        nc = client.nats
+        js = nc.jetstream()
+        await js.add_stream(name=f"{prefix.upper()}_IN", subjects=[f"{prefix}.in"])
+
+        async def responder(msg) -> None:  # type: ignore[no-untyped-def]
+            reply_to = msg.headers[Headers.REPLY_TO]
+            for body in (b"first", b"second"):
+                await nc.publish(reply_to, body, headers={Headers.STATUS: "ok", Headers.CONTENT_TYPE: "application/octet-stream"})
+
+        sub = await nc.subscribe(f"{prefix}.in", cb=responder)
+        result = await client.infer(b"x", timeout=5)
+        await asyncio.sleep(0)  # let the duplicate arrive (nothing may break)
+        await nc.flush()
+        await sub.unsubscribe()
+    assert result == b"first"
