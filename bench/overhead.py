@@ -1,0 +1,204 @@
+"""SDK → worker (identity model) against raw JetStream publish + fetch + reply + ack, side by side.
+
+Both run in one process against one embedded nats-server, with the same payloads, the same
+number of requests and the same producer concurrency; the raw side is the least a JetStream
+request/reply needs (no scheduling, no handler thread, no batching window). Run:
+
+    python bench/overhead.py [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+import nats
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import sdk  # noqa: E402
+from sidecar.config import Config  # noqa: E402
+from sidecar.natsserver import EmbeddedNats  # noqa: E402
+from sidecar.transport import connect  # noqa: E402
+from sidecar.worker import Worker  # noqa: E402
+
+
+POLICY = "cost-aware"
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple[float, list[float]]:
+    """Producer: JetStream publish with a reply-to header, await the reply on one inbox.
+    Consumer: fetch up to 64, publish each reply, ack each."""
+    prefix = f"raw{uuid.uuid4().hex[:6]}"
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+    psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+    inbox = nc.new_inbox()
+    waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def on_reply(msg: nats.aio.msg.Msg) -> None:
+        fut = waiting.get(msg.subject.rsplit(".", 1)[-1])
+        if fut and not fut.done():
+            fut.set_result(None)
+
+    await nc.subscribe(f"{inbox}.*", cb=on_reply)
+    stop = asyncio.Event()
+
+    async def consumer() -> None:
+        while not stop.is_set():
+            try:
+                msgs = await psub.fetch(64, timeout=0.2)
+            except nats.errors.TimeoutError:
+                continue
+            for m in msgs:
+                await nc.publish(m.headers["Reply"], m.data)
+            for m in msgs:
+                await m.ack()
+
+    latencies: list[float] = []
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        rid = f"r{i}"
+        async with gate:
+            fut = asyncio.get_running_loop().create_future()
+            waiting[rid] = fut
+            t = time.perf_counter()
+            await js.publish(f"{prefix}.q", payload, headers={"Nats-Msg-Id": rid, "Reply": f"{inbox}.{rid}"})
+            await asyncio.wait_for(fut, 30)
+            latencies.append(time.perf_counter() - t)
+
+    task = asyncio.create_task(consumer())
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    elapsed = time.perf_counter() - started
+    stop.set()
+    await task
+    await js.delete_stream(prefix.upper())
+    await nc.close()
+    return n / elapsed, latencies
+
+
+async def jetbatch_round(url: str, n: int, concurrency: int, payload: bytes, max_batch: int) -> tuple[float, list[float], float]:
+    prefix = f"jb{uuid.uuid4().hex[:6]}"
+    config = msgspec.convert(
+        {
+            "nats": {"prefix": prefix},
+            "worker": {"poll_interval_ms": 50, "policy": POLICY},
+            "models": {"ident": {"handler": "identity", "max_batch_size": max_batch, "max_delay_ms": 2}},
+        },
+        Config,
+    )
+    nc = await connect(config.nats, url)
+    worker = Worker(config, nc)
+    latencies: list[float] = []
+    sizes: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        await worker.ready.wait()
+        async with sdk.Client.connect(url, prefix=prefix) as client:
+            await client.infer(payload, model="ident", timeout=30)  # load before timing
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one() -> None:
+                async with gate:
+                    r = await client.infer_result(payload, model="ident", timeout=30)
+                    latencies.append(r.latency_s)
+                    sizes.append(r.batch.batch_size)
+
+            started = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(n)))
+            elapsed = time.perf_counter() - started
+        worker.stop()
+    await nc.close()
+    return n / elapsed, latencies, statistics.mean(sizes)
+
+
+async def lone_request_overhead(url: str, max_delay_ms: float, rounds: int = 20) -> float:
+    """Median latency of a lone request minus its batching window (ms)."""
+    prefix = f"jl{uuid.uuid4().hex[:6]}"
+    config = msgspec.convert(
+        {"nats": {"prefix": prefix}, "worker": {"policy": POLICY}, "models": {"ident": {"handler": "identity", "max_batch_size": 16, "max_delay_ms": max_delay_ms}}},
+        Config,
+    )
+    nc = await connect(config.nats, url)
+    worker = Worker(config, nc)
+    lat: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        await worker.ready.wait()
+        async with sdk.Client.connect(url, prefix=prefix) as client:
+            await client.infer(b"x", model="ident", timeout=30)
+            for _ in range(rounds):
+                r = await client.infer_result(b"x", model="ident", timeout=30)
+                lat.append(r.latency_s)
+        worker.stop()
+    await nc.close()
+    return statistics.median(lat) * 1000 - max_delay_ms
+
+
+async def main(args: argparse.Namespace) -> dict[str, object]:
+    payload = bytes(range(256)) * (args.payload // 256) + bytes(args.payload % 256)
+    results: dict[str, list[float]] = {"raw_rps": [], "jb_rps": [], "ratio": []}
+    raw_lat: list[float] = []
+    jb_lat: list[float] = []
+    batch_means: list[float] = []
+    with EmbeddedNats() as server:
+        for _ in range(args.rounds):
+            # Alternate the order so neither side always runs on a warmer machine.
+            raw_rps, rl = await raw_round(server.url, args.requests, args.concurrency, payload)
+            jb_rps, jl, mean_batch = await jetbatch_round(server.url, args.requests, args.concurrency, payload, args.max_batch)
+            results["raw_rps"].append(raw_rps)
+            results["jb_rps"].append(jb_rps)
+            results["ratio"].append(jb_rps / raw_rps)
+            raw_lat += rl
+            jb_lat += jl
+            batch_means.append(mean_batch)
+        lone = await lone_request_overhead(server.url, max_delay_ms=5.0)
+    summary = {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "payload_bytes": args.payload,
+        "raw_rps_median": statistics.median(results["raw_rps"]),
+        "jetbatch_rps_median": statistics.median(results["jb_rps"]),
+        "throughput_ratio_median": statistics.median(results["ratio"]),
+        "ratios": [round(r, 3) for r in results["ratio"]],
+        "raw_p50_ms": pct(raw_lat, 50) * 1000,
+        "raw_p99_ms": pct(raw_lat, 99) * 1000,
+        "jetbatch_p50_ms": pct(jb_lat, 50) * 1000,
+        "jetbatch_p99_ms": pct(jb_lat, 99) * 1000,
+        "jetbatch_mean_batch": statistics.mean(batch_means),
+        "lone_request_overhead_ms_beyond_max_delay": lone,
+    }
+    return summary
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--payload", type=int, default=256)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--policy", default="cost-aware")
+    parser.add_argument("--json", default=None, help="write the summary here")
+    ns = parser.parse_args()
+    POLICY = ns.policy
+    out = asyncio.run(main(ns))
+    print(json.dumps(out, indent=2))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(out, indent=2))

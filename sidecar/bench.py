@@ -1,0 +1,317 @@
+"""``jetbatch bench``: load-test a deployment through the SDK, the way a user would.
+
+Closed loop (``--concurrency C``: C callers, each sends its next request when the last returns) or
+open loop (``--rate R``: Poisson arrivals at R requests/s, bounded in flight). The model mix
+(``--mix m1=0.5,m2=0.5``; ``auto`` means "let the classifier decide") picks each request's model.
+Without ``--nats-url`` it starts an embedded deployment: the given ``--config``, or a worker with
+the ``sleep`` handler for every model of the mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sdk
+from sdk.protocol import Tensor, validate_model_name
+
+__all__ = ["BenchResult", "add_arguments", "parse_mix", "run", "run_bench"]
+
+
+class BenchError(ValueError):
+    pass
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """``m1=0.5,m2=0.3,auto=0.2`` → normalised weights (``auto``: no model, the classifier routes)."""
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, weight = part.strip().partition("=")
+        if not sep:
+            raise BenchError(f"--mix: expected name=weight, got {part!r}")
+        if name != "auto":
+            try:
+                validate_model_name(name)
+            except ValueError as exc:
+                raise BenchError(f"--mix: {exc}") from None
+        try:
+            w = float(weight)
+        except ValueError:
+            raise BenchError(f"--mix: weight of {name!r} is not a number: {weight!r}") from None
+        if w < 0:
+            raise BenchError(f"--mix: weight of {name!r} is negative")
+        mix[name] = w
+    total = sum(mix.values())
+    if total <= 0:
+        raise BenchError("--mix: weights sum to zero")
+    return {k: v / total for k, v in mix.items()}
+
+
+@dataclass
+class BenchResult:
+    sent: int = 0
+    answered: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    latencies_s: list[float] = field(default_factory=list)
+    timeline: list[tuple[float, float, str, str, bool]] = field(default_factory=list)  # (t, latency, model, batch, loaded)
+    batches: dict[str, int] = field(default_factory=dict)
+    loads: set[str] = field(default_factory=set)
+    elapsed_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.latencies_s)
+
+        def pct(q: float) -> float:
+            return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] * 1000 if lat else float("nan")
+
+        return {
+            "sent": self.sent,
+            "answered": self.answered,
+            "errors": dict(self.errors),
+            "throughput_rps": self.answered / self.elapsed_s if self.elapsed_s else 0.0,
+            "p50_ms": pct(50),
+            "p95_ms": pct(95),
+            "p99_ms": pct(99),
+            "mean_batch_size": statistics.mean(self.batches.values()) if self.batches else 0.0,
+            "batches": len(self.batches),
+            "loads": len(self.loads),
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+def _payload_factory(spec: str) -> Any:
+    kind, _, arg = spec.partition(":")
+    if kind == "bytes":
+        size = int(arg or 256)
+        body = os.urandom(size)
+        return lambda: body
+    if kind == "tensor":
+        dim = int(arg or 16)
+        import torch
+
+        gen = torch.Generator().manual_seed(0)
+        pool = [Tensor.from_torch(torch.randn(dim, generator=gen)) for _ in range(64)]
+        return lambda: random.choice(pool)
+    if kind == "examples":
+        from .example_models import sample_inputs
+
+        x, _ = sample_inputs(256, seed=1)
+        pool = [Tensor.from_torch(row) for row in x]
+        return lambda: random.choice(pool)
+    raise BenchError(f"--payload: expected bytes:N, tensor:DIM or examples, got {spec!r}")
+
+
+async def run_bench(
+    url: str,
+    *,
+    mix: dict[str, float],
+    duration_s: float,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    payload: str = "bytes:256",
+    timeout_s: float = 30.0,
+    prefix: str = "jetbatch",
+    progress: bool = False,
+    seed: int = 0,
+) -> BenchResult:
+    """Drive the SDK for ``duration_s`` and collect what each reply says about its batch."""
+    rng = random.Random(seed)
+    names = list(mix)
+    weights = [mix[n] for n in names]
+    make_payload = _payload_factory(payload)
+    result = BenchResult()
+    started = time.monotonic()
+    deadline = started + duration_s
+
+    async with sdk.Client.connect(url, prefix=prefix) as client:
+
+        async def one() -> None:
+            name = rng.choices(names, weights)[0]
+            model = None if name == "auto" else name
+            result.sent += 1
+            try:
+                r = await client.infer_result(make_payload(), model=model, timeout=timeout_s)
+            except sdk.JetbatchError as exc:
+                result.errors[exc.code] += 1
+                return
+            result.answered += 1
+            result.latencies_s.append(r.latency_s)
+            result.batches[r.batch.batch_id] = r.batch.batch_size
+            if r.batch.model_loaded:
+                result.loads.add(r.batch.batch_id)
+            result.timeline.append((time.monotonic() - started, r.latency_s, r.batch.model, r.batch.batch_id, r.batch.model_loaded))
+
+        async def closed_loop() -> None:
+            while time.monotonic() < deadline:
+                await one()
+
+        async def reporter() -> None:
+            while True:
+                await asyncio.sleep(0.5)
+                done = time.monotonic() - started
+                bar = "#" * int(30 * min(1.0, done / duration_s))
+                sys.stderr.write(
+                    f"\r[{bar:<30}] {done:5.1f}s sent={result.sent} answered={result.answered} errors={sum(result.errors.values())}"
+                )
+                sys.stderr.flush()
+
+        rep = asyncio.create_task(reporter()) if progress and sys.stderr.isatty() else None
+        try:
+            if concurrency is not None:
+                await asyncio.gather(*(closed_loop() for _ in range(concurrency)))
+            else:
+                assert rate is not None
+                tasks: set[asyncio.Task[None]] = set()
+                next_at = time.monotonic()
+                while next_at < deadline:
+                    await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                    if len(tasks) < 20_000:  # bounded in flight: the generator must not eat the machine
+                        t = asyncio.create_task(one())
+                        tasks.add(t)
+                        t.add_done_callback(tasks.discard)
+                    next_at += rng.expovariate(rate)
+                if tasks:
+                    await asyncio.gather(*tasks)
+        finally:
+            if rep is not None:
+                rep.cancel()
+                sys.stderr.write("\n")
+    result.elapsed_s = time.monotonic() - started
+    return result
+
+
+def _sleep_config(mix: dict[str, float], directory: Path) -> Path:
+    lines = ["[worker]\nmax_resident_models = 1\n"]
+    for name in mix:
+        if name == "auto":
+            raise BenchError("--mix auto=... needs a deployment with a classifier: pass --config or --nats-url")
+        lines.append(
+            f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 32\nmax_delay_ms = 5\nload_cost_s = 0.2\n'
+            f"max_wait_ms = 1000\noptions = {{ load_s = 0.2, batch_s = 0.005, item_s = 0.0002 }}\n"
+        )
+    path = directory / "bench-models.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    load = parser.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=float, help="open loop: requests per second (Poisson arrivals)")
+    load.add_argument("--concurrency", type=int, help="closed loop: callers in parallel")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds (default 10)")
+    parser.add_argument("--mix", default="m1=0.5,m2=0.5", help="model mix, e.g. m1=0.5,m2=0.3,auto=0.2")
+    parser.add_argument("--payload", default="bytes:256", help="bytes:N | tensor:DIM | examples")
+    parser.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in seconds")
+    parser.add_argument("--nats-url", default=None, help="a running deployment; default: start an embedded one")
+    parser.add_argument("--config", default=None, help="config for the embedded deployment")
+    parser.add_argument("--prefix", default="jetbatch")
+    parser.add_argument("--json", default=None, help="write the summary (and timeline) here")
+    parser.add_argument("--plot", default=None, help="PNG: latency over time and a residency timeline")
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        mix = parse_mix(args.mix)
+        if args.concurrency is not None and args.concurrency < 1:
+            raise BenchError("--concurrency must be at least 1")
+        if args.rate is not None and args.rate <= 0:
+            raise BenchError("--rate must be positive")
+    except BenchError as exc:
+        print(f"jetbatch bench: {exc}", file=sys.stderr)
+        return 2
+    deployment = None
+    url = args.nats_url or os.environ.get("NATS_URL")
+    if url is None:
+        from .up import Deployment
+
+        config = args.config or str(_sleep_config(mix, Path(tempfile.mkdtemp(prefix="jetbatch-bench-"))))
+        deployment = Deployment(config, log_level=args.log_level).start()
+        url = deployment.url
+    try:
+        result = asyncio.run(
+            run_bench(
+                url,
+                mix=mix,
+                duration_s=args.duration,
+                concurrency=args.concurrency,
+                rate=args.rate,
+                payload=args.payload,
+                timeout_s=args.timeout,
+                prefix=args.prefix,
+                progress=True,
+            )
+        )
+    finally:
+        if deployment is not None:
+            deployment.stop()
+    summary = result.summary()
+    _print_table(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "timeline": result.timeline}, indent=1))
+    if args.plot:
+        plot_timeline(result, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _print_table(s: dict[str, Any]) -> None:
+    errors = ", ".join(f"{k}={v}" for k, v in sorted(s["errors"].items())) or "0"
+    rows = [
+        ("sent", s["sent"]), ("answered", s["answered"]), ("errors", errors),
+        ("throughput", f"{s['throughput_rps']:.1f} req/s"),
+        ("latency p50 / p95 / p99", f"{s['p50_ms']:.1f} / {s['p95_ms']:.1f} / {s['p99_ms']:.1f} ms"),
+        ("mean batch size", f"{s['mean_batch_size']:.1f}"), ("batches", s["batches"]), ("loads", s["loads"]),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def plot_timeline(result: BenchResult, path: str) -> None:
+    """Latency of each request over time, and which model each batch served (loads marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({m for _, _, m, _, _ in result.timeline})
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    by_model: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for t, lat, m, _, _ in result.timeline:
+        by_model[m].append((t, lat * 1000))
+    for m in models:
+        pts = by_model[m]
+        ax1.scatter([p[0] for p in pts], [p[1] for p in pts], s=4, label=m)
+    ax1.set_ylabel("latency (ms)")
+    ax1.legend(loc="upper right", markerscale=3)
+    ax1.set_title("jetbatch bench: latency and model residency")
+    # One device: the model of each batch held it from the previous batch's completion to its own.
+    first_reply: dict[str, tuple[float, str, bool]] = {}
+    for t, _lat, m, batch, loaded in result.timeline:
+        if batch not in first_reply or t < first_reply[batch][0]:
+            first_reply[batch] = (t, m, loaded)
+    previous_t = 0.0
+    for t, m, loaded in sorted(first_reply.values()):
+        y = models.index(m)
+        ax2.plot([previous_t, t], [y, y], color="C%d" % y, linewidth=6, solid_capstyle="butt")
+        if loaded:
+            ax2.plot([previous_t], [y], marker="|", color="black", markersize=14)
+        previous_t = t
+    ax2.set_yticks(range(len(models)), models)
+    ax2.set_xlabel("time (s)")
+    ax2.set_ylabel("model (| = load)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
