@@ -294,7 +294,9 @@ class Worker:
             self._stopping.set()
             return []
         except (nats.errors.Error, nats.js.errors.Error) as exc:
+            # Typically a reconnect in progress: back off so the loop does not spin meanwhile.
             log.warning("fetch for %s failed: %r", slot.name, exc)
+            await anyio.sleep(0.1)
             return []
 
     async def _gather(self, slot: _Slot, max_items: int, first: list[Msg] | None = None) -> list[Msg]:

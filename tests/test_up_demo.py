@@ -1,0 +1,111 @@
+"""`jetbatch examples build`, `jetbatch up` and `jetbatch demo` as a user runs them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import sdk
+from sdk.protocol import Tensor
+from sidecar.example_models import EXAMPLE_MODELS, build_examples, sample_inputs
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def examples_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("examples")
+    build_examples(directory)
+    return directory
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
+    env["JETBATCH_HOME"] = str(tmp_path / "home")
+    if os.environ.get("TEMP_POLICY"):  # TEMP until cost-aware lands
+        env["JETBATCH_WORKER__POLICY"] = os.environ["TEMP_POLICY"]
+    return env
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
+def test_example_models_are_real_and_deterministic(examples_dir: Path, tmp_path: Path) -> None:
+    again = build_examples(tmp_path / "again")
+    for name in EXAMPLE_MODELS:
+        a = torch.jit.load(str(examples_dir / f"{name}.pt"))
+        b = torch.jit.load(str(again.directory / f"{name}.pt"))
+        x, _ = sample_inputs(4, seed=3)
+        assert torch.equal(a(x), b(x))  # fixed seeds: same weights on every build
+    router = torch.jit.load(str(examples_dir / "router.pt"))
+    x, truth = sample_inputs(200, seed=11)
+    predicted = [list(EXAMPLE_MODELS)[i] for i in router(x).argmax(dim=1).tolist()]
+    assert sum(p == t for p, t in zip(predicted, truth)) >= 190  # the router learned its clusters
+
+
+def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar.cli", "up", "--config", str(examples_dir / "models.toml")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # printed once the sidecars are ready
+        match = re.search(r"NATS at (nats://\S+);", line)
+        assert match, line + (proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+        url = match.group(1)
+
+        async def ask() -> sdk.Result:
+            x, truth = sample_inputs(1, seed=5)
+            async with sdk.Client.connect(url) as client:
+                return await client.infer_result(Tensor.from_torch(x[0]), model=truth[0], timeout=30)
+
+        result = asyncio.run(ask())
+        assert isinstance(result.output, Tensor)
+        probs = result.output.to_torch()
+        assert abs(float(probs.sum()) - 1.0) < 1e-4  # the example models end in a softmax
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)  # closes the pipes
+    # The embedded server is gone with it: nothing listens on its port any more.
+    with pytest.raises(sdk.ConnectionFailed):
+        asyncio.run(_connect(url))
+
+
+async def _connect(url: str) -> None:
+    client = await sdk.Client.connect(url, connect_timeout_s=0.5)
+    await client.close()
+
+
+def test_demo_runs_and_summarises(examples_dir: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "demo", "--requests", "60", "--dir", str(examples_dir)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert re.search(r"answered\s+60\b", out), out
+    assert re.search(r"errors\s+0\b", out), out
+    batch_lines = [line for line in out.splitlines() if line.startswith("batch ")]
+    assert batch_lines and all("model=" in line and "size=" in line for line in batch_lines)
+    sizes = [int(re.search(r"size=\s*(\d+)", line).group(1)) for line in batch_lines]  # type: ignore[union-attr]
+    assert sum(sizes) == 60 and len(sizes) < 60  # every request shows up in exactly one batch line
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - started < 180
