@@ -112,6 +112,7 @@ class WorkerConfig(_Base):
     prefetch_weights: bool = True  # read the next model's weights from disk while the current one runs
     drain_timeout_s: PositiveFloat = 20.0
     coordinate: bool = True  # advertise residency in the cluster KV bucket and respect other workers
+    heartbeat_s: PositiveFloat = 1.0  # advert period; a worker silent for 3 heartbeats drops out
 
 
 class ClassifierConfig(_Base):

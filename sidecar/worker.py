@@ -12,6 +12,7 @@ import gc
 import logging
 import math
 import os
+import random
 import re
 import socket
 import time
@@ -38,6 +39,7 @@ from sdk.protocol import (
 )
 
 from . import scheduler as sched
+from .cluster import ClusterView, WorkerAdvert, effective_backlog
 from .config import Config, ConfigError, ModelConfig
 from .handlers import BadInput, Handler, HandlerError, create_handler, resolve_device
 from .streams import ensure_model_consumer, ensure_streams, model_consumer_name
@@ -160,6 +162,13 @@ class Worker:
         self._in_flight_msgs: dict[int, Msg] = {}
         self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
         self._prefetching: set[str] = set()
+        self._loading: str | None = None
+        self.cluster: ClusterView | None = None
+        if config.worker.coordinate:
+            self.cluster = ClusterView(
+                self.js, self.subjects, self.worker_id,
+                heartbeat_s=config.worker.heartbeat_s, replicas=config.streams.replicas,
+            )  # fmt: skip
         self.stats = {"batches": 0, "requests": 0, "loads": 0, "evictions": 0}
         self._started_at = time.time()
 
@@ -182,12 +191,18 @@ class Worker:
             slot.psub = await self.js.pull_subscribe_bind(
                 durable=model_consumer_name(name), stream=self.subjects.models_stream
             )
+        if self.cluster is not None:
+            await self.cluster.start()
+            await self.cluster.advertise(self.advert())
         status_sub = await serve_status(self.nc, self.subjects, self.status_report)
         log.info("worker %s serving %s on %s", self.worker_id, ", ".join(self.slots), self.device)
         self._ready.set()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat_loop)
+                if self.cluster is not None:
+                    tg.start_soon(self._advertise_loop)
+                    tg.start_soon(self.cluster.watch)
                 try:
                     await self._serve_loop(tg)
                 finally:
@@ -202,6 +217,9 @@ class Worker:
                     await status_sub.unsubscribe()
                 except (nats.errors.Error, ValueError):
                     pass
+                if self.cluster is not None:
+                    await self.cluster.withdraw()
+                    await self.cluster.stop()
                 await self._nak_leftovers()
                 await self._unload_all()
                 for slot in self.slots.values():
@@ -538,7 +556,30 @@ class Worker:
 
     # --- loads -----------------------------------------------------------------------------
 
+    async def _claim_load(self, slot: _Slot) -> bool:
+        """Before paying a load, give peers that decided the same a moment to say so, and stand
+        back if one of them now covers this model's backlog (workers must not all chase one queue)."""
+        if self.cluster is None or not self.cluster.peers():
+            return True
+        await anyio.sleep(random.uniform(0.0, min(0.1, self.config.worker.heartbeat_s / 4)))
+        served = self.cluster.served_drain_rps().get(slot.name, 0.0)
+        if effective_backlog(slot.backlog, served, self.costs.load_cost_s(slot.name), resident_here=False) == 0:
+            return False
+        self._loading = slot.name
+        await self.cluster.advertise(self.advert())
+        return True
+
     async def _load(self, slot: _Slot, evict: Sequence[str], *, reason: str) -> None:
+        if not await self._claim_load(slot):
+            return
+        try:
+            await self._do_load(slot, evict, reason=reason)
+        finally:
+            self._loading = None
+            if self.cluster is not None:
+                await self.cluster.advertise(self.advert())
+
+    async def _do_load(self, slot: _Slot, evict: Sequence[str], *, reason: str) -> None:
         # Wait outside the device lock: the victims' in-flight batches need it to finish.
         for name in evict:
             victim = self.slots[name]
@@ -664,14 +705,44 @@ class Worker:
         ts = _raw_timestamp(raw)
         return min(ts, now) if ts is not None else now
 
+    def advert(self) -> WorkerAdvert:
+        """What this worker tells its peers."""
+        drain: dict[str, float] = {}
+        for s in self.slots.values():
+            if s.resident or s.name == self._loading:
+                n = s.config.max_batch_size
+                drain[s.name] = n / max(self.costs.batch_cost(s.name).seconds(n), 1e-6)
+        return WorkerAdvert(
+            id=self.worker_id,
+            models=list(self.slots),
+            resident=[s.name for s in self.slots.values() if s.resident],
+            loading=self._loading,
+            drain_rps=drain,
+            load_cost_s={name: self.costs.load_cost_s(name) for name in self.slots},
+            memory_used_bytes=sum(self.costs.memory_bytes(s.name) for s in self.slots.values() if s.resident),
+            memory_budget_bytes=self.budget.max_bytes,
+            updated_at=time.time(),
+        )
+
+    async def _advertise_loop(self) -> None:
+        assert self.cluster is not None
+        while True:
+            await anyio.sleep(self.config.worker.heartbeat_s)
+            await self.cluster.advertise(self.advert())
+
     def _state(self) -> sched.SchedulerState:
+        served = self.cluster.served_drain_rps() if self.cluster is not None else {}
         models = {}
         for name, slot in self.slots.items():
             cfg = slot.config
+            # Work other workers will drain before a load of ours would finish is not ours to chase.
+            backlog = effective_backlog(
+                slot.backlog, served.get(name, 0.0), self.costs.load_cost_s(name), resident_here=slot.resident
+            )
             models[name] = sched.ModelState(
                 name=name,
-                backlog=slot.backlog,
-                oldest_enqueued_at=slot.oldest_enqueued_at if slot.backlog else None,
+                backlog=backlog,
+                oldest_enqueued_at=slot.oldest_enqueued_at if backlog else None,
                 resident=slot.resident,
                 load_cost_s=self.costs.load_cost_s(name),
                 batch_cost=self.costs.batch_cost(name),
