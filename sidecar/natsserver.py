@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EmbeddedNats", "NatsServerNotFound", "find_nats_server"]
+__all__ = ["EmbeddedNats", "NatsCluster", "NatsServerNotFound", "find_nats_server"]
 
 _LISTEN_RE = re.compile(r"Listening for client connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
 _CLUSTER_RE = re.compile(r"Listening for route connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
@@ -183,4 +183,95 @@ class EmbeddedNats:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self.stop()
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class NatsCluster:
+    """``size`` nats-servers on loopback joined by routes into one JetStream cluster, each with
+    its own client port and store dir (for tests and benchmarks of scale-out)."""
+
+    def __init__(self, size: int = 3, *, base_dir: str | os.PathLike[str] | None = None, name: str = "jetbatch") -> None:
+        self.size = size
+        self.name = name
+        self._own_dir = base_dir is None
+        self.base_dir = Path(base_dir) if base_dir is not None else Path(tempfile.mkdtemp(prefix="jetbatch-cluster-"))
+        self.route_ports = [_free_port() for _ in range(size)]
+        self.nodes: list[EmbeddedNats] = []
+        for i in range(size):
+            routes = ", ".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(self.route_ports) if j != i)
+            extra = (
+                "cluster {\n"
+                f'  name: "{name}"\n'
+                f'  listen: "127.0.0.1:{self.route_ports[i]}"\n'
+                f"  routes: [{routes}]\n"
+                "}\n"
+            )
+            self.nodes.append(
+                EmbeddedNats(store_dir=self.base_dir / f"n{i}", name=f"{name}-n{i}", port=_free_port(), extra_config=extra)
+            )
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """All nodes, comma-separated, as jetbatch's ``--nats-url`` accepts."""
+        return ",".join(self.urls)
+
+    def start(self, ready_timeout_s: float = 30.0) -> "NatsCluster":
+        try:
+            for node in self.nodes:
+                node.start()
+            self.wait_for_jetstream(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_for_jetstream(self, timeout_s: float = 30.0) -> None:
+        """Until the JetStream meta leader is elected and an R3 stream can be created."""
+        import asyncio
+
+        import nats
+        import nats.errors
+        import nats.js.errors
+
+        async def probe() -> None:
+            deadline = time.monotonic() + timeout_s
+            nc = await nats.connect(self.urls, connect_timeout=2, max_reconnect_attempts=5)
+            try:
+                js = nc.jetstream(timeout=2)
+                while True:
+                    try:
+                        await js.add_stream(name="JETBATCH_PROBE", subjects=["jetbatch-probe"], num_replicas=len(self.nodes))
+                        await js.delete_stream("JETBATCH_PROBE")
+                        return
+                    except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"JetStream cluster not ready after {timeout_s:.0f}s") from None
+                        await asyncio.sleep(0.2)
+            finally:
+                await nc.close()
+
+        asyncio.run(probe())
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> "NatsCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
         self.stop()
