@@ -1,0 +1,146 @@
+"""Scale-out on a real 3-node NATS JetStream cluster with worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import sdk
+from sdk.connection import connect_nats
+from sidecar.natsserver import NatsCluster
+from sidecar.status import StatusReport, collect_status
+from sidecar.up import Deployment
+from sdk.protocol import Subjects
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[NatsCluster]:
+    with NatsCluster(3) as c:
+        yield c
+
+
+def _config(tmp_path: Path, prefix: str, models: dict[str, dict[str, float]], *, ack_wait_s: float = 30.0) -> Path:
+    lines = [
+        f'[nats]\nprefix = "{prefix}"\n',
+        f"[streams]\nreplicas = 3\nack_wait_s = {ack_wait_s}\nmax_deliver = 10\n",
+        "[worker]\nmax_resident_models = 1\npoll_interval_ms = 100\nheartbeat_s = 0.3\n",
+    ]
+    if os.environ.get("TEMP_POLICY"):  # TEMP until cost-aware lands
+        lines[-1] += f'policy = "{os.environ["TEMP_POLICY"]}"\n'
+    for name, opts in models.items():
+        lines.append(
+            f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 16\nmax_delay_ms = 5\n'
+            f"load_cost_s = {opts['load_s']}\nbatch_cost_s = {opts['batch_s']}\nitem_cost_s = 0.0\nmax_wait_ms = 3000\n"
+            f"options = {{ load_s = {opts['load_s']}, batch_s = {opts['batch_s']}, item_s = 0.0 }}\n"
+        )
+    path = tmp_path / f"{prefix}.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+async def _statuses(url: str, prefix: str) -> list[StatusReport]:
+    nc = await connect_nats(url)
+    try:
+        return [r for r in await collect_status(nc, Subjects(prefix), wait_s=0.3) if r.role == "worker"]
+    finally:
+        await nc.close()
+
+
+async def _load(url: str, prefix: str, mix: list[str], *, duration_s: float, concurrency: int) -> list[sdk.Result]:
+    results: list[sdk.Result] = []
+    deadline = time.monotonic() + duration_s
+    async with sdk.Client.connect(url, prefix=prefix) as client:
+
+        async def caller(i: int) -> None:
+            n = i
+            while time.monotonic() < deadline:
+                model = mix[n % len(mix)]
+                n += concurrency
+                results.append(await client.infer_result(f"{model}-{n}".encode(), model=model, timeout=60))
+
+        await asyncio.gather(*(caller(i) for i in range(concurrency)))
+    return results
+
+
+def test_requests_survive_a_nats_node_dying(cluster: NatsCluster, tmp_path: Path) -> None:
+    config = _config(tmp_path, "c1", {"m1": {"load_s": 0.05, "batch_s": 0.01}})
+    with Deployment(config, nats_url=cluster.url, workers=1) as dep:
+
+        async def scenario() -> list[object]:
+            async with sdk.Client.connect(dep.url, prefix="c1") as client:
+                first = await asyncio.gather(*(client.infer(f"a{i}".encode(), model="m1", timeout=60) for i in range(20)))
+                cluster.nodes[2].kill()  # one of three: JetStream keeps a quorum
+                second = await asyncio.gather(
+                    *(client.infer(f"b{i}".encode(), model="m1", timeout=60) for i in range(40)), return_exceptions=True
+                )
+                return list(first) + list(second)
+
+        try:
+            outcome = asyncio.run(scenario())
+        finally:
+            cluster.nodes[2].restart()
+            cluster.wait_for_jetstream()
+    assert outcome == [f"a{i}".encode() for i in range(20)] + [f"b{i}".encode() for i in range(40)]
+
+
+def test_three_workers_settle_on_three_models(cluster: NatsCluster, tmp_path: Path) -> None:
+    models = {name: {"load_s": 0.4, "batch_s": 0.02} for name in ("a", "b", "c")}
+    config = _config(tmp_path, "c2", models)
+    with Deployment(config, nats_url=cluster.url, workers=3) as dep:
+        results = asyncio.run(_load(dep.url, "c2", ["a", "b", "c"], duration_s=6.0, concurrency=24))
+        reports = asyncio.run(_statuses(dep.url, "c2"))
+    assert len(reports) == 3
+    resident = sorted(tuple(r.resident) for r in reports)
+    assert resident == [("a",), ("b",), ("c",)], reports
+    loads = sum(r.stats["loads"] for r in reports)
+    assert loads <= 6, f"{loads} loads: workers thrashed ({[r.stats for r in reports]})"
+    assert all(r.batch.model == r.output.decode().split("-")[0] for r in results)
+
+
+def test_hot_model_gets_a_second_replica(cluster: NatsCluster, tmp_path: Path) -> None:
+    models = {"hot": {"load_s": 0.2, "batch_s": 0.05}, "cold": {"load_s": 0.2, "batch_s": 0.05}}
+    config = _config(tmp_path, "c3", models)
+    with Deployment(config, nats_url=cluster.url, workers=2) as dep:
+        results = asyncio.run(_load(dep.url, "c3", ["hot"] * 19 + ["cold"], duration_s=6.0, concurrency=64))
+        reports = asyncio.run(_statuses(dep.url, "c3"))
+    second_half = results[len(results) // 2 :]  # appended in completion order
+    workers_on_hot = {r.batch.worker for r in second_half if r.batch.model == "hot"}
+    assert len(workers_on_hot) == 2, f"hot model served by {workers_on_hot} in the second half; {reports}"
+
+
+def test_killed_worker_requests_are_redelivered_and_answered(cluster: NatsCluster, tmp_path: Path) -> None:
+    models = {"m1": {"load_s": 0.1, "batch_s": 0.5}, "m2": {"load_s": 0.1, "batch_s": 0.5}}
+    config = _config(tmp_path, "c4", models, ack_wait_s=2.0)
+    with Deployment(config, nats_url=cluster.url, workers=2) as dep:
+
+        async def scenario() -> list[sdk.Result]:
+            async with sdk.Client.connect(dep.url, prefix="c4") as client:
+                calls = [
+                    asyncio.ensure_future(client.infer_result(f"{m}-{i}".encode(), model=m, timeout=60))
+                    for i in range(30)
+                    for m in ("m1", "m2")
+                ]
+                # Kill a worker once it is busy with a batch (its requests are in flight, unacked).
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    reports = await _statuses(dep.url, "c4")
+                    if all(r.resident for r in reports) and len(reports) == 2:
+                        break
+                victim = sorted(dep.procs)[0]
+                dep.stop_process(victim, kill=True)
+                return list(await asyncio.gather(*calls))
+
+        results = asyncio.run(scenario())
+        survivors = asyncio.run(_statuses(dep.url, "c4"))
+    assert len(results) == 60
+    assert sorted(r.output for r in results) == sorted(f"{m}-{i}".encode() for i in range(30) for m in ("m1", "m2"))
+    assert len(survivors) == 1
+    # The survivor took over the victim's model as well.
+    assert {r.batch.model for r in results if r.batch.worker == survivors[0].id} == {"m1", "m2"}
