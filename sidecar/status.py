@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from sdk.protocol import DEFAULT_PREFIX, Subjects
 
-__all__ = ["StatusReport", "add_arguments", "collect_status", "run", "serve_status"]
+__all__ = ["StatusReport", "add_arguments", "cluster_view", "collect_status", "run", "serve_status"]
 
 VERSION = "0.1.0"
 
@@ -88,6 +88,7 @@ async def _run(args: argparse.Namespace) -> int:
     nc = await connect_nats(args.nats_url)
     try:
         reports = await collect_status(nc, Subjects(args.prefix), wait_s=args.wait)
+        cluster = None if args.json else await cluster_view(nc, Subjects(args.prefix))
     finally:
         await nc.close()
     if args.json:
@@ -97,8 +98,51 @@ async def _run(args: argparse.Namespace) -> int:
     if not reports:
         print("no jetbatch sidecar answered")
         return 1
-    print(f"{'role':<11}{'id':<28}{'resident':<22}{'backlog':<30}{'batches':>8}")
+    print(f"{'role':<11}{'id':<28}{'resident':<22}{'loads':>6}{'batches':>9}{'requests':>10}")
     for r in reports:
-        backlog = ", ".join(f"{k}={v}" for k, v in sorted(r.backlog.items()) if v) or "-"
-        print(f"{r.role:<11}{r.id[:27]:<28}{(', '.join(r.resident) or '-')[:21]:<22}{backlog[:29]:<30}{r.stats.get('batches', 0):>8}")
+        print(
+            f"{r.role:<11}{r.id[:27]:<28}{(', '.join(r.resident) or '-')[:21]:<22}"
+            f"{r.stats.get('loads', 0):>6}{r.stats.get('batches', 0):>9}{r.stats.get('requests', 0):>10}"
+        )
+    if cluster is not None:
+        holders, backlog = cluster
+        print(f"\n{'model':<24}{'backlog':>8}  held by")
+        for model in sorted(set(holders) | set(backlog)):
+            print(f"{model:<24}{backlog.get(model, 0):>8}  {', '.join(sorted(holders.get(model, []))) or '-'}")
     return 0
+
+
+async def cluster_view(nc: NATS, subjects: Subjects) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Which worker holds which model (from the workers' key-value adverts) and the backlog per
+    model (one stream-info call)."""
+    import nats.errors
+    import nats.js.errors
+
+    from .cluster import WorkerAdvert
+
+    js = nc.jetstream(timeout=2)
+    holders: dict[str, list[str]] = {}
+    try:
+        kv = await js.key_value(subjects.kv_bucket)
+        now = time.time()
+        for key in await kv.keys():
+            entry = await kv.get(key)
+            if not entry.value:
+                continue
+            advert = msgspec.json.decode(entry.value, type=WorkerAdvert)
+            if now - advert.updated_at > 30:
+                continue
+            for model in advert.resident:
+                holders.setdefault(model, []).append(advert.id)
+    except (nats.errors.Error, nats.js.errors.Error, msgspec.DecodeError, asyncio.TimeoutError):
+        pass
+    backlog: dict[str, int] = {}
+    try:
+        info = await js.stream_info(subjects.models_stream, subjects_filter=subjects.models_wildcard)
+        for subject, count in (info.state.subjects or {}).items():
+            model = subjects.model_from_subject(subject)
+            if model:
+                backlog[model] = count
+    except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+        pass
+    return holders, backlog
