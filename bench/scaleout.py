@@ -1,0 +1,108 @@
+"""Scale-out: 1 vs 2 vs 3 workers on one workload, and coordinated placement against
+uncoordinated (every worker scheduling alone), all in one run on one embedded nats-server.
+
+The handler is `sleep` (load and compute are sleeps), so the workers' throughput is bounded by
+their simulated device time, not by this machine's two cores. Run:
+
+    python bench/scaleout.py [--duration 10] [--concurrency 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sidecar.bench import run_bench  # noqa: E402
+from sidecar.natsserver import EmbeddedNats  # noqa: E402
+from sidecar.status import collect_status  # noqa: E402
+from sidecar.up import Deployment  # noqa: E402
+from sdk.connection import connect_nats  # noqa: E402
+from sdk.protocol import Subjects  # noqa: E402
+
+MODELS = ("m1", "m2", "m3")
+
+
+def write_config(directory: Path, prefix: str, *, coordinate: bool, policy: str | None) -> Path:
+    lines = [
+        f'[nats]\nprefix = "{prefix}"\n',
+        "[worker]\nmax_resident_models = 1\npoll_interval_ms = 100\nheartbeat_s = 0.5\n"
+        + f"coordinate = {'true' if coordinate else 'false'}\n"
+        + (f'policy = "{policy}"\n' if policy else ""),
+    ]
+    for name in MODELS:
+        lines.append(
+            f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 16\nmax_delay_ms = 5\nload_cost_s = 0.5\n'
+            "batch_cost_s = 0.02\nitem_cost_s = 0.001\nmax_wait_ms = 3000\n"
+            "options = { load_s = 0.5, batch_s = 0.02, item_s = 0.001 }\n"
+        )
+    path = directory / f"{prefix}.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+async def worker_loads(url: str, prefix: str) -> int:
+    nc = await connect_nats(url)
+    try:
+        reports = await collect_status(nc, Subjects(prefix), wait_s=0.5)
+    finally:
+        await nc.close()
+    return sum(r.stats.get("loads", 0) for r in reports if r.role == "worker")
+
+
+def scenario(url: str, directory: Path, name: str, workers: int, coordinate: bool, args: argparse.Namespace) -> dict[str, float]:
+    prefix = f"s{name}"
+    config = write_config(directory, prefix, coordinate=coordinate, policy=args.policy)
+    with Deployment(config, nats_url=url, workers=workers) as dep:
+        result = asyncio.run(
+            run_bench(dep.url, mix={m: 1 / len(MODELS) for m in MODELS}, duration_s=args.duration,
+                      concurrency=args.concurrency, prefix=prefix)
+        )  # fmt: skip
+        loads = asyncio.run(worker_loads(dep.url, prefix))
+    s = result.summary()
+    return {
+        "workers": workers,
+        "coordinated": coordinate,
+        "throughput_rps": s["throughput_rps"],
+        "p99_ms": s["p99_ms"],
+        "loads": loads,
+        "loads_per_minute": loads / (s["elapsed_s"] / 60.0),
+        "mean_batch": s["mean_batch_size"],
+        "errors": sum(s["errors"].values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--policy", default=None, help="worker policy (default: the config default)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedNats() as server:
+        directory = Path(tmp)
+        for name, workers, coordinate in (("w1", 1, True), ("w2", 2, True), ("w3", 3, True), ("u3", 3, False)):
+            rows.append(scenario(server.url, directory, name, workers, coordinate, args))
+            print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]["throughput_rps"]
+    coordinated, uncoordinated = rows[2], rows[3]
+    summary = {
+        "rows": rows,
+        "speedup_2_workers": rows[1]["throughput_rps"] / base,
+        "speedup_3_workers": rows[2]["throughput_rps"] / base,
+        "uncoordinated_over_coordinated_loads": uncoordinated["loads"] / max(coordinated["loads"], 1),
+        "coordinated_over_uncoordinated_throughput": coordinated["throughput_rps"] / max(uncoordinated["throughput_rps"], 1e-9),
+    }
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
