@@ -48,7 +48,7 @@ __all__ = ["Client", "Result"]
 # JetStream API error codes the producer must see as typed errors, not as generic API errors.
 _JS_STREAM_FULL = {10077, 10078, 10047, 10048}  # max msgs / max bytes / insufficient resources
 _JS_MSG_TOO_BIG = {10054}
-_PUBLISH_ATTEMPTS = 3
+_PUBLISH_ATTEMPTS = 6
 
 
 @dataclass(frozen=True)
@@ -277,8 +277,14 @@ class Client:
                     f"payload of {len(data)} bytes is over the server's max_payload ({self._nc.max_payload} bytes)",
                     request_id=rid,
                 ) from exc
-            except nats.js.errors.NoStreamResponseError as exc:
-                raise await self._no_stream_error(subject, model, rid) from exc
+            except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+                definite = await self._no_stream_error(subject, model, rid)
+                if definite is not None:
+                    raise definite from exc
+                # JetStream itself did not answer (a leader election on a cluster, a restart):
+                # retry under the same Nats-Msg-Id.
+                last = exc
+                await asyncio.sleep(min(0.1 * 2**attempt, max(deadline - time.monotonic(), 0)))
             except nats.js.errors.APIError as exc:
                 if exc.err_code in _JS_STREAM_FULL:
                     raise Overloaded(f"queue {subject} is full: {exc.description}", request_id=rid) from exc
@@ -287,27 +293,30 @@ class Client:
                         f"payload of {len(data)} bytes is over the stream's max message size", request_id=rid
                     ) from exc
                 raise JetbatchError(f"JetStream refused the request: {exc.description}", request_id=rid) from exc
-            except (nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as exc:
-                if isinstance(exc, nats.errors.NoRespondersError):
-                    raise await self._no_stream_error(subject, model, rid) from exc
+            except nats.errors.ConnectionClosedError as exc:
                 raise ConnectionFailed("connection to NATS is closed", request_id=rid) from exc
             except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
                 last = exc  # no PubAck (server busy or reconnecting): retry, dedupe makes it safe
                 await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
         raise RequestTimeout(f"JetStream did not acknowledge the request ({last or 'deadline reached'})", request_id=rid)
 
-    async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError:
+    async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError | None:
+        """Why no stream took the message: ``UnknownModel`` (the models stream exists but does not
+        list this model), ``StreamNotFound`` (no such stream), or None when JetStream did not
+        answer at all (transient: the caller retries)."""
+        stream = self._subjects.models_stream if model is not None else self._subjects.ingress_stream
+        try:
+            await self._js.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            return StreamNotFound(
+                f"no JetStream stream captures {subject}: start a jetbatch sidecar on this server first",
+                request_id=rid,
+            )
+        except (nats.js.errors.APIError, nats.errors.Error, asyncio.TimeoutError):
+            return None
         if model is not None:
-            try:
-                await self._js.stream_info(self._subjects.models_stream)
-            except (nats.js.errors.NotFoundError, nats.js.errors.APIError, nats.errors.Error, asyncio.TimeoutError):
-                pass
-            else:
-                return UnknownModel(f"no model named {model!r} is served", request_id=rid)
-        return StreamNotFound(
-            f"no JetStream stream captures {subject}: start a jetbatch sidecar on this server first",
-            request_id=rid,
-        )
+            return UnknownModel(f"no model named {model!r} is served", request_id=rid)
+        return None
 
     def _on_reply_sync(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]

@@ -14,23 +14,12 @@ from sidecar.transport import connect
 from sidecar.worker import BatchReport, Worker
 
 
-from sidecar import scheduler as _sched
-
-# Until every policy exists, tests use the default when it is available.
-try:
-    _sched.make_policy("cost-aware")
-    _DEFAULT_TEST_POLICY = "cost-aware"
-except ValueError:
-    _DEFAULT_TEST_POLICY = "longest-backlog"
-
-
 def make_config(prefix: str, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> Config:
     """A Config from plain dicts (as a TOML file would give), under a test-unique prefix."""
     raw: dict[str, Any] = {"nats": {"prefix": prefix}, "models": models}
     for key, value in sections.items():
         raw.setdefault(key, {}).update(value)
     raw.setdefault("worker", {}).setdefault("poll_interval_ms", 50)
-    raw["worker"].setdefault("policy", _DEFAULT_TEST_POLICY)
     return msgspec.convert(raw, Config)
 
 

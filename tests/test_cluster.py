@@ -32,8 +32,6 @@ def _config(tmp_path: Path, prefix: str, models: dict[str, dict[str, float]], *,
         f"[streams]\nreplicas = 3\nack_wait_s = {ack_wait_s}\nmax_deliver = 10\n",
         "[worker]\nmax_resident_models = 1\npoll_interval_ms = 100\nheartbeat_s = 0.3\n",
     ]
-    if os.environ.get("TEMP_POLICY"):  # TEMP until cost-aware lands
-        lines[-1] += f'policy = "{os.environ["TEMP_POLICY"]}"\n'
     for name, opts in models.items():
         lines.append(
             f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 16\nmax_delay_ms = 5\n'

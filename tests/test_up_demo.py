@@ -31,8 +31,6 @@ def examples_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
     env["JETBATCH_HOME"] = str(tmp_path / "home")
-    if os.environ.get("TEMP_POLICY"):  # TEMP until cost-aware lands
-        env["JETBATCH_WORKER__POLICY"] = os.environ["TEMP_POLICY"]
     return env
 
 
