@@ -142,6 +142,15 @@ def _drain_seconds(m: ModelState, n: int) -> float:
     return batches * m.batch_cost.fixed_s + n * m.batch_cost.per_item_s
 
 
+def _best(models: Sequence[ModelState], key: Any) -> ModelState:
+    """The model maximising ``key``; ties go to the model whose name sorts first (deterministic)."""
+    return max(sorted(models, key=lambda m: m.name), key=key)
+
+
+def _oldest(m: ModelState, now: float) -> float:
+    return m.oldest_enqueued_at if m.oldest_enqueued_at is not None else now
+
+
 def _age(m: ModelState, now: float) -> float:
     return 0.0 if m.oldest_enqueued_at is None else max(0.0, now - m.oldest_enqueued_at)
 
@@ -291,7 +300,7 @@ class CostAware(_Base):
         if self.gather_size > 0:
             total = sum(m.backlog for m in waiting)
             oldest = min(m.oldest_enqueued_at if m.oldest_enqueued_at is not None else now for m in waiting)
-            if total < self.gather_size and now - oldest < self.gather_delay_s:
+            if total < self.gather_size and now - oldest < self.gather_delay_s - 1e-9:
                 return Idle(oldest + self.gather_delay_s, "gather")
         urgent = [m for m in waiting if _age(m, now) >= self.urgency * m.max_wait_s]
         current = state.models.get(state.current) if state.current else None
@@ -304,9 +313,9 @@ class CostAware(_Base):
                 return Serve(max(free, key=lambda m: _age(m, now) / m.max_wait_s).name, current.max_batch_size, "urgent-resident")
             return Serve(current.name, current.max_batch_size, "burst")
         if urgent:
-            target = max(urgent, key=lambda m: (_age(m, now) / m.max_wait_s, m.resident, m.name))
+            target = _best(urgent, lambda m: (_age(m, now) / m.max_wait_s, m.resident))
             return self._go(state, target, now, "urgent")
-        target = max(waiting, key=lambda m: (self.score(m, now), m.resident, m.name))
+        target = _best(waiting, lambda m: (self.score(m, now), m.resident, -_oldest(m, now)))
         if current is not None and target.name != current.name and not target.resident:
             if self.score(target, now) < self.hysteresis * self.score(current, now):
                 return Serve(current.name, current.max_batch_size, "hysteresis")
@@ -326,7 +335,7 @@ class Exhaustive(_Base):
         current = state.models.get(state.current) if state.current else None
         if current is not None and current.resident and current.backlog > 0:
             return Serve(current.name, current.max_batch_size, "exhaustive")
-        target = max(waiting, key=lambda m: (m.resident, m.backlog, m.name))
+        target = _best(waiting, lambda m: (m.resident, m.backlog, -_oldest(m, now)))
         return self._go(state, target, now, "longest-queue")
 
 
@@ -343,7 +352,7 @@ class LongestBacklog(_Base):
         waiting = [m for m in state.models.values() if m.backlog > 0]
         if not waiting:
             return Idle(now + self.idle_s)
-        target = max(waiting, key=lambda m: (m.backlog, m.resident, m.name))
+        target = _best(waiting, lambda m: (m.backlog, m.resident, -_oldest(m, now)))
         return self._go(state, target, now, "longest-backlog")
 
 

@@ -80,6 +80,7 @@ class SimResult:
     makespan_s: float = 0.0
     loads: int = 0
     load_seconds: float = 0.0
+    load_log: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, model
     batches: list[tuple[float, float, str, int, bool]] = field(default_factory=list)  # start, end, model, size, loaded
     latencies_s: list[float] = field(default_factory=list)
     waits_s: list[float] = field(default_factory=list)
@@ -220,6 +221,7 @@ def simulate(workload: Workload, policy: sched.Policy | str, *, max_events: int 
                 policy.on_evicted(victim, t)
             m = workload.models[decision.model]
             if decision.model not in resident:
+                result.load_log.append((t, t + m.load_s, m.name))
                 t += m.load_s
                 result.load_seconds += m.load_s
                 resident.add(decision.model)
@@ -392,14 +394,18 @@ def plot(results: list[SimResult], workload: Workload, path: str) -> None:
     models = list(workload.models)
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 1.1 * len(results) * max(1, len(models) / 3)), squeeze=False)
     for ax, res in zip(axes[:, 0], results):
+        for start, end, model in res.load_log:
+            y = models.index(model)
+            ax.barh(y, end - start, left=start, height=0.6, color="lightgray", hatch="//", edgecolor="gray")
         for start, end, model, size, loaded in res.batches:
             y = models.index(model)
             ax.barh(y, max(end - start, 1e-4), left=start, height=0.6, color=f"C{y}")
             if loaded:
                 ax.plot([start], [y], marker="|", color="black", markersize=10)
         ax.set_yticks(range(len(models)), models)
+        ax.set_xlim(left=0)
         ax.set_title(f"{res.policy}: {res.loads} loads, makespan {res.makespan_s:.2f} s", fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("time (s); | = batch that paid a load")
+    axes[-1, 0].set_xlabel("time (s); hatched = model load, coloured = batches, | = batch that paid a load")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
