@@ -1,0 +1,490 @@
+"""The classifier sidecar: routes requests from ``<prefix>.in`` to ``<prefix>.model.<name>``.
+
+It pulls ingress requests in batches (``max_batch_size`` / ``max_delay_ms``, the worker's window),
+decides each request's model with a router (a batched torch network, rules, or a callable), and
+republishes each request unchanged (payload and every header) to its model's queue. The
+republish carries ``Nats-Msg-Id`` = request id, so a retry after a crash is deduplicated by
+JetStream, and the ingress message is acked only after JetStream confirmed the republish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import anyio
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from sdk.protocol import (
+    ContentType,
+    ErrorCode,
+    Headers,
+    ProtocolError,
+    Status,
+    Subjects,
+    decode_payload,
+    encode_error,
+    validate_model_name,
+)
+
+from .config import ClassifierConfig, Config, ConfigError, load_config
+from .handlers import HandlerError, import_object
+from .status import StatusReport, serve_status
+from .streams import classifier_consumer_name, ensure_classifier_streams
+from .telemetry import links_from_headers
+
+__all__ = [
+    "CallableRouter",
+    "Classifier",
+    "Route",
+    "Router",
+    "RulesRouter",
+    "TorchRouter",
+    "add_arguments",
+    "make_router",
+    "run",
+]
+
+log = logging.getLogger("jetbatch.classifier")
+_tracer_name = "jetbatch.sidecar"
+FAULT_EXIT_AFTER_REPUBLISH = "JETBATCH_FAULT_EXIT_AFTER_REPUBLISH"  # test-only crash hook
+
+
+class UnroutableError(Exception):
+    """The router gave a label that maps to no model."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """A router's verdict for one request: a model name, or an error for the caller."""
+
+    model: str | None
+    error: tuple[ErrorCode, str] | None = None
+
+
+@dataclass
+class Item:
+    """One ingress request as a router sees it."""
+
+    headers: Mapping[str, str]
+    data: bytes
+    content_type: str | None
+
+    def payload(self) -> Any:
+        """The decoded payload (raises ProtocolError when undecodable)."""
+        return decode_payload(self.data, self.content_type)
+
+
+class Router:
+    """Decides the model of every request of a batch at once."""
+
+    def route(self, items: Sequence[Item]) -> list[Route]:
+        raise NotImplementedError
+
+    def load(self) -> None:
+        """Prepare (load weights); called once, in a worker thread."""
+
+
+class TorchRouter(Router):
+    """A classification network run on the whole batch in one forward pass.
+
+    Inputs must be tensors of one shape; the argmax class (as a string index, or the network's
+    label) maps to a model through ``labels``; below ``confidence_threshold`` the softmax top
+    probability sends the request to ``fallback_model``.
+    """
+
+    def __init__(self, cfg: ClassifierConfig) -> None:
+        if not cfg.path and cfg.handler == "torchscript":
+            raise ConfigError("classifier.path: required for the torch router")
+        if not cfg.labels:
+            raise ConfigError("classifier.labels: the torch router needs a label -> model map")
+        self.cfg = cfg
+        self.module: Any = None
+        self.forward_calls = 0
+
+    def load(self) -> None:
+        import warnings
+
+        import torch
+
+        if self.cfg.handler == "torchscript":
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self.module = torch.jit.load(self.cfg.path, map_location=self.cfg.device)
+            except (RuntimeError, ValueError, OSError) as exc:
+                raise HandlerError(f"classifier: cannot load {self.cfg.path}: {exc}") from exc
+        else:
+            factory = import_object(self.cfg.handler, what="classifier.handler")
+            self.module = factory(self.cfg) if isinstance(factory, type) else factory
+        if hasattr(self.module, "eval"):
+            self.module.eval()
+
+    def route(self, items: Sequence[Item]) -> list[Route]:
+        import torch
+
+        routes: list[Route | None] = [None] * len(items)
+        tensors, index = [], []
+        for i, item in enumerate(items):
+            try:
+                value = item.payload()
+                tensor = value.to_torch() if hasattr(value, "to_torch") else None
+                if tensor is None:
+                    raise ProtocolError(f"the torch router needs a tensor ({ContentType.TENSOR.value})")
+                tensors.append(tensor.to(torch.float32))
+                index.append(i)
+            except ProtocolError as exc:
+                routes[i] = Route(None, (ErrorCode.BAD_REQUEST, str(exc)))
+        if tensors:
+            try:
+                batch = torch.stack(tensors)
+            except RuntimeError as exc:
+                for i in index:
+                    routes[i] = Route(None, (ErrorCode.BAD_REQUEST, f"inputs of different shapes in one batch: {exc}"))
+                return [r or Route(None, (ErrorCode.INTERNAL, "unrouted")) for r in routes]
+            with torch.inference_mode():
+                self.forward_calls += 1
+                logits = self.module(batch)
+            probs = torch.softmax(logits.float(), dim=-1)
+            top_p, top_i = probs.max(dim=-1)
+            for i, p, k in zip(index, top_p.tolist(), top_i.tolist()):
+                if p < self.cfg.confidence_threshold and self.cfg.fallback_model:
+                    routes[i] = Route(self.cfg.fallback_model)
+                    continue
+                model = self.cfg.labels.get(str(k))
+                routes[i] = Route(model) if model else Route(None, (ErrorCode.UNKNOWN_MODEL, f"class {k} maps to no model"))
+        return [r or Route(None, (ErrorCode.INTERNAL, "unrouted")) for r in routes]
+
+
+class RulesRouter(Router):
+    """First matching rule wins: ``{header = "X", equals = "v", model = "m"}`` or
+    ``{field = "a.b", equals = v, model = "m"}`` (a field of a JSON/msgpack map payload)."""
+
+    def __init__(self, cfg: ClassifierConfig) -> None:
+        for n, rule in enumerate(cfg.rules):
+            if "model" not in rule or ("header" not in rule and "field" not in rule) or "equals" not in rule:
+                raise ConfigError(f"classifier.rules[{n}]: needs model, equals, and header or field")
+        self.rules = cfg.rules
+        self.default = cfg.default_model
+
+    def route(self, items: Sequence[Item]) -> list[Route]:
+        out = []
+        for item in items:
+            try:
+                out.append(self._one(item))
+            except ProtocolError as exc:
+                out.append(Route(None, (ErrorCode.BAD_REQUEST, str(exc))))
+        return out
+
+    def _one(self, item: Item) -> Route:
+        payload: Any = None
+        decoded = False
+        for rule in self.rules:
+            if "header" in rule:
+                if item.headers.get(rule["header"]) == rule["equals"]:
+                    return Route(rule["model"])
+                continue
+            if not decoded:
+                payload, decoded = item.payload(), True
+            value: Any = payload
+            for part in str(rule["field"]).split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value == rule["equals"]:
+                return Route(rule["model"])
+        if self.default:
+            return Route(self.default)
+        return Route(None, (ErrorCode.UNKNOWN_MODEL, "no routing rule matched and no default_model is set"))
+
+
+class CallableRouter(Router):
+    """``package.module:function``, called as ``function(payloads, headers) -> list[model]`` on
+    the whole batch (payloads decoded; an undecodable one is passed as None)."""
+
+    def __init__(self, cfg: ClassifierConfig) -> None:
+        if not cfg.callable:
+            raise ConfigError("classifier.callable: required for the callable router")
+        self.fn: Callable[..., Sequence[str | None]] = import_object(cfg.callable, what="classifier.callable")
+
+    def route(self, items: Sequence[Item]) -> list[Route]:
+        payloads: list[Any] = []
+        bad: dict[int, str] = {}
+        for i, item in enumerate(items):
+            try:
+                payloads.append(item.payload())
+            except ProtocolError as exc:
+                payloads.append(None)
+                bad[i] = str(exc)
+        models = list(self.fn(payloads, [dict(item.headers) for item in items]))
+        if len(models) != len(items):
+            raise RuntimeError(f"router callable returned {len(models)} models for {len(items)} requests")
+        out = []
+        for i, model in enumerate(models):
+            if i in bad:
+                out.append(Route(None, (ErrorCode.BAD_REQUEST, bad[i])))
+            elif not model:
+                out.append(Route(None, (ErrorCode.UNKNOWN_MODEL, "the router gave no model")))
+            else:
+                out.append(Route(str(model)))
+        return out
+
+
+def make_router(cfg: ClassifierConfig) -> Router:
+    kinds: dict[str, type[Router]] = {"torch": TorchRouter, "rules": RulesRouter, "callable": CallableRouter}
+    return kinds[cfg.router](cfg)
+
+
+class Classifier:
+    """One classifier replica. Replicas share the durable consumer and split the work."""
+
+    def __init__(self, config: Config, nc: NATS, *, router: Router | None = None) -> None:
+        if config.classifier is None:
+            raise ConfigError("the config has no [classifier] section")
+        self.config = config
+        self.cfg = config.classifier
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects: Subjects = config.subjects
+        self.router = router or make_router(self.cfg)
+        self.id = f"classifier-{socket.gethostname()}-{os.getpid()}"
+        self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
+        self._stopping = anyio.Event()
+        self._ready = anyio.Event()
+        self._started_at = time.time()
+        self._tracer = trace.get_tracer(_tracer_name)
+
+    @property
+    def ready(self) -> anyio.Event:
+        return self._ready
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def status_report(self) -> StatusReport:
+        return StatusReport(role="classifier", id=self.id, stats=dict(self.stats), started_at=self._started_at)
+
+    async def run(self) -> None:
+        await ensure_classifier_streams(self.js, self.subjects, self.config.streams)
+        await anyio.to_thread.run_sync(self.router.load)
+        psub = await self.js.pull_subscribe_bind(durable=classifier_consumer_name(), stream=self.subjects.ingress_stream)
+        status = await serve_status(self.nc, self.subjects, self.status_report)
+        self._ready.set()
+        try:
+            while not self._stopping.is_set():
+                msgs = await self._gather(psub)
+                if msgs:
+                    await self._handle(msgs)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await status.unsubscribe()
+                    await psub.unsubscribe()
+                except (nats.errors.Error, ValueError):
+                    pass
+
+    async def _gather(self, psub: Any) -> list[Msg]:
+        max_delay_s = self.cfg.max_delay_ms / 1000.0
+        msgs: list[Msg] = []
+        window_end: float | None = None
+        while len(msgs) < self.cfg.max_batch_size and not self._stopping.is_set():
+            remaining = (window_end - time.monotonic()) if window_end is not None else 0.25
+            if remaining <= 0.0005:
+                break
+            try:
+                got = await psub.fetch(batch=self.cfg.max_batch_size - len(msgs), timeout=max(remaining, 0.001))
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                log.warning("fetch failed: %r", exc)
+                await anyio.sleep(0.1)
+                break
+            if window_end is None:
+                window_end = time.monotonic() + max_delay_s
+            msgs.extend(got)
+        return msgs
+
+    async def _handle(self, msgs: list[Msg]) -> None:
+        items = [Item(headers=dict(m.headers or {}), data=m.data, content_type=(m.headers or {}).get(Headers.CONTENT_TYPE)) for m in msgs]
+        routes: list[Route | None] = [None] * len(items)
+        to_classify: list[int] = []
+        for i, item in enumerate(items):
+            chosen = item.headers.get(Headers.MODEL)
+            if chosen:
+                # The producer named the model: no classification.
+                self.stats["direct"] += 1
+                routes[i] = Route(chosen)
+            else:
+                to_classify.append(i)
+        with self._tracer.start_as_current_span(
+            f"{self.subjects.ingress} process",
+            kind=SpanKind.CONSUMER,
+            links=links_from_headers([m.headers for m in msgs]),
+            attributes={
+                "messaging.system": "nats",
+                "messaging.operation.type": "process",
+                "messaging.destination.name": self.subjects.ingress,
+                "messaging.batch.message_count": len(msgs),
+                "jetbatch.classifier.classified": len(to_classify),
+            },
+        ):
+            if to_classify:
+                batch = [items[i] for i in to_classify]
+                try:
+                    decided = await anyio.to_thread.run_sync(self.router.route, batch)
+                except Exception as exc:  # noqa: BLE001 - a router bug answers the batch, it does not kill the sidecar
+                    log.error("router failed on a batch of %d: %r", len(batch), exc)
+                    decided = [Route(None, (ErrorCode.INTERNAL, f"router failed: {exc}"))] * len(batch)
+                for i, route in zip(to_classify, decided):
+                    routes[i] = route
+            # Republish the whole batch concurrently: one PubAck round trip per batch, not per request.
+            await asyncio.gather(*(self._forward(msg, item, route) for msg, item, route in zip(msgs, items, routes) if route))
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(msgs)
+
+    async def _forward(self, msg: Msg, item: Item, route: Route) -> None:
+        error = route.error
+        if error is None and route.model is not None:
+            try:
+                subject = self.subjects.model(validate_model_name(route.model))
+            except ProtocolError as exc:
+                error = (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
+            else:
+                error = await self._republish(subject, msg, item)
+                if error is None:
+                    self.stats["routed"] += 1
+                    if os.environ.get(FAULT_EXIT_AFTER_REPUBLISH):
+                        os._exit(137)  # test hook: crash between the republish and the ack
+                    await msg.ack()
+                    return
+        assert error is not None
+        self.stats["errors"] += 1
+        await self._reply_error(item, route.model, error)
+        if error[0] is ErrorCode.BAD_REQUEST:
+            await msg.term()
+            return
+        if error[0] is ErrorCode.UNKNOWN_MODEL:
+            await self._dead_letter(msg, item, error[1])
+        await msg.ack()
+
+    async def _republish(self, subject: str, msg: Msg, item: Item) -> tuple[ErrorCode, str] | None:
+        headers = dict(item.headers)  # unchanged: request id, reply-to, deadline, trace context
+        model = self.subjects.model_from_subject(subject)
+        for attempt in range(5):
+            try:
+                await self.js.publish(subject, msg.data, headers=headers, timeout=5)
+                return None
+            except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError):
+                try:
+                    await self.js.stream_info(self.subjects.models_stream)
+                except (nats.js.errors.Error, nats.errors.Error, asyncio.TimeoutError):
+                    await anyio.sleep(0.1 * 2**attempt)  # JetStream unavailable: retry, dedupe makes it safe
+                    continue
+                return (ErrorCode.UNKNOWN_MODEL, f"no model named {model!r} is served")
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in (10077, 10078, 10047, 10048):
+                    return (ErrorCode.OVERLOADED, f"queue for model {model} is full")
+                if exc.err_code == 10054:
+                    return (ErrorCode.BAD_REQUEST, "payload is over the model queue's max message size")
+                return (ErrorCode.INTERNAL, f"JetStream refused the republish: {exc.description}")
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                await anyio.sleep(0.1 * 2**attempt)
+        return (ErrorCode.INTERNAL, "JetStream did not acknowledge the republish")
+
+    async def _reply_error(self, item: Item, model: str | None, error: tuple[ErrorCode, str]) -> None:
+        reply_to = item.headers.get(Headers.REPLY_TO)
+        if not reply_to or any(c in reply_to for c in " *>\t"):
+            return
+        rid = item.headers.get(Headers.MSG_ID, "")
+        code, message = error
+        headers = {
+            Headers.STATUS: Status.ERROR.value,
+            Headers.ERROR_CODE: code.value,
+            Headers.REQUEST_ID: rid,
+            Headers.CONTENT_TYPE: ContentType.JSON.value,
+            Headers.MODEL: model or "",
+        }
+        try:
+            await self.nc.publish(reply_to, encode_error(code, message, rid), headers=headers)
+        except nats.errors.Error as exc:
+            log.warning("error reply to %s failed: %r", rid, exc)
+
+    async def _dead_letter(self, msg: Msg, item: Item, reason: str) -> None:
+        headers = dict(item.headers)
+        headers.pop(Headers.MSG_ID, None)  # the DLQ keeps every entry, even for a reused request id
+        deliveries = 1
+        try:
+            deliveries = msg.metadata.num_delivered
+        except Exception:  # noqa: BLE001
+            pass
+        headers.update(
+            {
+                Headers.DLQ_REASON: reason,
+                Headers.DLQ_STAGE: "classifier",
+                Headers.DLQ_SUBJECT: msg.subject,
+                Headers.DLQ_DELIVERIES: str(deliveries),
+                Headers.REQUEST_ID: item.headers.get(Headers.MSG_ID, ""),
+            }
+        )
+        try:
+            await self.js.publish(self.subjects.dead_letter("classifier"), msg.data, headers=headers, timeout=5)
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("dead-lettering %s failed: %r", item.headers.get(Headers.MSG_ID), exc)
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", required=True, help="TOML config with a [classifier] section")
+    parser.add_argument("--nats-url", default=None, help="NATS server URL(s) (default: $NATS_URL)")
+    parser.add_argument("--log-level", default=os.environ.get("JETBATCH_LOG_LEVEL", "WARNING"))
+    parser.add_argument("--trace-console", action="store_true", help="print spans to stdout (debugging)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cli import _setup_telemetry
+
+    config = load_config(args.config)
+    if config.classifier is None:
+        raise ConfigError(f"{args.config}: no [classifier] section")
+    url = args.nats_url or config.nats.url
+    if not url:
+        raise ConfigError("no NATS server: pass --nats-url or set NATS_URL or nats.url")
+    shutdown = _setup_telemetry("classifier", args)
+    try:
+        return anyio.run(_main, config, url)
+    finally:
+        shutdown()
+
+
+async def _main(config: Config, url: str) -> int:
+    from .transport import connect
+
+    nc = await connect(config.nats, url, name="jetbatch-classifier")
+    try:
+        classifier = Classifier(config, nc)
+        async with anyio.create_task_group() as tg:
+
+            async def on_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        classifier.stop()
+                        return
+
+            tg.start_soon(on_signals)
+            await classifier.run()
+            tg.cancel_scope.cancel()
+    finally:
+        await nc.drain()
+    return 0

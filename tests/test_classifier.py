@@ -1,0 +1,201 @@
+"""The classifier sidecar against a real nats-server: routing, batching, errors, crash safety."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import anyio
+import msgspec
+import nats
+import pytest
+import torch
+
+import sdk
+from sdk.protocol import ContentType, Headers, Tensor
+from sidecar.classifier import Classifier
+from sidecar.config import Config
+from sidecar.streams import ensure_classifier_streams, ensure_model_consumer, ensure_streams
+from sidecar.transport import connect
+from tests import classifier_fixtures
+from tests.helpers import running_worker, sleep_model, wait_until
+
+pytestmark = pytest.mark.anyio
+
+IDENTITY = {"handler": "identity", "max_batch_size": 16, "max_delay_ms": 5}
+
+
+def config(prefix: str, classifier: dict[str, Any], models: tuple[str, ...] = ("m1", "m2")) -> Config:
+    return msgspec.convert(
+        {
+            "nats": {"prefix": prefix},
+            "worker": {"poll_interval_ms": 50},
+            "models": {m: IDENTITY for m in models},
+            "classifier": {"max_delay_ms": 20, **classifier},
+        },
+        Config,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_classifier(cfg: Config, url: str) -> AsyncIterator[Classifier]:
+    nc = await connect(cfg.nats, url)
+    classifier = Classifier(cfg, nc)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(classifier.run)
+            with anyio.fail_after(20):
+                await classifier.ready.wait()
+            yield classifier
+            classifier.stop()
+    finally:
+        await nc.close()
+
+
+async def prepare(cfg: Config, url: str) -> None:
+    """Create every stream, so requests can be queued before any sidecar runs."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await ensure_classifier_streams(js, cfg.subjects, cfg.streams)
+    await ensure_streams(js, cfg.subjects, cfg.streams, cfg.models)
+    for m in cfg.models:
+        await ensure_model_consumer(js, cfg.subjects, cfg.streams, m)
+    await nc.close()
+
+
+async def test_rules_router_by_header_field_and_default(nats_url: str, prefix: str) -> None:
+    rules = [{"header": "X-Tenant", "equals": "acme", "model": "m2"}, {"field": "kind", "equals": "b", "model": "m2"}]
+    cfg = config(prefix, {"router": "rules", "rules": rules, "default_model": "m1"})
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            by_header = await client.infer_result({"kind": "a"}, headers={"X-Tenant": "acme"}, timeout=20)
+            by_field = await client.infer_result({"kind": "b"}, timeout=20)
+            default = await client.infer_result({"kind": "zzz"}, timeout=20)
+    assert (by_header.batch.model, by_field.batch.model, default.batch.model) == ("m2", "m2", "m1")
+    assert by_field.output == {"kind": "b"}  # the payload reached the model unchanged
+
+
+async def test_callable_router_and_unknown_label(nats_url: str, prefix: str) -> None:
+    cfg = config(prefix, {"router": "callable", "callable": "tests.classifier_fixtures:by_payload_key"})
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            a, b = await asyncio.gather(client.infer_result({"kind": "a"}, timeout=20), client.infer_result({"kind": "b"}, timeout=20))
+            with pytest.raises(sdk.UnknownModel, match="gave no model"):
+                await client.infer({"kind": "c"}, timeout=20)
+            dlq = await client.nats.jetstream().get_last_msg(cfg.subjects.dead_letter_stream, cfg.subjects.dead_letter("classifier"))
+    assert (a.batch.model, b.batch.model) == ("m1", "m2")
+    assert dlq.headers[Headers.DLQ_REASON] == "the router gave no model"
+    assert msgspec.msgpack.decode(dlq.data) == {"kind": "c"}
+
+
+async def test_label_for_a_model_nobody_serves_is_unknown_model(nats_url: str, prefix: str) -> None:
+    rules = [{"field": "kind", "equals": "x", "model": "ghost"}]
+    cfg = config(prefix, {"router": "rules", "rules": rules, "default_model": "m1"})
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url) as classifier:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            with pytest.raises(sdk.UnknownModel, match="ghost"):
+                await client.infer({"kind": "x"}, timeout=20)
+            assert await client.infer({"kind": "y"}, timeout=20) == {"kind": "y"}
+    assert classifier.stats["errors"] == 1
+
+
+async def test_torch_router_classifies_a_batch_in_one_forward_pass(nats_url: str, prefix: str) -> None:
+    cfg = config(
+        prefix,
+        {"router": "torch", "handler": "tests.classifier_fixtures:CountingNet", "labels": {"0": "m1", "1": "m2"}, "max_batch_size": 32, "max_delay_ms": 200},
+    )
+    await prepare(cfg, nats_url)
+    classifier_fixtures.BATCH_SIZES.clear()
+    xs = [torch.tensor([1.0 if i % 3 else -1.0, 0.0]) for i in range(12)]
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        calls = [asyncio.ensure_future(client.infer_result(Tensor.from_torch(x), timeout=30)) for x in xs]
+        js = client.nats.jetstream()
+        await wait_until(lambda: _stream_count(js, cfg.subjects.ingress_stream, 12), what="12 queued requests")
+        async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url):
+            results = await asyncio.gather(*calls)
+    assert classifier_fixtures.BATCH_SIZES == [12]  # all twelve in one forward pass
+    assert [r.batch.model for r in results] == ["m2" if i % 3 else "m1" for i in range(12)]
+
+
+async def _stream_count(js: Any, stream: str, n: int) -> bool:
+    return bool((await js.stream_info(stream)).state.messages >= n)
+
+
+async def test_example_router_routes_example_inputs(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    from sidecar.example_models import EXAMPLE_MODELS, build_examples, sample_inputs
+
+    ex = build_examples(tmp_path)
+    labels = {str(i): name for i, name in enumerate(EXAMPLE_MODELS)}
+    cfg = config(prefix, {"router": "torch", "path": str(ex.directory / "router.pt"), "labels": labels}, models=tuple(EXAMPLE_MODELS))
+    x, truth = sample_inputs(30, seed=21)
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            results = await asyncio.gather(*(client.infer_result(Tensor.from_torch(row), timeout=30) for row in x))
+    assert [r.batch.model for r in results] == truth
+
+
+async def test_garbled_payload_bad_request_and_producer_choice_skips_classification(nats_url: str, prefix: str) -> None:
+    cfg = config(prefix, {"router": "torch", "handler": "tests.classifier_fixtures:CountingNet", "labels": {"0": "m1", "1": "m2"}})
+    classifier_fixtures.BATCH_SIZES.clear()
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url) as classifier:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            with pytest.raises(sdk.BadRequest):
+                await client.infer(b"\x93garbage", content_type=ContentType.TENSOR, timeout=20)
+            # The model named by the producer on jetbatch.in: routed without a forward pass.
+            direct = await client.infer_result(b"raw", headers={Headers.MODEL: "m2"}, timeout=20)
+            good = await client.infer_result(Tensor.from_torch(torch.tensor([-3.0, 1.0])), timeout=20)
+    assert direct.batch.model == "m2" and direct.output == b"raw"
+    assert good.batch.model == "m1"
+    assert classifier_fixtures.BATCH_SIZES == [1]
+    assert classifier.stats["direct"] == 1
+
+
+async def test_two_replicas_split_the_work(nats_url: str, prefix: str) -> None:
+    cfg = config(prefix, {"router": "callable", "callable": "tests.classifier_fixtures:slow_to_m1", "max_batch_size": 2, "max_delay_ms": 1})
+    async with running_worker(cfg, nats_url):
+        async with running_classifier(cfg, nats_url) as one, running_classifier(cfg, nats_url) as two:
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                results = await asyncio.gather(*(client.infer(f"r{i}".encode(), timeout=30) for i in range(60)))
+    assert results == [f"r{i}".encode() for i in range(60)]
+    assert one.stats["routed"] > 0 and two.stats["routed"] > 0
+    assert one.stats["routed"] + two.stats["routed"] == 60
+
+
+async def test_crash_between_republish_and_ack_routes_each_request_once(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    cfg_path = tmp_path / "classifier.toml"
+    cfg_path.write_text(
+        f'[nats]\nprefix = "{prefix}"\n[streams]\nack_wait_s = 1\n'
+        '[models.m1]\nhandler = "identity"\n'
+        '[classifier]\nrouter = "rules"\ndefault_model = "m1"\nmax_batch_size = 4\nmax_delay_ms = 50\n'
+    )
+    cfg = config(prefix, {"router": "rules", "default_model": "m1"}, models=("m1",))
+    await prepare(cfg, nats_url)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    for i in range(10):
+        await js.publish(cfg.subjects.ingress, f"p{i}".encode(), headers={Headers.MSG_ID: f"req-{i}-{uuid.uuid4().hex[:6]}"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_")}
+    cmd = [sys.executable, "-m", "sidecar.cli", "classifier", "--config", str(cfg_path), "--nats-url", nats_url]
+    crashed = await anyio.run_process(cmd, env={**env, "JETBATCH_FAULT_EXIT_AFTER_REPUBLISH": "1"}, check=False)
+    assert crashed.returncode == 137  # died after a republish, before acking it
+    assert (await js.stream_info(cfg.subjects.models_stream)).state.messages >= 1
+    with anyio.fail_after(60):
+        async with await anyio.open_process(cmd, env=env) as proc:
+            try:
+                await wait_until(lambda: _stream_count(js, cfg.subjects.models_stream, 10), timeout_s=30, what="10 routed")
+                await wait_until(lambda: _empty(js, cfg.subjects.ingress_stream), timeout_s=30, what="ingress drained")
+            finally:
+                proc.terminate()
+    info = await js.stream_info(cfg.subjects.models_stream)
+    await nc.close()
+    assert info.state.messages == 10  # each request reached its model queue exactly once
+
+
+async def _empty(js: Any, stream: str) -> bool:
+    return (await js.stream_info(stream)).state.messages == 0
