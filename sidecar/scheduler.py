@@ -87,6 +87,9 @@ class Serve:
     model: str
     max_items: int
     reason: str = "backlog"
+    # Only requests enqueued before this time (arrival-order batching, used by `fifo` when the
+    # caller cannot give the arrival order): the batch ends at the first newer request.
+    before: float | None = None
 
 
 @dataclass(frozen=True)
@@ -382,8 +385,12 @@ class Fifo(_Base):
             if target.resident:
                 return Serve(head, min(run, target.max_batch_size), "fifo")
             return Load(head, self._evictions(state, target, now), "fifo")
-        target = min(waiting, key=lambda m: (m.oldest_enqueued_at if m.oldest_enqueued_at is not None else now, m.name))
-        return self._go(state, target, now, "fifo")
+        target = min(waiting, key=lambda m: (_oldest(m, now), m.name))
+        others = [_oldest(m, now) for m in waiting if m.name != target.name]
+        if not target.resident:
+            return Load(target.name, self._evictions(state, target, now), "fifo")
+        # The batch is the run of this model's requests older than any other model's oldest.
+        return Serve(target.name, target.max_batch_size, "fifo", before=min(others) if others else None)
 
 
 class RoundRobin(_Base):

@@ -317,6 +317,20 @@ class Worker:
             await anyio.sleep(0.1)
             return []
 
+    async def _gather_before(self, slot: _Slot, max_items: int, before: float) -> list[Msg]:
+        """Arrival-order batching: pull one at a time while requests are older than ``before``;
+        the first newer one goes back to the queue (nak) for a later batch."""
+        msgs: list[Msg] = []
+        while len(msgs) < max_items:
+            got = await self._fetch(slot, 1, 0.05)
+            if not got:
+                break
+            if _enqueued_at(got[0], time.time()) >= before and msgs:
+                await got[0].nak()
+                break
+            msgs.extend(got)
+        return msgs
+
     async def _gather(self, slot: _Slot, max_items: int, first: list[Msg] | None = None) -> list[Msg]:
         """Pull until ``max_items`` or until ``max_delay_ms`` after the first request of the batch
         was enqueued (a request that already waited that long does not wait again)."""
@@ -351,7 +365,10 @@ class Worker:
         if slot.in_flight > slot.config.max_concurrent_batches:
             await self._wait_for(lambda: slot.in_flight <= slot.config.max_concurrent_batches)
         max_items = max(1, min(decision.max_items, slot.config.max_batch_size))
-        msgs = await self._gather(slot, max_items, first)
+        if decision.before is not None and not first:
+            msgs = await self._gather_before(slot, max_items, decision.before)
+        else:
+            msgs = await self._gather(slot, max_items, first)
         if not msgs:
             slot.backlog = 0
             slot.oldest_enqueued_at = None
@@ -626,7 +643,10 @@ class Worker:
         started = time.perf_counter()
         with self.telemetry.child_span("model.unload", **{"jetbatch.model": slot.name}) as span:
             await anyio.to_thread.run_sync(slot.handler.unload)
-            gc.collect()
+            if self.device.type == "cuda":
+                # Reference cycles can pin device memory until a collection; on the CPU the
+                # refcount drop frees it, and a full collection would cost ~0.1 s per switch.
+                gc.collect()
             seconds = time.perf_counter() - started
             span.set_attribute("jetbatch.model.unload.seconds", seconds)
         slot.resident = False
