@@ -85,8 +85,9 @@ async def classifier_round(url: str, n: int, batch: int, body: bytes, ctype: str
     await queue(js, cfg.subjects.ingress, n, body, ctype)
     classifier = Classifier(cfg, nc)
     async with anyio.create_task_group() as tg:
-        started = time.perf_counter()
         tg.start_soon(classifier.run)
+        await classifier.ready.wait()  # like the raw side, the clock starts once subscribed
+        started = time.perf_counter()
         await wait_count(js, cfg.subjects.models_stream, n)
         elapsed = time.perf_counter() - started
         classifier.stop()

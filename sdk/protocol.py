@@ -252,15 +252,24 @@ class Tensor(msgspec.Struct, frozen=True):
         dtype = getattr(torch, self.dtype)
         if len(self.data) == 0:
             return torch.empty(self.shape, dtype=dtype)
-        import warnings
-
-        with warnings.catch_warnings():
-            # Read-only by design: the tensor views the received message without copying.
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        global _frombuffer_warned
+        if _frombuffer_warned:
             flat = torch.frombuffer(self.data, dtype=dtype)
+        else:
+            import warnings
+
+            with warnings.catch_warnings():
+                # Read-only by design: the tensor views the received message without copying.
+                # torch warns once per process; silence that one and skip the (costly) guard after.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(self.data, dtype=dtype)
+            _frombuffer_warned = True
         if sys.byteorder != "little":  # pragma: no cover - wire order is little-endian
             flat = flat.byteswap()
         return flat.reshape(self.shape)
+
+
+_frombuffer_warned = False
 
 
 def _to_little_endian(raw: bytes, itemsize: int) -> bytes:

@@ -36,7 +36,6 @@ from sdk.protocol import (
     Subjects,
     decode_payload,
     encode_error,
-    validate_model_name,
 )
 
 from .config import ClassifierConfig, Config, ConfigError, load_config
@@ -263,6 +262,7 @@ class Classifier:
         self._ready = anyio.Event()
         self._started_at = time.time()
         self._tracer = trace.get_tracer(_tracer_name)
+        self._fault_exit_after_republish = bool(os.environ.get(FAULT_EXIT_AFTER_REPUBLISH))
 
     @property
     def ready(self) -> anyio.Event:
@@ -280,11 +280,16 @@ class Classifier:
         psub = await self.js.pull_subscribe_bind(durable=classifier_consumer_name(), stream=self.subjects.ingress_stream)
         status = await serve_status(self.nc, self.subjects, self.status_report)
         self._ready.set()
+        # Pipelining: the next batch is fetched and classified while the previous one's
+        # republishes wait for their PubAcks (at most two batches in flight).
+        in_flight = anyio.Semaphore(2)
         try:
-            while not self._stopping.is_set():
-                msgs = await self._gather(psub)
-                if msgs:
-                    await self._handle(msgs)
+            async with anyio.create_task_group() as tg:
+                while not self._stopping.is_set():
+                    msgs = await self._gather(psub)
+                    if msgs:
+                        await in_flight.acquire()
+                        tg.start_soon(self._handle_and_release, msgs, in_flight)
         finally:
             with anyio.CancelScope(shield=True):
                 try:
@@ -292,6 +297,12 @@ class Classifier:
                     await psub.unsubscribe()
                 except (nats.errors.Error, ValueError):
                     pass
+
+    async def _handle_and_release(self, msgs: list[Msg], limiter: anyio.Semaphore) -> None:
+        try:
+            await self._handle(msgs)
+        finally:
+            limiter.release()
 
     async def _gather(self, psub: Any) -> list[Msg]:
         max_delay_s = self.cfg.max_delay_ms / 1000.0
@@ -315,7 +326,7 @@ class Classifier:
         return msgs
 
     async def _handle(self, msgs: list[Msg]) -> None:
-        items = [Item(headers=dict(m.headers or {}), data=m.data, content_type=(m.headers or {}).get(Headers.CONTENT_TYPE)) for m in msgs]
+        items = [Item(headers=m.headers or {}, data=m.data, content_type=(m.headers or {}).get(Headers.CONTENT_TYPE)) for m in msgs]
         routes: list[Route | None] = [None] * len(items)
         to_classify: list[int] = []
         for i, item in enumerate(items):
@@ -356,14 +367,14 @@ class Classifier:
         error = route.error
         if error is None and route.model is not None:
             try:
-                subject = self.subjects.model(validate_model_name(route.model))
+                subject = self.subjects.model(route.model)  # validates the name
             except ProtocolError as exc:
                 error = (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
             else:
                 error = await self._republish(subject, msg, item)
                 if error is None:
                     self.stats["routed"] += 1
-                    if os.environ.get(FAULT_EXIT_AFTER_REPUBLISH):
+                    if self._fault_exit_after_republish:
                         os._exit(137)  # test hook: crash between the republish and the ack
                     await msg.ack()
                     return
@@ -378,7 +389,7 @@ class Classifier:
         await msg.ack()
 
     async def _republish(self, subject: str, msg: Msg, item: Item) -> tuple[ErrorCode, str] | None:
-        headers = dict(item.headers)  # unchanged: request id, reply-to, deadline, trace context
+        headers = item.headers  # unchanged: request id, reply-to, deadline, trace context
         model = self.subjects.model_from_subject(subject)
         for attempt in range(5):
             try:

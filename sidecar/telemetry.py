@@ -13,13 +13,22 @@ from typing import Any, Iterator, Mapping, Sequence
 from opentelemetry import metrics, propagate, trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-__all__ = ["WorkerTelemetry", "links_from_headers"]
+__all__ = ["WorkerTelemetry", "links_from_headers", "tracing_enabled"]
 
 _INSTRUMENTATION = "jetbatch.sidecar"
 
 
+def tracing_enabled() -> bool:
+    """Whether an OpenTelemetry SDK tracer provider is installed (else spans are no-ops and
+    extracting contexts for links would be wasted work on the hot path)."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, (trace.NoOpTracerProvider, trace.ProxyTracerProvider))
+
+
 def links_from_headers(headers_list: Sequence[Mapping[str, str] | None]) -> list[Link]:
     """One link per request whose headers carry a valid W3C trace context."""
+    if not tracing_enabled():
+        return []
     links = []
     for headers in headers_list:
         if not headers:
