@@ -32,6 +32,7 @@ from sidecar.worker import Worker  # noqa: E402
 
 
 POLICY = "cost-aware"
+POLL_MS = 250.0  # the default
 
 
 def pct(values: list[float], q: float) -> float:
@@ -98,7 +99,7 @@ async def jetbatch_round(url: str, n: int, concurrency: int, payload: bytes, max
     config = msgspec.convert(
         {
             "nats": {"prefix": prefix},
-            "worker": {"poll_interval_ms": 50, "policy": POLICY},
+            "worker": {"poll_interval_ms": POLL_MS, "policy": POLICY},
             "models": {"ident": {"handler": "identity", "max_batch_size": max_batch, "max_delay_ms": 2}},
         },
         Config,

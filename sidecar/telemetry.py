@@ -8,12 +8,26 @@ unload and inference, and attributes for the batch's size, queue wait and schedu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from opentelemetry import metrics, propagate, trace
+from opentelemetry.metrics import Observation
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-__all__ = ["WorkerTelemetry", "links_from_headers", "tracing_enabled"]
+__all__ = ["LoadRecord", "WorkerTelemetry", "links_from_headers", "tracing_enabled"]
+
+
+@dataclass
+class LoadRecord:
+    """Timing of one switch, kept until the batch that paid for it emits its spans."""
+
+    model: str
+    start_ns: int
+    end_ns: int
+    memory_bytes: int
+    evicted: tuple[str, ...] = ()
+    unloads: list[tuple[str, int, int]] = field(default_factory=list)  # (model, start_ns, end_ns)
 
 _INSTRUMENTATION = "jetbatch.sidecar"
 
@@ -58,6 +72,49 @@ class WorkerTelemetry:
         self.evictions = meter.create_counter("jetbatch.model.evictions", unit="{eviction}", description="Model evictions")
         self.switches = meter.create_counter("jetbatch.scheduler.switches", unit="{switch}", description="Model switches, by reason")
 
+    def register_gauges(self, report: Callable[[], Any]) -> None:
+        """Observable gauges read from ``report()`` (a StatusReport) at each collection."""
+        meter = metrics.get_meter(_INSTRUMENTATION)
+
+        def backlog(_: Any) -> Iterable[Observation]:
+            r = report()
+            return [Observation(n, {"jetbatch.model": m}) for m, n in r.backlog.items()]
+
+        def resident(_: Any) -> Iterable[Observation]:
+            return [Observation(len(report().resident), {"jetbatch.worker.id": self.worker_id})]
+
+        def memory(_: Any) -> Iterable[Observation]:
+            r = report()
+            out = [Observation(r.memory_bytes, {"jetbatch.memory": "used"})]
+            if r.memory_budget_bytes is not None:
+                out.append(Observation(r.memory_budget_bytes, {"jetbatch.memory": "budget"}))
+            return out
+
+        meter.create_observable_gauge("jetbatch.queue.backlog", [backlog], unit="{request}", description="Requests waiting per model")
+        meter.create_observable_gauge("jetbatch.models.resident", [resident], unit="{model}", description="Models resident on the device")
+        meter.create_observable_gauge("jetbatch.memory", [memory], unit="By", description="Device memory in use, and the budget")
+
+    def record_load(self, record: "LoadRecord", parent: Span) -> None:
+        """Emit the ``model.unload`` and ``model.load`` spans of a switch under ``parent``, the
+        batch span that paid for it (the load ran just before that batch began)."""
+        ctx = trace.set_span_in_context(parent)
+        for name, start_ns, end_ns in record.unloads:
+            span = self.tracer.start_span("model.unload", context=ctx, start_time=start_ns, attributes={"jetbatch.model": name})
+            span.set_attribute("jetbatch.model.unload.seconds", (end_ns - start_ns) / 1e9)
+            span.end(end_time=end_ns)
+        span = self.tracer.start_span(
+            "model.load",
+            context=ctx,
+            start_time=record.start_ns,
+            attributes={
+                "jetbatch.model": record.model,
+                "jetbatch.model.load.seconds": (record.end_ns - record.start_ns) / 1e9,
+                "jetbatch.model.bytes": record.memory_bytes,
+                "jetbatch.model.evicted": list(record.evicted),
+            },
+        )
+        span.end(end_time=record.end_ns)
+
     @contextlib.contextmanager
     def batch_span(
         self,
@@ -68,8 +125,10 @@ class WorkerTelemetry:
         waits_ms: Sequence[float],
         decision: str,
         loaded: bool,
+        start_ns: int | None = None,
     ) -> Iterator[Span]:
-        """The span of one batch, linked to every request in it."""
+        """The span of one batch, linked to every request in it. A batch that paid a load starts
+        when the load started (``start_ns``), so the switch shows inside it."""
         attrs: dict[str, Any] = {
             "messaging.system": "nats",
             "messaging.operation.type": "process",
@@ -88,7 +147,8 @@ class WorkerTelemetry:
             attrs["jetbatch.queue.wait.max_ms"] = max(waits_ms)
             attrs["jetbatch.queue.wait.mean_ms"] = sum(waits_ms) / len(waits_ms)
         with self.tracer.start_as_current_span(
-            f"process {model}", kind=SpanKind.CONSUMER, links=links_from_headers(headers_list), attributes=attrs
+            f"process {model}", kind=SpanKind.CONSUMER, links=links_from_headers(headers_list), attributes=attrs,
+            start_time=start_ns,
         ) as span:
             yield span
         self.batch_size.record(len(headers_list), {"jetbatch.model": model})

@@ -44,7 +44,7 @@ from .config import Config, ConfigError, ModelConfig
 from .handlers import BadInput, Handler, HandlerError, create_handler, resolve_device
 from .streams import ensure_model_consumer, ensure_streams, model_consumer_name
 from .status import StatusReport, serve_status
-from .telemetry import WorkerTelemetry
+from .telemetry import LoadRecord, WorkerTelemetry
 
 __all__ = ["BatchReport", "Worker"]
 
@@ -87,6 +87,7 @@ class _Request:
     deliveries: int
     value: Any = None
     error: tuple[ErrorCode, str] | None = None
+    exception: BaseException | None = None  # what the handler raised, for the batch span
 
 
 @dataclass
@@ -105,6 +106,7 @@ class _Slot:
     limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
     weights_read: bool = False
     last_used_at: float | None = None
+    pending_load: LoadRecord | None = None  # reported under the first batch after the load
 
 
 class Worker:
@@ -153,6 +155,7 @@ class Worker:
             max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models
         )
         self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
+        self.telemetry.register_gauges(self.status_report)
         self.on_batch = on_batch
         self.on_load = on_load
         self._stopping = anyio.Event()
@@ -340,13 +343,23 @@ class Worker:
         if msgs:
             window_end = min(time.time(), _enqueued_at(msgs[0], time.time())) + max_delay_s
         first_wait_s = min(self.config.worker.poll_interval_ms / 1000.0, 0.5)
+
+        def device_busy() -> bool:
+            # The batch gathered now cannot start before a running one ends: keep filling it
+            # meanwhile instead of closing it at the window and running it small.
+            return slot.in_flight >= slot.config.max_concurrent_batches
+
         while len(msgs) < max_items and not self._stopping.is_set():
             now = time.time()
             remaining = (window_end - now) if window_end is not None else first_wait_s
+            if msgs and device_busy():
+                remaining = max(remaining, 0.005)
             if remaining <= 0.0005 and msgs:
                 break
             got = await self._fetch(slot, max_items - len(msgs), max(remaining, 0.001))
             if not got:
+                if msgs and device_busy():
+                    continue
                 if window_end is None or time.time() >= window_end:
                     break
                 continue
@@ -445,6 +458,8 @@ class Worker:
                 except Exception as exc:  # noqa: BLE001 - a custom decode must not take the batch down
                     r.error = (ErrorCode.BAD_REQUEST, f"cannot decode payload: {exc}")
         good = [r for r in requests if r.error is None]
+        load_record = slot.pending_load if loaded else None
+        slot.pending_load = None
         with self.telemetry.batch_span(
             slot.name,
             [r.msg.headers for r in requests],
@@ -452,7 +467,10 @@ class Worker:
             waits_ms=waits_ms,
             decision=reason,
             loaded=loaded,
+            start_ns=load_record.start_ns if load_record else None,
         ) as span:
+            if load_record is not None:
+                self.telemetry.record_load(load_record, span)
             started = time.perf_counter()
             outputs: dict[int, Any] = {}
             if good:
@@ -466,8 +484,14 @@ class Worker:
             errors = await self._reply_and_ack(slot, batch_id, requests, outputs, waits_ms, loaded, trace_id)
             if errors:
                 span.set_attribute("jetbatch.batch.errors", errors)
-                if errors == len(requests):
-                    span.set_status(_error_status(f"all {errors} requests failed"))
+                for r in requests:
+                    if r.error is not None:
+                        span.add_event("request.error", {"jetbatch.request.id": r.request_id, "jetbatch.error.code": r.error[0].value})
+                    if r.exception is not None:
+                        span.record_exception(r.exception, {"jetbatch.request.id": r.request_id})
+                failed = [r for r in requests if r.error and r.error[0] in (ErrorCode.MODEL_FAILED, ErrorCode.INTERNAL)]
+                if failed or errors == len(requests):
+                    span.set_status(_error_status(f"{errors} of {len(requests)} requests failed"))
         slot.last_used_at = time.time()
         self.policy.on_batch_done(slot.name, len(requests), time.time())
         self.stats["batches"] += 1
@@ -497,6 +521,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - handler code is user code
             if len(requests) == 1:
                 requests[0].error = (ErrorCode.MODEL_FAILED, f"{type(exc).__name__}: {exc}")
+                requests[0].exception = exc
                 return
             mid = len(requests) // 2
             await self._predict_isolating(slot, requests[:mid], outputs)
@@ -601,29 +626,32 @@ class Worker:
         for name in evict:
             victim = self.slots[name]
             await self._wait_for(lambda: victim.in_flight == 0)
+        unloads: list[tuple[str, int, int]] = []
         async with self._device_lock:
             for name in evict:
                 victim = self.slots[name]
+                started_ns = time.time_ns()
                 await self._unload(victim)
+                unloads.append((name, started_ns, time.time_ns()))
                 self.stats["evictions"] += 1
                 self.telemetry.evictions.add(1, {"jetbatch.model": name})
             if slot.resident:
                 return
             started = time.perf_counter()
+            started_ns = time.time_ns()
             before = _device_bytes(self.device)
-            with self.telemetry.child_span("model.load", **{"jetbatch.model": slot.name}) as span:
-                try:
-                    await anyio.to_thread.run_sync(slot.handler.load, self.device)
-                except Exception as exc:  # noqa: BLE001 - a model that cannot load must not stop the worker
+            try:
+                await anyio.to_thread.run_sync(slot.handler.load, self.device)
+            except Exception as exc:  # noqa: BLE001 - a model that cannot load must not stop the worker
+                with self.telemetry.child_span("model.load", **{"jetbatch.model": slot.name}) as span:
                     self.telemetry.mark_error(span, exc)
-                    log.error("loading model %s failed: %s", slot.name, exc)
-                    await self._fail_queue(slot, f"model {slot.name} failed to load: {exc}")
-                    return
-                seconds = time.perf_counter() - started
-                after = _device_bytes(self.device)
-                memory = (after - before) if (after is not None and before is not None and after > before) else slot.handler.memory_bytes()
-                span.set_attribute("jetbatch.model.load.seconds", seconds)
-                span.set_attribute("jetbatch.model.bytes", memory)
+                log.error("loading model %s failed: %s", slot.name, exc)
+                await self._fail_queue(slot, f"model {slot.name} failed to load: {exc}")
+                return
+            seconds = time.perf_counter() - started
+            after = _device_bytes(self.device)
+            memory = (after - before) if (after is not None and before is not None and after > before) else slot.handler.memory_bytes()
+            slot.pending_load = LoadRecord(slot.name, started_ns, time.time_ns(), memory, tuple(evict), unloads)
             slot.resident = True
             slot.fresh_load = True
             slot.weights_read = False
@@ -641,15 +669,14 @@ class Worker:
 
     async def _unload(self, slot: _Slot) -> None:
         started = time.perf_counter()
-        with self.telemetry.child_span("model.unload", **{"jetbatch.model": slot.name}) as span:
-            await anyio.to_thread.run_sync(slot.handler.unload)
-            if self.device.type == "cuda":
-                # Reference cycles can pin device memory until a collection; on the CPU the
-                # refcount drop frees it, and a full collection would cost ~0.1 s per switch.
-                gc.collect()
-            seconds = time.perf_counter() - started
-            span.set_attribute("jetbatch.model.unload.seconds", seconds)
+        await anyio.to_thread.run_sync(slot.handler.unload)
+        if self.device.type == "cuda":
+            # Reference cycles can pin device memory until a collection; on the CPU the
+            # refcount drop frees it, and a full collection would cost ~0.1 s per switch.
+            gc.collect()
+        seconds = time.perf_counter() - started
         slot.resident = False
+        slot.pending_load = None
         slot.fresh_load = False
         self.policy.on_evicted(slot.name, time.time())
         self.telemetry.unload_duration.record(seconds, {"jetbatch.model": slot.name})

@@ -1,0 +1,102 @@
+"""Throughput with tracing on (100% sampling, OTLP/HTTP export to a receiver on loopback) against
+tracing off, same workload (SDK → worker, identity handler), alternating in one run. Each round
+runs in a fresh process, because OpenTelemetry's global providers can be set only once. Run:
+
+    python bench/tracing_overhead.py [--requests 3000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+async def one_round(n: int, tracing: bool, endpoint: str | None) -> float:
+    import uuid
+
+    import anyio
+    import msgspec
+
+    import sdk
+    from sidecar.config import Config
+    from sidecar.natsserver import EmbeddedNats
+    from sidecar.transport import connect
+    from sidecar.worker import Worker
+
+    provider = None
+    if tracing:
+        from opentelemetry import trace
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider = TracerProvider()  # default sampler: parent-based always-on (100%)
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")))
+        trace.set_tracer_provider(provider)
+    with EmbeddedNats() as server:
+        prefix = f"tr{uuid.uuid4().hex[:6]}"
+        cfg = msgspec.convert(
+            {"nats": {"prefix": prefix}, "models": {"m": {"handler": "identity", "max_batch_size": 64, "max_delay_ms": 2}}}, Config
+        )
+        nc = await connect(cfg.nats, server.url)
+        worker = Worker(cfg, nc)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            await worker.ready.wait()
+            async with sdk.Client.connect(server.url, prefix=prefix) as client:
+                await client.infer(b"warm", model="m", timeout=30)
+                gate = asyncio.Semaphore(64)
+
+                async def one() -> None:
+                    async with gate:
+                        await client.infer(b"x" * 256, model="m", timeout=60)
+
+                started = asyncio.get_running_loop().time()
+                await asyncio.gather(*(one() for _ in range(n)))
+                elapsed = asyncio.get_running_loop().time() - started
+            worker.stop()
+        await nc.close()
+    if provider is not None:
+        provider.shutdown()
+    return n / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--child", choices=["on", "off"], help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(asyncio.run(one_round(args.requests, args.child == "on", args.endpoint)))
+        return
+    from tests.otlp_receiver import OtlpReceiver
+
+    off, on = [], []
+    with OtlpReceiver() as receiver:
+        for _ in range(args.rounds):
+            for mode, bucket in (("off", off), ("on", on)):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", mode, "--requests", str(args.requests), "--endpoint", receiver.endpoint],
+                    capture_output=True, text=True, check=True, cwd=ROOT,
+                )  # fmt: skip
+                bucket.append(float(out.stdout.strip().splitlines()[-1]))
+        exported = len(receiver.snapshot())
+    ratios = [a / b for a, b in zip(on, off)]
+    print(json.dumps({
+        "requests": args.requests, "off_rps": [round(x) for x in off], "on_rps": [round(x) for x in on],
+        "ratio_median": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios], "spans_exported": exported,
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
