@@ -39,6 +39,7 @@ from sdk.protocol import (
 )
 
 from .config import ClassifierConfig, Config, ConfigError, load_config
+from .deadletter import dead_letter
 from .handlers import HandlerError, import_object
 from .status import StatusReport, serve_status
 from .streams import classifier_consumer_name, ensure_classifier_streams
@@ -431,26 +432,7 @@ class Classifier:
             log.warning("error reply to %s failed: %r", rid, exc)
 
     async def _dead_letter(self, msg: Msg, item: Item, reason: str) -> None:
-        headers = dict(item.headers)
-        headers.pop(Headers.MSG_ID, None)  # the DLQ keeps every entry, even for a reused request id
-        deliveries = 1
-        try:
-            deliveries = msg.metadata.num_delivered
-        except Exception:  # noqa: BLE001
-            pass
-        headers.update(
-            {
-                Headers.DLQ_REASON: reason,
-                Headers.DLQ_STAGE: "classifier",
-                Headers.DLQ_SUBJECT: msg.subject,
-                Headers.DLQ_DELIVERIES: str(deliveries),
-                Headers.REQUEST_ID: item.headers.get(Headers.MSG_ID, ""),
-            }
-        )
-        try:
-            await self.js.publish(self.subjects.dead_letter("classifier"), msg.data, headers=headers, timeout=5)
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("dead-lettering %s failed: %r", item.headers.get(Headers.MSG_ID), exc)
+        await dead_letter(self.js, self.subjects, "classifier", msg, reason)
 
 
 # --- CLI ---------------------------------------------------------------------------------------

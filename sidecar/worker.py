@@ -40,6 +40,7 @@ from sdk.protocol import (
 
 from . import scheduler as sched
 from .cluster import ClusterView, WorkerAdvert, effective_backlog
+from .deadletter import dead_letter
 from .config import Config, ConfigError, ModelConfig
 from .handlers import BadInput, Handler, HandlerError, create_handler, resolve_device
 from .streams import ensure_model_consumer, ensure_streams, model_consumer_name
@@ -580,6 +581,9 @@ class Worker:
                     await self.nc.publish(r.reply_to, fallback, headers=headers)
             elif r.error is None:
                 log.warning("request %s has no %s header: result dropped", r.request_id, Headers.REPLY_TO)
+        for r in requests:
+            if r.error is not None and r.error[0] is ErrorCode.MODEL_FAILED and r.deliveries >= self.config.streams.max_deliver:
+                await dead_letter(self.js, self.subjects, "worker", r.msg, r.error[1])
         # Replies were written to the connection before the acks, so the server sees each reply
         # before its ack: a crash in between redelivers, it never loses a request.
         for r in requests:

@@ -1,0 +1,129 @@
+"""``jetbatch dlq``: list, show, replay and purge dead letters.
+
+Dead letters live in the ``<prefix>_DLQ`` stream, subject ``<prefix>.dlq.<stage>``, with the
+original payload and headers plus ``Jetbatch-Dlq-Reason``, ``-Stage``, ``-Subject`` and
+``-Deliveries``. Replay republishes the original message to its original subject with its original
+request id (JetStream dedupes a replay of something already answered within the duplicate window)
+and removes the dead letter once JetStream confirmed the republish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+
+from sdk.connection import connect_nats
+from sdk.protocol import DEFAULT_PREFIX, Headers, Subjects
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["list", "show", "replay", "purge"])
+    parser.add_argument("seq", nargs="?", type=int, help="dead-letter sequence number (show, replay)")
+    parser.add_argument("--all", action="store_true", help="replay every dead letter")
+    parser.add_argument("--nats-url", default=None, help="NATS server URL (default: $NATS_URL)")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "show" and args.seq is None:
+        print("jetbatch dlq: show needs a sequence number (see `jetbatch dlq list`)", file=sys.stderr)
+        return 2
+    if args.action == "replay" and args.seq is None and not args.all:
+        print("jetbatch dlq: replay needs a sequence number or --all", file=sys.stderr)
+        return 2
+    return asyncio.run(_run(args))
+
+
+async def _entries(js: Any, subjects: Subjects) -> list[Any]:
+    info = await js.stream_info(subjects.dead_letter_stream)
+    out = []
+    seq = info.state.first_seq
+    while seq and seq <= info.state.last_seq:
+        try:
+            msg = await js.get_msg(subjects.dead_letter_stream, seq=seq, next=True, subject=subjects.dead_letter_wildcard)
+        except nats.js.errors.NotFoundError:
+            break
+        out.append(msg)
+        seq = msg.seq + 1
+    return out
+
+
+def _summary(msg: Any) -> dict[str, Any]:
+    h = msg.headers or {}
+    return {
+        "seq": msg.seq,
+        "stage": h.get(Headers.DLQ_STAGE, ""),
+        "request_id": h.get(Headers.REQUEST_ID, ""),
+        "subject": h.get(Headers.DLQ_SUBJECT, ""),
+        "deliveries": h.get(Headers.DLQ_DELIVERIES, ""),
+        "reason": h.get(Headers.DLQ_REASON, ""),
+        "bytes": len(msg.data or b""),
+    }
+
+
+async def _run(args: argparse.Namespace) -> int:
+    subjects = Subjects(args.prefix)
+    nc = await connect_nats(args.nats_url)
+    try:
+        js = nc.jetstream()
+        try:
+            entries = await _entries(js, subjects)
+        except nats.js.errors.NotFoundError:
+            print(f"jetbatch dlq: no dead-letter stream {subjects.dead_letter_stream} on this server", file=sys.stderr)
+            return 2
+        if args.action == "list":
+            rows = [_summary(m) for m in entries]
+            if args.json:
+                for row in rows:
+                    print(json.dumps(row))
+            elif not rows:
+                print("no dead letters")
+            else:
+                print(f"{'seq':>6}  {'stage':<10} {'request id':<34} {'deliveries':>10}  reason")
+                for r in rows:
+                    print(f"{r['seq']:>6}  {r['stage']:<10} {r['request_id'][:33]:<34} {r['deliveries']:>10}  {r['reason']}")
+            return 0
+        if args.action == "purge":
+            await js.purge_stream(subjects.dead_letter_stream)
+            print(f"purged {len(entries)} dead letters")
+            return 0
+        chosen = entries if args.all else [m for m in entries if m.seq == args.seq]
+        if not chosen:
+            print(f"jetbatch dlq: no dead letter with sequence {args.seq}", file=sys.stderr)
+            return 2
+        if args.action == "show":
+            m = chosen[0]
+            print(json.dumps({**_summary(m), "headers": dict(m.headers or {}), "payload_preview": (m.data or b"")[:200].decode("utf-8", "replace")}, indent=2))
+            return 0
+        replayed = 0
+        for m in chosen:
+            h = dict(m.headers or {})
+            subject = h.pop(Headers.DLQ_SUBJECT, "")
+            for key in (Headers.DLQ_REASON, Headers.DLQ_STAGE, Headers.DLQ_DELIVERIES):
+                h.pop(key, None)
+            rid = h.pop(Headers.REQUEST_ID, "")
+            if rid:
+                h[Headers.MSG_ID] = rid
+            if not subject:
+                print(f"jetbatch dlq: dead letter {m.seq} has no original subject; skipped", file=sys.stderr)
+                continue
+            try:
+                await js.publish(subject, m.data or b"", headers=h, timeout=5)
+            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+                print(f"jetbatch dlq: replay of {m.seq} to {subject} failed: {exc!r}", file=sys.stderr)
+                continue
+            await js.delete_msg(subjects.dead_letter_stream, m.seq)
+            replayed += 1
+        print(f"replayed {replayed} dead letters")
+        return 0 if replayed == len(chosen) else 1
+    finally:
+        await nc.close()
