@@ -29,6 +29,7 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     version: str = VERSION
     models: list[str] = []
     resident: list[str] = []
+    loading: str | None = None
     backlog: dict[str, int] = {}
     memory_bytes: int = 0
     memory_budget_bytes: int | None = None

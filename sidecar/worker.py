@@ -77,7 +77,7 @@ class LoadReport:
     memory_bytes: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     msg: Msg
     request_id: str
@@ -239,6 +239,7 @@ class Worker:
             id=self.worker_id,
             models=list(self.slots),
             resident=[s.name for s in self.slots.values() if s.resident],
+            loading=self._loading,
             backlog={s.name: s.backlog for s in self.slots.values()},
             memory_bytes=sum(self.costs.memory_bytes(s.name) for s in self.slots.values() if s.resident),
             memory_budget_bytes=self.budget.max_bytes,
@@ -448,9 +449,6 @@ class Worker:
                 continue
             if r.deadline is not None and r.deadline < now:
                 r.error = (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {now - r.deadline:.3f}s before compute")
-            elif r.deliveries >= max_deliver and max_deliver > 1:
-                # Delivered max_deliver times without an answer: earlier attempts crashed or hung.
-                r.error = (ErrorCode.MODEL_FAILED, f"request was delivered {r.deliveries} times without completing")
             else:
                 try:
                     r.value = slot.handler.decode(r.msg.data, r.content_type)
@@ -474,15 +472,41 @@ class Worker:
                 self.telemetry.record_load(load_record, span)
             started = time.perf_counter()
             outputs: dict[int, Any] = {}
-            if good:
-                with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": len(good)}):
-                    await self._predict_isolating(slot, good, outputs)
-            compute_s = time.perf_counter() - started
-            if good:
-                self.costs.observe_batch(slot.name, len(good), compute_s)
-                self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
             trace_id = self.telemetry.trace_id_hex(span)
-            errors = await self._reply_and_ack(slot, batch_id, requests, outputs, waits_ms, loaded, trace_id)
+            # Redelivered requests may be what crashed an earlier worker: first serve, answer and
+            # ack the first-time requests as one batch, then the suspects one at a time (fewest
+            # deliveries first), so a poison request can only take itself down.
+            fresh = [r for r in good if r.deliveries <= 1]
+            # Stream order is stable across redeliveries: a request that kills the worker stays
+            # ahead of the innocents that shared its fetch, and the first suspect on its last
+            # delivery is the one that was running at each crash. It gets model_failed (and a dead
+            # letter) without another attempt; the suspects after it are computed.
+            suspects = sorted((r for r in good if r.deliveries > 1), key=_stream_seq)
+            if suspects and max_deliver > 1 and suspects[0].deliveries >= max_deliver:
+                culprit = suspects.pop(0)
+                culprit.error = (ErrorCode.MODEL_FAILED, f"request was delivered {culprit.deliveries} times without completing")
+            suspect_ids = {id(r) for r in suspects}
+            position = {id(r): i for i, r in enumerate(requests)}
+            first_part = [r for r in requests if id(r) not in suspect_ids]
+            if fresh:
+                with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": len(fresh)}):
+                    await self._predict_isolating(slot, fresh, outputs)
+            compute_s = time.perf_counter() - started
+            if fresh:
+                self.costs.observe_batch(slot.name, len(fresh), compute_s)
+                self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
+            errors = 0
+            if first_part:
+                errors += await self._reply_and_ack(
+                    slot, batch_id, first_part, outputs, [waits_ms[position[id(r)]] for r in first_part], loaded, trace_id,
+                    batch_size=len(requests),
+                )  # fmt: skip
+            for r in suspects:
+                with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": 1, "jetbatch.redelivered": True}):
+                    await self._predict_isolating(slot, [r], outputs)
+                errors += await self._reply_and_ack(
+                    slot, batch_id, [r], outputs, [waits_ms[position[id(r)]]], loaded, trace_id, batch_size=len(requests)
+                )
             if errors:
                 span.set_attribute("jetbatch.batch.errors", errors)
                 for r in requests:
@@ -540,11 +564,13 @@ class Worker:
         waits_ms: list[float],
         loaded: bool,
         trace_id: str,
+        *,
+        batch_size: int | None = None,
     ) -> int:
         errors = 0
         base = {
             Headers.BATCH_ID: batch_id,
-            Headers.BATCH_SIZE: str(len(requests)),
+            Headers.BATCH_SIZE: str(batch_size if batch_size is not None else len(requests)),
             Headers.MODEL_LOADED: "true" if loaded else "false",
             Headers.MODEL: slot.name,
             Headers.WORKER: self.worker_id,
@@ -618,6 +644,7 @@ class Worker:
     async def _load(self, slot: _Slot, evict: Sequence[str], *, reason: str) -> None:
         if not await self._claim_load(slot):
             return
+        self._loading = slot.name
         try:
             await self._do_load(slot, evict, reason=reason)
         finally:
@@ -815,6 +842,13 @@ class Worker:
                     await msg.in_progress()
                 except nats.errors.Error:
                     pass
+
+
+def _stream_seq(r: _Request) -> int:
+    try:
+        return int(r.msg.metadata.sequence.stream)
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 def _enqueued_at(msg: Msg, fallback: float) -> float:

@@ -1,0 +1,184 @@
+"""Faults injected for real: kill -9 of the worker, nats-server restarts, SIGTERM, poison requests.
+The promise: every accepted request gets exactly one answer, and nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import sdk
+from sdk.connection import connect_nats
+from sidecar.natsserver import EmbeddedNats
+from sidecar.status import collect_status
+from sidecar.up import Deployment
+from sdk.protocol import Subjects
+from tests.helpers import make_config, running_worker, sleep_model, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+
+
+def write_config(tmp_path: Path, prefix: str, *, handler: str = "sleep", load_s: float = 0.0, batch_s: float = 0.0,
+                 ack_wait_s: float = 2.0, max_deliver: int = 5, drain_s: float = 20.0) -> Path:
+    path = tmp_path / f"{prefix}.toml"
+    path.write_text(
+        f'[nats]\nprefix = "{prefix}"\n'
+        f"[streams]\nack_wait_s = {ack_wait_s}\nmax_deliver = {max_deliver}\n"
+        f"[worker]\npoll_interval_ms = 50\ndrain_timeout_s = {drain_s}\n"
+        f'[models.m1]\nhandler = "{handler}"\nmax_batch_size = 8\nmax_delay_ms = 20\n'
+        f"options = {{ load_s = {load_s}, batch_s = {batch_s}, item_s = 0.0 }}\n"
+    )
+    return path
+
+
+async def workers(url: str, prefix: str) -> list[Any]:
+    nc = await connect_nats(url)
+    try:
+        return [r for r in await collect_status(nc, Subjects(prefix), wait_s=0.2) if r.role == "worker"]
+    finally:
+        await nc.close()
+
+
+async def start_worker(dep: Deployment, index: int) -> None:
+    await anyio.to_thread.run_sync(dep.start_worker, index)
+
+
+async def test_kill_9_mid_batch_then_restart_answers_every_request_once(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    dep = await anyio.to_thread.run_sync(lambda: Deployment(write_config(tmp_path, prefix, batch_s=1.5), nats_url=nats_url).start())
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            calls = [asyncio.ensure_future(client.infer_result(f"r{i}".encode(), model="m1", timeout=60)) for i in range(12)]
+
+            async def computing() -> bool:
+                reports = await workers(nats_url, prefix)
+                return bool(reports and reports[0].resident)  # loaded; its first 1.5 s batch is running
+
+            await wait_until(computing, timeout_s=30, what="the worker to start a batch")
+            dep.stop_process("worker0", kill=True)  # SIGKILL in the middle of the batch
+            await start_worker(dep, 1)
+            results = await asyncio.gather(*calls)
+    finally:
+        await anyio.to_thread.run_sync(dep.stop)
+    assert sorted(r.output for r in results) == sorted(f"r{i}".encode() for i in range(12))
+    assert len({r.request_id for r in results}) == 12
+
+
+async def test_kill_9_mid_load_then_restart(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    config = write_config(tmp_path, prefix, load_s=2.0)
+    dep = await anyio.to_thread.run_sync(lambda: Deployment(config, nats_url=nats_url).start())
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            calls = [asyncio.ensure_future(client.infer(f"r{i}".encode(), model="m1", timeout=60)) for i in range(5)]
+
+            async def loading() -> bool:
+                reports = await workers(nats_url, prefix)
+                return bool(reports and reports[0].loading == "m1")
+
+            await wait_until(loading, timeout_s=30, what="the 2 s load to begin")
+            dep.stop_process("worker0", kill=True)
+            await start_worker(dep, 1)
+            results = await asyncio.gather(*calls)
+    finally:
+        await anyio.to_thread.run_sync(dep.stop)
+    assert sorted(results) == sorted(f"r{i}".encode() for i in range(5))
+
+
+async def test_batch_longer_than_ack_wait_is_not_redelivered(nats_url: str, prefix: str) -> None:
+    config = make_config(
+        prefix, {"m1": sleep_model(max_delay_ms=50, options={"load_s": 0.0, "batch_s": 2.5, "item_s": 0.0})},
+        streams={"ack_wait_s": 0.6},
+    )  # fmt: skip
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            results = await asyncio.gather(*(client.infer_result(f"r{i}".encode(), model="m1", timeout=30) for i in range(4)))
+    assert len({r.batch.batch_id for r in results}) == 1
+    assert worker.stats["requests"] == 4  # in_progress kept JetStream from redelivering mid-batch
+
+
+async def test_nats_server_restart_under_load(tmp_path: Path, prefix: str) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "store").start()
+    try:
+        config = make_config(prefix, {"m1": sleep_model(max_delay_ms=10, options={"load_s": 0, "batch_s": 0.05, "item_s": 0})})
+        async with running_worker(config, server.url) as worker:
+            async with sdk.Client.connect(server.url, prefix=prefix) as client:
+                before = [asyncio.ensure_future(client.infer(f"a{i}".encode(), model="m1", timeout=60)) for i in range(30)]
+                js = client.nats.jetstream()
+                await wait_until(lambda: _stored(js, config.subjects.models_stream), what="requests stored")
+                await anyio.to_thread.run_sync(server.restart)  # SIGKILL, then the same port and store
+                after = [asyncio.ensure_future(client.infer(f"b{i}".encode(), model="m1", timeout=60)) for i in range(30)]
+                results = await asyncio.gather(*before, *after)
+        assert results == [f"a{i}".encode() for i in range(30)] + [f"b{i}".encode() for i in range(30)]
+        assert worker.stats["requests"] >= 60
+    finally:
+        server.stop()
+
+
+async def _stored(js: Any, stream: str) -> bool:
+    return bool((await js.stream_info(stream)).state.messages > 0)
+
+
+async def test_sigterm_drains_in_flight_and_exits_0(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    dep = await anyio.to_thread.run_sync(lambda: Deployment(write_config(tmp_path, prefix, batch_s=1.0), nats_url=nats_url).start())
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            calls = [asyncio.ensure_future(client.infer_result(f"r{i}".encode(), model="m1", timeout=60)) for i in range(20)]
+
+            async def computing() -> bool:
+                reports = await workers(nats_url, prefix)
+                return bool(reports and reports[0].resident)
+
+            await wait_until(computing, timeout_s=30, what="a batch in flight")
+            proc = dep.procs["worker0"]
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = await anyio.to_thread.run_sync(proc.wait, 30)
+            drained_s = time.monotonic() - started
+            done_at_exit = sum(1 for c in calls if c.done())
+            await start_worker(dep, 1)  # naked leftovers go to the next worker
+            results = await asyncio.gather(*calls)
+    finally:
+        await anyio.to_thread.run_sync(dep.stop)
+    assert code == 0
+    assert drained_s < 20
+    assert done_at_exit >= 1  # the batch in flight was finished and answered, not dropped
+    assert sorted(r.output for r in results) == sorted(f"r{i}".encode() for i in range(20))
+
+
+async def test_poison_that_crashes_the_worker_ends_in_the_dlq(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    config = write_config(tmp_path, prefix, handler="tests.fault_handlers:CrashOnPayload", ack_wait_s=1.0, max_deliver=3)
+    dep = await anyio.to_thread.run_sync(lambda: Deployment(config, nats_url=nats_url).start())
+    restarts = 0
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            poison = asyncio.ensure_future(client.infer(b"crash", model="m1", timeout=90))
+            good = [asyncio.ensure_future(client.infer(f"ok{i}".encode(), model="m1", timeout=90)) for i in range(5)]
+            deadline = time.monotonic() + 80
+            while not (poison.done() and all(g.done() for g in good)):
+                assert time.monotonic() < deadline, "poison request never resolved"
+                for name, proc in list(dep.procs.items()):
+                    if proc.poll() is not None:  # the poison killed it: a supervisor restarts it
+                        dep.procs.pop(name)
+                        restarts += 1
+                        await start_worker(dep, restarts)
+                await anyio.sleep(0.05)
+            with pytest.raises(sdk.ModelFailed, match="delivered 3 times"):
+                await poison
+            assert [await g for g in good] == [f"ok{i}".encode() for i in range(5)]
+        proc = await anyio.run_process(
+            [sys.executable, "-m", "sidecar.cli", "dlq", "list", "--json", "--nats-url", nats_url, "--prefix", prefix], check=False
+        )
+    finally:
+        await anyio.to_thread.run_sync(dep.stop)
+    assert restarts >= 2
+    import json
+
+    rows = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert len(rows) == 1 and rows[0]["stage"] == "worker" and rows[0]["deliveries"] == "3"
+    assert "delivered 3 times" in rows[0]["reason"]
