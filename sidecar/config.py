@@ -54,6 +54,7 @@ class NatsConfig(_Base):
     url: str | None = None
     prefix: str = DEFAULT_PREFIX
     connect_timeout_s: PositiveFloat = 2.0
+    inbox_prefix: str = "_INBOX"  # give each sidecar its own (e.g. _INBOX.worker) for least privilege
     # Credentials: never logged or put in spans.
     user: str | None = None
     password: str | None = None

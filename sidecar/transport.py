@@ -18,6 +18,8 @@ __all__ = ["connect", "connect_options"]
 def connect_options(cfg: NatsConfig) -> dict[str, Any]:
     """nats-py keyword arguments for ``cfg``'s credentials and TLS (secrets are never logged)."""
     options: dict[str, Any] = {}
+    if cfg.inbox_prefix != "_INBOX":
+        options["inbox_prefix"] = cfg.inbox_prefix
     if cfg.user is not None:
         options["user"] = cfg.user
         options["password"] = cfg.password or ""

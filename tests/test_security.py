@@ -1,0 +1,160 @@
+"""TLS with client certificates, and per-user permissions on a real nats-server: a producer may
+publish only to <prefix>.in and read only its own inbox; the sidecars run with least privilege."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+import sdk
+from sidecar.config import Config
+from sidecar.natsserver import EmbeddedNats
+from sidecar.transport import connect_options
+from tests.helpers import running_worker, wait_until
+from tests.test_classifier import running_classifier
+
+pytestmark = pytest.mark.anyio
+PREFIX = "sec"
+SECRETS = {"producer": "p-Secret-1", "other": "o-Secret-2", "worker": "w-Secret-3", "classifier": "c-Secret-4"}
+
+
+def _cert(name: str, issuer_key: Any, issuer_name: x509.Name | None, *, ca: bool, tmp: Path) -> tuple[Any, x509.Name]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name or subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+        )
+    cert = builder.sign(issuer_key or key, hashes.SHA256())
+    (tmp / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp / f"{name}-key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return key, subject
+
+
+def _server_config(tmp: Path) -> str:
+    def user(name: str, publish: list[str], subscribe: list[str]) -> str:
+        return (
+            f'{{ user: "{name}", password: "{SECRETS[name]}", permissions: {{ '
+            f"publish: {{ allow: {publish!r} }}, subscribe: {{ allow: {subscribe!r} }} }} }}"
+        ).replace("'", '"')
+
+    js_api = ["$JS.API.>", "$JS.ACK.>"]
+    return (
+        "tls {\n"
+        f'  cert_file: "{tmp / "server.pem"}"\n  key_file: "{tmp / "server-key.pem"}"\n  ca_file: "{tmp / "ca.pem"}"\n'
+        "  verify: true\n  timeout: 3\n}\n"
+        "authorization {\n  users = [\n"
+        # Producers: publish only to the ingress (plus the stream lookup behind UnknownModel), read only their inbox.
+        f"    {user('producer', [f'{PREFIX}.in', '$JS.API.STREAM.INFO.*'], ['_INBOX.producer.>'])}\n"
+        f"    {user('other', [f'{PREFIX}.in', '$JS.API.STREAM.INFO.*'], ['_INBOX.other.>'])}\n"
+        f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>', '_INBOX.>'], ['_INBOX.classifier.>', f'{PREFIX}.status'])}\n"
+        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '_INBOX.>', '$KV.>'], ['_INBOX.worker.>', f'{PREFIX}.status'])}\n"
+        "  ]\n}\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def secure_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("tls")
+    ca_key, ca_name = _cert("ca", None, None, ca=True, tmp=tmp)
+    _cert("server", ca_key, ca_name, ca=False, tmp=tmp)
+    _cert("client", ca_key, ca_name, ca=False, tmp=tmp)
+    with EmbeddedNats(store_dir=tmp / "store", extra_config=_server_config(tmp)) as server:
+        yield server, tmp
+
+
+def _sidecar_config(role: str, tmp: Path) -> Config:
+    return msgspec.convert(
+        {
+            "nats": {
+                "prefix": PREFIX, "user": role, "password": SECRETS[role], "inbox_prefix": f"_INBOX.{role}",
+                "tls_ca_file": str(tmp / "ca.pem"), "tls_cert_file": str(tmp / "client.pem"), "tls_key_file": str(tmp / "client-key.pem"),
+            },
+            "worker": {"poll_interval_ms": 50, "coordinate": False},
+            "models": {"m1": {"handler": "identity", "max_delay_ms": 5}},
+            "classifier": {"router": "rules", "default_model": "m1"},
+        },
+        Config,
+    )  # fmt: skip
+
+
+def _tls(tmp: Path) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(tmp / "ca.pem"))
+    ctx.load_cert_chain(str(tmp / "client.pem"), str(tmp / "client-key.pem"))
+    return ctx
+
+
+async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    server, tmp = secure_server
+    url = f"tls://127.0.0.1:{server.port}"
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    async with running_worker(_sidecar_config("worker", tmp), url), running_classifier(_sidecar_config("classifier", tmp), url):
+        async with sdk.Client.connect(
+            url, prefix=PREFIX, user="producer", password=SECRETS["producer"], tls=_tls(tmp),
+            inbox_prefix="_INBOX.producer", error_cb=on_error,
+        ) as client:  # fmt: skip
+            # Allowed: through the classifier, over TLS, with the producer's own inbox.
+            assert await client.infer({"x": 1}, timeout=20) == {"x": 1}
+            # Refused: straight to a model queue (the server drops the publish; no PubAck).
+            with pytest.raises(sdk.RequestTimeout):
+                await client.infer({"x": 2}, model="m1", timeout=2)
+            # Refused: listening on another caller's inbox.
+            await client.nats.subscribe("_INBOX.other.>")
+            await wait_until(lambda: any("subscription" in e.lower() for e in errors), what="the server's -ERR")
+    assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.model.m1" in e for e in errors), errors
+    assert any("permissions violation for subscription" in e.lower() and "_inbox.other" in e.lower() for e in errors), errors
+    for secret in SECRETS.values():
+        assert secret not in caplog.text  # never logged
+
+
+async def test_without_a_client_certificate_or_with_a_wrong_password_connection_fails(secure_server: Any) -> None:
+    server, tmp = secure_server
+    url = f"tls://127.0.0.1:{server.port}"
+    no_client_cert = ssl.create_default_context(cafile=str(tmp / "ca.pem"))
+    with pytest.raises(sdk.ConnectionFailed):
+        await sdk.Client.connect(url, user="producer", password=SECRETS["producer"], tls=no_client_cert, connect_timeout_s=1)
+    with pytest.raises(sdk.ConnectionFailed):
+        await sdk.Client.connect(url, user="producer", password="wrong", tls=_tls(tmp), connect_timeout_s=1)
+
+
+def test_transport_options_come_from_config_and_environment(tmp_path: Path) -> None:
+    from sidecar.config import ConfigError, parse_config
+
+    (tmp_path / "ca.pem").write_text("x")
+    cfg = parse_config("", environ={"JETBATCH_NATS__USER": "w", "JETBATCH_NATS__PASSWORD": "pw", "JETBATCH_NATS__TOKEN": "tk"})
+    opts = connect_options(cfg.nats)
+    assert (opts["user"], opts["password"], opts["token"]) == ("w", "pw", "tk")
+    cfg = parse_config(f'[nats]\ntls_cert_file = "{tmp_path / "ca.pem"}"\n', environ={})
+    with pytest.raises(ConfigError, match="tls_key_file"):
+        connect_options(cfg.nats)
+    cfg = parse_config('[nats]\ncreds_file = "/nonexistent.creds"\n', environ={})
+    with pytest.raises(ConfigError, match="creds_file: file /nonexistent.creds not found"):
+        connect_options(cfg.nats)
