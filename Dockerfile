@@ -11,8 +11,11 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sdk ./sdk
 COPY sidecar ./sidecar
+COPY examples ./examples
 RUN pip install --no-cache-dir --index-url ${TORCH_INDEX} torch \
     && pip install --no-cache-dir '.[sidecar]'
+# The example producers (`python -m examples.webapp`) run from the source tree.
+ENV PYTHONPATH=/src
 # Non-root: the sidecar needs no privileges; its only state is the example models it may build.
 RUN useradd --system --uid 10001 --home /var/lib/jetbatch --create-home jetbatch
 USER jetbatch

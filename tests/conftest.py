@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 from typing import Iterator
 
 import hypothesis  # noqa: F401  - imported early: CPython 3.11 can fail to compile it when first imported deep in a stack (at session end)
@@ -17,6 +18,16 @@ from sidecar.natsserver import EmbeddedNats
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
     with EmbeddedNats(store_dir=tmp_path_factory.mktemp("nats-store")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def examples_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example models and configs, built once per session (fixed seeds, no download)."""
+    from sidecar.example_models import build_examples
+
+    directory = tmp_path_factory.mktemp("examples")
+    build_examples(directory)
+    return directory
 
 
 @pytest.fixture

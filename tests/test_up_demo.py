@@ -21,13 +21,6 @@ from sidecar.example_models import EXAMPLE_MODELS, build_examples, sample_inputs
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def examples_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("examples")
-    build_examples(directory)
-    return directory
-
-
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
     env["JETBATCH_HOME"] = str(tmp_path / "home")

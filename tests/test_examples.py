@@ -1,0 +1,123 @@
+"""Every example is exercised: the quickstart producer, the web app, the custom handler, the
+Kubernetes manifest, the locustfile, the Dockerfile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+import sdk
+from sidecar.example_models import sample_inputs
+from sidecar.up import Deployment
+from tests.helpers import make_config, running_worker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def deployment(examples_dir: Path, nats_server: Any) -> Iterator[Deployment]:
+    """Classifier and worker with the example models, on the session's nats-server."""
+    text = (examples_dir / "up.toml").read_text().replace("[worker]", '[nats]\nprefix = "exm"\n\n[worker]', 1)
+    (examples_dir / "examples-test.toml").write_text(text)
+    with Deployment(examples_dir / "examples-test.toml", nats_url=nats_server.url) as dep:
+        yield dep
+
+
+def test_quickstart(deployment: Deployment) -> None:
+    script = ROOT / "examples" / "quickstart.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _with_prefix(script, "exm"), deployment.url], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum(1 for line in lines if "model=" in line and "batch=" in line) == 8
+    assert "typed error, as expected: UnknownModel" in proc.stdout
+
+
+def _with_prefix(script: Path, prefix: str) -> str:
+    # The quickstart uses the default prefix; this test's deployment uses its own.
+    source = script.read_text().replace("sdk.Client.connect(url)", f"sdk.Client.connect(url, prefix={prefix!r})")
+    return source
+
+
+def test_webapp(deployment: Deployment) -> None:
+    from examples.webapp import make_handler
+
+    from http.server import ThreadingHTTPServer
+
+    client = sdk.BlockingClient.connect(deployment.url, prefix="exm")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(client))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        x, truth = sample_inputs(1, seed=9)
+        req = urllib.request.Request(f"{base}/items/batch/42", data=json.dumps({"values": x[0].tolist()}).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            body = json.loads(resp.read())
+        assert body["item_id"] == "42" and body["model"] == truth[0]
+        assert abs(sum(body["output"]) - 1.0) < 1e-4 and body["batch_size"] >= 1
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(urllib.request.Request(f"{base}/items/batch/1", data=b"not json", method="POST"), timeout=30)
+        assert info.value.code == 400
+        info.value.close()
+        with urllib.request.urlopen(f"{base}/healthz", timeout=10) as resp:
+            assert json.loads(resp.read()) == {"status": "ok"}
+    finally:
+        server.shutdown()
+        server.server_close()
+        client.close()
+
+
+@pytest.mark.anyio
+async def test_custom_handler(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"scaler": {"handler": "examples.custom_handler:ScaleHandler", "options": {"factor": 3.0}}})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            out = await client.infer([1.0, 2.0, 3.0], model="scaler", timeout=20)
+            with pytest.raises(sdk.BadRequest, match="1-d tensor"):
+                await client.infer({"no": "numbers"}, model="scaler", timeout=20)
+    assert out.to_torch().tolist() == [3.0, 6.0, 9.0]
+
+
+def test_kubernetes_manifest_runs_the_worker_as_a_sidecar() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "k8s" / "worker-sidecar.yaml").read_text())
+    assert doc["kind"] == "Deployment"
+    containers = {c["name"]: c for c in doc["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"app", "jetbatch-worker"}
+    worker = containers["jetbatch-worker"]
+    assert worker["args"][:1] == ["worker"] and "--config" in worker["args"]
+    assert {e["name"] for e in worker["env"]} >= {"NATS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT"}
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "jetbatch status" in " ".join(worker["readinessProbe"]["exec"]["command"])
+    assert doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 20
+
+
+@pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust is not installed (pip install locust)")
+def test_locustfile_imports() -> None:
+    spec = importlib.util.spec_from_file_location("locustfile", ROOT / "examples" / "locustfile.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert hasattr(module, "WebAppUser")
+
+
+def test_dockerfile_is_non_root_with_a_healthcheck() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "\nUSER jetbatch" in text and "HEALTHCHECK" in text
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
