@@ -67,6 +67,7 @@ class EmbeddedNats:
         name: str | None = None,
         max_payload: int | None = None,
         startup_timeout_s: float = 15.0,
+        max_file_store: str = "64T",
     ) -> None:
         self._own_store = store_dir is None
         self.store_dir = Path(store_dir) if store_dir is not None else Path(tempfile.mkdtemp(prefix="jetbatch-nats-"))
@@ -76,6 +77,7 @@ class EmbeddedNats:
         self.name = name or f"jetbatch-{os.getpid()}"
         self.max_payload = max_payload
         self.startup_timeout_s = startup_timeout_s
+        self.max_file_store = max_file_store
         self.cluster_port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_lines: list[str] = []
@@ -94,6 +96,10 @@ class EmbeddedNats:
             f'listen: "{self.host}:{self.port}"',
             "jetstream {",
             f'  store_dir: "{self.store_dir}"',
+            # JetStream reserves each stream's max_bytes against this limit (by default 75% of
+            # the free disk), not what is stored: raise it so many test streams with generous
+            # limits fit on a small disk. Real usage is still bounded by each stream's limits.
+            f"  max_file_store: {self.max_file_store}",
             "}",
         ]
         if self.max_payload is not None:
