@@ -158,3 +158,22 @@ def test_transport_options_come_from_config_and_environment(tmp_path: Path) -> N
     cfg = parse_config('[nats]\ncreds_file = "/nonexistent.creds"\n', environ={})
     with pytest.raises(ConfigError, match="creds_file: file /nonexistent.creds not found"):
         connect_options(cfg.nats)
+
+
+async def test_nkey_seed_authentication(tmp_path: Path) -> None:
+    import os as _os
+
+    import nkeys
+
+    seed = nkeys.encode_seed(_os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(seed).public_key.decode()
+    seed_file = tmp_path / "user.nk"
+    seed_file.write_bytes(seed)
+    config = f'authorization {{ users = [ {{ nkey: "{public}" }} ] }}\n'
+    with EmbeddedNats(store_dir=tmp_path / "store", extra_config=config) as server:
+        cfg = msgspec.convert({"nats": {"prefix": "nk", "nkeys_seed_file": str(seed_file)}, "models": {"m1": {"handler": "identity"}}}, Config)
+        async with running_worker(cfg, server.url):
+            async with sdk.Client.connect(server.url, prefix="nk", nkeys_seed=str(seed_file)) as client:
+                assert await client.infer(b"signed", model="m1", timeout=20) == b"signed"
+        with pytest.raises(sdk.ConnectionFailed):
+            await sdk.Client.connect(server.url, connect_timeout_s=1)  # no credentials: refused

@@ -1,0 +1,83 @@
+"""A worker's memory under a flood of 10x its capacity: peak RSS against idle RSS, in one run.
+
+A worker process (sleep handler: 50 ms per batch of 16, so about 320 req/s) is flooded with
+requests published as fast as JetStream takes them, 10x what it serves in the same time. The
+queue is JetStream's (on disk); the worker holds at most one running and one gathered batch, so
+its memory should not grow with the flood. Run:
+
+    python bench/flood.py [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import nats  # noqa: E402
+
+from sdk.protocol import Headers  # noqa: E402
+from sidecar.up import Deployment  # noqa: E402
+
+
+def rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not found")
+
+
+async def flood(url: str, prefix: str, seconds: float, rate: float) -> int:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    sent = 0
+    started = time.monotonic()
+    body = b"x" * 1024
+    while time.monotonic() - started < seconds:
+        batch = [
+            js.publish(f"{prefix}.model.m1", body, headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: "_INBOX.flood.x"})
+            for _ in range(200)
+        ]
+        await asyncio.gather(*batch)
+        sent += len(batch)
+        ahead = sent / rate - (time.monotonic() - started)
+        if ahead > 0:
+            await asyncio.sleep(ahead)
+    await nc.close()
+    return sent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    capacity = 16 / 0.05
+    prefix = f"fl{uuid.uuid4().hex[:6]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "flood.toml"
+        cfg.write_text(
+            f'[nats]\nprefix = "{prefix}"\n[streams]\nmax_msgs = 200000\n'
+            '[models.m1]\nhandler = "sleep"\nmax_batch_size = 16\nmax_delay_ms = 5\n'
+            "options = { load_s = 0.0, batch_s = 0.05, item_s = 0.0 }\n"
+        )
+        with Deployment(cfg) as dep:
+            pid = dep.procs["worker0"].pid
+            idle = rss_kib(pid, "VmRSS")
+            sent = asyncio.run(flood(dep.url, prefix, args.seconds, 10 * capacity))
+            time.sleep(1.0)  # keep serving the backlog a little: the peak is recorded by the kernel
+            peak = rss_kib(pid, "VmHWM")
+    print(json.dumps({
+        "capacity_rps": capacity, "offered_rps": sent / args.seconds, "offered_over_capacity": sent / args.seconds / capacity,
+        "idle_rss_mib": round(idle / 1024, 1), "peak_rss_mib": round(peak / 1024, 1), "peak_over_idle": round(peak / idle, 3),
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""`jetbatch dlq`: list, show, replay and purge dead letters on a real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import nats
+import pytest
+
+from sdk.protocol import Headers, Subjects
+from sidecar.config import StreamsConfig
+from sidecar.streams import ensure_model_consumer, ensure_streams
+from tests.helpers import make_config, running_worker, sleep_model
+
+pytestmark = pytest.mark.anyio
+
+
+def dlq(nats_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "dlq", *args, "--nats-url", nats_url, "--prefix", prefix],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+async def test_list_show_replay_purge(nats_url: str, prefix: str) -> None:
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+    await ensure_model_consumer(js, subjects, StreamsConfig(), "m1")
+    inbox = nc.new_inbox()
+    replies = await nc.subscribe(inbox)
+    # Two dead letters as a worker writes them: original headers plus the reason.
+    for i in range(2):
+        rid = uuid.uuid4().hex
+        await js.publish(
+            subjects.dead_letter("worker"), f"payload{i}".encode(),
+            headers={Headers.REPLY_TO: inbox, Headers.CONTENT_TYPE: "application/octet-stream", Headers.REQUEST_ID: rid,
+                     Headers.DLQ_REASON: f"reason {i}", Headers.DLQ_STAGE: "worker", Headers.DLQ_SUBJECT: subjects.model("m1"),
+                     Headers.DLQ_DELIVERIES: "5"},
+        )  # fmt: skip
+    listed = dlq(nats_url, prefix, "list", "--json")
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [r["reason"] for r in rows] == ["reason 0", "reason 1"] and rows[0]["deliveries"] == "5"
+    shown = dlq(nats_url, prefix, "show", str(rows[0]["seq"]))
+    assert json.loads(shown.stdout)["payload_preview"] == "payload0"
+    # Replay the first to its model queue: a worker answers it on the original reply-to.
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        replayed = dlq(nats_url, prefix, "replay", str(rows[0]["seq"]))
+        assert replayed.returncode == 0 and "replayed 1" in replayed.stdout
+        reply = await replies.next_msg(timeout=20)
+    assert reply.data == b"payload0" and reply.headers[Headers.STATUS] == "ok"
+    left = [json.loads(line) for line in dlq(nats_url, prefix, "list", "--json").stdout.splitlines()]
+    assert [r["reason"] for r in left] == ["reason 1"]
+    assert "purged 1" in dlq(nats_url, prefix, "purge").stdout
+    assert dlq(nats_url, prefix, "list").stdout.strip() == "no dead letters"
+    missing = dlq(nats_url, prefix, "show", "999")
+    assert missing.returncode == 2 and missing.stderr.strip() == "jetbatch dlq: no dead letter with sequence 999"
+    await nc.close()
+
+
+def test_dlq_without_the_stream_is_a_one_line_error(nats_url: str) -> None:
+    proc = dlq(nats_url, f"none{uuid.uuid4().hex[:6]}", "list")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "no dead-letter stream" in proc.stderr
