@@ -19,6 +19,44 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+async def one_round_processes(n: int, tracing: bool, endpoint: str | None) -> float:
+    """The worker in its own process (as deployed), the SDK here; both traced or neither."""
+    import tempfile
+
+    import sdk
+    from sidecar.up import Deployment
+
+    provider = None
+    if tracing:
+        from opentelemetry import trace
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")))
+        trace.set_tracer_provider(provider)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or "", "OTEL_METRICS_EXPORTER": "none"} if tracing else {"OTEL_TRACES_EXPORTER": "none"}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "m.toml"
+        cfg.write_text('[models.m]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_ms = 2\n')
+        with Deployment(cfg, extra_env=env) as dep:
+            async with sdk.Client.connect(dep.url) as client:
+                await client.infer(b"warm", model="m", timeout=30)
+                gate = asyncio.Semaphore(64)
+
+                async def one() -> None:
+                    async with gate:
+                        await client.infer(b"x" * 256, model="m", timeout=60)
+
+                started = asyncio.get_running_loop().time()
+                await asyncio.gather(*(one() for _ in range(n)))
+                elapsed = asyncio.get_running_loop().time() - started
+    if provider is not None:
+        provider.shutdown()
+    return n / elapsed
+
+
 async def one_round(n: int, tracing: bool, endpoint: str | None) -> float:
     import uuid
 
@@ -73,11 +111,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--topology", choices=["processes", "one-process"], default="processes",
+                        help="worker in its own process (default), or SDK and worker in one process")
     parser.add_argument("--child", choices=["on", "off"], help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(asyncio.run(one_round(args.requests, args.child == "on", args.endpoint)))
+        fn = one_round_processes if args.topology == "processes" else one_round
+        print(asyncio.run(fn(args.requests, args.child == "on", args.endpoint)))
         return
     from tests.otlp_receiver import OtlpReceiver
 
@@ -86,14 +127,15 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode, bucket in (("off", off), ("on", on)):
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", mode, "--requests", str(args.requests), "--endpoint", receiver.endpoint],
+                    [sys.executable, __file__, "--child", mode, "--requests", str(args.requests), "--endpoint", receiver.endpoint,
+                     "--topology", args.topology],
                     capture_output=True, text=True, check=True, cwd=ROOT,
                 )  # fmt: skip
                 bucket.append(float(out.stdout.strip().splitlines()[-1]))
         exported = len(receiver.snapshot())
     ratios = [a / b for a, b in zip(on, off)]
     print(json.dumps({
-        "requests": args.requests, "off_rps": [round(x) for x in off], "on_rps": [round(x) for x in on],
+        "topology": args.topology, "requests": args.requests, "off_rps": [round(x) for x in off], "on_rps": [round(x) for x in on],
         "ratio_median": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios], "spans_exported": exported,
     }, indent=2))  # fmt: skip
 

@@ -65,7 +65,7 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         extra_config: str = "",
         name: str | None = None,
-        max_payload: int | None = None,
+        max_payload: int | None = 8 * 1024 * 1024 + 64 * 1024,
         startup_timeout_s: float = 15.0,
         max_file_store: str = "64T",
     ) -> None:
