@@ -4,7 +4,7 @@ Both run in one process against one embedded nats-server, with the same payloads
 number of requests and the same producer concurrency; the raw side is the least a JetStream
 request/reply needs (no scheduling, no handler thread, no batching window). Run:
 
-    python bench/overhead.py [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3]
+    python bench/overhead.py [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier]
 """
 
 from __future__ import annotations
@@ -129,6 +129,49 @@ async def jetbatch_round(url: str, n: int, concurrency: int, payload: bytes, max
     return n / elapsed, latencies, statistics.mean(sizes)
 
 
+async def classified_round(url: str, n: int, concurrency: int, payload: bytes, max_batch: int) -> tuple[float, list[float]]:
+    """SDK → classifier (rules router) → worker → reply: requests without a model."""
+    from sidecar.classifier import Classifier
+
+    prefix = f"jc{uuid.uuid4().hex[:6]}"
+    config = msgspec.convert(
+        {
+            "nats": {"prefix": prefix},
+            "worker": {"poll_interval_ms": POLL_MS, "policy": POLICY},
+            "models": {"ident": {"handler": "identity", "max_batch_size": max_batch, "max_delay_ms": 2}},
+            "classifier": {"router": "rules", "default_model": "ident", "max_batch_size": max_batch, "max_delay_ms": 2},
+        },
+        Config,
+    )
+    nc = await connect(config.nats, url)
+    nc2 = await connect(config.nats, url)
+    worker = Worker(config, nc)
+    classifier = Classifier(config, nc2)
+    latencies: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        tg.start_soon(classifier.run)
+        await worker.ready.wait()
+        await classifier.ready.wait()
+        async with sdk.Client.connect(url, prefix=prefix) as client:
+            await client.infer(payload, timeout=30)
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one() -> None:
+                async with gate:
+                    r = await client.infer_result(payload, timeout=30)
+                    latencies.append(r.latency_s)
+
+            started = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(n)))
+            elapsed = time.perf_counter() - started
+        worker.stop()
+        classifier.stop()
+    await nc.close()
+    await nc2.close()
+    return n / elapsed, latencies
+
+
 async def lone_request_overhead(url: str, max_delay_ms: float, rounds: int = 20) -> float:
     """Median latency of a lone request minus its batching window (ms)."""
     prefix = f"jl{uuid.uuid4().hex[:6]}"
@@ -154,7 +197,8 @@ async def lone_request_overhead(url: str, max_delay_ms: float, rounds: int = 20)
 
 async def main(args: argparse.Namespace) -> dict[str, object]:
     payload = bytes(range(256)) * (args.payload // 256) + bytes(args.payload % 256)
-    results: dict[str, list[float]] = {"raw_rps": [], "jb_rps": [], "ratio": []}
+    results: dict[str, list[float]] = {"raw_rps": [], "jb_rps": [], "ratio": [], "classified_rps": [], "classified_ratio": []}
+    cls_lat: list[float] = []
     raw_lat: list[float] = []
     jb_lat: list[float] = []
     batch_means: list[float] = []
@@ -166,6 +210,11 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             results["raw_rps"].append(raw_rps)
             results["jb_rps"].append(jb_rps)
             results["ratio"].append(jb_rps / raw_rps)
+            if args.classifier:
+                c_rps, cl = await classified_round(server.url, args.requests, args.concurrency, payload, args.max_batch)
+                results["classified_rps"].append(c_rps)
+                results["classified_ratio"].append(c_rps / raw_rps)
+                cls_lat += cl
             raw_lat += rl
             jb_lat += jl
             batch_means.append(mean_batch)
@@ -185,6 +234,14 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "jetbatch_mean_batch": statistics.mean(batch_means),
         "lone_request_overhead_ms_beyond_max_delay": lone,
     }
+    if args.classifier:
+        summary.update({
+            "classified_rps_median": statistics.median(results["classified_rps"]),
+            "classified_ratio_median": statistics.median(results["classified_ratio"]),
+            "classified_ratios": [round(r, 3) for r in results["classified_ratio"]],
+            "classified_p50_ms": pct(cls_lat, 50) * 1000,
+            "classified_p99_ms": pct(cls_lat, 99) * 1000,
+        })  # fmt: skip
     return summary
 
 
@@ -196,6 +253,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--policy", default="cost-aware")
+    parser.add_argument("--classifier", action="store_true", help="also SDK → classifier → worker (requests without a model)")
     parser.add_argument("--json", default=None, help="write the summary here")
     ns = parser.parse_args()
     POLICY = ns.policy

@@ -108,7 +108,16 @@ class Deployment:
     def wait_ready(self, timeout_s: float) -> None:
         """Until every stream the sidecars create exists (requests can be published), or a child
         dies (its log tail is raised)."""
-        asyncio.run(self._wait_ready(timeout_s))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(self._wait_ready(timeout_s))
+            return
+        # Called from async code (a benchmark, a test): check on a private loop in a thread.
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, self._wait_ready(timeout_s)).result()
 
     async def _wait_ready(self, timeout_s: float) -> None:
         from sdk.connection import connect_nats
