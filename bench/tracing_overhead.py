@@ -19,6 +19,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def install_tracing(endpoint: str | None) -> object:
+    """A global tracer provider exporting every span (default sampler: parent-based always-on)."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
 async def one_round_processes(n: int, tracing: bool, endpoint: str | None) -> float:
     """The worker in its own process (as deployed), the SDK here; both traced or neither."""
     import tempfile
@@ -26,16 +39,7 @@ async def one_round_processes(n: int, tracing: bool, endpoint: str | None) -> fl
     import sdk
     from sidecar.up import Deployment
 
-    provider = None
-    if tracing:
-        from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        provider = TracerProvider()
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")))
-        trace.set_tracer_provider(provider)
+    provider = install_tracing(endpoint) if tracing else None
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or "", "OTEL_METRICS_EXPORTER": "none"} if tracing else {"OTEL_TRACES_EXPORTER": "none"}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "m.toml"
@@ -53,7 +57,7 @@ async def one_round_processes(n: int, tracing: bool, endpoint: str | None) -> fl
                 await asyncio.gather(*(one() for _ in range(n)))
                 elapsed = asyncio.get_running_loop().time() - started
     if provider is not None:
-        provider.shutdown()
+        provider.shutdown()  # type: ignore[attr-defined]
     return n / elapsed
 
 
@@ -69,16 +73,7 @@ async def one_round(n: int, tracing: bool, endpoint: str | None) -> float:
     from sidecar.transport import connect
     from sidecar.worker import Worker
 
-    provider = None
-    if tracing:
-        from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        provider = TracerProvider()  # default sampler: parent-based always-on (100%)
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")))
-        trace.set_tracer_provider(provider)
+    provider = install_tracing(endpoint) if tracing else None
     with EmbeddedNats() as server:
         prefix = f"tr{uuid.uuid4().hex[:6]}"
         cfg = msgspec.convert(
@@ -103,7 +98,7 @@ async def one_round(n: int, tracing: bool, endpoint: str | None) -> float:
             worker.stop()
         await nc.close()
     if provider is not None:
-        provider.shutdown()
+        provider.shutdown()  # type: ignore[attr-defined]
     return n / elapsed
 
 

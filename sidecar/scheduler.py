@@ -342,14 +342,18 @@ class Exhaustive(_Base):
         return self._go(state, target, now, "longest-queue")
 
 
-class LongestBacklog(_Base):
-    """Serve the model with the longest backlog, loading it if needed (switches freely)."""
-
-    name = "longest-backlog"
+class _LruBaseline(_Base):
+    """Comparison policies evict least recently used, as the systems they stand for do."""
 
     def __init__(self, **kw: Any) -> None:
         kw.setdefault("eviction", "lru")
         super().__init__(**kw)
+
+
+class LongestBacklog(_LruBaseline):
+    """Serve the model with the longest backlog, loading it if needed (switches freely)."""
+
+    name = "longest-backlog"
 
     def decide(self, state: SchedulerState, now: float) -> Decision:
         waiting = [m for m in state.models.values() if m.backlog > 0]
@@ -359,16 +363,12 @@ class LongestBacklog(_Base):
         return self._go(state, target, now, "longest-backlog")
 
 
-class Fifo(_Base):
+class Fifo(_LruBaseline):
     """Arrival order: serve the model of the oldest request, with the run of consecutive requests
     for that model at the head of the arrival order (what a batcher in front of a router sees).
     Without an arrival order (the live worker), the model with the oldest request, a full batch."""
 
     name = "fifo"
-
-    def __init__(self, **kw: Any) -> None:
-        kw.setdefault("eviction", "lru")
-        super().__init__(**kw)
 
     def decide(self, state: SchedulerState, now: float) -> Decision:
         waiting = [m for m in state.models.values() if m.backlog > 0]
@@ -393,13 +393,12 @@ class Fifo(_Base):
         return Serve(target.name, target.max_batch_size, "fifo", before=min(others) if others else None)
 
 
-class RoundRobin(_Base):
+class RoundRobin(_LruBaseline):
     """One batch per model in turn, in name order, skipping empty queues."""
 
     name = "round-robin"
 
     def __init__(self, **kw: Any) -> None:
-        kw.setdefault("eviction", "lru")
         super().__init__(**kw)
         self._last: str | None = None
 

@@ -109,10 +109,20 @@ def classifier_consumer_name() -> str:
 
 def model_consumer_config(subjects: Subjects, cfg: StreamsConfig, model: str) -> ConsumerConfig:
     """The durable pull consumer every worker shares for one model's queue."""
+    return _shared_pull_consumer(model_consumer_name(model), f"jetbatch workers for model {model}", subjects.model(model), cfg)
+
+
+def classifier_consumer_config(subjects: Subjects, cfg: StreamsConfig) -> ConsumerConfig:
+    """The durable pull consumer classifier replicas share on ``<prefix>.in``."""
+    return _shared_pull_consumer(classifier_consumer_name(), "jetbatch classifiers", subjects.ingress, cfg)
+
+
+def _shared_pull_consumer(name: str, description: str, filter_subject: str, cfg: StreamsConfig) -> ConsumerConfig:
+    """A durable pull consumer with explicit acks that every replica of a role pulls from."""
     return ConsumerConfig(
-        durable_name=model_consumer_name(model),
-        description=f"jetbatch workers for model {model}",
-        filter_subject=subjects.model(model),
+        durable_name=name,
+        description=description,
+        filter_subject=filter_subject,
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=cfg.ack_wait_s,
@@ -123,21 +133,7 @@ def model_consumer_config(subjects: Subjects, cfg: StreamsConfig, model: str) ->
     )
 
 
-def classifier_consumer_config(subjects: Subjects, cfg: StreamsConfig) -> ConsumerConfig:
-    """The durable pull consumer classifier replicas share on ``<prefix>.in``."""
-    return ConsumerConfig(
-        durable_name=classifier_consumer_name(),
-        description="jetbatch classifiers",
-        filter_subject=subjects.ingress,
-        deliver_policy=DeliverPolicy.ALL,
-        ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=cfg.ack_wait_s,
-        max_deliver=cfg.max_deliver,
-        max_ack_pending=cfg.max_ack_pending,
-        max_waiting=512,
-        num_replicas=0,
-    )
-
+_SETUP_ATTEMPTS = 8
 
 _COMPARED = (
     "retention", "storage", "discard", "max_msgs", "max_bytes", "max_msg_size",
@@ -152,7 +148,7 @@ async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_su
     workers serving different model sets share the models stream.
     """
     assert wanted.name is not None
-    for _attempt in range(5):
+    for _attempt in range(_SETUP_ATTEMPTS):
         try:
             info = await js.stream_info(wanted.name)
         except nats.js.errors.NotFoundError:
@@ -181,6 +177,11 @@ async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_su
         try:
             await js.update_stream(updated)
         except nats.js.errors.APIError as exc:
+            if _attempt < _SETUP_ATTEMPTS - 1:
+                # Several sidecars starting together on a cluster update the same stream: read it
+                # again and retry before calling it a configuration conflict.
+                await asyncio.sleep(0.2 * (_attempt + 1))
+                continue
             raise StreamSetupError(
                 f"stream {wanted.name} differs from the configuration ({'; '.join(diffs)}) and the server "
                 f"refused the update: {exc.description}. Delete the stream or fix the configuration."
@@ -225,10 +226,14 @@ async def ensure_model_consumer(js: JetStreamContext, subjects: Subjects, cfg: S
 
 
 async def _ensure_consumer(js: JetStreamContext, stream: str, wanted: ConsumerConfig) -> None:
-    try:
-        # add_consumer on an existing durable with a compatible config updates it in place.
-        await js.add_consumer(stream, wanted)
-    except nats.js.errors.APIError as exc:
-        raise StreamSetupError(
-            f"cannot create or update consumer {wanted.durable_name} on {stream}: {exc.description}"
-        ) from exc
+    for attempt in range(_SETUP_ATTEMPTS):
+        try:
+            # add_consumer on an existing durable with a compatible config updates it in place.
+            await js.add_consumer(stream, wanted)
+            return
+        except (nats.js.errors.APIError, nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+            if attempt == _SETUP_ATTEMPTS - 1:
+                description = getattr(exc, "description", None) or repr(exc)
+                raise StreamSetupError(f"cannot create or update consumer {wanted.durable_name} on {stream}: {description}") from exc
+            # Concurrent creation by another replica, or a cluster electing a leader: retry.
+            await asyncio.sleep(0.2 * (attempt + 1))

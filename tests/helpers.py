@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import anyio
 import msgspec
 
+from sidecar.classifier import Classifier
 from sidecar.config import Config, parse_config
 from sidecar.transport import connect
 from sidecar.worker import BatchReport, Worker
@@ -30,20 +31,33 @@ def sleep_model(**overrides: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
+async def _running(make: Callable[[Any], Any], config: Config, url: str) -> AsyncIterator[Any]:
+    """Run a sidecar (worker or classifier) in this event loop until the block ends."""
+    nc = await connect(config.nats, url)
+    sidecar = make(nc)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sidecar.run)
+            with anyio.fail_after(20):
+                await sidecar.ready.wait()
+            yield sidecar
+            sidecar.stop()
+    finally:
+        await nc.close()
+
+
+@contextlib.asynccontextmanager
 async def running_worker(
     config: Config, url: str, *, on_batch: Callable[[BatchReport], None] | None = None, **kw: Any
 ) -> AsyncIterator[Worker]:
-    nc = await connect(config.nats, url)
-    worker = Worker(config, nc, on_batch=on_batch, **kw)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(worker.run)
-            with anyio.fail_after(20):
-                await worker.ready.wait()
-            yield worker
-            worker.stop()
-    finally:
-        await nc.close()
+    async with _running(lambda nc: Worker(config, nc, on_batch=on_batch, **kw), config, url) as worker:
+        yield worker
+
+
+@contextlib.asynccontextmanager
+async def running_classifier(config: Config, url: str) -> AsyncIterator[Classifier]:
+    async with _running(lambda nc: Classifier(config, nc), config, url) as classifier:
+        yield classifier
 
 
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -60,4 +74,4 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s:
         await anyio.sleep(0.01)
 
 
-__all__ = ["make_config", "parse_config", "running_worker", "sleep_model", "wait_until"]
+__all__ = ["make_config", "parse_config", "running_classifier", "running_worker", "sleep_model", "wait_until"]

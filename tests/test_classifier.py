@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 import msgspec
@@ -19,12 +17,10 @@ import torch
 
 import sdk
 from sdk.protocol import ContentType, Headers, Tensor
-from sidecar.classifier import Classifier
 from sidecar.config import Config
 from sidecar.streams import ensure_classifier_streams, ensure_model_consumer, ensure_streams
-from sidecar.transport import connect
 from tests import classifier_fixtures
-from tests.helpers import running_worker, sleep_model, wait_until
+from tests.helpers import running_classifier, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -41,21 +37,6 @@ def config(prefix: str, classifier: dict[str, Any], models: tuple[str, ...] = ("
         },
         Config,
     )
-
-
-@contextlib.asynccontextmanager
-async def running_classifier(cfg: Config, url: str) -> AsyncIterator[Classifier]:
-    nc = await connect(cfg.nats, url)
-    classifier = Classifier(cfg, nc)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(classifier.run)
-            with anyio.fail_after(20):
-                await classifier.ready.wait()
-            yield classifier
-            classifier.stop()
-    finally:
-        await nc.close()
 
 
 async def prepare(cfg: Config, url: str) -> None:

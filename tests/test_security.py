@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -21,8 +20,7 @@ import sdk
 from sidecar.config import Config
 from sidecar.natsserver import EmbeddedNats
 from sidecar.transport import connect_options
-from tests.helpers import running_worker, wait_until
-from tests.test_classifier import running_classifier
+from tests.helpers import running_classifier, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
 PREFIX = "sec"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,7 +17,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import sdk
-from sdk.protocol import Headers
 from tests.helpers import make_config, running_worker, sleep_model, wait_until
 from tests.otlp_receiver import OtlpReceiver
 
