@@ -474,13 +474,13 @@ class Worker:
             outputs: dict[int, Any] = {}
             trace_id = self.telemetry.trace_id_hex(span)
             # Redelivered requests may be what crashed an earlier worker: first serve, answer and
-            # ack the first-time requests as one batch, then the suspects one at a time (fewest
-            # deliveries first), so a poison request can only take itself down.
+            # ack the first-time requests as one batch, then the suspects one at a time, so a
+            # poison request can only take itself down. Stream order is stable across
+            # redeliveries: a request that kills the worker stays ahead of the innocents that
+            # shared its fetch, so the first suspect on its last delivery is the one that was
+            # running at each crash. It gets model_failed (and a dead letter) without another
+            # attempt; the suspects after it are computed.
             fresh = [r for r in good if r.deliveries <= 1]
-            # Stream order is stable across redeliveries: a request that kills the worker stays
-            # ahead of the innocents that shared its fetch, and the first suspect on its last
-            # delivery is the one that was running at each crash. It gets model_failed (and a dead
-            # letter) without another attempt; the suspects after it are computed.
             suspects = sorted((r for r in good if r.deliveries > 1), key=_stream_seq)
             if suspects and max_deliver > 1 and suspects[0].deliveries >= max_deliver:
                 culprit = suspects.pop(0)
