@@ -209,19 +209,27 @@ class NatsCluster:
         self.name = name
         self._own_dir = base_dir is None
         self.base_dir = Path(base_dir) if base_dir is not None else Path(tempfile.mkdtemp(prefix="jetbatch-cluster-"))
-        self.route_ports = [_free_port() for _ in range(size)]
+        self.route_ports: list[int] = []
         self.nodes: list[EmbeddedNats] = []
-        for i in range(size):
+        self._make_nodes(0)
+
+    def _make_nodes(self, attempt: int) -> None:
+        """Fresh ports and store dirs for every node (a retry must not reuse a port lost to a race)."""
+        self.route_ports = [_free_port() for _ in range(self.size)]
+        self.nodes = []
+        for i in range(self.size):
             routes = ", ".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(self.route_ports) if j != i)
             extra = (
                 "cluster {\n"
-                f'  name: "{name}"\n'
+                f'  name: "{self.name}"\n'
                 f'  listen: "127.0.0.1:{self.route_ports[i]}"\n'
                 f"  routes: [{routes}]\n"
                 "}\n"
             )
             self.nodes.append(
-                EmbeddedNats(store_dir=self.base_dir / f"n{i}", name=f"{name}-n{i}", port=_free_port(), extra_config=extra)
+                EmbeddedNats(
+                    store_dir=self.base_dir / f"a{attempt}-n{i}", name=f"{self.name}-n{i}", port=_free_port(), extra_config=extra
+                )
             )
 
     @property
@@ -233,14 +241,23 @@ class NatsCluster:
         """All nodes, comma-separated, as jetbatch's ``--nats-url`` accepts."""
         return ",".join(self.urls)
 
-    def start(self, ready_timeout_s: float = 30.0) -> "NatsCluster":
-        try:
-            for node in self.nodes:
-                node.start()
-            self.wait_for_jetstream(ready_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, ready_timeout_s: float = 45.0, attempts: int = 3) -> "NatsCluster":
+        """Start every node and wait until an R3 stream can be created; on failure (a port taken
+        between picking and binding, a node that never joins) start over on fresh ports."""
+        for attempt in range(attempts):
+            if attempt:
+                self._make_nodes(attempt)
+            try:
+                for node in self.nodes:
+                    node.start()
+                self.wait_for_jetstream(ready_timeout_s)
+                return self
+            except BaseException:
+                for node in self.nodes:
+                    node.stop()
+                if attempt == attempts - 1:
+                    self.stop()
+                    raise
         return self
 
     def wait_for_jetstream(self, timeout_s: float = 30.0) -> None:
@@ -261,9 +278,10 @@ class NatsCluster:
                         await js.add_stream(name="JETBATCH_PROBE", subjects=["jetbatch-probe"], num_replicas=len(self.nodes))
                         await js.delete_stream("JETBATCH_PROBE")
                         return
-                    except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+                    except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
                         if time.monotonic() > deadline:
-                            raise RuntimeError(f"JetStream cluster not ready after {timeout_s:.0f}s") from None
+                            tails = "\n".join(f"--- {n.name} ---\n" + "\n".join(n.log[-5:]) for n in self.nodes)
+                            raise RuntimeError(f"JetStream cluster not ready after {timeout_s:.0f}s: {exc!r}\n{tails}") from None
                         await asyncio.sleep(0.2)
             finally:
                 await nc.close()
