@@ -9,8 +9,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import anyio
 import msgspec
 
+from sdk.connection import connect_nats
+from sdk.protocol import Subjects
 from sidecar.classifier import Classifier
 from sidecar.config import Config, parse_config
+from sidecar.status import StatusReport, collect_status
 from sidecar.transport import connect
 from sidecar.worker import BatchReport, Worker
 
@@ -60,6 +63,21 @@ async def running_classifier(config: Config, url: str) -> AsyncIterator[Classifi
         yield classifier
 
 
+async def worker_reports(url: str, prefix: str, *, wait_s: float = 0.3) -> list[StatusReport]:
+    """The status reports of every worker on the bus under ``prefix``."""
+    nc = await connect_nats(url)
+    try:
+        return [r for r in await collect_status(nc, Subjects(prefix), wait_s=wait_s) if r.role == "worker"]
+    finally:
+        await nc.close()
+
+
+async def first_worker_resident(url: str, prefix: str) -> bool:
+    """A worker has loaded a model (with a slow sleep handler: its first batch is running)."""
+    reports = await worker_reports(url, prefix, wait_s=0.2)
+    return bool(reports and reports[0].resident)
+
+
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition") -> None:
     """Poll ``predicate`` until true, failing after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -74,4 +92,13 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s:
         await anyio.sleep(0.01)
 
 
-__all__ = ["make_config", "parse_config", "running_classifier", "running_worker", "sleep_model", "wait_until"]
+__all__ = [
+    "first_worker_resident",
+    "make_config",
+    "parse_config",
+    "running_classifier",
+    "running_worker",
+    "sleep_model",
+    "wait_until",
+    "worker_reports",
+]

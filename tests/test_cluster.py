@@ -10,11 +10,9 @@ from typing import Iterator
 import pytest
 
 import sdk
-from sdk.connection import connect_nats
 from sidecar.natsserver import NatsCluster
-from sidecar.status import StatusReport, collect_status
 from sidecar.up import Deployment
-from sdk.protocol import Subjects
+from tests.helpers import worker_reports
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +38,6 @@ def _config(tmp_path: Path, prefix: str, models: dict[str, dict[str, float]], *,
     path = tmp_path / f"{prefix}.toml"
     path.write_text("\n".join(lines))
     return path
-
-
-async def _statuses(url: str, prefix: str) -> list[StatusReport]:
-    nc = await connect_nats(url)
-    try:
-        return [r for r in await collect_status(nc, Subjects(prefix), wait_s=0.3) if r.role == "worker"]
-    finally:
-        await nc.close()
 
 
 async def _load(url: str, prefix: str, mix: list[str], *, duration_s: float, concurrency: int) -> list[sdk.Result]:
@@ -92,7 +82,7 @@ def test_three_workers_settle_on_three_models(cluster: NatsCluster, tmp_path: Pa
     config = _config(tmp_path, "c2", models)
     with Deployment(config, nats_url=cluster.url, workers=3) as dep:
         results = asyncio.run(_load(dep.url, "c2", ["a", "b", "c"], duration_s=6.0, concurrency=24))
-        reports = asyncio.run(_statuses(dep.url, "c2"))
+        reports = asyncio.run(worker_reports(dep.url, "c2"))
     assert len(reports) == 3
     resident = sorted(tuple(r.resident) for r in reports)
     assert resident == [("a",), ("b",), ("c",)], reports
@@ -106,7 +96,7 @@ def test_hot_model_gets_a_second_replica(cluster: NatsCluster, tmp_path: Path) -
     config = _config(tmp_path, "c3", models)
     with Deployment(config, nats_url=cluster.url, workers=2) as dep:
         results = asyncio.run(_load(dep.url, "c3", ["hot"] * 19 + ["cold"], duration_s=6.0, concurrency=64))
-        reports = asyncio.run(_statuses(dep.url, "c3"))
+        reports = asyncio.run(worker_reports(dep.url, "c3"))
     second_half = results[len(results) // 2 :]  # appended in completion order
     workers_on_hot = {r.batch.worker for r in second_half if r.batch.model == "hot"}
     assert len(workers_on_hot) == 2, f"hot model served by {workers_on_hot} in the second half; {reports}"
@@ -127,7 +117,7 @@ def test_killed_worker_requests_are_redelivered_and_answered(cluster: NatsCluste
                 # Kill a worker once it is busy with a batch (its requests are in flight, unacked).
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
-                    reports = await _statuses(dep.url, "c4")
+                    reports = await worker_reports(dep.url, "c4")
                     if all(r.resident for r in reports) and len(reports) == 2:
                         break
                 victim = sorted(dep.procs)[0]
@@ -135,7 +125,7 @@ def test_killed_worker_requests_are_redelivered_and_answered(cluster: NatsCluste
                 return list(await asyncio.gather(*calls))
 
         results = asyncio.run(scenario())
-        survivors = asyncio.run(_statuses(dep.url, "c4"))
+        survivors = asyncio.run(worker_reports(dep.url, "c4"))
     assert len(results) == 60
     assert sorted(r.output for r in results) == sorted(f"{m}-{i}".encode() for i in range(30) for m in ("m1", "m2"))
     assert len(survivors) == 1

@@ -14,12 +14,9 @@ import anyio
 import pytest
 
 import sdk
-from sdk.connection import connect_nats
 from sidecar.natsserver import EmbeddedNats
-from sidecar.status import collect_status
 from sidecar.up import Deployment
-from sdk.protocol import Subjects
-from tests.helpers import make_config, running_worker, sleep_model, wait_until
+from tests.helpers import first_worker_resident, make_config, running_worker, sleep_model, wait_until, worker_reports
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -37,14 +34,6 @@ def write_config(tmp_path: Path, prefix: str, *, handler: str = "sleep", load_s:
     return path
 
 
-async def workers(url: str, prefix: str) -> list[Any]:
-    nc = await connect_nats(url)
-    try:
-        return [r for r in await collect_status(nc, Subjects(prefix), wait_s=0.2) if r.role == "worker"]
-    finally:
-        await nc.close()
-
-
 async def start_worker(dep: Deployment, index: int) -> None:
     await anyio.to_thread.run_sync(dep.start_worker, index)
 
@@ -54,12 +43,7 @@ async def test_kill_9_mid_batch_then_restart_answers_every_request_once(nats_url
     try:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             calls = [asyncio.ensure_future(client.infer_result(f"r{i}".encode(), model="m1", timeout=60)) for i in range(12)]
-
-            async def computing() -> bool:
-                reports = await workers(nats_url, prefix)
-                return bool(reports and reports[0].resident)  # loaded; its first 1.5 s batch is running
-
-            await wait_until(computing, timeout_s=30, what="the worker to start a batch")
+            await wait_until(lambda: first_worker_resident(nats_url, prefix), timeout_s=30, what="the worker to start a batch")
             dep.stop_process("worker0", kill=True)  # SIGKILL in the middle of the batch
             await start_worker(dep, 1)
             results = await asyncio.gather(*calls)
@@ -77,7 +61,7 @@ async def test_kill_9_mid_load_then_restart(nats_url: str, prefix: str, tmp_path
             calls = [asyncio.ensure_future(client.infer(f"r{i}".encode(), model="m1", timeout=60)) for i in range(5)]
 
             async def loading() -> bool:
-                reports = await workers(nats_url, prefix)
+                reports = await worker_reports(nats_url, prefix, wait_s=0.2)
                 return bool(reports and reports[0].loading == "m1")
 
             await wait_until(loading, timeout_s=30, what="the 2 s load to begin")
@@ -128,12 +112,7 @@ async def test_sigterm_drains_in_flight_and_exits_0(nats_url: str, prefix: str, 
     try:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             calls = [asyncio.ensure_future(client.infer_result(f"r{i}".encode(), model="m1", timeout=60)) for i in range(20)]
-
-            async def computing() -> bool:
-                reports = await workers(nats_url, prefix)
-                return bool(reports and reports[0].resident)
-
-            await wait_until(computing, timeout_s=30, what="a batch in flight")
+            await wait_until(lambda: first_worker_resident(nats_url, prefix), timeout_s=30, what="a batch in flight")
             proc = dep.procs["worker0"]
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)

@@ -148,8 +148,6 @@ def test_blocking_client(nats_url: str, prefix: str) -> None:
 async def test_duplicate_replies_are_dropped(nats_url: str, prefix: str) -> None:
     """A redelivered request can be answered twice; the caller sees one result, and a late
     duplicate for a finished request is ignored."""
-    import asyncio
-
     from sdk.protocol import Headers
 
     async with sdk.Client.connect(nats_url, prefix=prefix) as client:
