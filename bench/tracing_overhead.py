@@ -2,7 +2,10 @@
 tracing off, same workload (SDK → worker, identity handler), alternating in one run. Each round
 runs in a fresh process, because OpenTelemetry's global providers can be set only once. Run:
 
-    python bench/tracing_overhead.py [--requests 3000] [--rounds 3]
+    python bench/tracing_overhead.py [--requests 3000] [--rounds 3] [--sample-ratio 1.0]
+
+``--sample-ratio`` below 1 samples that share of traces (``parentbased_traceidratio`` in the SDK and
+the worker) to show what sampling buys back.
 """
 
 from __future__ import annotations
@@ -19,28 +22,35 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def install_tracing(endpoint: str | None) -> object:
-    """A global tracer provider exporting every span (default sampler: parent-based always-on)."""
+def install_tracing(endpoint: str | None, sample_ratio: float = 1.0) -> object:
+    """A global tracer provider exporting every span (parent-based always-on), or the
+    ``sample_ratio`` share of traces."""
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-    provider = TracerProvider()
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")))
     trace.set_tracer_provider(provider)
     return provider
 
 
-async def one_round_processes(n: int, tracing: bool, endpoint: str | None) -> float:
+async def one_round_processes(n: int, tracing: bool, endpoint: str | None, sample_ratio: float = 1.0) -> float:
     """The worker in its own process (as deployed), the SDK here; both traced or neither."""
     import tempfile
 
     import sdk
     from sidecar.up import Deployment
 
-    provider = install_tracing(endpoint) if tracing else None
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or "", "OTEL_METRICS_EXPORTER": "none"} if tracing else {"OTEL_TRACES_EXPORTER": "none"}
+    provider = install_tracing(endpoint, sample_ratio) if tracing else None
+    env = {"OTEL_TRACES_EXPORTER": "none"}
+    if tracing:
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or "", "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(sample_ratio),
+        }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "m.toml"
         cfg.write_text('[models.m]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_ms = 2\n')
@@ -61,7 +71,7 @@ async def one_round_processes(n: int, tracing: bool, endpoint: str | None) -> fl
     return n / elapsed
 
 
-async def one_round(n: int, tracing: bool, endpoint: str | None) -> float:
+async def one_round(n: int, tracing: bool, endpoint: str | None, sample_ratio: float = 1.0) -> float:
     import uuid
 
     import anyio
@@ -73,7 +83,7 @@ async def one_round(n: int, tracing: bool, endpoint: str | None) -> float:
     from sidecar.transport import connect
     from sidecar.worker import Worker
 
-    provider = install_tracing(endpoint) if tracing else None
+    provider = install_tracing(endpoint, sample_ratio) if tracing else None
     with EmbeddedNats() as server:
         prefix = f"tr{uuid.uuid4().hex[:6]}"
         cfg = msgspec.convert(
@@ -108,12 +118,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--topology", choices=["processes", "one-process"], default="processes",
                         help="worker in its own process (default), or SDK and worker in one process")
+    parser.add_argument("--sample-ratio", type=float, default=1.0, help="share of traces sampled when tracing is on (default 1.0)")
     parser.add_argument("--child", choices=["on", "off"], help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         fn = one_round_processes if args.topology == "processes" else one_round
-        print(asyncio.run(fn(args.requests, args.child == "on", args.endpoint)))
+        print(asyncio.run(fn(args.requests, args.child == "on", args.endpoint, args.sample_ratio)))
         return
     from tests.otlp_receiver import OtlpReceiver
 
@@ -123,14 +134,14 @@ def main() -> None:
             for mode, bucket in (("off", off), ("on", on)):
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", mode, "--requests", str(args.requests), "--endpoint", receiver.endpoint,
-                     "--topology", args.topology],
+                     "--topology", args.topology, "--sample-ratio", str(args.sample_ratio)],
                     capture_output=True, text=True, check=True, cwd=ROOT,
                 )  # fmt: skip
                 bucket.append(float(out.stdout.strip().splitlines()[-1]))
         exported = len(receiver.snapshot())
     ratios = [a / b for a, b in zip(on, off)]
     print(json.dumps({
-        "topology": args.topology, "requests": args.requests, "off_rps": [round(x) for x in off], "on_rps": [round(x) for x in on],
+        "topology": args.topology, "requests": args.requests, "sample_ratio": args.sample_ratio, "off_rps": [round(x) for x in off], "on_rps": [round(x) for x in on],
         "ratio_median": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios], "spans_exported": exported,
     }, indent=2))  # fmt: skip
 

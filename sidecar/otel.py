@@ -3,8 +3,8 @@
 - ``OTEL_SERVICE_NAME`` (default ``jetbatch-<role>``), ``OTEL_RESOURCE_ATTRIBUTES``;
 - ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
   ``..._METRICS_ENDPOINT``: export over OTLP HTTP/protobuf; nothing is exported by default;
-- ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``otlp`` (default when an endpoint is
-  set), ``console``, or ``none``;
+- ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: comma-separated ``otlp`` (default when an
+  endpoint is set), ``console``, or ``none``; ``OTEL_METRIC_EXPORT_INTERVAL`` (ms, default 5000);
 - ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``: read by the SDK itself;
 - ``--trace-console``: print spans to stdout for local debugging.
 
@@ -14,6 +14,7 @@ Resource attributes name the sidecar role (``jetbatch.role``) and the worker id
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Callable
@@ -27,22 +28,48 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 __all__ = ["setup_telemetry"]
 
+log = logging.getLogger(__name__)
 
-def _exporter_choice(kind: str) -> str:
-    """``otlp``, ``console`` or ``none`` for ``traces``/``metrics``, from the environment."""
+_KNOWN_EXPORTERS = frozenset({"otlp", "console", "none"})
+
+
+def _exporter_choices(kind: str) -> set[str]:
+    """The exporters asked for ``traces``/``metrics``: a subset of ``otlp``/``console``, empty for
+    none. ``OTEL_<KIND>_EXPORTER`` is a comma-separated list (the spec's form); without it, OTLP
+    when an endpoint is set, else nothing."""
     explicit = os.environ.get(f"OTEL_{kind.upper()}_EXPORTER", "").strip().lower()
     if explicit:
-        return explicit.split(",")[0]
+        names = {n.strip() for n in explicit.split(",") if n.strip()}
+        for unknown in sorted(names - _KNOWN_EXPORTERS):
+            # zipkin, prometheus...: not bundled. Say so once at start-up instead of exporting nothing silently.
+            log.warning("OTEL_%s_EXPORTER=%s: exporter not supported by jetbatch (otlp, console, none); ignored", kind.upper(), unknown)
+        return names & {"otlp", "console"}
     endpoint = os.environ.get(f"OTEL_EXPORTER_OTLP_{kind.upper()}_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    return "otlp" if endpoint else "none"
+    return {"otlp"} if endpoint else set()
+
+
+def _metric_interval_ms() -> float:
+    """Metric export period: ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) when set, else 5 s (the SDK's
+    own default, 60 s, is too slow to watch a backlog gauge move)."""
+    raw = os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
+    try:
+        return float(raw) if raw else 5000.0
+    except ValueError:
+        log.warning("OTEL_METRIC_EXPORT_INTERVAL=%r is not a number of milliseconds; using 5000", raw)
+        return 5000.0
 
 
 def setup_telemetry(role: str, *, console: bool = False, worker_id: str | None = None) -> Callable[[], None]:
-    """Install tracer and meter providers for a sidecar; returns a function that flushes and
-    shuts them down (call it on exit). Does nothing when nothing is to be exported."""
-    traces = "console" if console else _exporter_choice("traces")
-    metrics_kind = _exporter_choice("metrics")
-    if traces == "none" and metrics_kind == "none":
+    """Install global tracer and meter providers for a sidecar ``role`` (``worker``,
+    ``classifier``); ``console`` adds a stdout span exporter (``--trace-console``); ``worker_id``
+    becomes ``service.instance.id``. Returns a function that flushes and shuts the providers down
+    (call it on exit: spans still batched would be lost). Installs nothing, so that the API stays
+    a no-op on the hot path, when nothing is to be exported."""
+    traces = _exporter_choices("traces")
+    if console:
+        traces.add("console")
+    metric_exporters = _exporter_choices("metrics")
+    if not traces and not metric_exporters:
         return lambda: None
     resource = Resource.create(
         {
@@ -52,24 +79,26 @@ def setup_telemetry(role: str, *, console: bool = False, worker_id: str | None =
         }
     )
     shutdowns: list[Callable[[], object]] = []
-    if traces != "none":
-        provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
-        if traces == "console":
+    if traces:
+        provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER(_ARG)
+        if "console" in traces:
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
-        elif traces == "otlp":
+        if "otlp" in traces:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
+            # Batched off the event loop's thread; endpoint, headers and timeout from OTEL_EXPORTER_OTLP_*.
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
         shutdowns.append(provider.shutdown)
-    if metrics_kind != "none":
+    if metric_exporters:
         readers: list[MetricReader] = []
-        if metrics_kind == "console":
-            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
-        elif metrics_kind == "otlp":
+        interval_ms = _metric_interval_ms()
+        if "console" in metric_exporters:
+            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(), export_interval_millis=interval_ms))
+        if "otlp" in metric_exporters:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(), export_interval_millis=5000))
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(), export_interval_millis=interval_ms))
         meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         metrics.set_meter_provider(meter_provider)
         shutdowns.append(meter_provider.shutdown)

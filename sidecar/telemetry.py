@@ -8,6 +8,10 @@ unload and inference, and attributes for the batch's size, queue wait and schedu
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -27,9 +31,12 @@ class LoadRecord:
     end_ns: int
     memory_bytes: int
     evicted: tuple[str, ...] = ()
-    unloads: list[tuple[str, int, int]] = field(default_factory=list)  # (model, start_ns, end_ns)
+    # (model, start_ns, end_ns) or (model, start_ns, end_ns, bytes freed) per model evicted first
+    unloads: list[tuple[Any, ...]] = field(default_factory=list)
+
 
 _INSTRUMENTATION = "jetbatch.sidecar"
+log = logging.getLogger(__name__)
 
 
 def tracing_enabled() -> bool:
@@ -54,6 +61,68 @@ def links_from_headers(headers_list: Sequence[Mapping[str, str] | None]) -> list
     return links
 
 
+class _Gauges:
+    """The process's observable gauges, created once, reading every registered worker's report.
+
+    OpenTelemetry keeps the first instrument of a name and drops the callbacks of a second
+    ``create_observable_gauge`` with that name, so per-worker gauges would report the first worker
+    forever (and keep it alive). Workers are held weakly: a collected worker stops reporting.
+    Points carry ``jetbatch.worker.id``, so workers sharing a process stay apart.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reports: list[tuple[str, Callable[[], Callable[[], Any] | None]]] = []
+        self._created = False
+
+    def add(self, worker_id: str, report: Callable[[], Any]) -> None:
+        ref: Callable[[], Callable[[], Any] | None]
+        ref = weakref.WeakMethod(report) if inspect.ismethod(report) else (lambda: report)  # type: ignore[arg-type]
+        with self._lock:
+            self._reports.append((worker_id, ref))
+            if self._created:
+                return
+            self._created = True
+        meter = metrics.get_meter(_INSTRUMENTATION)
+        meter.create_observable_gauge("jetbatch.queue.backlog", [self._backlog], unit="{request}", description="Requests waiting per model")
+        meter.create_observable_gauge("jetbatch.models.resident", [self._resident], unit="{model}", description="Models resident on the device")
+        meter.create_observable_gauge("jetbatch.memory", [self._memory], unit="By", description="Device memory in use, and the budget")
+
+    def _current(self) -> list[tuple[str, Any]]:
+        """(worker id, StatusReport) of each live worker; forgets collected ones."""
+        out: list[tuple[str, Any]] = []
+        with self._lock:
+            live = [(wid, ref, ref()) for wid, ref in self._reports]
+            self._reports = [(wid, ref) for wid, ref, fn in live if fn is not None]
+        for wid, _, fn in live:
+            if fn is None:
+                continue
+            try:
+                out.append((wid, fn()))
+            except Exception:  # noqa: BLE001 - a failing report must not cost the other gauges
+                log.debug("status report of %s failed during metric collection", wid, exc_info=True)
+        return out
+
+    def _backlog(self, _: Any) -> Iterable[Observation]:
+        return [
+            Observation(n, {"jetbatch.model": m, "jetbatch.worker.id": wid}) for wid, r in self._current() for m, n in r.backlog.items()
+        ]
+
+    def _resident(self, _: Any) -> Iterable[Observation]:
+        return [Observation(len(r.resident), {"jetbatch.worker.id": wid}) for wid, r in self._current()]
+
+    def _memory(self, _: Any) -> Iterable[Observation]:
+        out = []
+        for wid, r in self._current():
+            out.append(Observation(r.memory_bytes, {"jetbatch.memory": "used", "jetbatch.worker.id": wid}))
+            if r.memory_budget_bytes is not None:
+                out.append(Observation(r.memory_budget_bytes, {"jetbatch.memory": "budget", "jetbatch.worker.id": wid}))
+        return out
+
+
+_GAUGES = _Gauges()
+
+
 class WorkerTelemetry:
     """Spans and metrics of one worker. Cheap no-ops unless an OpenTelemetry SDK is installed."""
 
@@ -73,34 +142,19 @@ class WorkerTelemetry:
         self.switches = meter.create_counter("jetbatch.scheduler.switches", unit="{switch}", description="Model switches, by reason")
 
     def register_gauges(self, report: Callable[[], Any]) -> None:
-        """Observable gauges read from ``report()`` (a StatusReport) at each collection."""
-        meter = metrics.get_meter(_INSTRUMENTATION)
-
-        def backlog(_: Any) -> Iterable[Observation]:
-            r = report()
-            return [Observation(n, {"jetbatch.model": m}) for m, n in r.backlog.items()]
-
-        def resident(_: Any) -> Iterable[Observation]:
-            return [Observation(len(report().resident), {"jetbatch.worker.id": self.worker_id})]
-
-        def memory(_: Any) -> Iterable[Observation]:
-            r = report()
-            out = [Observation(r.memory_bytes, {"jetbatch.memory": "used"})]
-            if r.memory_budget_bytes is not None:
-                out.append(Observation(r.memory_budget_bytes, {"jetbatch.memory": "budget"}))
-            return out
-
-        meter.create_observable_gauge("jetbatch.queue.backlog", [backlog], unit="{request}", description="Requests waiting per model")
-        meter.create_observable_gauge("jetbatch.models.resident", [resident], unit="{model}", description="Models resident on the device")
-        meter.create_observable_gauge("jetbatch.memory", [memory], unit="By", description="Device memory in use, and the budget")
+        """Observe this worker's ``report()`` (a StatusReport: backlog, resident models, memory and
+        budget) in the process's observable gauges, at each metric collection."""
+        _GAUGES.add(self.worker_id, report)
 
     def record_load(self, record: "LoadRecord", parent: Span) -> None:
         """Emit the ``model.unload`` and ``model.load`` spans of a switch under ``parent``, the
         batch span that paid for it (the load ran just before that batch began)."""
         ctx = trace.set_span_in_context(parent)
-        for name, start_ns, end_ns in record.unloads:
-            span = self.tracer.start_span("model.unload", context=ctx, start_time=start_ns, attributes={"jetbatch.model": name})
-            span.set_attribute("jetbatch.model.unload.seconds", (end_ns - start_ns) / 1e9)
+        for name, start_ns, end_ns, *rest in record.unloads:
+            attrs: dict[str, Any] = {"jetbatch.model": name, "jetbatch.model.unload.seconds": (end_ns - start_ns) / 1e9}
+            if rest:
+                attrs["jetbatch.model.bytes"] = rest[0]
+            span = self.tracer.start_span("model.unload", context=ctx, start_time=start_ns, attributes=attrs)
             span.end(end_time=end_ns)
         span = self.tracer.start_span(
             "model.load",
@@ -157,14 +211,18 @@ class WorkerTelemetry:
 
     @contextlib.contextmanager
     def child_span(self, name: str, **attributes: Any) -> Iterator[Span]:
+        """A span under the current one (``infer`` under the batch span), current while open."""
         with self.tracer.start_as_current_span(name, attributes=attributes) as span:
             yield span
 
     def mark_error(self, span: Span, exc: BaseException) -> None:
+        """Record ``exc`` on ``span`` (an ``exception`` event) and set its status to ERROR."""
         span.record_exception(exc)
         span.set_status(Status(StatusCode.ERROR, str(exc)))
 
     @staticmethod
     def trace_id_hex(span: Span) -> str:
+        """The span's trace id as 32 hex digits (the ``Jetbatch-Trace-Id`` reply header), or
+        ``""`` when tracing is off."""
         ctx = span.get_span_context()
         return format(ctx.trace_id, "032x") if ctx.is_valid else ""

@@ -657,13 +657,13 @@ class Worker:
         for name in evict:
             victim = self.slots[name]
             await self._wait_for(lambda: victim.in_flight == 0)
-        unloads: list[tuple[str, int, int]] = []
+        unloads: list[tuple[str, int, int, int]] = []  # (model, start_ns, end_ns, bytes) for the model.unload spans
         async with self._device_lock:
             for name in evict:
                 victim = self.slots[name]
                 started_ns = time.time_ns()
                 await self._unload(victim)
-                unloads.append((name, started_ns, time.time_ns()))
+                unloads.append((name, started_ns, time.time_ns(), self.costs.memory_bytes(name)))
                 self.stats["evictions"] += 1
                 self.telemetry.evictions.add(1, {"jetbatch.model": name})
             if slot.resident:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import anyio
 import pytest
@@ -33,9 +37,16 @@ class Switchable(SpanExporter):
         return self.target.export(spans) if self.target else SpanExportResult.SUCCESS
 
 
-@pytest.fixture(scope="module")
-def otel() -> Iterator[tuple[InMemorySpanExporter, InMemoryMetricReader, Switchable]]:
-    # OpenTelemetry's global providers can be set once per process: set them here, once.
+class Otel(NamedTuple):
+    spans: InMemorySpanExporter
+    reader: InMemoryMetricReader
+    extra: Switchable
+
+
+@pytest.fixture(scope="session")
+def _otel_providers() -> Iterator[Otel]:
+    # OpenTelemetry's global providers can be set once per process: set them here, once per
+    # session; tests clear the span exporter (``otel``) and compare metrics against a baseline.
     spans = InMemorySpanExporter()
     extra = Switchable()
     provider = TracerProvider()
@@ -45,28 +56,46 @@ def otel() -> Iterator[tuple[InMemorySpanExporter, InMemoryMetricReader, Switcha
     trace.set_tracer_provider(provider)
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
     if trace.get_tracer_provider() is not provider:
-        pytest.skip("another test already installed a global tracer provider")
-    yield spans, reader, extra
+        pytest.skip("another test module already installed a global tracer provider")
+    yield Otel(spans, reader, extra)
 
 
-def _metric_points(reader: InMemoryMetricReader, name: str) -> list[Any]:
+@pytest.fixture
+def otel(_otel_providers: Otel) -> Otel:
+    _otel_providers.spans.clear()
+    _otel_providers.extra.target = None
+    return _otel_providers
+
+
+def _points(reader: InMemoryMetricReader, name: str, **attrs: Any) -> list[Any]:
+    """Data points of metric ``name`` whose attributes include ``attrs`` (dots spelled ``__``)."""
+    want = {k.replace("__", "."): v for k, v in attrs.items()}
     data = reader.get_metrics_data()
     points = []
     for rm in data.resource_metrics if data else []:
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 if m.name == name:
-                    points.extend(m.data.data_points)
+                    points.extend(p for p in m.data.data_points if all(p.attributes.get(k) == v for k, v in want.items()))
     return points
 
 
-async def test_batch_span_links_every_request_and_pays_the_load(otel: Any, nats_url: str, prefix: str) -> None:
+def _total(reader: InMemoryMetricReader, name: str, **attrs: Any) -> float:
+    """Sum of a counter, or count of a histogram, over the matching points (cumulative)."""
+    return sum(p.value if hasattr(p, "value") else p.count for p in _points(reader, name, **attrs))
+
+
+async def test_batch_span_links_every_request_and_pays_the_load(otel: Otel, nats_url: str, prefix: str) -> None:
     spans, reader, _ = otel
-    spans.clear()
+    ok_before = _total(reader, "jetbatch.requests", jetbatch__model="m1", jetbatch__status="ok")
+    loads_before = _total(reader, "jetbatch.model.loads", jetbatch__model="m1")
+    batches_before = _total(reader, "jetbatch.batch.size", jetbatch__model="m1")
     config = make_config(prefix, {"m1": sleep_model(max_batch_size=8, max_delay_ms=100, options={"load_s": 0.05, "batch_s": 0.0, "item_s": 0.0})})
-    async with running_worker(config, nats_url):
+    async with running_worker(config, nats_url) as worker:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             results = await asyncio.gather(*(client.infer_result(f"r{i}".encode(), model="m1", timeout=20) for i in range(6)))
+        backlog = _points(reader, "jetbatch.queue.backlog", jetbatch__model="m1", jetbatch__worker__id=worker.worker_id)
+        resident = _points(reader, "jetbatch.models.resident", jetbatch__worker__id=worker.worker_id)
     assert len({r.batch.batch_id for r in results}) == 1  # one batch of 6
     finished = spans.get_finished_spans()
     producers = [s for s in finished if s.kind is SpanKind.PRODUCER and s.attributes.get("messaging.destination.name") == f"{prefix}.model.m1"]
@@ -74,28 +103,68 @@ async def test_batch_span_links_every_request_and_pays_the_load(otel: Any, nats_
     assert len(producers) == 6 and len(batches) == 1
     batch = batches[0]
     assert batch.kind is SpanKind.CONSUMER
+    assert batch.attributes["messaging.system"] == "nats"
+    assert batch.attributes["messaging.destination.name"] == f"{prefix}.model.m1"
     assert batch.attributes["messaging.batch.message_count"] == 6
     assert batch.attributes["jetbatch.model.loaded"] is True
-    assert {link.context.span_id for link in batch.links} == {p.context.span_id for p in producers}
-    assert {link.context.trace_id for link in batch.links} == {p.context.trace_id for p in producers}
+    assert batch.attributes["jetbatch.scheduler.decision"]
+    assert 0 <= batch.attributes["jetbatch.queue.wait.min_ms"] <= batch.attributes["jetbatch.queue.wait.mean_ms"] <= batch.attributes["jetbatch.queue.wait.max_ms"]
+    # Exactly one link per request, each to that request's producer span.
+    assert len(batch.links) == 6
+    assert sorted((link.context.trace_id, link.context.span_id) for link in batch.links) == sorted(
+        (p.context.trace_id, p.context.span_id) for p in producers
+    )
     # The reply names the batch's trace, so a caller can jump from a result to its batch.
     assert {r.batch.trace_id for r in results} == {format(batch.context.trace_id, "032x")}
     loads = [s for s in finished if s.name == "model.load"]
     assert len(loads) == 1 and loads[0].parent.span_id == batch.context.span_id
-    assert loads[0].attributes["jetbatch.model"] == "m1"
+    assert loads[0].attributes["jetbatch.model"] == "m1" and loads[0].attributes["jetbatch.model.load.seconds"] >= 0.05
+    assert batch.start_time <= loads[0].start_time <= loads[0].end_time <= batch.end_time
     assert [s.name for s in finished if s.parent and s.parent.span_id == batch.context.span_id] == ["model.load", "infer"]
-    # Metrics: 6 requests ok, one load, one batch of six.
-    ok = [p for p in _metric_points(reader, "jetbatch.requests") if p.attributes.get("jetbatch.model") == "m1" and p.attributes.get("jetbatch.status") == "ok"]
-    assert sum(p.value for p in ok) >= 6
-    sizes = [p for p in _metric_points(reader, "jetbatch.batch.size") if p.attributes.get("jetbatch.model") == "m1"]
-    assert sizes and sizes[0].count >= 1 and sizes[0].max >= 6
-    backlog = _metric_points(reader, "jetbatch.queue.backlog")
-    assert any(p.attributes.get("jetbatch.model") == "m1" for p in backlog)
+    # Metrics: 6 requests ok, one load, one batch; gauges read the live worker.
+    assert _total(reader, "jetbatch.requests", jetbatch__model="m1", jetbatch__status="ok") - ok_before == 6
+    assert _total(reader, "jetbatch.model.loads", jetbatch__model="m1") - loads_before == 1
+    assert _total(reader, "jetbatch.batch.size", jetbatch__model="m1") - batches_before == 1
+    assert [p.value for p in backlog] == [0] and [p.value for p in resident] == [1]
+    latency = _points(reader, "jetbatch.client.request.duration", jetbatch__model="m1", jetbatch__status="ok")
+    assert latency and latency[0].count >= 6
 
 
-async def test_error_reply_sets_span_status_and_records_the_exception(otel: Any, nats_url: str, prefix: str) -> None:
-    spans, _, _ = otel
-    spans.clear()
+async def test_switch_spans_sit_under_the_batch_that_paid_it(otel: Otel, nats_url: str, prefix: str) -> None:
+    spans, reader, _ = otel
+    evictions_before = _total(reader, "jetbatch.model.evictions", jetbatch__model="a")
+    switches_before = _total(reader, "jetbatch.scheduler.switches")
+    unloads_before = _total(reader, "jetbatch.model.unload.duration", jetbatch__model="a")
+    fast = {"load_s": 0.02, "batch_s": 0.0, "item_s": 0.0}
+    config = make_config(
+        prefix,
+        {"a": sleep_model(memory_bytes=600, options=fast), "b": sleep_model(memory_bytes=600, options=fast)},
+        worker={"memory_budget_bytes": 1000},
+    )
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"1", model="a", timeout=20)
+            await client.infer(b"2", model="b", timeout=20)  # evicts a: one model fits the budget
+        memory = {p.attributes["jetbatch.memory"]: p.value for p in _points(reader, "jetbatch.memory", jetbatch__worker__id=worker.worker_id)}
+    finished = spans.get_finished_spans()
+    batch_b = next(s for s in finished if s.name == "process b")
+    children = [s for s in finished if s.parent and s.parent.span_id == batch_b.context.span_id]
+    assert [s.name for s in children] == ["model.unload", "model.load", "infer"]
+    unload, load = children[0], children[1]
+    assert unload.attributes["jetbatch.model"] == "a" and unload.attributes["jetbatch.model.bytes"] == 600
+    assert unload.attributes["jetbatch.model.unload.seconds"] >= 0
+    assert load.attributes["jetbatch.model"] == "b" and load.attributes["jetbatch.model.evicted"] == ("a",)
+    assert unload.end_time <= load.start_time  # the switch: unload a, then load b, both before b's infer
+    assert batch_b.attributes["jetbatch.model.loaded"] is True
+    assert _total(reader, "jetbatch.model.evictions", jetbatch__model="a") - evictions_before == 1
+    assert _total(reader, "jetbatch.scheduler.switches") - switches_before == 2  # load a, then switch to b
+    assert _total(reader, "jetbatch.model.unload.duration", jetbatch__model="a") - unloads_before == 1
+    assert memory == {"used": 600, "budget": 1000}
+
+
+async def test_error_reply_sets_span_status_and_records_the_exception(otel: Otel, nats_url: str, prefix: str) -> None:
+    spans, reader, _ = otel
+    failed_before = _total(reader, "jetbatch.requests", jetbatch__model="m1", jetbatch__status="model_failed")
     model = sleep_model(max_delay_ms=100, options={"load_s": 0, "batch_s": 0, "item_s": 0, "fail_on": "poison"})
     config = make_config(prefix, {"m1": model})
     async with running_worker(config, nats_url):
@@ -109,10 +178,44 @@ async def test_error_reply_sets_span_status_and_records_the_exception(otel: Any,
     assert any(e.name == "request.error" and e.attributes["jetbatch.error.code"] == "model_failed" for e in failed[0].events)
     producer_errors = [s for s in spans.get_finished_spans() if s.kind is SpanKind.PRODUCER and s.status.status_code is StatusCode.ERROR]
     assert len(producer_errors) == 1
+    assert producer_errors[0].attributes["jetbatch.status"] == "model_failed"
+    assert _total(reader, "jetbatch.requests", jetbatch__model="m1", jetbatch__status="model_failed") - failed_before == 1
+
+
+def _setup_in_child(env: dict[str, str]) -> str:
+    """Run ``setup_telemetry`` in a fresh interpreter (global providers are per process) and
+    return what it printed: the provider installed, then one span from the console exporter."""
+    code = (
+        "from sidecar.otel import setup_telemetry\n"
+        "from opentelemetry import trace\n"
+        "shutdown = setup_telemetry('worker', worker_id='w-7')\n"
+        "print(type(trace.get_tracer_provider()).__name__, flush=True)\n"
+        "trace.get_tracer('t').start_span('hello').end()\n"
+        "shutdown()\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout
+
+
+def test_setup_exports_nothing_by_default_and_names_the_sidecar() -> None:
+    assert _setup_in_child({}).split()[0] == "ProxyTracerProvider"  # nothing installed: API no-ops
+    printed = _setup_in_child({"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "svc-x"})
+    assert printed.split()[0] == "TracerProvider"
+    span = json.loads(printed[printed.index("{"):])
+    assert span["name"] == "hello"
+    assert span["resource"]["attributes"] == {**span["resource"]["attributes"], "service.name": "svc-x", "service.instance.id": "w-7", "jetbatch.role": "worker"}
+
+
+def test_sdk_traces_on_the_api_alone() -> None:
+    """The producer SDK needs ``opentelemetry-api`` only: importing it loads no SDK module."""
+    code = "import sys, sdk; print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.slow
-async def test_spans_reach_a_real_otlp_receiver_end_to_end(otel: Any, nats_url: str, prefix: str, tmp_path: Path) -> None:
+async def test_spans_reach_a_real_otlp_receiver_end_to_end(otel: Otel, nats_url: str, prefix: str, tmp_path: Path) -> None:
     """SDK (this process), classifier and worker (real processes) export over OTLP/HTTP to a
     receiver on loopback; a request's trace is reachable from its batch span's links."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
