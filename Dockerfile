@@ -1,11 +1,21 @@
-# jetbatch sidecar image (worker or classifier). CPU by default; for CUDA build with
-#   docker build --build-arg BASE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 .
-ARG BASE=python:3.11-slim
-FROM ${BASE}
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# jetbatch sidecar image (worker or classifier), one image for every role.
+#   docker build -t jetbatch .                                  # CPU (python:3.11-slim)
+#   docker build -t jetbatch:cuda --build-arg FLAVOR=cuda .     # CUDA 12.8 (Ubuntu 24.04, Python 3.12)
+# Every base stage must ship a Python that pyproject's requires-python accepts
+# (tests/test_examples.py reads this file and checks each stage).
+ARG FLAVOR=cpu
+
+FROM python:3.11-slim AS cpu-base
+ENV TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS cuda-base
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+ENV TORCH_INDEX=https://download.pytorch.org/whl/cu128
+
+FROM ${FLAVOR}-base AS final
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 JETBATCH_HOME=/var/lib/jetbatch
-RUN (command -v python3 >/dev/null || (apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-venv && rm -rf /var/lib/apt/lists/*)) \
-    && python3 -m venv /opt/jetbatch
+RUN python3 -m venv /opt/jetbatch
 ENV PATH=/opt/jetbatch/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -40,7 +40,7 @@ from sdk.protocol import (
 
 from .config import ClassifierConfig, Config, ConfigError, load_config
 from .deadletter import dead_letter
-from .handlers import HandlerError, import_object
+from .handlers import import_object, read_module
 from .status import StatusReport, serve_status
 from .streams import classifier_consumer_name, ensure_classifier_streams
 from .telemetry import links_from_headers
@@ -62,8 +62,7 @@ _tracer_name = "jetbatch.sidecar"
 FAULT_EXIT_AFTER_REPUBLISH = "JETBATCH_FAULT_EXIT_AFTER_REPUBLISH"  # test-only crash hook
 
 
-class UnroutableError(Exception):
-    """The router gave a label that maps to no model."""
+_FILE_FORMATS = ("export", "state_dict", "torchscript")
 
 
 @dataclass(frozen=True)
@@ -106,31 +105,24 @@ class TorchRouter(Router):
     """
 
     def __init__(self, cfg: ClassifierConfig) -> None:
-        if not cfg.path and cfg.handler == "torchscript":
-            raise ConfigError("classifier.path: required for the torch router")
+        if not cfg.path and cfg.handler in _FILE_FORMATS:
+            raise ConfigError(f"classifier.path: required for the torch router with handler {cfg.handler!r}")
         if not cfg.labels:
             raise ConfigError("classifier.labels: the torch router needs a label -> model map")
         self.cfg = cfg
         self.module: Any = None
-        self.forward_calls = 0
 
     def load(self) -> None:
-        import warnings
-
-        import torch
-
-        if self.cfg.handler == "torchscript":
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    self.module = torch.jit.load(self.cfg.path, map_location=self.cfg.device)
-            except (RuntimeError, ValueError, OSError) as exc:
-                raise HandlerError(f"classifier: cannot load {self.cfg.path}: {exc}") from exc
+        if self.cfg.handler in _FILE_FORMATS:
+            module = read_module(
+                self.cfg.handler, self.cfg.path or "", module_class=self.cfg.module_class, module_kwargs=dict(self.cfg.module_kwargs)
+            )
+            self.module = module.to(self.cfg.device) if self.cfg.device != "cpu" else module
         else:
             factory = import_object(self.cfg.handler, what="classifier.handler")
             self.module = factory(self.cfg) if isinstance(factory, type) else factory
-        if hasattr(self.module, "eval"):
-            self.module.eval()
+            if hasattr(self.module, "eval"):
+                self.module.eval()
 
     def route(self, items: Sequence[Item]) -> list[Route]:
         import torch
@@ -149,13 +141,12 @@ class TorchRouter(Router):
                 routes[i] = Route(None, (ErrorCode.BAD_REQUEST, str(exc)))
         if tensors:
             try:
-                batch = torch.stack(tensors)
+                batch = torch.stack(tensors).to(self.cfg.device)
             except RuntimeError as exc:
                 for i in index:
                     routes[i] = Route(None, (ErrorCode.BAD_REQUEST, f"inputs of different shapes in one batch: {exc}"))
                 return [r or Route(None, (ErrorCode.INTERNAL, "unrouted")) for r in routes]
             with torch.inference_mode():
-                self.forward_calls += 1
                 logits = self.module(batch)
             probs = torch.softmax(logits.float(), dim=-1)
             top_p, top_i = probs.max(dim=-1)

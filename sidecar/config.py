@@ -89,8 +89,11 @@ class StreamsConfig(_Base):
 class ModelConfig(_Base):
     """One model served by a worker."""
 
-    handler: str  # "torchscript", "sleep", "identity", or "package.module:Class"
-    path: str | None = None
+    handler: str  # "export", "state_dict", "function", "torchscript", "identity", "sleep", or "package.module:Class"
+    path: str | None = None  # the model file (export, state_dict, torchscript), relative to the config file
+    module_class: str | None = None  # state_dict: "package.module:Class" to build before assigning the weights
+    module_kwargs: dict[str, Any] = {}  # state_dict: the class's constructor arguments
+    function: str | None = None  # function: "package.module:function", called with a list of inputs
     max_batch_size: PositiveInt = 16
     max_delay_ms: NonNegFloat = 5.0  # batching window, counted from the first request of the batch
     max_concurrent_batches: PositiveInt = 1
@@ -123,8 +126,10 @@ class ClassifierConfig(_Base):
     max_batch_size: PositiveInt = 64
     max_delay_ms: NonNegFloat = 5.0
     # torch router
-    handler: str = "torchscript"  # "torchscript" or "package.module:Class"
+    handler: str = "export"  # "export", "state_dict", "torchscript" (a file at `path`) or "package.module:Class"
     path: str | None = None
+    module_class: str | None = None  # state_dict: "package.module:Class"
+    module_kwargs: dict[str, Any] = {}
     labels: dict[str, str] = {}  # class index (as a string) or label -> model name
     confidence_threshold: Annotated[float, Meta(ge=0, le=1)] = 0.0
     fallback_model: str | None = None

@@ -1,24 +1,48 @@
 """Small, real example models, built locally with fixed seeds (nothing is downloaded).
 
-Three TorchScript models take a 16-dimensional float vector; a classifier network, trained here
-on synthetic data, tells which of them a vector belongs to. ``jetbatch examples build`` writes
-them with a ready ``models.toml`` (worker) and ``classifier.toml`` (classifier).
+Three models take a 16-dimensional float vector; a classifier network, trained here on synthetic
+data, tells which of them a vector belongs to. They are saved in the formats teams ship today:
+``sentiment``, ``topic`` and the router as ``torch.export`` programs (``.pt2``, dynamic batch
+dimension), ``spam`` as a safetensors state dict of :class:`ExampleMLP`. ``jetbatch examples
+build`` writes them with a ready ``models.toml`` (worker) and ``classifier.toml`` (classifier).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["EXAMPLE_MODELS", "INPUT_DIM", "ExampleSet", "build_examples", "sample_inputs"]
+__all__ = ["EXAMPLE_MODELS", "INPUT_DIM", "ExampleMLP", "ExampleSet", "build_examples", "sample_inputs"]
 
 INPUT_DIM = 16
-# name -> (hidden width, output dim): different sizes give different load costs.
-EXAMPLE_MODELS: dict[str, tuple[int, int]] = {"sentiment": (256, 3), "topic": (1024, 8), "spam": (64, 2)}
+# name -> (hidden width, output dim, format): different sizes give different load costs.
+EXAMPLE_MODELS: dict[str, tuple[int, int, str]] = {
+    "sentiment": (256, 3, "export"),
+    "topic": (1024, 8, "export"),
+    "spam": (64, 2, "state_dict"),
+}
 _SEED = 20261202
+_FORMAT_VERSION = "2"  # bump when the files change, so old builds are rebuilt
+
+
+class ExampleMLP(torch.nn.Module):
+    """The example models' architecture: two hidden layers and a softmax over ``classes``."""
+
+    def __init__(self, hidden: int, classes: int, input_dim: int = INPUT_DIM) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(input_dim, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, classes),
+            torch.nn.Softmax(dim=-1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 @dataclass(frozen=True)
@@ -44,11 +68,12 @@ def sample_inputs(n: int, *, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
     return x, [names[i] for i in labels.tolist()]
 
 
-def _script(module: torch.nn.Module, path: Path) -> None:
+def export_program(module: torch.nn.Module, path: Path, *, input_dim: int = INPUT_DIM, max_batch: int = 4096) -> None:
+    """Save ``module`` as a ``torch.export`` program batched on a dynamic first dimension."""
     module.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is deprecated upstream
-        torch.jit.save(torch.jit.script(module), str(path))
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    program = torch.export.export(module, (torch.zeros(2, input_dim),), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))
 
 
 def _train_router(steps: int = 200) -> torch.nn.Module:
@@ -66,39 +91,44 @@ def _train_router(steps: int = 200) -> torch.nn.Module:
     return net
 
 
+def _model_file(name: str, fmt: str) -> str:
+    return f"{name}.pt2" if fmt == "export" else f"{name}.safetensors"
+
+
 def build_examples(directory: str | Path, *, force: bool = False) -> ExampleSet:
     """Build (or reuse) the example models and configs under ``directory``."""
+    from safetensors.torch import save_file
+
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     stamp = out / ".built"
-    if force or not stamp.exists():
-        with torch.no_grad():
-            for i, (name, (hidden, classes)) in enumerate(EXAMPLE_MODELS.items()):
-                torch.manual_seed(_SEED + i)
-                model = torch.nn.Sequential(
-                    torch.nn.Linear(INPUT_DIM, hidden),
-                    torch.nn.ReLU(),
-                    torch.nn.Linear(hidden, hidden),
-                    torch.nn.ReLU(),
-                    torch.nn.Linear(hidden, classes),
-                    torch.nn.Softmax(dim=-1),
-                )
-                _script(model, out / f"{name}.pt")
-        _script(_train_router(), out / "router.pt")
-        stamp.write_text("ok\n")
-    models = "\n".join(
-        f'[models.{name}]\nhandler = "torchscript"\npath = "{name}.pt"\nmax_batch_size = 16\nmax_delay_ms = 10\n'
-        f"load_cost_s = 0.05\nmax_wait_ms = 1000\n"
-        for name in EXAMPLE_MODELS
-    )
+    if force or not stamp.exists() or stamp.read_text().strip() != _FORMAT_VERSION:
+        for i, (name, (hidden, classes, fmt)) in enumerate(EXAMPLE_MODELS.items()):
+            torch.manual_seed(_SEED + i)
+            model = ExampleMLP(hidden, classes).eval()
+            if fmt == "export":
+                export_program(model, out / _model_file(name, fmt))
+            else:
+                save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / _model_file(name, fmt)))
+        export_program(_train_router(), out / "router.pt2")
+        stamp.write_text(_FORMAT_VERSION + "\n")
+    models = "\n".join(_model_toml(name, hidden, classes, fmt) for name, (hidden, classes, fmt) in EXAMPLE_MODELS.items())
     labels = "\n".join(f'"{i}" = "{name}"' for i, name in enumerate(EXAMPLE_MODELS))
     classifier = (
-        '[classifier]\nrouter = "torch"\nhandler = "torchscript"\npath = "router.pt"\n'
+        '[classifier]\nrouter = "torch"\nhandler = "export"\npath = "router.pt2"\n'
         f'max_batch_size = 64\nmax_delay_ms = 5\nconfidence_threshold = 0.5\nfallback_model = "{next(iter(EXAMPLE_MODELS))}"\n'
         f"\n[classifier.labels]\n{labels}\n"
     )
-    worker = '[worker]\nmax_resident_models = 1\n\n'
+    worker = "[worker]\nmax_resident_models = 1\n\n"
     (out / "models.toml").write_text(worker + models)
     (out / "classifier.toml").write_text(classifier)
     (out / "up.toml").write_text(worker + models + "\n" + classifier)
     return ExampleSet(out, out / "models.toml", out / "classifier.toml", out / "up.toml")
+
+
+def _model_toml(name: str, hidden: int, classes: int, fmt: str) -> str:
+    lines = [f"[models.{name}]", f'handler = "{fmt}"', f'path = "{_model_file(name, fmt)}"']
+    if fmt == "state_dict":
+        lines += ['module_class = "sidecar.example_models:ExampleMLP"', f"module_kwargs = {{ hidden = {hidden}, classes = {classes} }}", f"options = {{ input_shape = [{INPUT_DIM}] }}"]
+    lines += ["max_batch_size = 16", "max_delay_ms = 10", "load_cost_s = 0.05", "max_wait_ms = 1000", ""]
+    return "\n".join(lines)

@@ -140,10 +140,12 @@ class Worker:
         self.costs = _Costs()
         self.slots: dict[str, _Slot] = {}
         for name, mcfg in config.models.items():
+            handler = create_handler(name, mcfg)
+            handler.target_device = self.device
             self.slots[name] = _Slot(
                 name=name,
                 config=mcfg,
-                handler=create_handler(name, mcfg),
+                handler=handler,
                 limiter=anyio.CapacityLimiter(mcfg.max_concurrent_batches),
             )
             self.costs.seed(

@@ -113,7 +113,7 @@ async def test_example_router_routes_example_inputs(nats_url: str, prefix: str, 
 
     ex = build_examples(tmp_path)
     labels = {str(i): name for i, name in enumerate(EXAMPLE_MODELS)}
-    cfg = config(prefix, {"router": "torch", "path": str(ex.directory / "router.pt"), "labels": labels}, models=tuple(EXAMPLE_MODELS))
+    cfg = config(prefix, {"router": "torch", "path": str(ex.directory / "router.pt2"), "labels": labels}, models=tuple(EXAMPLE_MODELS))
     x, truth = sample_inputs(30, seed=21)
     async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -112,6 +113,34 @@ def test_locustfile_imports() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert hasattr(module, "WebAppUser")
+
+
+# The Python each base image ships (what `python3` is in it).
+_IMAGE_PYTHON = {"ubuntu22.04": (3, 10), "ubuntu24.04": (3, 12), "bookworm": (3, 11), "debian12": (3, 11)}
+
+
+def _image_python(image: str) -> tuple[int, int]:
+    match = re.match(r"python:(\d+)\.(\d+)", image)
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    for tag, version in _IMAGE_PYTHON.items():
+        if tag in image:
+            return version
+    raise AssertionError(f"unknown Python in base image {image}: add it to _IMAGE_PYTHON")
+
+
+def test_every_image_stage_ships_a_python_that_requires_python_accepts() -> None:
+    import tomllib
+
+    floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    match = re.fullmatch(r">=(\d+)\.(\d+)", floor)
+    assert match, floor
+    minimum = (int(match.group(1)), int(match.group(2)))
+    bases = re.findall(r"^FROM (\S+) AS (\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    images = [image for image, _ in bases if "$" not in image]
+    assert len(images) >= 2, bases  # a CPU and a CUDA stage
+    for image in images:
+        assert _image_python(image) >= minimum, f"{image} ships Python {_image_python(image)}, below {floor}"
 
 
 def test_dockerfile_is_non_root_with_a_healthcheck() -> None:

@@ -24,20 +24,31 @@ pytestmark = pytest.mark.slow
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
     env["JETBATCH_HOME"] = str(tmp_path / "home")
+    env["PYTHONWARNINGS"] = "default"  # show every warning, as a newcomer's terminal would
     return env
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
 def test_example_models_are_real_and_deterministic(examples_dir: Path, tmp_path: Path) -> None:
-    again = build_examples(tmp_path / "again")
-    for name in EXAMPLE_MODELS:
-        a = torch.jit.load(str(examples_dir / f"{name}.pt"))
-        b = torch.jit.load(str(again.directory / f"{name}.pt"))
-        x, _ = sample_inputs(4, seed=3)
-        assert torch.equal(a(x), b(x))  # fixed seeds: same weights on every build
-    router = torch.jit.load(str(examples_dir / "router.pt"))
+    from sidecar.example_models import ExampleMLP
+    from sidecar.handlers import read_module
+
+    again = build_examples(tmp_path / "again", force=True)
+    x, _ = sample_inputs(4, seed=3)
+    for name, (hidden, classes, fmt) in EXAMPLE_MODELS.items():
+        suffix = ".pt2" if fmt == "export" else ".safetensors"
+        kw = {"module_class": "sidecar.example_models:ExampleMLP", "module_kwargs": {"hidden": hidden, "classes": classes}}
+        extra = kw if fmt == "state_dict" else {}
+        a = read_module(fmt, str(examples_dir / f"{name}{suffix}"), **extra)
+        b = read_module(fmt, str(again.directory / f"{name}{suffix}"), **extra)
+        with torch.inference_mode():
+            out_a, out_b = a(x), b(x)
+        assert out_a.shape == (4, classes)
+        assert torch.equal(out_a, out_b)  # fixed seeds: same weights on every build
+    assert issubclass(ExampleMLP, torch.nn.Module)
+    router = read_module("export", str(examples_dir / "router.pt2"))
     x, truth = sample_inputs(200, seed=11)
-    predicted = [list(EXAMPLE_MODELS)[i] for i in router(x).argmax(dim=1).tolist()]
+    with torch.inference_mode():
+        predicted = [list(EXAMPLE_MODELS)[i] for i in router(x).argmax(dim=1).tolist()]
     assert sum(p == t for p, t in zip(predicted, truth)) >= 190  # the router learned its clusters
 
 
@@ -99,4 +110,6 @@ def test_demo_runs_and_summarises(examples_dir: Path, tmp_path: Path) -> None:
     sizes = [int(re.search(r"size=\s*(\d+)", line).group(1)) for line in batch_lines]  # type: ignore[union-attr]
     assert sum(sizes) == 60 and len(sizes) < 60  # every request shows up in exactly one batch line
     assert "Traceback" not in proc.stderr
+    # jetbatch's default path calls no deprecated API: a newcomer's demo prints no warnings.
+    assert "Warning" not in proc.stderr and "Warning" not in proc.stdout, proc.stderr
     assert time.monotonic() - started < 180

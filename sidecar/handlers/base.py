@@ -1,0 +1,131 @@
+"""The handler interface: how a worker loads a model, decodes requests, runs a batch and encodes
+results, and how a model moves between the three memory tiers.
+
+Tiers: *cold* (only on disk), *warm* (weights in host memory, pinned when the device is CUDA) and
+*resident* (on the device, ready to run). The worker decides the moves; a handler carries them
+out. Every method except ``decode``/``encode`` may block (disk, device): the worker calls them in
+a worker thread so the event loop keeps acking and fetching.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from sdk.protocol import ContentType, ProtocolError, Tensor, decode_payload, encode_payload
+
+from ..config import ModelConfig
+
+__all__ = ["BadInput", "Handler", "HandlerError", "resolve_device", "tensor_bytes"]
+
+
+class HandlerError(Exception):
+    """A handler could not be created or loaded (bad path, bad class, load failure)."""
+
+
+class BadInput(ValueError):
+    """One request's payload is not acceptable to this model: it gets a ``bad_request`` reply."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise HandlerError(f"invalid device {name!r}: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise HandlerError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def tensor_bytes(module: Any) -> int:
+    """Bytes held by a module's parameters and buffers (shared tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+class Handler(ABC):
+    """Base class of every model handler.
+
+    Lifecycle: ``check()`` at startup → optionally ``read_weights()`` (cold → warm: host memory
+    only, so the worker can overlap disk reads with another model's compute) → ``load(device)``
+    (→ resident) → many ``predict`` → ``offload()`` (resident → warm) or ``unload()`` (→ cold).
+    A custom handler needs only ``load``, ``unload`` and ``predict``; without a warm tier its
+    ``offload`` is an ``unload``.
+    """
+
+    def __init__(self, name: str, config: ModelConfig) -> None:
+        self.name = name
+        self.config = config
+        self.options = dict(config.options)
+        self.device = torch.device("cpu")
+        # The device the worker will load onto; set before any tier move so the host copy can be
+        # pinned for fast host-to-device copies when it is CUDA.
+        self.target_device = torch.device("cpu")
+
+    def check(self) -> None:
+        """Raise :class:`HandlerError` if the model cannot possibly load (a missing or unreadable
+        file); called once at startup so the problem is reported before the first request."""
+
+    def read_weights(self) -> None:
+        """Cold → warm: read weights from disk into host memory. Default: nothing to read ahead."""
+
+    @property
+    def warm(self) -> bool:
+        """Whether a host copy of the weights is held (a load is then a host-to-device copy)."""
+        return False
+
+    @abstractmethod
+    def load(self, device: torch.device) -> None:
+        """Make the model ready on ``device`` (reading weights first if not warm)."""
+
+    @abstractmethod
+    def unload(self) -> None:
+        """Release the device memory and any host copy: the model becomes cold."""
+
+    def offload(self) -> None:
+        """Resident → warm: release device memory but keep the host copy. Default: ``unload``."""
+        self.unload()
+
+    def drop_host_copy(self) -> None:
+        """Warm → cold: release the host copy. Default: nothing is held."""
+
+    def memory_bytes(self) -> int:
+        """Device bytes the loaded model holds (parameters and buffers by default)."""
+        return self.config.memory_bytes or 0
+
+    def host_bytes(self) -> int:
+        """Host bytes the warm copy holds (0 without a warm tier)."""
+        return 0
+
+    def decode(self, data: bytes, content_type: str | None) -> Any:
+        """Decode one request; raise :class:`BadInput` to reject only this request.
+
+        Default: the wire decoding, with tensors turned into (zero-copy, read-only) torch tensors.
+        """
+        try:
+            value = decode_payload(data, content_type)
+        except ProtocolError as exc:
+            raise BadInput(str(exc)) from exc
+        if isinstance(value, Tensor):
+            return value.to_torch()
+        return value
+
+    @abstractmethod
+    def predict(self, inputs: list[Any]) -> list[Any]:
+        """Run one batch; return one output per input, in order."""
+
+    def encode(self, output: Any) -> tuple[bytes, ContentType]:
+        """Encode one output for the reply (tensors use the tensor encoding)."""
+        return encode_payload(output)
