@@ -10,6 +10,7 @@ from .blocking import BlockingClient
 from .client import Client, Result
 from .errors import (
     BadRequest,
+    ClientClosed,
     ConnectionFailed,
     DeadlineExceeded,
     InternalError,
@@ -28,6 +29,7 @@ __all__ = [
     "BatchInfo",
     "BlockingClient",
     "Client",
+    "ClientClosed",
     "ConnectionFailed",
     "ContentType",
     "DeadlineExceeded",

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from typing import Any, Coroutine, Iterable, Mapping, Sequence, TypeVar
 
 from .client import Client, Result
+from .errors import ClientClosed
 from .protocol import DEFAULT_PREFIX, ContentType
 
 __all__ = ["BlockingClient"]
@@ -48,6 +49,9 @@ class BlockingClient:
         return cls(loop, thread, client)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()
+            raise ClientClosed("client is closed")
         fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return fut.result()
 

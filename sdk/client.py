@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from nats.aio.msg import Msg
 from . import telemetry as _telemetry
 from .errors import (
     BadRequest,
+    ClientClosed,
     ConnectionFailed,
     JetbatchError,
     Overloaded,
@@ -29,6 +32,8 @@ from .errors import (
 from .connection import connect_nats
 from .protocol import (
     DEFAULT_PREFIX,
+    JS_MSG_TOO_BIG,
+    JS_STREAM_FULL,
     BatchInfo,
     ContentType,
     Headers,
@@ -40,15 +45,16 @@ from .protocol import (
     decode_error,
     decode_payload,
     encode_payload,
-    validate_model_name,
+    message_bytes,
+    validate_token,
 )
 
 __all__ = ["Client", "Result"]
 
-# JetStream API error codes the producer must see as typed errors, not as generic API errors.
-_JS_STREAM_FULL = {10077, 10078, 10047, 10048}  # max msgs / max bytes / insufficient resources
-_JS_MSG_TOO_BIG = {10054}
 _PUBLISH_ATTEMPTS = 6
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a deadline further out is a bug, not a request
+_HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}$")  # what NATS can carry as a header name
+_RESERVED_HEADERS = frozenset(h.lower() for h in (Headers.MSG_ID, Headers.REPLY_TO, Headers.TENANT))
 
 
 @dataclass(frozen=True)
@@ -69,15 +75,20 @@ class Client:
     request registers a future under its request id before it is published.
     """
 
-    def __init__(self, nc: NATS, *, prefix: str = DEFAULT_PREFIX, owns_connection: bool = False) -> None:
+    def __init__(
+        self, nc: NATS, *, prefix: str = DEFAULT_PREFIX, owns_connection: bool = False, tenant: str | None = None
+    ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._subjects = Subjects(prefix)
+        self._tenant = validate_token(tenant, "tenant") if tenant is not None else None
         self._owns_connection = owns_connection
-        self._pending: dict[str, asyncio.Future[Msg]] = {}
+        self._pending: dict[str, asyncio.Future[Any]] = {}
         self._inbox = nc.new_inbox()
         self._sub: Any = None
         self._closed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reconnects_seen = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -88,34 +99,55 @@ class Client:
         *,
         prefix: str = DEFAULT_PREFIX,
         connect_timeout_s: float = 2.0,
+        tenant: str | None = None,
         **nats_options: Any,
     ) -> "_Connecting":
         """Connect to NATS. Await it, or use it as ``async with``.
 
-        ``url`` defaults to ``$NATS_URL`` or ``nats://127.0.0.1:4222``. Extra keyword arguments go
-        to ``nats.connect`` (``user``/``password``, ``token``, ``nkeys_seed``, ``user_credentials``,
-        ``tls``, ...). Raises :class:`ConnectionFailed` if no server answers.
+        ``url`` defaults to ``$NATS_URL`` or ``nats://127.0.0.1:4222``. ``connect_timeout_s``
+        bounds the whole connect, TLS negotiation included. ``tenant`` (in a multi-tenant
+        deployment, see docs/security.md) sends every request through ``<prefix>.in.<tenant>``
+        and receives replies under ``_INBOX.<tenant>.`` (unless ``inbox_prefix`` says otherwise).
+        Extra keyword arguments go to ``nats.connect`` (``user``/``password``, ``token``,
+        ``nkeys_seed``, ``user_credentials``, ``tls``, ...). Raises :class:`ConnectionFailed` if
+        no server answers.
         """
-        return _Connecting(cls._open(url, prefix=prefix, connect_timeout_s=connect_timeout_s, **nats_options))
+        return _Connecting(
+            cls._open(url, prefix=prefix, connect_timeout_s=connect_timeout_s, tenant=tenant, **nats_options)
+        )
 
     @classmethod
     async def _open(
-        cls, url: str | Sequence[str] | None, *, prefix: str, connect_timeout_s: float, **nats_options: Any
+        cls,
+        url: str | Sequence[str] | None,
+        *,
+        prefix: str,
+        connect_timeout_s: float,
+        tenant: str | None = None,
+        **nats_options: Any,
     ) -> "Client":
+        if tenant is not None:
+            try:
+                validate_token(tenant, "tenant")
+            except ProtocolError as exc:
+                raise BadRequest(str(exc)) from None
+            nats_options.setdefault("inbox_prefix", f"_INBOX.{tenant}")
         nc = await connect_nats(url, connect_timeout_s=connect_timeout_s, **nats_options)
-        client = cls(nc, prefix=prefix, owns_connection=True)
+        client = cls(nc, prefix=prefix, owns_connection=True, tenant=tenant)
         await client._start()
         return client
 
     @classmethod
-    async def from_connection(cls, nc: NATS, *, prefix: str = DEFAULT_PREFIX) -> "Client":
+    async def from_connection(cls, nc: NATS, *, prefix: str = DEFAULT_PREFIX, tenant: str | None = None) -> "Client":
         """Wrap an existing nats-py connection (it stays open when the client closes)."""
-        client = cls(nc, prefix=prefix, owns_connection=False)
+        client = cls(nc, prefix=prefix, owns_connection=False, tenant=tenant)
         await client._start()
         return client
 
     async def _start(self) -> None:
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        self._reconnects_seen = self._nc.stats.get("reconnects", 0)
+        self._spawn(self._watch_reconnects())
 
     async def close(self) -> None:
         """Fail pending requests with ConnectionFailed and close the connection if we opened it."""
@@ -124,8 +156,10 @@ class Client:
         self._closed = True
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(ConnectionFailed("client closed"))
+                fut.set_exception(ClientClosed("client closed"))
         self._pending.clear()
+        for task in list(self._tasks):
+            task.cancel()
         try:
             if self._sub is not None:
                 await self._sub.unsubscribe()
@@ -187,34 +221,52 @@ class Client:
     ) -> Result:
         """Like :meth:`infer`, but return a :class:`Result` with the batch metadata."""
         if self._closed:
-            raise ConnectionFailed("client is closed")
+            raise ClientClosed("client is closed")
         started = time.monotonic()
         rid = request_id or uuid.uuid4().hex
         try:
             if request_id is not None:
-                validate_model_name(rid)  # same token rules: it becomes the last inbox token
-            subject = self._subjects.ingress if model is None else self._subjects.model(model)
+                validate_token(rid, "request id")  # it becomes the last token of the inbox and result subjects
+            timeout = _check_timeout(timeout)
+            if self._tenant is not None:
+                subject = self._subjects.tenant_ingress(self._tenant)
+            else:
+                subject = self._subjects.ingress if model is None else self._subjects.model(model)
+            if model is not None:
+                validate_token(model, "model name")
             data, ctype = encode_payload(payload, content_type)
+            hdrs = _user_headers(headers)
         except ProtocolError as exc:
             raise BadRequest(str(exc), request_id=rid) from exc
 
-        hdrs: dict[str, str] = dict(headers or {})
         hdrs[Headers.MSG_ID] = rid
         hdrs[Headers.REPLY_TO] = f"{self._inbox}.{rid}"
         hdrs[Headers.CONTENT_TYPE] = ctype.value
         hdrs.setdefault(Headers.DEADLINE, deadline_header(timeout))
         if model is not None:
             hdrs[Headers.MODEL] = model
+        size = message_bytes(hdrs, data)
+        if size > self._nc.max_payload:
+            # The server counts headers too and closes a connection that sends more: refuse here.
+            raise PayloadTooLarge(
+                f"request of {size} bytes (payload {len(data)} + headers {size - len(data)}) is over the "
+                f"server's max_payload ({self._nc.max_payload} bytes)",
+                request_id=rid,
+            )
 
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Msg] = loop.create_future()
+        fut: asyncio.Future[Any] = loop.create_future()
         if rid in self._pending:
             raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid)
         self._pending[rid] = fut
         span = _telemetry.start_producer_span(subject, rid, model, hdrs, len(data))
         status = "error"
         try:
-            await self._publish(subject, data, hdrs, rid, model, deadline=started + timeout)
+            duplicate = await self._publish(subject, data, hdrs, rid, model, deadline=started + timeout)
+            if duplicate:
+                # JetStream already holds (or held) this request id: a retry of a request that is
+                # running or finished. Its answer is in the results store, now or soon.
+                self._spawn(self._poll_stored_result(rid))
             remaining = timeout - (time.monotonic() - started)
             try:
                 msg = await asyncio.wait_for(asyncio.shield(fut), timeout=max(remaining, 0.0))
@@ -262,16 +314,19 @@ class Client:
 
     async def _publish(
         self, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float
-    ) -> None:
-        """Publish with retries under the same Nats-Msg-Id, so JetStream dedupes a retried request."""
+    ) -> bool:
+        """Publish with retries under the same Nats-Msg-Id, so JetStream dedupes a retried request.
+        Returns whether JetStream reported the request id as a duplicate."""
         last: Exception | None = None
         for attempt in range(_PUBLISH_ATTEMPTS):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             try:
-                await self._js.publish(subject, data, timeout=min(remaining, 5.0), headers=hdrs)
-                return
+                ack = await self._js.publish(subject, data, timeout=min(remaining, 5.0), headers=hdrs)
+                # A retry after a lost PubAck is also a "duplicate" of our own first attempt: its
+                # reply still comes to our inbox, and the results store has it once computed.
+                return bool(ack.duplicate)
             except nats.errors.MaxPayloadError as exc:
                 raise PayloadTooLarge(
                     f"payload of {len(data)} bytes is over the server's max_payload ({self._nc.max_payload} bytes)",
@@ -286,15 +341,20 @@ class Client:
                 last = exc
                 await asyncio.sleep(min(0.1 * 2**attempt, max(deadline - time.monotonic(), 0)))
             except nats.js.errors.APIError as exc:
-                if exc.err_code in _JS_STREAM_FULL:
+                if exc.err_code in JS_STREAM_FULL:
                     raise Overloaded(f"queue {subject} is full: {exc.description}", request_id=rid) from exc
-                if exc.err_code in _JS_MSG_TOO_BIG:
+                if exc.err_code in JS_MSG_TOO_BIG:
                     raise PayloadTooLarge(
                         f"payload of {len(data)} bytes is over the stream's max message size", request_id=rid
                     ) from exc
                 raise JetbatchError(f"JetStream refused the request: {exc.description}", request_id=rid) from exc
             except nats.errors.ConnectionClosedError as exc:
                 raise ConnectionFailed("connection to NATS is closed", request_id=rid) from exc
+            except nats.errors.BadHeaderError as exc:
+                raise BadRequest(f"invalid header name: {exc}", request_id=rid) from exc
+            except nats.errors.OutboundBufferLimitError as exc:
+                last = exc  # reconnecting with a full buffer: wait and retry
+                await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
             except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
                 last = exc  # no PubAck (server busy or reconnecting): retry, dedupe makes it safe
                 await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
@@ -320,15 +380,59 @@ class Client:
 
     def _on_reply_sync(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
+        self._resolve(rid, msg)
+
+    def _resolve(self, rid: str, msg: Any) -> None:
         fut = self._pending.get(rid)
-        # A duplicate reply (redelivery after a worker crash) finds the future done: drop it.
+        # A second answer (a redelivery after a worker crash, the stored copy after the live reply)
+        # finds the future done: drop it. Answers for ids we never sent are dropped too.
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
     async def _on_reply(self, msg: Msg) -> None:
         self._on_reply_sync(msg)
 
-    def _to_result(self, msg: Msg, rid: str, latency_s: float) -> Result:
+    # --- the results store: answers that a disconnect or a retry made us miss ------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fetch_stored_result(self, rid: str) -> bool:
+        """Look the request's answer up in the results stream; resolve its future if found."""
+        try:
+            raw = await self._js.get_msg(
+                self._subjects.results_stream, subject=self._subjects.result(rid, self._tenant), direct=True
+            )
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError, ProtocolError):
+            return False  # not stored (yet), no results stream, or JetStream busy: the live reply may still come
+        if raw.data is None:
+            raw.data = b""
+        self._resolve(rid, raw)
+        return True
+
+    async def _poll_stored_result(self, rid: str) -> None:
+        delay_s = 0.05
+        while rid in self._pending and not self._pending[rid].done():
+            if await self._fetch_stored_result(rid):
+                return
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 1.0)
+
+    async def _watch_reconnects(self) -> None:
+        """After a reconnect, the live replies sent while we were away are gone: fetch the stored
+        answers of every request still waiting. (Our inbox subscription is re-sent before this
+        runs, so an answer stored later arrives live.)"""
+        while not self._closed:
+            await asyncio.sleep(0.1)
+            reconnects = self._nc.stats.get("reconnects", 0)
+            if reconnects != self._reconnects_seen and self._nc.is_connected:
+                self._reconnects_seen = reconnects
+                for rid in list(self._pending):
+                    self._spawn(self._fetch_stored_result(rid))
+
+    def _to_result(self, msg: Any, rid: str, latency_s: float) -> Result:
         headers = msg.headers or {}
         if headers.get(Headers.STATUS, Status.OK.value) == Status.ERROR.value:
             body = decode_error(msg.data)
@@ -338,6 +442,29 @@ class Client:
         except ProtocolError as exc:
             raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
         return Result(request_id=rid, output=output, batch=batch_info_from_headers(headers), latency_s=latency_s)
+
+
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ProtocolError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout <= 0 or timeout > MAX_TIMEOUT_S:
+        raise ProtocolError(f"timeout must be a finite number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {timeout!r}")
+    return float(timeout)
+
+
+def _user_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """The caller's extra headers, checked: names NATS can carry, string values, and none of the
+    headers the SDK owns."""
+    out: dict[str, str] = {}
+    for key, value in (headers or {}).items():
+        if not isinstance(key, str) or not _HEADER_KEY_RE.match(key):
+            raise ProtocolError(f"invalid header name {key!r}")
+        if not isinstance(value, str):
+            raise ProtocolError(f"header {key}: value must be a string, got {type(value).__name__}")
+        if key.lower() in _RESERVED_HEADERS:
+            raise ProtocolError(f"header {key} is set by the SDK (use request_id= for the request id)")
+        out[key] = value
+    return out
 
 
 class _Connecting:

@@ -41,15 +41,35 @@ async def connect_nats(
         "error_cb": _quiet_error_cb,
     }
     options.update(nats_options)
+    # nats-py's connect_timeout covers opening the socket, not the TLS handshake or the server's
+    # first INFO/PONG: a nats:// URL against a TLS-only server could wait forever. Bound the whole
+    # connect, every attempt and the waits between them included.
+    attempts = max(1, int(options.get("max_reconnect_attempts", 2)) + 1) * max(1, len(servers_list))
+    bound_s = attempts * (connect_timeout_s + float(options.get("reconnect_time_wait", 0.5))) + connect_timeout_s
+    nc = NATS()
     try:
-        nc = await nats.connect(servers=servers_list, **options)
-    except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        await asyncio.wait_for(nc.connect(servers=servers_list, **options), timeout=bound_s)
+    except asyncio.TimeoutError as exc:
+        await _close_quietly(nc)
+        raise ConnectionFailed(
+            f"cannot connect to NATS at {', '.join(servers_list)}: no handshake within {bound_s:.1f}s "
+            "(a tls:// server reached with nats://, or a server that does not answer?)"
+        ) from exc
+    except (nats.errors.NoServersError, OSError, nats.errors.Error) as exc:
+        await _close_quietly(nc)
         raise ConnectionFailed(
             f"cannot connect to NATS at {', '.join(servers_list)}: {exc or type(exc).__name__}"
         ) from exc
     if "max_reconnect_attempts" not in nats_options:
         nc.options["max_reconnect_attempts"] = -1
     return nc
+
+
+async def _close_quietly(nc: NATS) -> None:
+    try:
+        await asyncio.wait_for(nc.close(), timeout=2)
+    except Exception:  # noqa: BLE001 - a half-open connection may fail to close cleanly
+        pass
 
 
 async def _quiet_error_cb(exc: Exception) -> None:

@@ -6,6 +6,7 @@ from .protocol import ErrorCode
 
 __all__ = [
     "BadRequest",
+    "ClientClosed",
     "ConnectionFailed",
     "DeadlineExceeded",
     "InternalError",
@@ -38,6 +39,10 @@ class JetbatchError(Exception):
 
 class ConnectionFailed(JetbatchError):
     """The NATS server could not be reached, or the connection was lost."""
+
+
+class ClientClosed(ConnectionFailed):
+    """The client was closed: make a new one to send more requests."""
 
 
 class StreamNotFound(JetbatchError):

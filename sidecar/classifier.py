@@ -13,9 +13,9 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,21 +28,25 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from sdk.protocol import (
+    JS_MSG_TOO_BIG,
+    JS_STREAM_FULL,
     ContentType,
     ErrorCode,
     Headers,
     ProtocolError,
-    Status,
+    RequestMeta,
     Subjects,
     decode_payload,
-    encode_error,
+    message_bytes,
+    parse_request_headers,
 )
 
 from .config import ClassifierConfig, Config, ConfigError, load_config
-from .deadletter import dead_letter
 from .handlers import import_object, read_module
 from .status import StatusReport, serve_status
 from .streams import classifier_consumer_name, ensure_classifier_streams
+from .policy import BatchWindow
+from .replies import Answer, Replier, client_message, settle
 from .telemetry import links_from_headers
 
 __all__ = [
@@ -59,7 +63,6 @@ __all__ = [
 
 log = logging.getLogger("jetbatch.classifier")
 _tracer_name = "jetbatch.sidecar"
-FAULT_EXIT_AFTER_REPUBLISH = "JETBATCH_FAULT_EXIT_AFTER_REPUBLISH"  # test-only crash hook
 
 
 _FILE_FORMATS = ("export", "state_dict", "torchscript")
@@ -237,9 +240,12 @@ def make_router(cfg: ClassifierConfig) -> Router:
 
 
 class Classifier:
-    """One classifier replica. Replicas share the durable consumer and split the work."""
+    """One classifier replica. Replicas share the durable consumer and split the work.
 
-    def __init__(self, config: Config, nc: NATS, *, router: Router | None = None) -> None:
+    ``reply_nc``: a connection with the reply identity (``nats.reply_identity``) for answers.
+    """
+
+    def __init__(self, config: Config, nc: NATS, *, router: Router | None = None, reply_nc: NATS | None = None) -> None:
         if config.classifier is None:
             raise ConfigError("the config has no [classifier] section")
         self.config = config
@@ -250,11 +256,13 @@ class Classifier:
         self.router = router or make_router(self.cfg)
         self.id = f"classifier-{socket.gethostname()}-{os.getpid()}"
         self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
+        self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
+        self.reply_policy = config.reply_policy
+        self.window = BatchWindow(self.cfg.max_batch_size, self.cfg.max_delay_ms / 1000.0)
         self._stopping = anyio.Event()
         self._ready = anyio.Event()
         self._started_at = time.time()
         self._tracer = trace.get_tracer(_tracer_name)
-        self._fault_exit_after_republish = bool(os.environ.get(FAULT_EXIT_AFTER_REPUBLISH))
 
     @property
     def ready(self) -> anyio.Event:
@@ -266,10 +274,15 @@ class Classifier:
     def status_report(self) -> StatusReport:
         return StatusReport(role="classifier", id=self.id, stats=dict(self.stats), started_at=self._started_at)
 
+    async def _setup(self) -> Any:
+        await ensure_classifier_streams(self.js, self.subjects, self.config.streams, self.config.replies)
+        return await self.js.pull_subscribe_bind(durable=classifier_consumer_name(), stream=self.subjects.ingress_stream)
+
     async def run(self) -> None:
-        await ensure_classifier_streams(self.js, self.subjects, self.config.streams)
+        from .worker import retry_startup
+
+        psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
         await anyio.to_thread.run_sync(self.router.load)
-        psub = await self.js.pull_subscribe_bind(durable=classifier_consumer_name(), stream=self.subjects.ingress_stream)
         status = await serve_status(self.nc, self.subjects, self.status_report)
         self._ready.set()
         # Pipelining: the next batch is fetched and classified while the previous one's
@@ -293,40 +306,62 @@ class Classifier:
     async def _handle_and_release(self, msgs: list[Msg], limiter: anyio.Semaphore) -> None:
         try:
             await self._handle(msgs)
+        except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
+            log.exception("classifying a batch of %d failed; it is redelivered", len(msgs))
+            for m in msgs:
+                await settle(m, "nak", delay_s=1.0)
         finally:
             limiter.release()
 
     async def _gather(self, psub: Any) -> list[Msg]:
-        max_delay_s = self.cfg.max_delay_ms / 1000.0
         msgs: list[Msg] = []
-        window_end: float | None = None
-        while len(msgs) < self.cfg.max_batch_size and not self._stopping.is_set():
-            remaining = (window_end - time.monotonic()) if window_end is not None else 0.25
-            if remaining <= 0.0005:
+        close_at: float | None = None
+        while not self._stopping.is_set():
+            now = time.time()
+            wait_s = self.window.wait_s(len(msgs), close_at, now, idle_wait_s=0.25)
+            if msgs and wait_s <= 0.0005:
                 break
             try:
-                got = await psub.fetch(batch=self.cfg.max_batch_size - len(msgs), timeout=max(remaining, 0.001))
+                got = await psub.fetch(batch=self.cfg.max_batch_size - len(msgs), timeout=max(wait_s, 0.001))
             except (nats.errors.TimeoutError, TimeoutError):
+                break
+            except nats.errors.ConnectionClosedError:
+                self._stopping.set()
                 break
             except (nats.errors.Error, nats.js.errors.Error) as exc:
                 log.warning("fetch failed: %r", exc)
                 await anyio.sleep(0.1)
                 break
-            if window_end is None:
-                window_end = time.monotonic() + max_delay_s
+            if close_at is None:
+                # The classifier's window runs from the first fetch (its requests have not waited
+                # in a model queue yet).
+                close_at = self.window.close_at(time.time(), time.time())
             msgs.extend(got)
+            if self.window.is_full(len(msgs)):
+                break
         return msgs
 
+    def _parse(self, msg: Msg) -> tuple[Item, RequestMeta]:
+        headers = msg.headers or {}
+        tenant = self.subjects.tenant_from_subject(msg.subject)
+        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=uuid.uuid4().hex)
+        item = Item(headers=headers, data=msg.data, content_type=meta.content_type)
+        return item, meta
+
     async def _handle(self, msgs: list[Msg]) -> None:
-        items = [Item(headers=m.headers or {}, data=m.data, content_type=(m.headers or {}).get(Headers.CONTENT_TYPE)) for m in msgs]
-        routes: list[Route | None] = [None] * len(items)
+        now = time.time()
+        parsed = [self._parse(m) for m in msgs]
+        routes: list[Route | None] = [None] * len(msgs)
         to_classify: list[int] = []
-        for i, item in enumerate(items):
-            chosen = item.headers.get(Headers.MODEL)
-            if chosen:
+        for i, (item, meta) in enumerate(parsed):
+            if meta.problem is not None:
+                routes[i] = Route(None, (ErrorCode.BAD_REQUEST, meta.problem))
+            elif meta.deadline is not None and meta.deadline < now:
+                routes[i] = Route(None, (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {now - meta.deadline:.3f}s before routing"))
+            elif meta.model:
                 # The producer named the model: no classification.
                 self.stats["direct"] += 1
-                routes[i] = Route(chosen)
+                routes[i] = Route(meta.model)
             else:
                 to_classify.append(i)
         with self._tracer.start_as_current_span(
@@ -342,20 +377,26 @@ class Classifier:
             },
         ):
             if to_classify:
-                batch = [items[i] for i in to_classify]
+                batch = [parsed[i][0] for i in to_classify]
                 try:
                     decided = await anyio.to_thread.run_sync(self.router.route, batch)
                 except Exception as exc:  # noqa: BLE001 - a router bug answers the batch, it does not kill the sidecar
                     log.error("router failed on a batch of %d: %r", len(batch), exc)
-                    decided = [Route(None, (ErrorCode.INTERNAL, f"router failed: {exc}"))] * len(batch)
+                    decided = [Route(None, (ErrorCode.INTERNAL, f"router failed: {client_message(exc)}"))] * len(batch)
                 for i, route in zip(to_classify, decided):
                     routes[i] = route
             # Republish the whole batch concurrently: one PubAck round trip per batch, not per request.
-            await asyncio.gather(*(self._forward(msg, item, route) for msg, item, route in zip(msgs, items, routes) if route))
+            outcomes = await asyncio.gather(
+                *(self._forward(msg, item, meta, route) for msg, (item, meta), route in zip(msgs, parsed, routes) if route)
+            )
+            failed = [o for o in outcomes if o is not None]
+            if failed:
+                await self._answer(failed)
         self.stats["batches"] += 1
         self.stats["requests"] += len(msgs)
 
-    async def _forward(self, msg: Msg, item: Item, route: Route) -> None:
+    async def _forward(self, msg: Msg, item: Item, meta: RequestMeta, route: Route) -> tuple[Msg, RequestMeta, Route] | None:
+        """Republish a routed request (then ack it); return it with its error otherwise."""
         error = route.error
         if error is None and route.model is not None:
             try:
@@ -363,25 +404,40 @@ class Classifier:
             except ProtocolError as exc:
                 error = (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
             else:
-                error = await self._republish(subject, msg, item)
+                error = await self._republish(subject, msg, meta)
                 if error is None:
                     self.stats["routed"] += 1
-                    if self._fault_exit_after_republish:
-                        os._exit(137)  # test hook: crash between the republish and the ack
-                    await msg.ack()
-                    return
+                    await self._settle_forwarded(msg)
+                    return None
         assert error is not None
-        self.stats["errors"] += 1
-        await self._reply_error(item, route.model, error)
-        if error[0] is ErrorCode.BAD_REQUEST:
-            await msg.term()
-            return
-        if error[0] is ErrorCode.UNKNOWN_MODEL:
-            await self._dead_letter(msg, item, error[1])
-        await msg.ack()
+        return msg, meta, Route(route.model, error)
 
-    async def _republish(self, subject: str, msg: Msg, item: Item) -> tuple[ErrorCode, str] | None:
-        headers = item.headers  # unchanged: request id, reply-to, deadline, trace context
+    async def _settle_forwarded(self, msg: Msg) -> None:
+        await settle(msg, "ack")
+
+    async def _answer(self, failed: list[tuple[Msg, RequestMeta, Route]]) -> None:
+        answers = []
+        for msg, meta, route in failed:
+            assert route.error is not None
+            code, message = route.error
+            refused = Headers.REPLY_TO in (msg.headers or {}) and meta.reply_to is None
+            if code is ErrorCode.UNKNOWN_MODEL or refused:
+                # Kept for an operator before the caller hears of it.
+                await self.replier.dead_letter(msg, message, "classifier")
+            answers.append(Answer.failure(meta, code, message, model=route.model))
+        await self.replier.deliver(answers)
+        for (msg, meta, route), answer in zip(failed, answers):
+            self.stats["errors"] += 1
+            await settle(msg, "term" if answer.error is ErrorCode.BAD_REQUEST else "ack")
+
+    async def _republish(self, subject: str, msg: Msg, meta: RequestMeta) -> tuple[ErrorCode, str] | None:
+        # Unchanged (request id, reply-to, deadline, trace context), except the tenant: the
+        # classifier's word, from the subject the request arrived on, never the producer's.
+        headers = {k: v for k, v in (msg.headers or {}).items() if k != Headers.TENANT}
+        if meta.tenant is not None:
+            headers[Headers.TENANT] = meta.tenant
+        if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):
+            return (ErrorCode.BAD_REQUEST, "request is over the server's max payload once routed")
         model = self.subjects.model_from_subject(subject)
         for attempt in range(5):
             try:
@@ -395,35 +451,19 @@ class Classifier:
                     continue
                 return (ErrorCode.UNKNOWN_MODEL, f"no model named {model!r} is served")
             except nats.js.errors.APIError as exc:
-                if exc.err_code in (10077, 10078, 10047, 10048):
+                if exc.err_code in JS_STREAM_FULL:
                     return (ErrorCode.OVERLOADED, f"queue for model {model} is full")
-                if exc.err_code == 10054:
+                if exc.err_code in JS_MSG_TOO_BIG:
                     return (ErrorCode.BAD_REQUEST, "payload is over the model queue's max message size")
                 return (ErrorCode.INTERNAL, f"JetStream refused the republish: {exc.description}")
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except nats.errors.BadHeaderError as exc:
+                return (ErrorCode.BAD_REQUEST, f"invalid header name: {exc}")
+            except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.OutboundBufferLimitError):
+                await anyio.sleep(0.1 * 2**attempt)
+            except nats.errors.Error as exc:
+                log.warning("republish of %s failed: %r", meta.request_id, exc)
                 await anyio.sleep(0.1 * 2**attempt)
         return (ErrorCode.INTERNAL, "JetStream did not acknowledge the republish")
-
-    async def _reply_error(self, item: Item, model: str | None, error: tuple[ErrorCode, str]) -> None:
-        reply_to = item.headers.get(Headers.REPLY_TO)
-        if not reply_to or any(c in reply_to for c in " *>\t"):
-            return
-        rid = item.headers.get(Headers.MSG_ID, "")
-        code, message = error
-        headers = {
-            Headers.STATUS: Status.ERROR.value,
-            Headers.ERROR_CODE: code.value,
-            Headers.REQUEST_ID: rid,
-            Headers.CONTENT_TYPE: ContentType.JSON.value,
-            Headers.MODEL: model or "",
-        }
-        try:
-            await self.nc.publish(reply_to, encode_error(code, message, rid), headers=headers)
-        except nats.errors.Error as exc:
-            log.warning("error reply to %s failed: %r", rid, exc)
-
-    async def _dead_letter(self, msg: Msg, item: Item, reason: str) -> None:
-        await dead_letter(self.js, self.subjects, "classifier", msg, reason)
 
 
 # --- CLI ---------------------------------------------------------------------------------------
@@ -453,22 +493,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(config: Config, url: str) -> int:
-    from .transport import connect
+    from .runtime import serve_sidecar
 
-    nc = await connect(config.nats, url, name="jetbatch-classifier")
-    try:
-        classifier = Classifier(config, nc)
-        async with anyio.create_task_group() as tg:
-
-            async def on_signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _ in signals:
-                        classifier.stop()
-                        return
-
-            tg.start_soon(on_signals)
-            await classifier.run()
-            tg.cancel_scope.cancel()
-    finally:
-        await nc.drain()
-    return 0
+    return await serve_sidecar(config, url, name="jetbatch-classifier", make=lambda nc, rnc: Classifier(config, nc, reply_nc=rnc))

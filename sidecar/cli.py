@@ -10,7 +10,6 @@ import argparse
 import importlib
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -81,31 +80,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         shutdown()
 
 
-async def _run_worker(config: Any, url: str, on_batch: Any = None) -> int:
-    import anyio
-
-    from .transport import connect
+async def _run_worker(config: Any, url: str) -> int:
+    from .runtime import serve_sidecar
     from .worker import Worker
 
-    nc = await connect(config.nats, url, name="jetbatch-worker")
-    try:
-        worker = Worker(config, nc, on_batch=on_batch)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_stop_on_signals, worker.stop)
-            await worker.run()
-            tg.cancel_scope.cancel()
-    finally:
-        await nc.drain()
-    return 0
-
-
-async def _stop_on_signals(stop: Callable[[], None]) -> None:
-    import anyio
-
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            stop()
-            return
+    return await serve_sidecar(config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc))
 
 
 def _run_async(coro: Any) -> int:

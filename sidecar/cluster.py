@@ -25,7 +25,7 @@ from nats.js.api import KeyValueConfig, StorageType
 
 from sdk.protocol import Subjects
 
-__all__ = ["ClusterView", "WorkerAdvert", "effective_backlog"]
+__all__ = ["ClusterView", "WorkerAdvert"]
 
 log = logging.getLogger("jetbatch.cluster")
 
@@ -41,22 +41,16 @@ class WorkerAdvert(msgspec.Struct, frozen=True, kw_only=True):
     load_cost_s: dict[str, float] = {}
     memory_used_bytes: int = 0
     memory_budget_bytes: int | None = None
+    # Per model: messages it holds unacked (in flight), and messages it found it cannot fetch
+    # (delivered to someone, not acked: a dead worker's, or acks lost in an election). Peers do
+    # not count either as backlog to chase.
+    in_flight: dict[str, int] = {}
+    unfetchable: dict[str, int] = {}
     updated_at: float = 0.0  # Unix seconds
 
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(WorkerAdvert)
-
-
-def effective_backlog(
-    backlog: int, served_drain_rps: float, horizon_s: float, *, resident_here: bool
-) -> int:
-    """Backlog left for this worker to justify a load: what the other replicas would not drain
-    within ``horizon_s`` (our load time). A model resident here keeps its full backlog: we share
-    its queue with the other replicas and serving it costs us no load."""
-    if resident_here or served_drain_rps <= 0:
-        return backlog
-    return max(0, int(backlog - served_drain_rps * horizon_s))
 
 
 @dataclass
@@ -68,9 +62,15 @@ class ClusterView:
     worker_id: str
     heartbeat_s: float = 1.0
     replicas: int = 1
+    # A peer silent this long, while we hear ourselves, is gone. Longer than a NATS reconnect or a
+    # stream leader election: a peer that cannot advertise for a few seconds is usually alive.
+    peer_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         self._peers: dict[str, WorkerAdvert] = {}
+        self._seen_at: dict[str, float] = {}  # local clock when each advert last arrived
+        self._own_seen_at = 0.0  # when our own advert last came back through the watch
+        self._trouble_at = -1e18  # when we last saw JetStream fail (a fetch, a put, a stream info)
         self._kv: object | None = None
         self._watcher: object | None = None
 
@@ -115,6 +115,8 @@ class ClusterView:
                 continue
             if entry is None:  # end of the initial values
                 continue
+            if entry.key.startswith("claim."):
+                continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 self._peers.pop(entry.key, None)
                 continue
@@ -122,6 +124,10 @@ class ClusterView:
                 self._peers[entry.key] = _decoder.decode(entry.value)
             except msgspec.DecodeError:
                 continue
+            now = time.time()
+            self._seen_at[entry.key] = now
+            if entry.key == self.worker_id:
+                self._own_seen_at = now
 
     async def advertise(self, advert: WorkerAdvert) -> None:
         if self._kv is None:
@@ -130,6 +136,38 @@ class ClusterView:
             await self._kv.put(self.worker_id, _encoder.encode(advert))  # type: ignore[attr-defined]
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
             log.debug("advert failed: %r", exc)
+            self.note_trouble()
+
+    @staticmethod
+    def _claim_key(model: str) -> str:
+        return f"claim.{model}"
+
+    async def claim(self, model: str) -> bool:
+        """Atomically claim the load of ``model`` (a key-value create: exactly one of several
+        workers deciding at once wins, whatever the propagation delay of adverts). False when
+        another worker is loading it now. A claim expires with the bucket's TTL if its holder dies."""
+        if self._kv is None:
+            return True
+        try:
+            await self._kv.create(self._claim_key(model), self.worker_id.encode())  # type: ignore[attr-defined]
+            return True
+        except nats.js.errors.KeyWrongLastSequenceError:
+            try:
+                entry = await self._kv.get(self._claim_key(model))  # type: ignore[attr-defined]
+                return bool(entry.value == self.worker_id.encode())
+            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+                return False
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+            log.debug("load claim for %s failed: %r", model, exc)
+            return True  # the bucket is unreachable: do not let coordination block serving
+
+    async def release(self, model: str) -> None:
+        if self._kv is None:
+            return
+        try:
+            await self._kv.delete(self._claim_key(model))  # type: ignore[attr-defined]
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+            pass  # the TTL clears it
 
     async def withdraw(self) -> None:
         """Remove this worker's advert (graceful stop) so peers react at once."""
@@ -147,14 +185,38 @@ class ClusterView:
             except Exception:  # noqa: BLE001
                 pass
 
-    def peers(self, now: float | None = None) -> dict[str, WorkerAdvert]:
-        """Live peers (not this worker), dropping adverts older than the TTL."""
+    def note_trouble(self, now: float | None = None) -> None:
+        """JetStream just failed us (a fetch, a put): peers silent now are likely in the same
+        trouble (a lost node, an election), not dead. Nobody is expired for ``peer_timeout_s``."""
+        self._trouble_at = time.time() if now is None else now
+
+    def view_fresh(self, now: float | None = None) -> bool:
+        """Whether silence means something: our own advert came back through the watch within the
+        TTL, and JetStream has not failed us for ``peer_timeout_s``. While it does not (a NATS
+        node lost, a reconnect, an election), the last view is kept as it was: peers we cannot
+        hear are not gone, and chasing their models would thrash placement."""
         now = time.time() if now is None else now
+        return now - self._own_seen_at <= self.ttl_s and now - self._trouble_at > self.peer_timeout_s
+
+    def peers(self, now: float | None = None) -> dict[str, WorkerAdvert]:
+        """Live peers (not this worker): adverts heard within ``peer_timeout_s``, on our own clock.
+        With a stale view (see :meth:`view_fresh`) every peer last heard is kept."""
+        now = time.time() if now is None else now
+        fresh = self.view_fresh(now)
         return {
             wid: adv
             for wid, adv in self._peers.items()
-            if wid != self.worker_id and now - adv.updated_at <= self.ttl_s
+            if wid != self.worker_id and (not fresh or now - self._seen_at.get(wid, 0.0) <= max(self.ttl_s, self.peer_timeout_s))
         }
+
+    def not_ours(self, now: float | None = None) -> dict[str, int]:
+        """Per model, delivered-but-unacked messages the peers account for (their in-flight, and
+        what they found unfetchable): not backlog for this worker to chase."""
+        total: dict[str, int] = {}
+        for adv in self.peers(now).values():
+            for model in set(adv.in_flight) | set(adv.unfetchable):
+                total[model] = max(total.get(model, 0), adv.in_flight.get(model, 0) + adv.unfetchable.get(model, 0))
+        return total
 
     def served_drain_rps(self, now: float | None = None) -> Mapping[str, float]:
         """Per model, the requests/s that other workers holding (or loading) it can drain."""
@@ -165,13 +227,3 @@ class ClusterView:
             if adv.loading:
                 total[adv.loading] = total.get(adv.loading, 0.0) + max(adv.drain_rps.get(adv.loading, 0.0), 1e-9)
         return total
-
-    def holders(self, now: float | None = None) -> dict[str, list[str]]:
-        """Model → worker ids holding it (this worker included when it advertised itself)."""
-        out: dict[str, list[str]] = {}
-        for wid, adv in self._peers.items():
-            if (time.time() if now is None else now) - adv.updated_at > self.ttl_s:
-                continue
-            for model in adv.resident:
-                out.setdefault(model, []).append(wid)
-        return out

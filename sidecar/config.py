@@ -19,7 +19,9 @@ from typing import Annotated, Any, Literal, Mapping
 import msgspec
 from msgspec import Meta
 
-from sdk.protocol import DEFAULT_PREFIX, ProtocolError, Subjects, validate_model_name
+import re
+
+from sdk.protocol import DEFAULT_PREFIX, ProtocolError, ReplyPolicy, Subjects, validate_model_name
 
 __all__ = [
     "ClassifierConfig",
@@ -27,6 +29,8 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "NatsConfig",
+    "NatsIdentity",
+    "RepliesConfig",
     "StreamsConfig",
     "TelemetryConfig",
     "WorkerConfig",
@@ -38,6 +42,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 MiB = 1024 * 1024
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
 
 class ConfigError(Exception):
@@ -46,6 +51,17 @@ class ConfigError(Exception):
 
 class _Base(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     pass
+
+
+class NatsIdentity(_Base):
+    """Credentials of a second connection (see ``nats.reply_identity``)."""
+
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    nkeys_seed_file: str | None = None
+    creds_file: str | None = None
+    inbox_prefix: str = "_INBOX"  # where this connection's own PubAcks come back
 
 
 class NatsConfig(_Base):
@@ -64,12 +80,38 @@ class NatsConfig(_Base):
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # Defence in depth: answers to callers go out on a second connection with these credentials,
+    # whose server permissions allow only reply subjects (docs/security.md). Unset: one connection.
+    reply_identity: NatsIdentity | None = None
 
     def __post_init__(self) -> None:
         try:
             Subjects(self.prefix)
         except ProtocolError as exc:
             raise ValueError(str(exc)) from None
+
+
+class RepliesConfig(_Base):
+    """Where a sidecar may send answers, and the durable copy of every answer (docs/security.md,
+    docs/reliability.md)."""
+
+    # A request's reply subject must lie under one of these (then at least one more token);
+    # `$...` and the deployment's own `<prefix>.` are refused whatever this says.
+    allowed_prefixes: list[str] = msgspec.field(default_factory=lambda: ["_INBOX"])
+    # For a request that arrived on <prefix>.in.<tenant>: its reply must lie under this.
+    tenant_prefix: str = "_INBOX.{tenant}"
+    # Store every answer in the results stream before acking the request, so a caller that
+    # reconnects late or retries under the same request id still gets it.
+    durable: bool = True
+    max_age_s: PositiveFloat = 300.0
+    max_bytes: PositiveInt = 256 * MiB
+
+    def __post_init__(self) -> None:
+        for prefix in [*self.allowed_prefixes, self.tenant_prefix.replace("{tenant}", "t")]:
+            if prefix.startswith("$") or not _PREFIX_RE.match(prefix):
+                raise ValueError(f"{prefix!r} is not an allowed reply prefix (dot-separated tokens, not under $)")
+        if "{tenant}" not in self.tenant_prefix:
+            raise ValueError("tenant_prefix must contain {tenant}")
 
 
 class StreamsConfig(_Base):
@@ -112,11 +154,18 @@ class WorkerConfig(_Base):
     policy_options: dict[str, Any] = {}
     max_resident_models: Annotated[int, Meta(ge=1)] | None = 1
     memory_budget_bytes: Annotated[int, Meta(ge=1)] | None = None
+    # Host memory for warm copies of evicted models (a reload is then a host-to-device copy).
+    # None: a quarter of physical memory; 0: no warm tier.
+    host_memory_budget_bytes: Annotated[int, Meta(ge=0)] | None = None
+    startup_timeout_s: PositiveFloat = 60.0  # keep retrying stream setup while JetStream is slow or electing
     poll_interval_ms: Annotated[float, Meta(ge=10)] = 250.0  # bounds JetStream info calls when idle
     prefetch_weights: bool = True  # read the next model's weights from disk while the current one runs
     drain_timeout_s: PositiveFloat = 20.0
     coordinate: bool = True  # advertise residency in the cluster KV bucket and respect other workers
-    heartbeat_s: PositiveFloat = 1.0  # advert period; a worker silent for 3 heartbeats drops out
+    heartbeat_s: PositiveFloat = 1.0  # advert period
+    # A peer silent this long is gone (its models are ours to take); longer than a NATS reconnect
+    # or leader election, so a node loss does not make placement thrash.
+    peer_timeout_s: PositiveFloat = 5.0
 
 
 class ClassifierConfig(_Base):
@@ -154,6 +203,7 @@ class Config(_Base):
     models: dict[str, ModelConfig] = {}
     classifier: ClassifierConfig | None = None
     telemetry: TelemetryConfig = TelemetryConfig()
+    replies: RepliesConfig = RepliesConfig()
 
     def __post_init__(self) -> None:
         for name in self.models:
@@ -165,6 +215,15 @@ class Config(_Base):
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.nats.prefix)
+
+    @property
+    def reply_policy(self) -> ReplyPolicy:
+        """The reply policy of this deployment (the deployment's own prefix is never a reply target)."""
+        return ReplyPolicy(
+            allowed_prefixes=tuple(self.replies.allowed_prefixes),
+            tenant_prefix=self.replies.tenant_prefix,
+            forbidden_prefixes=(self.nats.prefix,),
+        )
 
 
 def _set_path(raw: dict[str, Any], path: list[str], value: str) -> None:

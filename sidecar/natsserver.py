@@ -165,8 +165,9 @@ class EmbeddedNats:
         if self._own_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
-    def restart(self) -> "EmbeddedNats":
-        """Kill and start again on the same port with the same store (JetStream state survives)."""
+    def restart(self, *, down_s: float = 0.0) -> "EmbeddedNats":
+        """Kill, stay down ``down_s``, and start again on the same port with the same store
+        (JetStream state survives)."""
         own = self._own_store
         self._own_store = False
         try:
@@ -174,6 +175,7 @@ class EmbeddedNats:
             self.stop()
         finally:
             self._own_store = own
+        time.sleep(down_s)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             try:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import scheduler as sched
+from .policy import scheduling as sched
 
 __all__ = [
     "SimModel",

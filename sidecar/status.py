@@ -29,10 +29,14 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     version: str = VERSION
     models: list[str] = []
     resident: list[str] = []
+    warm: list[str] = []  # evicted but kept in host memory: a cheap reload
     loading: str | None = None
+    broken: dict[str, str] = {}  # models that cannot load, and why (a missing file)
     backlog: dict[str, int] = {}
     memory_bytes: int = 0
     memory_budget_bytes: int | None = None
+    host_memory_bytes: int = 0
+    host_memory_budget_bytes: int | None = None
     stats: dict[str, int] = {}
     started_at: float = 0.0
 

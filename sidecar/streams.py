@@ -26,7 +26,7 @@ from nats.js.api import (
 
 from sdk.protocol import Subjects
 
-from .config import StreamsConfig
+from .config import RepliesConfig, StreamsConfig
 
 __all__ = [
     "StreamSetupError",
@@ -40,18 +40,47 @@ __all__ = [
     "model_consumer_config",
     "model_consumer_name",
     "models_stream_config",
+    "results_stream_config",
 ]
 
 log = logging.getLogger("jetbatch.streams")
 
 
 class StreamSetupError(Exception):
-    """A stream or consumer could not be created or brought in line with the configuration."""
+    """A stream or consumer could not be created or brought in line with the configuration.
+    ``transient``: JetStream did not answer (worth retrying), rather than a configuration conflict."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 def ingress_stream_config(subjects: Subjects, cfg: StreamsConfig) -> StreamConfig:
-    """``<prefix>.in``: requests waiting for the classifier."""
-    return _work_queue(subjects.ingress_stream, [subjects.ingress], cfg, "jetbatch requests to classify")
+    """``<prefix>.in`` and ``<prefix>.in.<tenant>``: requests waiting for the classifier."""
+    return _work_queue(
+        subjects.ingress_stream, [subjects.ingress, subjects.tenant_ingress_wildcard], cfg, "jetbatch requests to classify"
+    )
+
+
+def results_stream_config(subjects: Subjects, cfg: StreamsConfig, replies: RepliesConfig) -> StreamConfig:
+    """``<prefix>.result.[<tenant>.]<request id>``: every final answer, kept ``max_age_s`` so a
+    caller that missed the live reply (a reconnect, a retry under the same id) fetches it by id
+    with a direct get (which a server permission can scope to one tenant's results)."""
+    return StreamConfig(
+        name=subjects.results_stream,
+        description="jetbatch answers, by request id",
+        subjects=[subjects.results_wildcard],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,  # a full results store forgets its oldest answers, never blocks serving
+        max_msgs_per_subject=1,
+        max_bytes=replies.max_bytes,
+        max_age=replies.max_age_s,
+        max_msg_size=cfg.max_msg_size + 64 * 1024,
+        allow_direct=True,
+        num_replicas=cfg.replicas,
+        duplicate_window=min(cfg.duplicate_window_s, replies.max_age_s),
+    )
 
 
 def models_stream_config(subjects: Subjects, cfg: StreamsConfig, models: Iterable[str]) -> StreamConfig:
@@ -108,25 +137,37 @@ def classifier_consumer_name() -> str:
 
 
 def model_consumer_config(subjects: Subjects, cfg: StreamsConfig, model: str) -> ConsumerConfig:
-    """The durable pull consumer every worker shares for one model's queue."""
-    return _shared_pull_consumer(model_consumer_name(model), f"jetbatch workers for model {model}", subjects.model(model), cfg)
+    """The durable pull consumer every worker shares for one model's queue.
+
+    JetStream's own delivery limit is off (-1): a message that reaches it without an ack would
+    stay in the work queue forever, unanswered and counted as backlog. The workers enforce
+    ``max_deliver`` themselves and answer every message at its end (see sidecar/quarantine.py).
+    """
+    return _shared_pull_consumer(
+        model_consumer_name(model), f"jetbatch workers for model {model}", [subjects.model(model)], cfg, max_deliver=-1
+    )
 
 
 def classifier_consumer_config(subjects: Subjects, cfg: StreamsConfig) -> ConsumerConfig:
-    """The durable pull consumer classifier replicas share on ``<prefix>.in``."""
-    return _shared_pull_consumer(classifier_consumer_name(), "jetbatch classifiers", subjects.ingress, cfg)
+    """The durable pull consumer classifier replicas share on ``<prefix>.in`` and its tenants."""
+    return _shared_pull_consumer(
+        classifier_consumer_name(), "jetbatch classifiers", [], cfg, max_deliver=cfg.max_deliver
+    )  # no filter: the ingress stream holds only <prefix>.in and <prefix>.in.<tenant>
 
 
-def _shared_pull_consumer(name: str, description: str, filter_subject: str, cfg: StreamsConfig) -> ConsumerConfig:
+def _shared_pull_consumer(
+    name: str, description: str, filter_subjects: list[str], cfg: StreamsConfig, *, max_deliver: int
+) -> ConsumerConfig:
     """A durable pull consumer with explicit acks that every replica of a role pulls from."""
     return ConsumerConfig(
         durable_name=name,
         description=description,
-        filter_subject=filter_subject,
+        filter_subject=filter_subjects[0] if len(filter_subjects) == 1 else None,
+        filter_subjects=filter_subjects if len(filter_subjects) > 1 else None,
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=cfg.ack_wait_s,
-        max_deliver=cfg.max_deliver,
+        max_deliver=max_deliver,
         max_ack_pending=cfg.max_ack_pending,
         max_waiting=512,
         num_replicas=0,  # inherit the stream's replicas
@@ -137,7 +178,7 @@ _SETUP_ATTEMPTS = 8
 
 _COMPARED = (
     "retention", "storage", "discard", "max_msgs", "max_bytes", "max_msg_size",
-    "duplicate_window", "num_replicas", "max_age",
+    "duplicate_window", "num_replicas", "max_age", "allow_direct", "max_msgs_per_subject",
 )  # fmt: skip
 
 
@@ -200,24 +241,32 @@ def _norm(value: object) -> object:
     return value
 
 
-async def ensure_streams(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, models: Iterable[str]) -> None:
-    """Create or update the models and dead-letter streams for a worker serving ``models``."""
+async def ensure_streams(
+    js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, models: Iterable[str], replies: RepliesConfig | None = None
+) -> None:
+    """Create or update the models, dead-letter and results streams for a worker serving ``models``."""
     models = list(models)
     try:
         await _ensure_stream(js, models_stream_config(subjects, cfg, models), merge_subjects=True)
         await _ensure_stream(js, dead_letter_stream_config(subjects, cfg), merge_subjects=False)
+        if replies is not None and replies.durable:
+            await _ensure_stream(js, results_stream_config(subjects, cfg, replies), merge_subjects=False)
     except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
-        raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?") from exc
+        raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?", transient=True) from exc
 
 
-async def ensure_classifier_streams(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig) -> None:
-    """Create or update the ingress and dead-letter streams and the classifier consumer."""
+async def ensure_classifier_streams(
+    js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, replies: RepliesConfig | None = None
+) -> None:
+    """Create or update the ingress, dead-letter and results streams and the classifier consumer."""
     try:
         await _ensure_stream(js, ingress_stream_config(subjects, cfg), merge_subjects=False)
         await _ensure_stream(js, dead_letter_stream_config(subjects, cfg), merge_subjects=False)
+        if replies is not None and replies.durable:
+            await _ensure_stream(js, results_stream_config(subjects, cfg, replies), merge_subjects=False)
         await _ensure_consumer(js, subjects.ingress_stream, classifier_consumer_config(subjects, cfg))
     except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
-        raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?") from exc
+        raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?", transient=True) from exc
 
 
 async def ensure_model_consumer(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, model: str) -> None:
@@ -234,6 +283,9 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, wanted: ConsumerCo
         except (nats.js.errors.APIError, nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
             if attempt == _SETUP_ATTEMPTS - 1:
                 description = getattr(exc, "description", None) or repr(exc)
-                raise StreamSetupError(f"cannot create or update consumer {wanted.durable_name} on {stream}: {description}") from exc
+                raise StreamSetupError(
+                    f"cannot create or update consumer {wanted.durable_name} on {stream}: {description}",
+                    transient=not isinstance(exc, nats.js.errors.APIError) or getattr(exc, "code", 0) in (500, 503),
+                ) from exc
             # Concurrent creation by another replica, or a cluster electing a leader: retry.
             await asyncio.sleep(0.2 * (attempt + 1))

@@ -220,6 +220,9 @@ class WorkerTelemetry:
         span.record_exception(exc)
         span.set_status(Status(StatusCode.ERROR, str(exc)))
 
+    def mark_status_error(self, span: Span, description: str) -> None:
+        span.set_status(Status(StatusCode.ERROR, description))
+
     @staticmethod
     def trace_id_hex(span: Span) -> str:
         """The span's trace id as 32 hex digits (the ``Jetbatch-Trace-Id`` reply header), or

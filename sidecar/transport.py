@@ -10,16 +10,25 @@ from nats.aio.client import Client as NATS
 
 from sdk.connection import connect_nats
 
-from .config import ConfigError, NatsConfig
+from .config import ConfigError, NatsConfig, NatsIdentity
 
-__all__ = ["connect", "connect_options"]
+__all__ = ["connect", "connect_options", "connect_replies"]
 
 
-def connect_options(cfg: NatsConfig) -> dict[str, Any]:
-    """nats-py keyword arguments for ``cfg``'s credentials and TLS (secrets are never logged)."""
+def connect_options(cfg: NatsConfig, identity: NatsIdentity | None = None) -> dict[str, Any]:
+    """nats-py keyword arguments for ``cfg``'s credentials and TLS (secrets are never logged).
+    With ``identity``, its credentials and inbox replace the main ones (TLS stays)."""
     options: dict[str, Any] = {}
-    if cfg.inbox_prefix != "_INBOX":
-        options["inbox_prefix"] = cfg.inbox_prefix
+    creds: Any = identity if identity is not None else cfg
+    if creds.inbox_prefix != "_INBOX":
+        options["inbox_prefix"] = creds.inbox_prefix
+    options.update(_credentials(creds))
+    options.update(_tls(cfg))
+    return options
+
+
+def _credentials(cfg: NatsConfig | NatsIdentity) -> dict[str, Any]:
+    options: dict[str, Any] = {}
     if cfg.user is not None:
         options["user"] = cfg.user
         options["password"] = cfg.password or ""
@@ -31,6 +40,11 @@ def connect_options(cfg: NatsConfig) -> dict[str, Any]:
     if cfg.creds_file is not None:
         _must_exist(cfg.creds_file, "nats.creds_file")
         options["user_credentials"] = cfg.creds_file
+    return options
+
+
+def _tls(cfg: NatsConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {}
     if cfg.tls_ca_file or cfg.tls_cert_file:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
         if cfg.tls_ca_file:
@@ -54,3 +68,12 @@ def _must_exist(path: str, key: str) -> None:
 async def connect(cfg: NatsConfig, url: str | None = None, *, name: str = "jetbatch") -> NATS:
     """Open a connection for a sidecar; raises sdk.ConnectionFailed when no server answers."""
     return await connect_nats(url or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, **connect_options(cfg))
+
+
+async def connect_replies(cfg: NatsConfig, url: str | None = None, *, name: str = "jetbatch-replies") -> NATS | None:
+    """The connection answers go out on, when the deployment gives the sidecar a reply identity
+    (``nats.reply_identity``); None otherwise (answers use the main connection)."""
+    if cfg.reply_identity is None:
+        return None
+    options = connect_options(cfg, cfg.reply_identity)
+    return await connect_nats(url or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, **options)

@@ -14,7 +14,7 @@ from sdk.protocol import Subjects
 from sidecar.classifier import Classifier
 from sidecar.config import Config, parse_config
 from sidecar.status import StatusReport, collect_status
-from sidecar.transport import connect
+from sidecar.transport import connect, connect_replies
 from sidecar.worker import BatchReport, Worker
 
 
@@ -37,7 +37,8 @@ def sleep_model(**overrides: Any) -> dict[str, Any]:
 async def _running(make: Callable[[Any], Any], config: Config, url: str) -> AsyncIterator[Any]:
     """Run a sidecar (worker or classifier) in this event loop until the block ends."""
     nc = await connect(config.nats, url)
-    sidecar = make(nc)
+    reply_nc = await connect_replies(config.nats, url)
+    sidecar = make(nc, reply_nc)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(sidecar.run)
@@ -47,19 +48,21 @@ async def _running(make: Callable[[Any], Any], config: Config, url: str) -> Asyn
             sidecar.stop()
     finally:
         await nc.close()
+        if reply_nc is not None:
+            await reply_nc.close()
 
 
 @contextlib.asynccontextmanager
 async def running_worker(
     config: Config, url: str, *, on_batch: Callable[[BatchReport], None] | None = None, **kw: Any
 ) -> AsyncIterator[Worker]:
-    async with _running(lambda nc: Worker(config, nc, on_batch=on_batch, **kw), config, url) as worker:
+    async with _running(lambda nc, rnc: Worker(config, nc, on_batch=on_batch, reply_nc=rnc, **kw), config, url) as worker:
         yield worker
 
 
 @contextlib.asynccontextmanager
 async def running_classifier(config: Config, url: str) -> AsyncIterator[Classifier]:
-    async with _running(lambda nc: Classifier(config, nc), config, url) as classifier:
+    async with _running(lambda nc, rnc: Classifier(config, nc, reply_nc=rnc), config, url) as classifier:
         yield classifier
 
 

@@ -162,8 +162,10 @@ async def test_crash_between_republish_and_ack_routes_each_request_once(nats_url
     for i in range(10):
         await js.publish(cfg.subjects.ingress, f"p{i}".encode(), headers={Headers.MSG_ID: f"req-{i}-{uuid.uuid4().hex[:6]}"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_")}
-    cmd = [sys.executable, "-m", "sidecar.cli", "classifier", "--config", str(cfg_path), "--nats-url", nats_url]
-    crashed = await anyio.run_process(cmd, env={**env, "JETBATCH_FAULT_EXIT_AFTER_REPUBLISH": "1"}, check=False)
+    args = ["classifier", "--config", str(cfg_path), "--nats-url", nats_url]
+    cmd = [sys.executable, "-m", "sidecar.cli", *args]
+    crash = f"from tests.fault_handlers import run_classifier_that_dies_after_its_first_republish as r; r({args!r})"
+    crashed = await anyio.run_process([sys.executable, "-c", crash], env=env, check=False)
     assert crashed.returncode == 137  # died after a republish, before acking it
     assert (await js.stream_info(cfg.subjects.models_stream)).state.messages >= 1
     with anyio.fail_after(60):

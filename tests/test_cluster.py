@@ -91,11 +91,46 @@ def test_three_workers_settle_on_three_models(cluster: NatsCluster, tmp_path: Pa
     assert all(r.batch.model == r.output.decode().split("-")[0] for r in results)
 
 
+def test_placement_stays_put_when_a_nats_node_is_lost(cluster: NatsCluster, tmp_path: Path) -> None:
+    """Two workers, two equally busy models: one model each. Losing the node that leads the
+    workers' bucket stalls their view of each other for a while; a worker that cannot hear its
+    peer keeps its last view instead of concluding the peer left, so neither chases the other's
+    model."""
+    models = {name: {"load_s": 0.4, "batch_s": 0.02} for name in ("a", "b")}
+    config = _config(tmp_path, "c5", models)
+    victim_index = None
+    with Deployment(config, nats_url=cluster.url, workers=2, log_level="INFO") as dep:  # INFO: loads show in the failure message
+        try:
+
+            async def scenario() -> tuple[int, int, list[sdk.Result]]:
+                settle = await _load(dep.url, "c5", ["a", "b"], duration_s=4.0, concurrency=16)
+                before = sum(r.stats["loads"] for r in await worker_reports(dep.url, "c5"))
+                nonlocal victim_index
+                async with sdk.Client.connect(dep.url, prefix="c5") as client:
+                    info = await client.nats.jetstream().stream_info("KV_C5_WORKERS")
+                leader = info.cluster.leader if info.cluster else None
+                victim_index = next((i for i, n in enumerate(cluster.nodes) if n.name == leader), 0)
+                cluster.nodes[victim_index].kill()
+                during = await _load(dep.url, "c5", ["a", "b"], duration_s=10.0, concurrency=16)
+                after = sum(r.stats["loads"] for r in await worker_reports(dep.url, "c5"))
+                return before, after, settle + during
+
+            before, after, results = asyncio.run(scenario())
+            logs = dep.logs_tail(lines=60)
+        finally:
+            if victim_index is not None:
+                cluster.nodes[victim_index].restart()
+                cluster.wait_for_jetstream()
+    assert all(r.output.decode().split("-")[0] == r.batch.model for r in results)
+    assert before <= 4, f"{before} loads before the node loss"
+    assert after - before <= 1, f"{after - before} loads in 10 s after losing a node: placement thrashed\n{logs}"
+
+
 def test_hot_model_gets_a_second_replica(cluster: NatsCluster, tmp_path: Path) -> None:
     models = {"hot": {"load_s": 0.2, "batch_s": 0.05}, "cold": {"load_s": 0.2, "batch_s": 0.05}}
     config = _config(tmp_path, "c3", models)
     with Deployment(config, nats_url=cluster.url, workers=2) as dep:
-        results = asyncio.run(_load(dep.url, "c3", ["hot"] * 19 + ["cold"], duration_s=6.0, concurrency=64))
+        results = asyncio.run(_load(dep.url, "c3", ["hot"] * 19 + ["cold"], duration_s=6.0, concurrency=128))
         reports = asyncio.run(worker_reports(dep.url, "c3"))
     second_half = results[len(results) // 2 :]  # appended in completion order
     workers_on_hot = {r.batch.worker for r in second_half if r.batch.model == "hot"}

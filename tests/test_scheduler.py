@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar import scheduler as sched
+from sidecar.policy import scheduling as sched
 from sidecar.simulator import SimModel, Workload, build_workload, lower_bound, simulate
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -47,7 +48,7 @@ def test_public_api_matches_all() -> None:
 
 
 def test_error_tree() -> None:
-    for cls in (sdk.BadRequest, sdk.UnknownModel, sdk.ModelFailed, sdk.Overloaded, sdk.RequestTimeout, sdk.ConnectionFailed):
+    for cls in (sdk.BadRequest, sdk.UnknownModel, sdk.ModelFailed, sdk.Overloaded, sdk.RequestTimeout, sdk.ConnectionFailed, sdk.ClientClosed):
         assert issubclass(cls, sdk.JetbatchError)
     assert issubclass(sdk.RequestTimeout, TimeoutError)
     assert issubclass(sdk.PayloadTooLarge, sdk.BadRequest)
@@ -78,6 +79,62 @@ async def test_payload_over_max_payload(nats_url: str, prefix: str) -> None:
             with pytest.raises(sdk.PayloadTooLarge):
                 await client.infer(b"x" * (client.nats.max_payload + 1), model="m1", timeout=5)  # over the server's
             assert await client.infer(b"small", model="m1", timeout=10) == b"small"
+
+
+@pytest.mark.anyio
+async def test_payload_just_under_max_payload_is_refused_with_its_headers_counted(nats_url: str, prefix: str) -> None:
+    """The server counts headers against max_payload and closes a connection that sends more:
+    the SDK refuses such a request itself, and the connection (and a bystander call) survive."""
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            bystander = asyncio.ensure_future(client.infer(b"bystander", model="m1", timeout=10))
+            with pytest.raises(sdk.PayloadTooLarge, match="headers"):
+                await client.infer(b"x" * (client.nats.max_payload - 10), model="m1", timeout=5)
+            assert await bystander == b"bystander"
+            assert await client.infer(b"after", model="m1", timeout=10) == b"after"
+            assert client.nats.is_connected
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1, "5", True, 10**9])
+async def test_a_bad_timeout_is_bad_request(nats_url: str, prefix: str, timeout: object) -> None:
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        with pytest.raises(sdk.BadRequest, match="timeout"):
+            await client.infer(b"x", model="m1", timeout=timeout)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_bad_header_names_and_reserved_headers_are_bad_request(nats_url: str, prefix: str) -> None:
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        for headers in ({"bad name": "v"}, {"X-Ok": 5}, {"Jetbatch-Reply-To": "_INBOX.elsewhere"}, {"Nats-Msg-Id": "x"}):
+            with pytest.raises(sdk.BadRequest):
+                await client.infer(b"x", model="m1", timeout=5, headers=headers)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_retrying_a_finished_request_id_returns_its_answer(nats_url: str, prefix: str) -> None:
+    """JetStream drops a retry under the same request id as a duplicate (dedupe window); the SDK
+    sees the PubAck's duplicate flag and fetches the stored answer, from this client or another."""
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            first = await client.infer_result(b"once", model="m1", timeout=10, request_id="retry-me-1")
+            again = await client.infer_result(b"once", model="m1", timeout=10, request_id="retry-me-1")
+        async with sdk.Client.connect(nats_url, prefix=prefix) as other:
+            third = await other.infer_result(b"once", model="m1", timeout=10, request_id="retry-me-1")
+    assert first.output == again.output == third.output == b"once"
+    assert again.batch.batch_id == third.batch.batch_id == first.batch.batch_id  # the same computation
+    assert worker.stats["requests"] == 1
+    assert again.latency_s < 5
+
+
+def test_blocking_client_after_close_is_client_closed(nats_url: str) -> None:
+    client = sdk.BlockingClient.connect(nats_url)
+    client.close()
+    with pytest.raises(sdk.ClientClosed):
+        client.infer(b"x", model="m1", timeout=1)
+    client.close()  # closing twice is fine
 
 
 @pytest.mark.anyio

@@ -24,7 +24,10 @@ from tests.helpers import running_classifier, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
 PREFIX = "sec"
-SECRETS = {"producer": "p-Secret-1", "other": "o-Secret-2", "worker": "w-Secret-3", "classifier": "c-Secret-4"}
+SECRETS = {
+    "producer": "p-Secret-1", "other": "o-Secret-2", "worker": "w-Secret-3", "classifier": "c-Secret-4",
+    "worker-replies": "wr-Secret-5", "classifier-replies": "cr-Secret-6",
+}  # fmt: skip
 
 
 def _cert(name: str, issuer_key: Any, issuer_name: x509.Name | None, *, ca: bool, tmp: Path) -> tuple[Any, x509.Name]:
@@ -61,16 +64,32 @@ def _server_config(tmp: Path) -> str:
         ).replace("'", '"')
 
     js_api = ["$JS.API.>", "$JS.ACK.>"]
+
+    def tenant(name: str) -> str:
+        # A tenant: publish only to its own ingress (plus the stream lookup behind UnknownModel and
+        # the direct get of its own stored answers), read only its own inbox.
+        return user(
+            name,
+            [f"{PREFIX}.in.{name}", "$JS.API.STREAM.INFO.*", f"$JS.API.DIRECT.GET.SEC_RESULTS.{PREFIX}.result.{name}.>"],
+            [f"_INBOX.{name}.>"],
+        )
+
+    def replies(name: str) -> str:
+        # A reply identity: answers to callers' inboxes and their stored copies, nothing else.
+        return user(name, ["_INBOX.>", f"{PREFIX}.result.>"], [f"_INBOX.{name}.>"])
+
     return (
         "tls {\n"
         f'  cert_file: "{tmp / "server.pem"}"\n  key_file: "{tmp / "server-key.pem"}"\n  ca_file: "{tmp / "ca.pem"}"\n'
         "  verify: true\n  timeout: 3\n}\n"
         "authorization {\n  users = [\n"
-        # Producers: publish only to the ingress (plus the stream lookup behind UnknownModel), read only their inbox.
-        f"    {user('producer', [f'{PREFIX}.in', '$JS.API.STREAM.INFO.*'], ['_INBOX.producer.>'])}\n"
-        f"    {user('other', [f'{PREFIX}.in', '$JS.API.STREAM.INFO.*'], ['_INBOX.other.>'])}\n"
-        f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>', '_INBOX.>'], ['_INBOX.classifier.>', f'{PREFIX}.status'])}\n"
-        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '_INBOX.>', '$KV.>'], ['_INBOX.worker.>', f'{PREFIX}.status'])}\n"
+        f"    {tenant('producer')}\n"
+        f"    {tenant('other')}\n"
+        # The sidecars' main identities: JetStream API and acks, queues and dead letters, never a caller's inbox.
+        f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>'], ['_INBOX.classifier.>', f'{PREFIX}.status'])}\n"
+        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>'], ['_INBOX.worker.>', f'{PREFIX}.status'])}\n"
+        f"    {replies('classifier-replies')}\n"
+        f"    {replies('worker-replies')}\n"
         "  ]\n}\n"
     )
 
@@ -91,6 +110,7 @@ def _sidecar_config(role: str, tmp: Path) -> Config:
             "nats": {
                 "prefix": PREFIX, "user": role, "password": SECRETS[role], "inbox_prefix": f"_INBOX.{role}",
                 "tls_ca_file": str(tmp / "ca.pem"), "tls_cert_file": str(tmp / "client.pem"), "tls_key_file": str(tmp / "client-key.pem"),
+                "reply_identity": {"user": f"{role}-replies", "password": SECRETS[f"{role}-replies"], "inbox_prefix": f"_INBOX.{role}-replies"},
             },
             "worker": {"poll_interval_ms": 50, "coordinate": False},
             "models": {"m1": {"handler": "identity", "max_delay_ms": 5}},
@@ -116,21 +136,55 @@ async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any
 
     async with running_worker(_sidecar_config("worker", tmp), url), running_classifier(_sidecar_config("classifier", tmp), url):
         async with sdk.Client.connect(
-            url, prefix=PREFIX, user="producer", password=SECRETS["producer"], tls=_tls(tmp),
-            inbox_prefix="_INBOX.producer", error_cb=on_error,
+            url, prefix=PREFIX, tenant="producer", user="producer", password=SECRETS["producer"], tls=_tls(tmp), error_cb=on_error,
         ) as client:  # fmt: skip
-            # Allowed: through the classifier, over TLS, with the producer's own inbox.
+            # Allowed: through its own ingress and the classifier, over TLS, answers in its own inbox.
             assert await client.infer({"x": 1}, timeout=20) == {"x": 1}
-            # Refused: straight to a model queue (the server drops the publish; no PubAck).
-            with pytest.raises(sdk.RequestTimeout):
-                await client.infer({"x": 2}, model="m1", timeout=2)
+            assert await client.infer({"x": 2}, model="m1", timeout=20) == {"x": 2}  # a named model, still routed
+            # Its stored answers, by request id (the direct get its permissions allow).
+            again = await client.infer_result({"x": 3}, timeout=20, request_id="sec-retry-1")
+            assert (await client.infer_result({"x": 3}, timeout=20, request_id="sec-retry-1")).batch.batch_id == again.batch.batch_id
+            # Refused: straight to a model queue, or to another tenant's ingress.
+            await client.nats.publish(f"{PREFIX}.model.m1", b"direct")
+            await client.nats.publish(f"{PREFIX}.in.other", b"impersonation")
             # Refused: listening on another caller's inbox.
             await client.nats.subscribe("_INBOX.other.>")
             await wait_until(lambda: any("subscription" in e.lower() for e in errors), what="the server's -ERR")
     assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.model.m1" in e for e in errors), errors
+    assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.in.other" in e for e in errors), errors
     assert any("permissions violation for subscription" in e.lower() and "_inbox.other" in e.lower() for e in errors), errors
     for secret in SECRETS.values():
         assert secret not in caplog.text  # never logged
+
+
+async def test_the_reply_identity_cannot_reach_the_jetstream_api_or_the_queues(secure_server: Any) -> None:
+    """Defence in depth: even if the reply-subject check were bypassed, answers go out on an
+    identity the server lets publish only to inboxes and stored results."""
+    import nats
+
+    server, tmp = secure_server
+    url = f"tls://127.0.0.1:{server.port}"
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    async with running_worker(_sidecar_config("worker", tmp), url):
+        nc = await nats.connect(
+            url, user="worker-replies", password=SECRETS["worker-replies"], tls=_tls(tmp), inbox_prefix="_INBOX.worker-replies",
+            error_cb=on_error,
+        )  # fmt: skip
+        try:
+            targets = [f"$JS.API.STREAM.DELETE.SEC_MODELS", f"$JS.API.STREAM.PURGE.SEC_MODELS", f"{PREFIX}.model.m1", f"{PREFIX}.in", f"{PREFIX}.dlq.worker", "$KV.SEC_WORKERS.x"]
+            for subject in targets:
+                await nc.publish(subject, b"forged result")
+            await nc.flush()
+            await wait_until(lambda: sum("permissions violation for publish" in e.lower() for e in errors) >= len(targets), what="every publish refused")
+        finally:
+            await nc.close()
+        async with sdk.Client.connect(url, prefix=PREFIX, tenant="producer", user="producer", password=SECRETS["producer"], tls=_tls(tmp)) as client:
+            info = await client.nats.jetstream().stream_info("SEC_MODELS")  # still there
+            assert info.config.name == "SEC_MODELS"
 
 
 async def test_without_a_client_certificate_or_with_a_wrong_password_connection_fails(secure_server: Any) -> None:
@@ -141,6 +195,16 @@ async def test_without_a_client_certificate_or_with_a_wrong_password_connection_
         await sdk.Client.connect(url, user="producer", password=SECRETS["producer"], tls=no_client_cert, connect_timeout_s=1)
     with pytest.raises(sdk.ConnectionFailed):
         await sdk.Client.connect(url, user="producer", password="wrong", tls=_tls(tmp), connect_timeout_s=1)
+
+
+async def test_a_plain_nats_url_against_a_tls_only_server_fails_within_the_connect_timeout(secure_server: Any) -> None:
+    import time
+
+    server, tmp = secure_server
+    started = time.monotonic()
+    with pytest.raises(sdk.ConnectionFailed):
+        await sdk.Client.connect(f"nats://127.0.0.1:{server.port}", user="producer", password=SECRETS["producer"], connect_timeout_s=1)
+    assert time.monotonic() - started < 10  # the bound: every attempt and the waits between them
 
 
 def test_transport_options_come_from_config_and_environment(tmp_path: Path) -> None:

@@ -119,3 +119,38 @@ async def test_handler_failure_isolates_poison_request(nats_url: str, prefix: st
             outcome = await asyncio.gather(*calls, return_exceptions=True)
     assert outcome[0] == b"a" and outcome[2] == b"b" and outcome[3] == b"c"
     assert isinstance(outcome[1], sdk.ModelFailed)
+
+
+async def test_startup_retries_a_slow_jetstream_then_gives_up_with_one_line() -> None:
+    """A worker starting while the cluster elects a leader retries with a logged backoff; a
+    configuration conflict is not retried; a JetStream that never answers is one clear error."""
+    import nats.errors
+
+    from sidecar.streams import StreamSetupError
+    from sidecar.worker import retry_startup
+
+    calls = 0
+
+    async def slow() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise nats.errors.TimeoutError
+        return "ready"
+
+    assert await retry_startup(slow, timeout_s=10, what="w") == "ready"
+    assert calls == 3
+
+    async def conflict() -> None:
+        raise StreamSetupError("retention differs", transient=False)
+
+    with pytest.raises(StreamSetupError, match="retention"):
+        await retry_startup(conflict, timeout_s=10, what="w")
+
+    async def never() -> None:
+        raise nats.errors.TimeoutError
+
+    started = time.monotonic()
+    with pytest.raises(StreamSetupError, match="did not answer within 1s"):
+        await retry_startup(never, timeout_s=1, what="w")
+    assert time.monotonic() - started < 3

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
+from .costs import BatchCost
+
 __all__ = [
     "POLICIES",
     "BatchCost",
@@ -29,17 +31,6 @@ __all__ = [
     "fits",
     "make_policy",
 ]
-
-
-@dataclass(frozen=True)
-class BatchCost:
-    """Estimated seconds to run a batch of n items: ``fixed_s + per_item_s * n``."""
-
-    fixed_s: float
-    per_item_s: float
-
-    def seconds(self, n: int) -> float:
-        return self.fixed_s + self.per_item_s * n
 
 
 @dataclass(frozen=True)
@@ -142,7 +133,7 @@ def _drain_seconds(m: ModelState, n: int) -> float:
     if n <= 0:
         return 0.0
     batches = math.ceil(n / m.max_batch_size)
-    return batches * m.batch_cost.fixed_s + n * m.batch_cost.per_item_s
+    return batches * m.batch_cost.batch_cost_s + n * m.batch_cost.item_cost_s
 
 
 def _best(models: Sequence[ModelState], key: Any) -> ModelState:

@@ -1,0 +1,44 @@
+"""The pure policy core: every decision the worker makes, with no I/O and no clock (time is
+passed in), so the live worker and the simulator drive the same code.
+
+- :mod:`.scheduling`: which model to serve, load or evict next.
+- :mod:`.window`: when a gathered batch closes.
+- :mod:`.costs`: what loads (per memory tier), batches and memory cost, learned from measurements.
+- :mod:`.share`: which part of a queue shared with other workers is ours to chase.
+"""
+
+from .costs import BatchCost, CostEstimator, Tier
+from .scheduling import (
+    POLICIES,
+    Budget,
+    Decision,
+    Idle,
+    Load,
+    ModelState,
+    Policy,
+    SchedulerState,
+    Serve,
+    fits,
+    make_policy,
+)
+from .share import effective_backlog
+from .window import BatchWindow
+
+__all__ = [
+    "POLICIES",
+    "BatchCost",
+    "BatchWindow",
+    "Budget",
+    "CostEstimator",
+    "Decision",
+    "Idle",
+    "Load",
+    "ModelState",
+    "Policy",
+    "SchedulerState",
+    "Serve",
+    "Tier",
+    "effective_backlog",
+    "fits",
+    "make_policy",
+]

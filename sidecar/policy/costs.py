@@ -1,0 +1,104 @@
+"""The cost estimator: what a load, a batch and a model's memory cost, learned from measurements.
+
+Pure: observations come in with their values, estimates go out; no clock, no I/O. The live
+worker feeds it what it measures and the simulator feeds it what it simulates, so both schedule
+on estimates, never on hidden true costs.
+
+A load's cost depends on the tier the model comes from: *cold* (read and deserialise from disk),
+*warm* (a host-to-device copy from host memory) or *resident* (free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["BatchCost", "CostEstimator", "Tier"]
+
+Tier = Literal["cold", "warm", "resident"]
+
+# Until a warm load is measured, assume it costs this share of a cold one (a host-to-device
+# copy against a disk read plus deserialisation; bench/model_loading.py measures the real ratio).
+WARM_SHARE_PRIOR = 0.3
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """Estimated seconds to run a batch of n items: ``batch_cost_s + item_cost_s * n``."""
+
+    batch_cost_s: float
+    item_cost_s: float
+
+    def seconds(self, n: int) -> float:
+        return self.batch_cost_s + self.item_cost_s * n
+
+
+class CostEstimator:
+    """Exponentially weighted measurements (weight ``alpha`` on the newest) of load time per tier,
+    batch time (fixed + per item) and memory per model, seeded from the configuration."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self._load: dict[tuple[str, str], float] = {}
+        self._batch: dict[str, BatchCost] = {}
+        self._memory: dict[str, int] = {}
+        self._host_memory: dict[str, int] = {}
+
+    def seed(
+        self,
+        model: str,
+        *,
+        load_cost_s: float,
+        batch_cost: BatchCost,
+        memory_bytes: int = 0,
+        warm_load_cost_s: float | None = None,
+    ) -> None:
+        self._load[(model, "cold")] = load_cost_s
+        if warm_load_cost_s is not None:
+            self._load[(model, "warm")] = warm_load_cost_s
+        self._batch[model] = batch_cost
+        self._memory[model] = memory_bytes
+
+    def observe_load(self, model: str, seconds: float, tier: Tier = "cold") -> None:
+        if tier == "resident":
+            return
+        key = (model, tier)
+        prior = self._load.get(key)
+        self._load[key] = seconds if prior is None else (1 - self.alpha) * prior + self.alpha * seconds
+
+    def observe_batch(self, model: str, n: int, seconds: float) -> None:
+        # Keep the fixed part and refit the per-item part from this observation, and vice versa.
+        cost = self._batch.get(model, BatchCost(0.0, 0.0))
+        per_item = max(0.0, (seconds - cost.batch_cost_s) / max(n, 1))
+        fixed = max(0.0, seconds - cost.item_cost_s * n)
+        a = self.alpha
+        self._batch[model] = BatchCost((1 - a) * cost.batch_cost_s + a * fixed, (1 - a) * cost.item_cost_s + a * per_item)
+
+    def observe_memory(self, model: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self._memory[model] = nbytes
+
+    def observe_host_memory(self, model: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self._host_memory[model] = nbytes
+
+    def load_cost_s(self, model: str, tier: Tier = "cold") -> float:
+        """Estimated seconds to make ``model`` resident from ``tier``."""
+        if tier == "resident":
+            return 0.0
+        cold = self._load.get((model, "cold"), 1.0)
+        if tier == "warm":
+            return self._load.get((model, "warm"), cold * WARM_SHARE_PRIOR)
+        return cold
+
+    def batch_cost(self, model: str) -> BatchCost:
+        return self._batch.get(model, BatchCost(0.005, 0.0005))
+
+    def memory_bytes(self, model: str) -> int:
+        return self._memory.get(model, 0)
+
+    def host_memory_bytes(self, model: str) -> int:
+        """Host bytes of the model's warm copy (measured; the device size until then)."""
+        return self._host_memory.get(model, self._memory.get(model, 0))

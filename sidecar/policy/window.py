@@ -1,0 +1,51 @@
+"""The batch window: when a gathered batch closes. Pure: times are passed in.
+
+A batch closes when it holds ``max_batch_size`` requests, or ``max_delay_s`` after its first
+request was *enqueued* (a request that already waited that long in the queue does not wait
+again), or when its earliest deadline leaves no more time to wait, whichever comes first. While
+the device is still busy with the previous batch, the next one keeps filling instead of closing
+small: it could not start earlier anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BatchWindow"]
+
+
+@dataclass(frozen=True)
+class BatchWindow:
+    max_batch_size: int
+    max_delay_s: float
+
+    def close_at(self, first_enqueued_at: float, first_seen_at: float, earliest_deadline: float | None = None) -> float:
+        """When the batch whose first request was enqueued at ``first_enqueued_at`` (and fetched
+        at ``first_seen_at``) must close."""
+        close = min(first_enqueued_at, first_seen_at) + self.max_delay_s
+        if earliest_deadline is not None:
+            close = min(close, earliest_deadline)
+        return close
+
+    def is_full(self, count: int) -> bool:
+        return count >= self.max_batch_size
+
+    def should_close(self, count: int, close_at: float | None, now: float, *, device_busy: bool = False) -> bool:
+        """Whether a batch of ``count`` requests closes now."""
+        if count <= 0:
+            return False
+        if self.is_full(count):
+            return True
+        if device_busy:
+            return False
+        return close_at is not None and now >= close_at
+
+    def wait_s(self, count: int, close_at: float | None, now: float, *, device_busy: bool = False, idle_wait_s: float = 0.25) -> float:
+        """How long to wait for more requests before deciding again (0: close now)."""
+        if count == 0:
+            return idle_wait_s
+        if self.should_close(count, close_at, now, device_busy=device_busy):
+            return 0.0
+        if device_busy:
+            return max(0.005, (close_at - now) if close_at is not None else 0.005)
+        return max(0.0, (close_at - now) if close_at is not None else idle_wait_s)

@@ -1,0 +1,14 @@
+"""The GPU worker sidecar, as parts a newcomer can find by name:
+
+- :mod:`.loop`: the I/O loop around the pure policy core (:class:`Worker`).
+- :mod:`.batching`: batch assembly (fetch until the batch window closes).
+- :mod:`.execution`: running a batch: checks, compute, answers, settling.
+- :mod:`.quarantine`: poison requests: evidence before a verdict.
+- :mod:`.residency`: load, evict, prefetch; the cold / warm / resident tiers.
+- :mod:`.backlog`: what waits in each model's queue.
+"""
+
+from .loop import Worker, retry_startup
+from .parts import BatchReport
+
+__all__ = ["BatchReport", "Worker", "retry_startup"]

@@ -1,0 +1,94 @@
+"""Batch assembly: pull a model's queue until its batch window closes (see policy/window.py).
+
+Fetches never raise: a timeout is an empty fetch, a reconnect in progress backs off briefly, a
+connection closed for good asks the worker to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import anyio
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+
+from .parts import Slot, enqueued_at, pending_after
+
+__all__ = ["Batcher"]
+
+log = logging.getLogger("jetbatch.worker")
+
+
+class Batcher:
+    def __init__(self, stopping: anyio.Event, *, poll_interval_s: float, on_trouble: Callable[[], None] | None = None) -> None:
+        self._stopping = stopping
+        self.poll_interval_s = poll_interval_s
+        self._on_trouble = on_trouble
+
+    async def fetch(self, slot: Slot, n: int, timeout_s: float) -> list[Msg]:
+        """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure."""
+        if timeout_s < 0.001 or n <= 0:
+            return []
+        try:
+            msgs: list[Msg] = await slot.psub.fetch(batch=n, timeout=timeout_s)
+        except (nats.errors.TimeoutError, TimeoutError):
+            return []
+        except nats.errors.ConnectionClosedError:
+            self._stopping.set()
+            return []
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            # Typically a reconnect in progress: back off so the loop does not spin meanwhile.
+            log.warning("fetch for %s failed: %r", slot.name, exc)
+            if self._on_trouble is not None:
+                self._on_trouble()
+            await anyio.sleep(0.1)
+            return []
+        return msgs
+
+    async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None) -> list[Msg]:
+        """Pull until the window closes: ``max_items``, or ``max_delay`` after the first request
+        of the batch was enqueued. While a batch of this model still runs, keep filling."""
+        window = slot.window
+        msgs: list[Msg] = list(first or [])
+        close_at: float | None = None
+        if msgs:
+            now = time.time()
+            close_at = window.close_at(enqueued_at(msgs[0], now), now)
+        first_wait_s = min(self.poll_interval_s, 0.5)
+        while len(msgs) < max_items and not self._stopping.is_set():
+            now = time.time()
+            busy = slot.in_flight >= slot.config.max_concurrent_batches
+            wait_s = window.wait_s(len(msgs), close_at, now, device_busy=busy, idle_wait_s=first_wait_s)
+            if msgs and wait_s <= 0.0005:
+                break
+            got = await self.fetch(slot, max_items - len(msgs), max(wait_s, 0.001))
+            if not got:
+                if not msgs:
+                    break  # nothing came within the first wait: the queue is empty for now
+                continue
+            if close_at is None:
+                now = time.time()
+                close_at = window.close_at(enqueued_at(got[0], now), now)
+            msgs.extend(got)
+            slot.backlog = pending_after(got[-1], slot.backlog - len(got))
+        return msgs
+
+    async def gather_before(self, slot: Slot, max_items: int, before: float) -> list[Msg]:
+        """Arrival-order batching (the fifo baseline): pull one at a time while requests are
+        older than ``before``; the first newer one goes back to the queue for a later batch."""
+        msgs: list[Msg] = []
+        while len(msgs) < max_items:
+            got = await self.fetch(slot, 1, 0.05)
+            if not got:
+                break
+            if enqueued_at(got[0], time.time()) >= before and msgs:
+                try:
+                    await got[0].nak()
+                except nats.errors.Error:
+                    pass  # redelivered after its ack wait instead
+                break
+            msgs.extend(got)
+        return msgs

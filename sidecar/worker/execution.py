@@ -1,0 +1,282 @@
+"""Running one batch: check each request, compute the good ones, answer every one, settle.
+
+Per batch: requests with invalid headers get ``bad_request`` (or, when their reply subject was
+refused, a dead letter and no publish at all); expired ones get ``deadline_exceeded`` without
+compute; first-time requests run as one batch (bisected if the handler raises, so only the
+failing ones get ``model_failed``); redelivered ones (suspects) then run one at a time under the
+quarantine's evidence rule (worker/quarantine.py). Every answer is stored and sent before its
+message is acked (replies.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Callable
+
+import anyio
+from nats.aio.msg import Msg
+
+from sdk.protocol import ErrorCode, Headers, ReplyPolicy, parse_request_headers, validate_token
+
+from ..handlers import BadInput
+from ..policy import CostEstimator, Policy
+from ..replies import Answer, Replier, client_message, settle
+from ..telemetry import WorkerTelemetry
+from .parts import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
+from .quarantine import Quarantine, Verdict
+
+__all__ = ["BatchRunner"]
+
+log = logging.getLogger("jetbatch.worker")
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        replier: Replier,
+        quarantine: Quarantine,
+        telemetry: WorkerTelemetry,
+        costs: CostEstimator,
+        policy: Policy,
+        reply_policy: ReplyPolicy,
+        max_deliver: int,
+        stats: dict[str, int],
+        on_batch: Callable[[BatchReport], None] | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.replier = replier
+        self.quarantine = quarantine
+        self.telemetry = telemetry
+        self.costs = costs
+        self.policy = policy
+        self.reply_policy = reply_policy
+        self.max_deliver = max_deliver
+        self.stats = stats
+        self.on_batch = on_batch
+
+    # --- parsing --------------------------------------------------------------------------------
+
+    def parse(self, msg: Msg, now: float) -> Request:
+        """Check a message's headers (never raises)."""
+        headers = msg.headers or {}
+        tenant = headers.get(Headers.TENANT)
+        tenant_problem = None
+        if tenant is not None:
+            try:
+                validate_token(tenant, "tenant")
+            except Exception as exc:  # noqa: BLE001 - ProtocolError; any failure is the request's
+                tenant_problem, tenant = str(exc), None
+        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=uuid.uuid4().hex)
+        if tenant_problem:
+            meta = _with_problem(meta, f"header {Headers.TENANT}: {tenant_problem}")
+        return Request(
+            msg=msg,
+            meta=meta,
+            deliveries=deliveries(msg),
+            seq=stream_seq(msg),
+            enqueued_at=enqueued_at(msg, now),
+            reply_refused=Headers.REPLY_TO in headers and meta.reply_to is None,
+        )
+
+    # --- one batch ------------------------------------------------------------------------------
+
+    async def run(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
+        batch_id = uuid.uuid4().hex[:16]
+        now = time.time()
+        requests = [self.parse(m, now) for m in msgs]
+        waits_ms = {id(r): max(0.0, (now - r.enqueued_at) * 1000.0) for r in requests}
+        base = {
+            Headers.BATCH_ID: batch_id,
+            Headers.BATCH_SIZE: str(len(requests)),
+            Headers.MODEL_LOADED: "true" if loaded else "false",
+            Headers.MODEL: slot.name,
+            Headers.WORKER: self.worker_id,
+        }
+
+        def extra(r: Request) -> dict[str, str]:
+            h = dict(base)
+            h[Headers.QUEUE_WAIT_MS] = f"{waits_ms[id(r)]:.3f}"
+            return h
+
+        rejected, expired, fresh, suspects = [], [], [], []
+        for r in requests:
+            if r.meta.problem is not None:
+                rejected.append(r)
+            elif r.meta.deadline is not None and r.meta.deadline < now:
+                expired.append(r)
+            elif r.deliveries <= 1:
+                fresh.append(r)
+            else:
+                suspects.append(r)
+        load_record = slot.pending_load if loaded else None
+        slot.pending_load = None
+        compute_s = 0.0
+        with self.telemetry.batch_span(
+            slot.name,
+            [r.msg.headers for r in requests],
+            batch_id=batch_id,
+            waits_ms=list(waits_ms.values()),
+            decision=reason,
+            loaded=loaded,
+            start_ns=load_record.start_ns if load_record else None,
+        ) as span:
+            if load_record is not None:
+                self.telemetry.record_load(load_record, span)
+            trace_id = self.telemetry.trace_id_hex(span)
+            if trace_id:
+                base[Headers.TRACE_ID] = trace_id
+            for r in rejected:
+                r.action = "term"  # a malformed request will not get better on redelivery
+                r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, r.meta.problem or "bad request", extra(r))
+            for r in expired:
+                late_s = now - (r.meta.deadline or now)
+                r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {late_s:.3f}s before compute", extra(r))
+            started = time.perf_counter()
+            if fresh:
+                self._decode(slot, fresh, extra)
+                good = [r for r in fresh if r.answer is None]
+                if good:
+                    with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": len(good)}):
+                        await self._predict_isolating(slot, good, extra)
+            compute_s = time.perf_counter() - started
+            if fresh:
+                self.costs.observe_batch(slot.name, len(fresh), compute_s)
+                self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
+            await self._finish(slot, rejected + expired + fresh)
+            for r in sorted(suspects, key=lambda r: r.seq):
+                await self._run_suspect(slot, r, extra)
+            errors = [r for r in requests if r.answer is not None and r.answer.error is not None]
+            if errors:
+                span.set_attribute("jetbatch.batch.errors", len(errors))
+                for r in errors:
+                    assert r.answer is not None and r.answer.error is not None
+                    span.add_event("request.error", {"jetbatch.request.id": r.meta.request_id, "jetbatch.error.code": r.answer.error.value})
+                    if r.exception is not None:
+                        span.record_exception(r.exception, {"jetbatch.request.id": r.meta.request_id})
+                failed = [r for r in errors if r.answer and r.answer.error in (ErrorCode.MODEL_FAILED, ErrorCode.INTERNAL)]
+                if failed or len(errors) == len(requests):
+                    self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed")
+        slot.last_used_at = time.time()
+        self.policy.on_batch_done(slot.name, len(requests), time.time())
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(requests)
+        if self.on_batch is not None:
+            n_errors = sum(1 for r in requests if r.answer is None or r.answer.error is not None)
+            self.on_batch(
+                BatchReport(
+                    batch_id=batch_id,
+                    model=slot.name,
+                    size=len(requests),
+                    ok=len(requests) - n_errors,
+                    errors=n_errors,
+                    queue_wait_ms=tuple(waits_ms[id(r)] for r in requests),
+                    loaded=loaded,
+                    compute_s=compute_s,
+                    decision=reason,
+                )
+            )
+
+    def _decode(self, slot: Slot, requests: list[Request], extra: Callable[[Request], dict[str, str]]) -> None:
+        for r in requests:
+            try:
+                r.value = slot.handler.decode(r.msg.data, r.meta.content_type)
+            except BadInput as exc:
+                r.action = "term"
+                r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, str(exc), extra(r))
+            except Exception as exc:  # noqa: BLE001 - a custom decode must not take the batch down
+                r.action = "term"
+                r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, f"cannot decode payload: {client_message(exc)}", extra(r))
+
+    async def _predict_isolating(self, slot: Slot, requests: list[Request], extra: Callable[[Request], dict[str, str]]) -> None:
+        """Run the batch; if the handler raises, bisect so good requests are still served and only
+        the failing ones get ``model_failed``."""
+        try:
+            results = await anyio.to_thread.run_sync(slot.handler.predict, [r.value for r in requests])
+            if len(results) != len(requests):
+                raise RuntimeError(f"handler returned {len(results)} outputs for {len(requests)} inputs")
+        except Exception as exc:  # noqa: BLE001 - handler code is user code
+            if len(requests) == 1:
+                r = requests[0]
+                r.exception = exc
+                log.info("model %s failed on request %s: %s", slot.name, r.meta.request_id, exc)
+                r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, client_message(exc), extra(r))
+                return
+            mid = len(requests) // 2
+            await self._predict_isolating(slot, requests[:mid], extra)
+            await self._predict_isolating(slot, requests[mid:], extra)
+            return
+        for r, out in zip(requests, results):
+            try:
+                body, ctype = slot.handler.encode(out)
+                r.answer = Answer.ok(r.meta, body, ctype, extra(r))
+            except Exception as exc:  # noqa: BLE001
+                r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, f"cannot encode output: {client_message(exc)}", extra(r))
+
+    async def _run_suspect(self, slot: Slot, r: Request, extra: Callable[[Request], dict[str, str]]) -> None:
+        """A redelivered request: answered from the results store if an earlier delivery was
+        computed, convicted on evidence, given up on after too many deliveries, or run alone."""
+        stored = await self.replier.stored_answer(r.meta)
+        if stored is not None:
+            r.answer = stored
+            await self._finish(slot, [r])
+            await self.quarantine.clear(slot.name, r.seq)
+            return
+        crashes = await self.quarantine.crashes(slot.name, r.seq)
+        verdict = self.quarantine.verdict(r.deliveries, crashes)
+        if verdict is Verdict.RUN_ALONE:
+            await self.quarantine.begin(slot.name, r.seq, crashes)
+            self._decode(slot, [r], extra)
+            if r.answer is None:
+                with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": 1, "jetbatch.redelivered": True}):
+                    await self._predict_isolating(slot, [r], extra)
+            await self._finish(slot, [r])
+            await self.quarantine.clear(slot.name, r.seq)
+            return
+        if verdict is Verdict.CULPRIT:
+            reason = f"request crashed the worker {crashes + 1} times (the last {crashes} while running alone)"
+        else:
+            reason = f"request was delivered {r.deliveries} times without completing (workers died while it was in flight)"
+        log.warning("model %s: request %s: %s", slot.name, r.meta.request_id, reason)
+        r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, reason, extra(r))
+        await self.replier.dead_letter(r.msg, reason, "worker")
+        await self._finish(slot, [r])
+        await self.quarantine.clear(slot.name, r.seq)
+
+    async def _finish(self, slot: Slot, requests: list[Request]) -> None:
+        """Store and send the answers of ``requests``, then settle each message."""
+        if not requests:
+            return
+        fresh_answers = [r.answer for r in requests if r.answer is not None and not r.answer.stored]
+        stored_answers = [r.answer for r in requests if r.answer is not None and r.answer.stored]
+        if fresh_answers:
+            await self.replier.deliver(fresh_answers)  # type: ignore[arg-type]
+        for a in stored_answers:
+            if a is not None:
+                await self.replier.resend(a)
+        for r in requests:
+            a = r.answer
+            if a is None:  # cannot happen: every path sets an answer
+                continue
+            self.telemetry.requests.add(1, {"jetbatch.model": slot.name, "jetbatch.status": a.error.value if a.error else "ok"})
+            if r.reply_refused:
+                # Nowhere safe to answer: keep the request, with the reason, for an operator.
+                await self.replier.dead_letter(r.msg, r.meta.problem or "reply subject refused", "worker")
+            if self.replier.safe(a) or r.reply_refused:
+                await settle(r.msg, r.action)
+            elif r.deliveries >= self.max_deliver:
+                # The results store has refused this answer delivery after delivery: it was sent
+                # live; stop recomputing it.
+                log.error("answer of %s could not be stored after %d deliveries; acked after the live reply", r.meta.request_id, r.deliveries)
+                await settle(r.msg, r.action)
+            else:
+                await settle(r.msg, "nak", delay_s=1.0)  # redelivered; its next delivery finds it stored or recomputes
+
+
+def _with_problem(meta: Any, problem: str) -> Any:
+    from dataclasses import replace
+
+    return replace(meta, problem=f"{meta.problem}; {problem}" if meta.problem else problem)

@@ -1,0 +1,109 @@
+"""What the worker's parts share: one served model (:class:`Slot`), one request in a batch
+(:class:`Request`), and the report of a finished batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from nats.aio.msg import Msg
+
+from sdk.protocol import RequestMeta
+
+from ..config import ModelConfig
+from ..handlers import Handler
+from ..policy import BatchWindow, Tier
+from ..replies import Answer
+from ..telemetry import LoadRecord
+
+__all__ = ["BatchReport", "Request", "Slot", "enqueued_at", "stream_seq"]
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What one batch did; passed to ``on_batch`` observers (the demo prints one line each)."""
+
+    batch_id: str
+    model: str
+    size: int
+    ok: int
+    errors: int
+    queue_wait_ms: tuple[float, ...]
+    loaded: bool
+    compute_s: float
+    decision: str
+
+
+@dataclass(eq=False)
+class Request:
+    """One message of a batch, its checked headers, and what became of it."""
+
+    msg: Msg
+    meta: RequestMeta
+    deliveries: int
+    seq: int  # stream sequence: stable across redeliveries
+    enqueued_at: float  # wall clock, from the JetStream timestamp
+    reply_refused: bool = False  # a reply subject was given and the reply policy refused it
+    value: Any = None
+    answer: Answer | None = None
+    exception: BaseException | None = None  # what the handler raised, for the batch span
+    action: str = "ack"  # how the message is settled once answered: ack or term
+
+
+@dataclass
+class Slot:
+    """One model this worker serves."""
+
+    name: str
+    config: ModelConfig
+    handler: Handler
+    window: BatchWindow
+    psub: Any = None
+    tier: Tier = "cold"
+    fresh_load: bool = False  # the next batch is the first after a load: it "paid" the load
+    backlog: int = 0
+    oldest_enqueued_at: float | None = None
+    in_flight: int = 0
+    limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
+    last_used_at: float | None = None
+    pending_load: LoadRecord | None = None  # reported under the first batch after the load
+    broken: str | None = None  # why the model cannot load (a missing file), reported at startup
+    # Delivered-but-unacked messages nobody we know of holds: a dead worker's in-flight (due for
+    # redelivery within the ack wait) or messages whose ack was lost. Counted as backlog until a
+    # fetch comes back empty; then held back for one ack wait, by which all of them are due.
+    stranded: int = 0
+    unfetchable: int = 0
+    hold_until: float = 0.0
+
+    @property
+    def resident(self) -> bool:
+        return self.tier == "resident"
+
+
+def stream_seq(msg: Msg) -> int:
+    try:
+        return int(msg.metadata.sequence.stream)
+    except Exception:  # noqa: BLE001 - metadata is absent only on non-JetStream messages
+        return 0
+
+
+def enqueued_at(msg: Msg, fallback: float) -> float:
+    try:
+        return min(msg.metadata.timestamp.timestamp(), fallback)
+    except Exception:  # noqa: BLE001
+        return fallback
+
+
+def deliveries(msg: Msg) -> int:
+    try:
+        return int(msg.metadata.num_delivered)
+    except Exception:  # noqa: BLE001
+        return 1
+
+
+def pending_after(msg: Msg, fallback: int) -> int:
+    try:
+        return int(msg.metadata.num_pending)
+    except Exception:  # noqa: BLE001
+        return max(0, fallback)

@@ -1,0 +1,200 @@
+"""Hostile requests crafted on the wire with nats-py: a reply subject aimed at the JetStream API,
+another queue, the dead-letter stream or another tenant's inbox; absurd deadlines; reply
+subjects longer than the server's control line. The sidecars publish nothing there, answer what
+they can with ``bad_request``, dead-letter what they cannot answer, and keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import nats
+import nats.js.errors
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sdk
+from sdk.protocol import DEFAULT_REPLY_PREFIXES, Headers, ProtocolError, ReplyPolicy, Subjects, parse_request_headers
+from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+def _attacks(subjects: Subjects) -> list[str]:
+    return [
+        f"$JS.API.STREAM.DELETE.{subjects.models_stream}",
+        f"$JS.API.STREAM.PURGE.{subjects.models_stream}",
+        f"$JS.API.CONSUMER.DELETE.{subjects.models_stream}.model-m1",
+        f"$JS.API.STREAM.DELETE.{subjects.dead_letter_stream}",
+        f"$JS.API.STREAM.DELETE.{subjects.ingress_stream}",
+        f"$KV.{subjects.kv_bucket}.forged",
+        subjects.model("m2"),  # inject a "result" into another model's queue
+        subjects.dead_letter("worker"),  # forge a dead letter
+        "_INBOX",  # the bare prefix: no token of the caller's own
+        "_INBOX..x",  # empty token: undeliverable
+        "_INBOX.a b",  # a space would split the protocol line
+        "_INBOX." + "x" * 5000,  # over the server's control line: it would close the connection
+    ]
+
+
+async def _spy(nc: Any, subjects: list[str]) -> list[str]:
+    """Everything published on ``subjects`` from now on (a third party watching the targets)."""
+    seen: list[str] = []
+
+    async def on(msg: Any) -> None:
+        seen.append(msg.subject)
+
+    for s in subjects:
+        await nc.subscribe(s, cb=on)
+    await nc.flush()
+    return seen
+
+
+async def test_worker_publishes_nothing_where_a_request_aims_its_reply(nats_url: str, prefix: str) -> None:
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5), "m2": sleep_model()}, worker={"max_resident_models": 2})
+    async with running_worker(config, nats_url) as worker:
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            seen = await _spy(nc, ["$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>", "$JS.API.CONSUMER.DELETE.>", f"$KV.{subjects.kv_bucket}.forged", subjects.model("m2")])
+            # A backlog the purge would have wiped.
+            async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                waiting = [asyncio.ensure_future(client.infer(f"w{i}".encode(), model="m1", timeout=30)) for i in range(10)]
+                attacks = _attacks(subjects)
+                for reply_to in attacks:
+                    await js.publish(subjects.model("m1"), b"attacker-chosen body", headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: reply_to})
+                assert sorted(await asyncio.gather(*waiting)) == sorted(f"w{i}".encode() for i in range(10))
+                await wait_until(lambda: worker.stats["requests"] >= 10 + len(attacks), what="every attack handled")
+                # The queues, the consumer and the DLQ are all still there, and nothing was injected.
+                await js.stream_info(subjects.models_stream)
+                await js.consumer_info(subjects.models_stream, "model-m1")
+                dlq = await js.stream_info(subjects.dead_letter_stream)
+                assert dlq.state.messages == len(attacks)  # each refused request kept, with its reason
+                assert (await js.stream_info(subjects.models_stream, subjects_filter=subjects.model("m2"))).state.messages == 0
+                assert seen == []
+                reason = (await js.get_msg(subjects.dead_letter_stream, seq=dlq.state.first_seq)).headers[Headers.DLQ_REASON]
+                assert "not allowed" in reason or "reply" in reason.lower()
+                assert await client.infer(b"still serving", model="m1", timeout=10) == b"still serving"
+        finally:
+            await nc.close()
+
+
+async def test_classifier_publishes_nothing_where_a_request_aims_its_reply(nats_url: str, prefix: str) -> None:
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)}, classifier={"router": "rules", "default_model": "m1"})
+    async with running_worker(config, nats_url), running_classifier(config, nats_url) as classifier:
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            seen = await _spy(nc, ["$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>", "$JS.API.CONSUMER.DELETE.>"])
+            for reply_to in _attacks(subjects):
+                # One routable, one with a header the classifier must answer about itself.
+                await js.publish(subjects.ingress, b"x", headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: reply_to})
+                await js.publish(
+                    subjects.ingress, b"x",
+                    headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: reply_to, Headers.DEADLINE: "9" * 400},
+                )  # fmt: skip
+            await wait_until(lambda: classifier.stats["requests"] >= 2 * len(_attacks(subjects)), what="every attack classified")
+            for stream in (subjects.ingress_stream, subjects.models_stream, subjects.dead_letter_stream):
+                await js.stream_info(stream)
+            assert seen == []
+            async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                assert await client.infer(b"still serving", timeout=20) == b"still serving"
+        finally:
+            await nc.close()
+
+
+async def test_absurd_deadlines_and_huge_reply_subjects_get_bad_request_and_the_sidecars_keep_serving(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)}, classifier={"router": "rules", "default_model": "m1"})
+    async with running_worker(config, nats_url), running_classifier(config, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(f"{inbox}.*")
+            for i, deadline in enumerate(["9" * 400, "1e30", "-5", "12.5", "0x10", "inf"]):
+                for subject in (Subjects(prefix).model("m1"), Subjects(prefix).ingress):
+                    await js.publish(subject, b"x", headers={Headers.MSG_ID: f"d{i}{len(subject)}", Headers.REPLY_TO: f"{inbox}.d{i}", Headers.DEADLINE: deadline})
+                    reply = await sub.next_msg(timeout=10)
+                    assert reply.headers[Headers.ERROR_CODE] == "bad_request"
+                    assert "Jetbatch-Deadline" in sdk.protocol.decode_error(reply.data).message
+            for subject in (Subjects(prefix).model("m1"), Subjects(prefix).ingress):
+                await js.publish(subject, b"x", headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: f"{inbox}." + "y" * 5000})
+            async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                assert await client.infer(b"direct", model="m1", timeout=10) == b"direct"
+                assert await client.infer(b"routed", timeout=10) == b"routed"
+        finally:
+            await nc.close()
+
+
+async def test_a_tenant_cannot_aim_replies_at_another_tenants_inbox(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)}, classifier={"router": "rules", "default_model": "m1"})
+    async with running_worker(config, nats_url), running_classifier(config, nats_url) as classifier:
+        victim_nc = await nats.connect(nats_url, inbox_prefix="_INBOX.app1")
+        attacker = await nats.connect(nats_url, inbox_prefix="_INBOX.app2")
+        try:
+            seen = await _spy(victim_nc, ["_INBOX.app1.>"])
+            # app2 may publish only to <prefix>.in.app2 (server permissions in docs/security.md).
+            await attacker.jetstream().publish(
+                Subjects(prefix).tenant_ingress("app2"), b"forged",
+                headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: "_INBOX.app1.victim.r1", Headers.TENANT: "app1"},
+            )  # fmt: skip
+            await wait_until(lambda: classifier.stats["errors"] >= 1, what="the forged request refused")
+            async with sdk.Client.connect(nats_url, prefix=prefix, tenant="app2") as app2:
+                assert await app2.infer(b"own inbox", timeout=10) == b"own inbox"  # its own replies still work
+            async with sdk.Client.connect(nats_url, prefix=prefix, tenant="app1") as app1:
+                assert await app1.infer(b"app1", timeout=10) == b"app1"
+            assert not [s for s in seen if s.startswith("_INBOX.app1.victim")]
+        finally:
+            await victim_nc.close()
+            await attacker.close()
+
+
+# --- the parser itself ---------------------------------------------------------------------------
+
+POLICY = ReplyPolicy(forbidden_prefixes=("jetbatch",))
+
+
+@pytest.mark.parametrize(
+    "subject",
+    ["$JS.API.STREAM.DELETE.X", "$KV.b.k", "$SYS.REQ", "jetbatch.model.m1", "jetbatch", "_INBOX", "_INBOX.", "_INBOX..a",
+     "_INBOX.a.", "_INBOX.*", "_INBOX.>", "_INBOX.a b", "_INBOX.\x00", "_INBOX.é", "other.inbox.x", "_INBOX." + "x" * 300],
+)  # fmt: skip
+def test_reply_policy_refuses(subject: str) -> None:
+    with pytest.raises(ProtocolError):
+        POLICY.check(subject)
+
+
+def test_reply_policy_allows_inboxes_and_binds_tenants() -> None:
+    assert POLICY.check("_INBOX.abc.r1") == "_INBOX.abc.r1"
+    assert POLICY.check("_INBOX.app1.abc", tenant="app1")
+    with pytest.raises(ProtocolError):
+        POLICY.check("_INBOX.app2.abc", tenant="app1")
+    assert DEFAULT_REPLY_PREFIXES == ("_INBOX",)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([Headers.MSG_ID, Headers.REPLY_TO, Headers.DEADLINE, Headers.CONTENT_TYPE, Headers.MODEL,
+                                        Headers.TRACEPARENT, Headers.TRACESTATE, "X-Other"]),
+                       st.text(max_size=600)))  # fmt: skip
+def test_header_parser_never_raises_and_keeps_its_limits(headers: dict[str, str]) -> None:
+    meta = parse_request_headers(headers, policy=POLICY, fallback_id="fallback")
+    assert meta.reply_to is None or (meta.reply_to.startswith("_INBOX.") and len(meta.reply_to) <= 255)
+    assert meta.deadline is None or 0 <= meta.deadline < 10**13
+    assert 1 <= len(meta.request_id) <= 64
+    if meta.problem is None:
+        assert meta.reply_to == headers.get(Headers.REPLY_TO)
+
+
+async def test_results_are_not_readable_without_the_request_id(nats_url: str, prefix: str) -> None:
+    """The results store keys answers by request id (unguessable from the SDK): a missing id is
+    simply not found, and nothing lists another caller's answers through the SDK."""
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"secret", model="m1", timeout=10)
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await client.nats.jetstream().get_msg(Subjects(prefix).results_stream, subject=Subjects(prefix).result("not-my-id"), direct=True)
