@@ -4,7 +4,7 @@ Both run in one process against one embedded nats-server, with the same payloads
 number of requests and the same producer concurrency; the raw side is the least a JetStream
 request/reply needs (no scheduling, no handler thread, no batching window). Run:
 
-    python bench/overhead.py [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier]
+    python bench/overhead.py [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier] [--compare-durable]
 """
 
 from __future__ import annotations
@@ -94,11 +94,14 @@ async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple
     return n / elapsed, latencies
 
 
-async def jetbatch_round(url: str, n: int, concurrency: int, payload: bytes, max_batch: int) -> tuple[float, list[float], float]:
+async def jetbatch_round(
+    url: str, n: int, concurrency: int, payload: bytes, max_batch: int, *, durable: bool = True
+) -> tuple[float, list[float], float]:
     prefix = f"jb{uuid.uuid4().hex[:6]}"
     config = msgspec.convert(
         {
             "nats": {"prefix": prefix},
+            "replies": {"durable": durable},
             "worker": {"poll_interval_ms": POLL_MS, "policy": POLICY},
             "models": {"ident": {"handler": "identity", "max_batch_size": max_batch, "max_delay_ms": 2}},
         },
@@ -197,7 +200,9 @@ async def lone_request_overhead(url: str, max_delay_ms: float, rounds: int = 20)
 
 async def main(args: argparse.Namespace) -> dict[str, object]:
     payload = bytes(range(256)) * (args.payload // 256) + bytes(args.payload % 256)
-    results: dict[str, list[float]] = {"raw_rps": [], "jb_rps": [], "ratio": [], "classified_rps": [], "classified_ratio": []}
+    results: dict[str, list[float]] = {
+        "raw_rps": [], "jb_rps": [], "ratio": [], "classified_rps": [], "classified_ratio": [], "volatile_rps": [], "durable_ratio": [],
+    }  # fmt: skip
     cls_lat: list[float] = []
     raw_lat: list[float] = []
     jb_lat: list[float] = []
@@ -210,6 +215,10 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             results["raw_rps"].append(raw_rps)
             results["jb_rps"].append(jb_rps)
             results["ratio"].append(jb_rps / raw_rps)
+            if args.compare_durable:
+                v_rps, _, _ = await jetbatch_round(server.url, args.requests, args.concurrency, payload, args.max_batch, durable=False)
+                results["volatile_rps"].append(v_rps)
+                results["durable_ratio"].append(jb_rps / v_rps)
             if args.classifier:
                 c_rps, cl = await classified_round(server.url, args.requests, args.concurrency, payload, args.max_batch)
                 results["classified_rps"].append(c_rps)
@@ -234,6 +243,12 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "jetbatch_mean_batch": statistics.mean(batch_means),
         "lone_request_overhead_ms_beyond_max_delay": lone,
     }
+    if args.compare_durable:
+        summary.update({
+            "results_store_off_rps_median": statistics.median(results["volatile_rps"]),
+            "results_store_on_vs_off_median": statistics.median(results["durable_ratio"]),
+            "results_store_on_vs_off": [round(r, 3) for r in results["durable_ratio"]],
+        })  # fmt: skip
     if args.classifier:
         summary.update({
             "classified_rps_median": statistics.median(results["classified_rps"]),
@@ -254,6 +269,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--policy", default="cost-aware")
     parser.add_argument("--classifier", action="store_true", help="also SDK → classifier → worker (requests without a model)")
+    parser.add_argument("--compare-durable", action="store_true", help="also run with the results store off (replies.durable = false)")
     parser.add_argument("--json", default=None, help="write the summary here")
     ns = parser.parse_args()
     POLICY = ns.policy

@@ -30,3 +30,8 @@ def run_classifier_that_dies_after_its_first_republish(argv: list[str]) -> None:
 
     classifier.Classifier._settle_forwarded = die  # type: ignore[method-assign]
     sys.exit(cli.main(argv))
+
+
+def double_all(batch: list[Any]) -> list[Any]:
+    """A ``function`` handler, shaped like a dynamic-batcher processor: a list in, a list out."""
+    return [[2 * v for v in item] for item in batch]

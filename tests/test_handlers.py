@@ -1,0 +1,212 @@
+"""Model formats end to end through NATS (export, state_dict from safetensors and torch.save,
+function, legacy torchscript), the warm tier, measured memory, an out-of-memory load and a model
+file missing at startup."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sdk
+from sidecar.config import ModelConfig
+from sidecar.example_models import ExampleMLP, export_program
+from sidecar.handlers import BadInput, ExportHandler, HandlerError, StateDictHandler, create_handler
+from sidecar.handlers.base import Handler
+from tests.helpers import make_config, running_worker, wait_until, worker_reports
+
+pytestmark = pytest.mark.anyio
+DIM = 16
+
+
+def _model(seed: int = 0, hidden: int = 32, classes: int = 3) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return ExampleMLP(hidden, classes).eval()
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("formats")
+    m = _model()
+    export_program(m, d / "m.pt2")
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(d / "m.safetensors"))
+    torch.save(m.state_dict(), d / "m.pth")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated upstream: building a legacy file
+        torch.jit.save(torch.jit.script(m), str(d / "m.ts"))
+    x = torch.randn(4, DIM)
+    with torch.inference_mode():
+        expected = m(x)
+    return {"dir": d, "x": x, "expected": expected}
+
+
+def _configs(d: Path) -> dict[str, dict[str, Any]]:
+    cls = {"module_class": "sidecar.example_models:ExampleMLP", "module_kwargs": {"hidden": 32, "classes": 3}}
+    return {
+        "exp": {"handler": "export", "path": str(d / "m.pt2")},
+        "safe": {"handler": "state_dict", "path": str(d / "m.safetensors"), **cls, "options": {"input_shape": [DIM]}},
+        "pickled": {"handler": "state_dict", "path": str(d / "m.pth"), **cls},
+        "legacy": {"handler": "torchscript", "path": str(d / "m.ts")},
+        "fn": {"handler": "function", "function": "tests.fault_handlers:double_all"},
+    }
+
+
+async def test_every_format_serves_a_real_model_through_nats(nats_url: str, prefix: str, model_files: dict[str, Any]) -> None:
+    models = {name: {**cfg, "max_batch_size": 8, "max_delay_ms": 20} for name, cfg in _configs(model_files["dir"]).items()}
+    config = make_config(prefix, models, worker={"max_resident_models": 2})
+    x, expected = model_files["x"], model_files["expected"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # jetbatch's own paths stay quiet, torchscript included
+        async with running_worker(config, nats_url):
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                for name in ("exp", "safe", "pickled", "legacy"):
+                    outs = await asyncio.gather(*(client.infer_result(x[i], model=name, timeout=30) for i in range(4)))
+                    got = torch.stack([o.output.to_torch() for o in outs])
+                    assert torch.allclose(got, expected, atol=1e-5), name
+                    assert max(o.batch.batch_size for o in outs) > 1  # one forward pass for several requests
+                assert await client.infer([1, 2, 3], model="fn", timeout=30) == [2, 4, 6]
+                # The exported program knows its input shape: a wrong one is bad_request, named.
+                with pytest.raises(sdk.BadRequest, match=r"shape \[16\].*got shape \[15\]"):
+                    await client.infer(torch.zeros(15), model="exp", timeout=30)
+                with pytest.raises(sdk.BadRequest, match=r"shape \[16\]"):
+                    await client.infer(torch.zeros(3, 3), model="safe", timeout=30)
+
+
+def test_state_dict_loads_without_allocating_twice(model_files: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built on the meta device, weights assigned: the module's tensors are the loaded ones
+    (no second, randomly initialised copy is allocated and then overwritten)."""
+    loaded: list[dict[str, torch.Tensor]] = []
+    real_load = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        assert kwargs.get("weights_only") is True and kwargs.get("mmap") is True  # no pickle code, mapped
+        state = real_load(*args, **kwargs)
+        loaded.append(state)
+        return state
+
+    monkeypatch.setattr(torch, "load", spy)
+    cfg = ModelConfig(
+        handler="state_dict", path=str(model_files["dir"] / "m.pth"),
+        module_class="sidecar.example_models:ExampleMLP", module_kwargs={"hidden": 32, "classes": 3},
+    )  # fmt: skip
+    h = create_handler("m", cfg)
+    assert isinstance(h, StateDictHandler)
+    h.load(torch.device("cpu"))
+    weight = h._host.net[0].weight
+    assert not weight.is_meta and h.memory_bytes() == sum(t.numel() * 4 for t in _model().state_dict().values())
+    assert weight.data_ptr() == loaded[0]["net.0.weight"].data_ptr()  # the loaded tensor itself
+
+
+def test_warm_tier_keeps_weights_in_host_memory_and_reload_is_cheaper(model_files: dict[str, Any]) -> None:
+    h = ExportHandler("m", ModelConfig(handler="export", path=str(model_files["dir"] / "m.pt2")))
+    assert not h.warm
+    h.load(torch.device("cpu"))
+    module = h._host
+    h.offload()
+    assert h.warm and h.host_bytes() > 0 and h.memory_bytes() == 0
+    h.load(torch.device("cpu"))
+    assert h._host is module  # a warm reload reuses the host copy: no disk read, no deserialisation
+    h.unload()
+    assert not h.warm and h.host_bytes() == 0
+
+
+def test_missing_or_unreadable_file_is_a_handler_error(tmp_path: Path) -> None:
+    h = create_handler("m", ModelConfig(handler="export", path=str(tmp_path / "nope.pt2")))
+    with pytest.raises(HandlerError, match="not found"):
+        h.check()
+    (tmp_path / "bad.pt2").write_bytes(b"not a program")
+    h = create_handler("m", ModelConfig(handler="export", path=str(tmp_path / "bad.pt2")))
+    with pytest.raises(HandlerError, match="cannot load"):
+        h.load(torch.device("cpu"))
+
+
+def test_handler_input_checks() -> None:
+    h = create_handler("m", ModelConfig(handler="state_dict", path="x", module_class="sidecar.example_models:ExampleMLP", module_kwargs={"hidden": 4, "classes": 2}))
+    with pytest.raises(BadInput, match="floating-point"):
+        h.decode(sdk.protocol.encode_payload(torch.zeros(3, dtype=torch.int64))[0], sdk.ContentType.TENSOR.value)
+    with pytest.raises(HandlerError, match="module_class"):
+        create_handler("m", ModelConfig(handler="state_dict", path="x"))
+    with pytest.raises(HandlerError, match="not a torch.nn.Module"):
+        create_handler("m", ModelConfig(handler="state_dict", path="x", module_class="sdk:Client"))
+
+
+async def test_missing_model_file_is_reported_at_startup_and_answered(nats_url: str, prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    models = {"gone": {"handler": "export", "path": str(tmp_path / "gone.pt2")}, "ok": {"handler": "identity"}}
+    config = make_config(prefix, models, worker={"max_resident_models": 2})
+    with caplog.at_level(logging.ERROR, logger="jetbatch.worker"):
+        async with running_worker(config, nats_url):
+            assert any("gone.pt2 not found" in r.getMessage() for r in caplog.records)  # at startup, one line
+            reports = await worker_reports(nats_url, prefix)
+            assert "not found" in reports[0].broken["gone"]
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                with pytest.raises(sdk.ModelFailed, match="not found"):
+                    await client.infer(torch.zeros(DIM), model="gone", timeout=20)
+                assert await client.infer(b"still", model="ok", timeout=20) == b"still"
+
+
+class OomOnceWhileOthersResident(Handler):
+    """Raises CUDA-style out-of-memory when another model is loaded beside it (first try only)."""
+
+    others_resident: list[str] = []
+
+    def load(self, device: torch.device) -> None:
+        if self.options.get("oom") == "always" or (self.options.get("oom") == "crowded" and OomOnceWhileOthersResident.others_resident):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        OomOnceWhileOthersResident.others_resident.append(self.name)
+
+    def unload(self) -> None:
+        if self.name in OomOnceWhileOthersResident.others_resident:
+            OomOnceWhileOthersResident.others_resident.remove(self.name)
+
+    def predict(self, inputs: list[Any]) -> list[Any]:
+        return list(inputs)
+
+
+async def test_out_of_memory_load_evicts_and_retries_once_then_fails_that_model_only(nats_url: str, prefix: str) -> None:
+    OomOnceWhileOthersResident.others_resident = []
+    h = "tests.test_handlers:OomOnceWhileOthersResident"
+    models = {"small": {"handler": h}, "big": {"handler": h, "options": {"oom": "crowded"}}, "huge": {"handler": h, "options": {"oom": "always"}}}
+    config = make_config(prefix, models, worker={"max_resident_models": 3})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"s", model="small", timeout=20) == b"s"
+            assert await client.infer(b"b", model="big", timeout=20) == b"b"  # evicted "small", retried, loaded
+            assert not worker.slots["small"].resident and worker.slots["big"].resident
+            with pytest.raises(sdk.ModelFailed, match="out of memory"):
+                await client.infer(b"h", model="huge", timeout=20)
+            assert await client.infer(b"s2", model="small", timeout=20) == b"s2"  # the worker keeps serving
+
+
+async def test_warm_tier_makes_a_switch_back_cheap_and_status_shows_tiers(nats_url: str, prefix: str) -> None:
+    slow = {"handler": "sleep", "load_cost_s": 0.6, "memory_bytes": 1000, "max_delay_ms": 5,
+            "options": {"load_cost_s": 0.6, "warm_load_cost_s": 0.05, "batch_cost_s": 0.0, "item_cost_s": 0.0}}  # fmt: skip
+    config = make_config(prefix, {"a": slow, "b": slow}, worker={"max_resident_models": 1, "prefetch_weights": False})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"1", model="a", timeout=20)
+            await client.infer(b"2", model="b", timeout=20)  # evicts a: a stays warm
+            await wait_until(lambda: worker.slots["a"].tier == "warm", what="a warm")
+            reports = await worker_reports(nats_url, prefix)
+            assert reports[0].warm == ["a"] and reports[0].resident == ["b"]
+            # The scheduler is told the warm cost (measured or the prior), not the cold one.
+            assert worker.residency.load_cost_s(worker.slots["a"]) < 0.3
+            result = await client.infer_result(b"3", model="a", timeout=20)
+            assert result.batch.model_loaded
+    assert worker.costs.load_cost_s("a", "warm") < 0.2 < worker.costs.load_cost_s("a", "cold")
+
+
+async def test_without_a_host_budget_evicted_models_go_cold(nats_url: str, prefix: str) -> None:
+    slow = {"handler": "sleep", "memory_bytes": 1000, "max_delay_ms": 5, "options": {"load_cost_s": 0.05}}
+    config = make_config(prefix, {"a": slow, "b": slow}, worker={"host_memory_budget_bytes": 0})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"1", model="a", timeout=20)
+            await client.infer(b"2", model="b", timeout=20)
+    assert worker.slots["a"].tier == "cold"
