@@ -1,0 +1,151 @@
+"""What a model switch costs from each tier, for a model of 100+ MB in each format, through the
+worker's own handlers: cold (the file dropped from the page cache, then read and deserialised),
+warm (its weights already in host memory: the worker's warm tier) and resident (nothing to do).
+On a CUDA device it also measures host-to-device bandwidth from pinned and pageable memory, and
+how much of the pinned bandwidth a warm reload reaches. Run:
+
+    python bench/model_loading.py [--rounds 5] [--hidden 4096] [--device auto|cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sidecar.config import ModelConfig  # noqa: E402
+from sidecar.handlers import create_handler, resolve_device  # noqa: E402
+
+
+class Big(torch.nn.Module):
+    """Two square layers: ~134 MB of float32 weights at hidden=4096."""
+
+    def __init__(self, hidden: int = 4096) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(hidden, hidden)
+        self.b = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def write_formats(directory: Path, hidden: int) -> dict[str, ModelConfig]:
+    import warnings
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = Big(hidden).eval()
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    torch.export.save(torch.export.export(model, (torch.zeros(2, hidden),), dynamic_shapes=({0: batch},)), str(directory / "big.pt2"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "big.safetensors"))
+    torch.save(model.state_dict(), directory / "big.pth")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(model), str(directory / "big.ts"))
+    cls = {"module_class": "__main__:Big", "module_kwargs": {"hidden": hidden}}
+    return {
+        "export": ModelConfig(handler="export", path=str(directory / "big.pt2")),
+        "state_dict (safetensors)": ModelConfig(handler="state_dict", path=str(directory / "big.safetensors"), **cls),
+        "state_dict (torch.save)": ModelConfig(handler="state_dict", path=str(directory / "big.pth"), **cls),
+        "torchscript": ModelConfig(handler="torchscript", path=str(directory / "big.ts")),
+    }
+
+
+def timed(fn: Any) -> float:
+    started = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def measure(cfg: ModelConfig, device: torch.device, rounds: int, hidden: int) -> dict[str, float]:
+    """Switch time = load + the first batch (a memory-mapped file is only read when the first
+    batch touches its pages, so a load alone would flatter the cold tier)."""
+    cold, warm, resident = [], [], []
+    size = 0
+    x = torch.zeros(hidden)
+    for _ in range(rounds):
+        drop_from_page_cache(Path(cfg.path or ""))
+        h = create_handler("big", cfg)
+        h.target_device = device
+
+        def switch() -> None:
+            h.load(device)
+            h.predict([x])
+
+        cold.append(timed(switch))
+        size = h.memory_bytes()
+        resident.append(timed(switch))  # already resident: only the batch
+        h.offload()  # → warm: the worker's warm tier
+        warm.append(timed(switch))
+        h.unload()
+    return {
+        "model_mb": round(size / 1e6, 1),
+        "cold_s": statistics.median(cold),
+        "warm_s": statistics.median(warm),
+        "resident_s": statistics.median(resident),
+        "warm_over_cold": statistics.median(warm) / statistics.median(cold),
+    } | (
+        # The copy alone: the warm switch minus the batch a resident model runs anyway.
+        {"warm_gb_per_s": size / max(statistics.median(warm) - statistics.median(resident), 1e-9) / 1e9}
+        if device.type == "cuda" else {}
+    )
+
+
+def bandwidth(device: torch.device, nbytes: int, rounds: int) -> dict[str, float]:
+    """Host-to-device copy bandwidth from pinned and pageable memory (CUDA only)."""
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    out = {}
+    for name, src in (("pinned", pinned), ("pageable", pageable)):
+        times = []
+        for _ in range(rounds):
+            times.append(timed(lambda: src.to(device, non_blocking=True)))
+        out[f"{name}_gb_per_s"] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    report: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        report["device_name"] = torch.cuda.get_device_name(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in write_formats(Path(tmp), args.hidden).items():
+            report[name] = measure(cfg, device, args.rounds, args.hidden)
+    if device.type == "cuda":
+        bw = bandwidth(device, 256 * 1024 * 1024, args.rounds)
+        report["host_to_device"] = bw
+        for name in ("export", "state_dict (safetensors)", "state_dict (torch.save)", "torchscript"):
+            report[name]["warm_share_of_pinned_bandwidth"] = report[name]["warm_gb_per_s"] / bw["pinned_gb_per_s"]
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""On a CUDA device (skipped without one): real models loaded and unloaded, device memory back to
+its baseline, a warm reload cheaper than a cold one, and the [m1, m2, m1, m2, m1, m2] case."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import sdk
+from sidecar.config import ModelConfig
+from sidecar.example_models import ExampleMLP, export_program
+from sidecar.handlers import create_handler
+from tests.helpers import make_config, running_worker, wait_until
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICE = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def big_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gpu") / "big.pt2"
+    torch.manual_seed(0)
+    export_program(ExampleMLP(2048, 8), path)  # ~17 MB of weights
+    return path
+
+
+def _allocated() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_allocated(DEVICE))
+
+
+def test_load_and_unload_return_device_memory_to_its_baseline(big_export: Path) -> None:
+    baseline = _allocated()
+    h = create_handler("big", ModelConfig(handler="export", path=str(big_export)))
+    h.target_device = DEVICE
+    h.load(DEVICE)
+    assert h.memory_bytes() > 10_000_000  # measured by the allocator, not estimated
+    out = h.predict([torch.zeros(16)])[0]
+    assert out.shape == (8,)
+    h.offload()
+    assert _allocated() == baseline  # warm: the weights left the device
+    assert h.warm and all(t.is_pinned() for t in h._host_tensors.values())  # pinned host copy
+    h.load(DEVICE)
+    h.unload()
+    assert _allocated() == baseline
+
+
+def test_warm_reload_is_cheaper_than_cold(big_export: Path) -> None:
+    import time
+
+    h = create_handler("big", ModelConfig(handler="export", path=str(big_export)))
+    h.target_device = DEVICE
+    started = time.perf_counter()
+    h.load(DEVICE)
+    cold_s = time.perf_counter() - started
+    h.offload()
+    started = time.perf_counter()
+    h.load(DEVICE)
+    warm_s = time.perf_counter() - started
+    h.unload()
+    assert warm_s < cold_s
+
+
+@pytest.mark.anyio
+async def test_interleaved_requests_become_one_batch_per_model_on_the_device(nats_url: str, prefix: str, big_export: Path) -> None:
+    model: dict[str, Any] = {"handler": "export", "path": str(big_export), "max_batch_size": 3, "max_delay_ms": 50, "load_cost_s": 0.5}
+    config = make_config(prefix, {"m1": model, "m2": dict(model)}, worker={"max_resident_models": 1, "device": "cuda"})
+    order = ["m1", "m2", "m1", "m2", "m1", "m2"]
+    from tests.test_worker_scheduling import _prepare_streams, _queued
+
+    await _prepare_streams(config, nats_url)
+    results: list[sdk.Result] = []
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+
+        async def send(m: str) -> None:
+            results.append(await client.infer_result(torch.zeros(16), model=m, timeout=60))
+
+        async with anyio.create_task_group() as tg:
+            for m in order:
+                tg.start_soon(send, m)
+            await _queued(client, len(order))
+            async with running_worker(config, nats_url) as worker:
+                await wait_until(lambda: len(results) == len(order), timeout_s=60, what="all replies")
+    assert len({r.batch.batch_id for r in results}) == 2
+    assert worker.stats["loads"] == 2
