@@ -25,12 +25,12 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sdk.protocol import Headers, Tensor, encode_payload  # noqa: E402
-from sidecar.classifier import Classifier  # noqa: E402
-from sidecar.config import Config  # noqa: E402
-from sidecar.natsserver import EmbeddedNats  # noqa: E402
-from sidecar.streams import ensure_classifier_streams, ensure_streams  # noqa: E402
-from sidecar.transport import connect  # noqa: E402
+from jetbatch.sdk.protocol import Headers, Tensor, encode_payload  # noqa: E402
+from jetbatch.sidecar.classifier import Classifier  # noqa: E402
+from jetbatch.sidecar.config import Config  # noqa: E402
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
+from jetbatch.sidecar.streams import ensure_classifier_streams, ensure_streams  # noqa: E402
+from jetbatch.sidecar.transport import connect  # noqa: E402
 
 
 async def queue(js: nats.js.JetStreamContext, subject: str, n: int, body: bytes, ctype: str) -> None:

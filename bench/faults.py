@@ -28,8 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sdk  # noqa: E402
-from sidecar.natsserver import EmbeddedNats  # noqa: E402
-from sidecar.up import Deployment  # noqa: E402
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
+from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
 
 
 def write_config(directory: Path, prefix: str, max_deliver: int) -> Path:
@@ -38,7 +38,7 @@ def write_config(directory: Path, prefix: str, max_deliver: int) -> Path:
         f'[nats]\nprefix = "{prefix}"\n[streams]\nack_wait_s = 2.0\nmax_deliver = {max_deliver}\n'
         "[worker]\npoll_interval_ms = 50\n"
         '[models.m1]\nhandler = "sleep"\nmax_batch_size = 32\nmax_delay_ms = 10\n'
-        "options = { load_s = 0.0, batch_s = 0.02, item_s = 0.0 }\n"
+        "options = { load_cost_s = 0.0, batch_cost_s = 0.02, item_cost_s = 0.0 }\n"
     )
     return path
 

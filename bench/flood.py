@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nats  # noqa: E402
 
-from sdk.protocol import Headers  # noqa: E402
-from sidecar.up import Deployment  # noqa: E402
+from jetbatch.sdk.protocol import Headers  # noqa: E402
+from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
 
 
 def rss_kib(pid: int, field: str) -> int:
@@ -65,7 +65,7 @@ def main() -> None:
         cfg.write_text(
             f'[nats]\nprefix = "{prefix}"\n[streams]\nmax_msgs = 200000\n'
             '[models.m1]\nhandler = "sleep"\nmax_batch_size = 16\nmax_delay_ms = 5\n'
-            "options = { load_s = 0.0, batch_s = 0.05, item_s = 0.0 }\n"
+            "options = { load_cost_s = 0.0, batch_cost_s = 0.05, item_cost_s = 0.0 }\n"
         )
         with Deployment(cfg) as dep:
             pid = dep.procs["worker0"].pid

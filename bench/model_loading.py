@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sidecar.config import ModelConfig  # noqa: E402
-from sidecar.handlers import create_handler, resolve_device  # noqa: E402
+from jetbatch.sidecar.config import ModelConfig  # noqa: E402
+from jetbatch.sidecar.handlers import create_handler, resolve_device  # noqa: E402
 
 
 class Big(torch.nn.Module):

@@ -25,10 +25,10 @@ import nats
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sdk  # noqa: E402
-from sidecar.config import Config  # noqa: E402
-from sidecar.natsserver import EmbeddedNats  # noqa: E402
-from sidecar.transport import connect  # noqa: E402
-from sidecar.worker import Worker  # noqa: E402
+from jetbatch.sidecar.config import Config  # noqa: E402
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
+from jetbatch.sidecar.transport import connect  # noqa: E402
+from jetbatch.sidecar.worker import Worker  # noqa: E402
 
 
 POLICY = "cost-aware"
@@ -134,7 +134,7 @@ async def jetbatch_round(
 
 async def classified_round(url: str, n: int, concurrency: int, payload: bytes, max_batch: int) -> tuple[float, list[float]]:
     """SDK → classifier (rules router) → worker → reply: requests without a model."""
-    from sidecar.classifier import Classifier
+    from jetbatch.sidecar.classifier import Classifier
 
     prefix = f"jc{uuid.uuid4().hex[:6]}"
     config = msgspec.convert(

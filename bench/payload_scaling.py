@@ -27,11 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sdk  # noqa: E402
-from sdk.protocol import ContentType, Tensor, decode_payload, encode_payload  # noqa: E402
-from sidecar.config import Config  # noqa: E402
-from sidecar.natsserver import EmbeddedNats  # noqa: E402
-from sidecar.transport import connect  # noqa: E402
-from sidecar.worker import Worker  # noqa: E402
+from jetbatch.sdk.protocol import ContentType, Tensor, decode_payload, encode_payload  # noqa: E402
+from jetbatch.sidecar.config import Config  # noqa: E402
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
+from jetbatch.sidecar.transport import connect  # noqa: E402
+from jetbatch.sidecar.worker import Worker  # noqa: E402
 
 
 async def throughput(url: str, n: int, payload_bytes: int, max_batch: int) -> dict[str, float]:

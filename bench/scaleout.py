@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sidecar.bench import run_bench  # noqa: E402
-from sidecar.natsserver import EmbeddedNats  # noqa: E402
-from sidecar.status import collect_status  # noqa: E402
-from sidecar.up import Deployment  # noqa: E402
-from sdk.connection import connect_nats  # noqa: E402
-from sdk.protocol import Subjects  # noqa: E402
+from jetbatch.sidecar.dev.loadtest import run_bench  # noqa: E402
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
+from jetbatch.sidecar.status import collect_status  # noqa: E402
+from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
+from jetbatch.sdk.connection import connect_nats  # noqa: E402
+from jetbatch.sdk.protocol import Subjects  # noqa: E402
 
 MODELS = ("m1", "m2", "m3")
 
@@ -39,7 +39,7 @@ def write_config(directory: Path, prefix: str, *, coordinate: bool, policy: str 
         lines.append(
             f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 16\nmax_delay_ms = 5\nload_cost_s = 0.5\n'
             "batch_cost_s = 0.02\nitem_cost_s = 0.001\nmax_wait_ms = 3000\n"
-            "options = { load_s = 0.5, batch_s = 0.02, item_s = 0.001 }\n"
+            "options = { load_cost_s = 0.5, batch_cost_s = 0.02, item_cost_s = 0.001 }\n"
         )
     path = directory / f"{prefix}.toml"
     path.write_text("\n".join(lines))

@@ -32,15 +32,15 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sdk  # noqa: E402
-from sidecar.config import Config  # noqa: E402
-from sidecar.natsserver import EmbeddedNats  # noqa: E402
-from sidecar.simulator import build_workload, simulate  # noqa: E402
-from sidecar.streams import ensure_model_consumer, ensure_streams  # noqa: E402
-from sidecar.transport import connect  # noqa: E402
-from sidecar.worker import Worker  # noqa: E402
+from jetbatch.sidecar.config import Config  # noqa: E402
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
+from jetbatch.sidecar.simulator import build_workload, simulate  # noqa: E402
+from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams  # noqa: E402
+from jetbatch.sidecar.transport import connect  # noqa: E402
+from jetbatch.sidecar.worker import Worker  # noqa: E402
 
 LOAD_S, FIXED_S, ITEM_S, BATCH = 0.5, 0.005, 0.0001, 16
-MODELS4 = {f"m{i}": {"load_s": LOAD_S, "batch_fixed_s": FIXED_S, "batch_item_s": ITEM_S, "max_batch_size": BATCH, "max_wait_s": 10.0} for i in range(4)}
+MODELS4 = {f"m{i}": {"load_cost_s": LOAD_S, "batch_cost_s": FIXED_S, "item_cost_s": ITEM_S, "max_batch_size": BATCH, "max_wait_s": 10.0} for i in range(4)}
 
 
 def sim_figures() -> dict[str, Any]:
@@ -51,7 +51,7 @@ def sim_figures() -> dict[str, Any]:
     out["poisson"] = {p: simulate(poisson, p).summary(poisson) for p in ("cost-aware", "exhaustive", "round-robin", "fifo")}
     out["poisson_offered_rps"] = len(poisson.arrivals) / 120
     zipf_models = {
-        f"{kind}{i}": {"load_s": 2.0 if kind == "big" else 0.2, "max_batch_size": BATCH, "max_wait_s": 5.0}
+        f"{kind}{i}": {"load_cost_s": 2.0 if kind == "big" else 0.2, "max_batch_size": BATCH, "max_wait_s": 5.0}
         for i in range(1, 4)
         for kind in ("big", "small")
     }
@@ -64,7 +64,7 @@ def sim_figures() -> dict[str, Any]:
 def live_config(prefix: str, policy: str, n_models: int = 4) -> Config:
     model = {
         "handler": "sleep", "max_batch_size": BATCH, "max_delay_ms": 2, "load_cost_s": LOAD_S, "batch_cost_s": FIXED_S,
-        "item_cost_s": ITEM_S, "max_wait_ms": 10_000, "options": {"load_s": LOAD_S, "batch_s": FIXED_S, "item_s": ITEM_S},
+        "item_cost_s": ITEM_S, "max_wait_ms": 10_000, "options": {"load_cost_s": LOAD_S, "batch_cost_s": FIXED_S, "item_cost_s": ITEM_S},
     }  # fmt: skip
     return msgspec.convert(
         {

@@ -41,8 +41,8 @@ async def one_round_processes(n: int, tracing: bool, endpoint: str | None, sampl
     """The worker in its own process (as deployed), the SDK here; both traced or neither."""
     import tempfile
 
-    import sdk
-    from sidecar.up import Deployment
+    from jetbatch import sdk
+    from jetbatch.sidecar.dev.deployment import Deployment
 
     provider = install_tracing(endpoint, sample_ratio) if tracing else None
     env = {"OTEL_TRACES_EXPORTER": "none"}
@@ -77,11 +77,11 @@ async def one_round(n: int, tracing: bool, endpoint: str | None, sample_ratio: f
     import anyio
     import msgspec
 
-    import sdk
-    from sidecar.config import Config
-    from sidecar.natsserver import EmbeddedNats
-    from sidecar.transport import connect
-    from sidecar.worker import Worker
+    from jetbatch import sdk
+    from jetbatch.sidecar.config import Config
+    from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+    from jetbatch.sidecar.transport import connect
+    from jetbatch.sidecar.worker import Worker
 
     provider = install_tracing(endpoint, sample_ratio) if tracing else None
     with EmbeddedNats() as server:

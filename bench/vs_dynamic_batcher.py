@@ -112,8 +112,8 @@ def run_dynamic_batcher(n: int, lone: int) -> dict[str, dict[str, float]]:
 
 
 def run_jetbatch(n: int, lone: int) -> dict[str, dict[str, float]]:
-    import sdk
-    from sidecar.up import Deployment
+    from jetbatch import sdk
+    from jetbatch.sidecar.dev.deployment import Deployment
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "ident.toml"

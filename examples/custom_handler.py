@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from sdk.protocol import ContentType
-from sidecar.handlers import BadInput, Handler, tensor_bytes
+from jetbatch.sdk.protocol import ContentType
+from jetbatch.sidecar.handlers import BadInput, Handler, tensor_bytes
 
 
 class ScaleHandler(Handler):

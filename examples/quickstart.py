@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import sdk
+from jetbatch import sdk
 
 
 async def main(url: str) -> None:

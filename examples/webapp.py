@@ -18,7 +18,7 @@ import struct
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import sdk
+from jetbatch import sdk
 
 
 def make_handler(client: sdk.BlockingClient) -> type[BaseHTTPRequestHandler]:

@@ -1,4 +1,5 @@
-"""jetbatch SDK: submit inference requests to jetbatch sidecars over NATS JetStream.
+"""jetbatch SDK (``from jetbatch import sdk``): submit inference requests to jetbatch sidecars
+over NATS JetStream.
 
 Needs only nats-py, msgspec and opentelemetry-api: no torch, no sidecar.
 
@@ -48,4 +49,4 @@ __all__ = [
     "UnknownModel",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the distribution's version (jetbatch.__version__)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from .protocol import ErrorCode
-
 __all__ = [
     "BadRequest",
     "ClientClosed",
@@ -22,9 +20,10 @@ __all__ = [
 
 
 class JetbatchError(Exception):
-    """Root of every jetbatch error. ``code`` is the wire error code where one applies."""
+    """Root of every jetbatch error, the SDK's and the sidecars'. ``code`` is the wire error code
+    where one applies (the values of ``sdk.protocol.ErrorCode``)."""
 
-    code: str = ErrorCode.INTERNAL.value
+    code: str = "internal"
 
     def __init__(self, message: str, *, request_id: str = "", code: str | None = None) -> None:
         super().__init__(message)
@@ -56,7 +55,7 @@ class RequestTimeout(JetbatchError, TimeoutError):
 class BadRequest(JetbatchError, ValueError):
     """The request was rejected as malformed (garbled payload, bad header, bad model name)."""
 
-    code = ErrorCode.BAD_REQUEST.value
+    code = "bad_request"
 
 
 class PayloadTooLarge(BadRequest):
@@ -66,40 +65,40 @@ class PayloadTooLarge(BadRequest):
 class UnknownModel(JetbatchError):
     """No model of that name is served (or the classifier chose a label mapped to no model)."""
 
-    code = ErrorCode.UNKNOWN_MODEL.value
+    code = "unknown_model"
 
 
 class DeadlineExceeded(JetbatchError):
     """The request's deadline passed before it was computed; it was not run."""
 
-    code = ErrorCode.DEADLINE_EXCEEDED.value
+    code = "deadline_exceeded"
 
 
 class ModelFailed(JetbatchError):
     """The model's handler raised while serving this request."""
 
-    code = ErrorCode.MODEL_FAILED.value
+    code = "model_failed"
 
 
 class Overloaded(JetbatchError):
     """The queue is full (the stream refused the message) or the sidecar shed the request."""
 
-    code = ErrorCode.OVERLOADED.value
+    code = "overloaded"
 
 
 class InternalError(JetbatchError):
     """The sidecar failed in a way that is not the request's fault."""
 
-    code = ErrorCode.INTERNAL.value
+    code = "internal"
 
 
 _BY_CODE: dict[str, type[JetbatchError]] = {
-    ErrorCode.BAD_REQUEST.value: BadRequest,
-    ErrorCode.UNKNOWN_MODEL.value: UnknownModel,
-    ErrorCode.DEADLINE_EXCEEDED.value: DeadlineExceeded,
-    ErrorCode.MODEL_FAILED.value: ModelFailed,
-    ErrorCode.OVERLOADED.value: Overloaded,
-    ErrorCode.INTERNAL.value: InternalError,
+    "bad_request": BadRequest,
+    "unknown_model": UnknownModel,
+    "deadline_exceeded": DeadlineExceeded,
+    "model_failed": ModelFailed,
+    "overloaded": Overloaded,
+    "internal": InternalError,
 }
 
 

@@ -27,7 +27,8 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from sdk.protocol import (
+from jetbatch import __version__
+from jetbatch.sdk.protocol import (
     JS_MSG_TOO_BIG,
     JS_STREAM_FULL,
     ContentType,
@@ -35,6 +36,7 @@ from sdk.protocol import (
     Headers,
     ProtocolError,
     RequestMeta,
+    SidecarReport,
     Subjects,
     decode_payload,
     message_bytes,
@@ -43,7 +45,7 @@ from sdk.protocol import (
 
 from .config import ClassifierConfig, Config, ConfigError, load_config
 from .handlers import import_object, read_module
-from .status import StatusReport, serve_status
+from .status import serve_status
 from .streams import classifier_consumer_name, ensure_classifier_streams
 from .policy import BatchWindow
 from .replies import Answer, Replier, client_message, settle
@@ -271,8 +273,10 @@ class Classifier:
     def stop(self) -> None:
         self._stopping.set()
 
-    def status_report(self) -> StatusReport:
-        return StatusReport(role="classifier", id=self.id, stats=dict(self.stats), started_at=self._started_at)
+    def report(self) -> SidecarReport:
+        return SidecarReport(
+            role="classifier", id=self.id, version=__version__, stats=dict(self.stats), started_at=self._started_at, updated_at=time.time()
+        )
 
     async def _setup(self) -> Any:
         await ensure_classifier_streams(self.js, self.subjects, self.config.streams, self.config.replies)
@@ -283,7 +287,7 @@ class Classifier:
 
         psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
         await anyio.to_thread.run_sync(self.router.load)
-        status = await serve_status(self.nc, self.subjects, self.status_report)
+        status = await serve_status(self.nc, self.subjects, self.report)
         self._ready.set()
         # Pipelining: the next batch is fetched and classified while the previous one's
         # republishes wait for their PubAcks (at most two batches in flight).

@@ -1,6 +1,6 @@
 """Coordination between workers through a JetStream key-value bucket.
 
-Every worker puts a :class:`WorkerAdvert` (what it holds, what it is loading, how fast it drains
+Every worker puts its :class:`SidecarReport` (what it holds, what it is loading, how fast it drains
 each resident model) under its id every ``heartbeat_s``; the bucket's TTL drops a worker that
 stopped advertising. Each worker watches the bucket and turns the view into *effective backlog*
 for its own scheduler: a model that other workers already serve counts only for the backlog those
@@ -23,34 +23,15 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 
-from sdk.protocol import Subjects
+from jetbatch.sdk.protocol import SidecarReport, Subjects
 
-__all__ = ["ClusterView", "WorkerAdvert"]
+__all__ = ["ClusterView"]
 
 log = logging.getLogger("jetbatch.cluster")
 
 
-class WorkerAdvert(msgspec.Struct, frozen=True, kw_only=True):
-    """What one worker tells the others (JSON in the bucket, key = worker id)."""
-
-    id: str
-    models: list[str]  # models it can serve
-    resident: list[str]  # loaded now
-    loading: str | None = None  # being loaded now: counts as served
-    drain_rps: dict[str, float] = {}  # requests/s it can drain per resident model
-    load_cost_s: dict[str, float] = {}
-    memory_used_bytes: int = 0
-    memory_budget_bytes: int | None = None
-    # Per model: messages it holds unacked (in flight), and messages it found it cannot fetch
-    # (delivered to someone, not acked: a dead worker's, or acks lost in an election). Peers do
-    # not count either as backlog to chase.
-    in_flight: dict[str, int] = {}
-    unfetchable: dict[str, int] = {}
-    updated_at: float = 0.0  # Unix seconds
-
-
 _encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(WorkerAdvert)
+_decoder = msgspec.json.Decoder(SidecarReport)
 
 
 @dataclass
@@ -67,7 +48,7 @@ class ClusterView:
     peer_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        self._peers: dict[str, WorkerAdvert] = {}
+        self._peers: dict[str, SidecarReport] = {}
         self._seen_at: dict[str, float] = {}  # local clock when each advert last arrived
         self._own_seen_at = 0.0  # when our own advert last came back through the watch
         self._trouble_at = -1e18  # when we last saw JetStream fail (a fetch, a put, a stream info)
@@ -129,7 +110,7 @@ class ClusterView:
             if entry.key == self.worker_id:
                 self._own_seen_at = now
 
-    async def advertise(self, advert: WorkerAdvert) -> None:
+    async def advertise(self, advert: SidecarReport) -> None:
         if self._kv is None:
             return
         try:
@@ -198,7 +179,7 @@ class ClusterView:
         now = time.time() if now is None else now
         return now - self._own_seen_at <= self.ttl_s and now - self._trouble_at > self.peer_timeout_s
 
-    def peers(self, now: float | None = None) -> dict[str, WorkerAdvert]:
+    def peers(self, now: float | None = None) -> dict[str, SidecarReport]:
         """Live peers (not this worker): adverts heard within ``peer_timeout_s``, on our own clock.
         With a stale view (see :meth:`view_fresh`) every peer last heard is kept."""
         now = time.time() if now is None else now

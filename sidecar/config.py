@@ -21,7 +21,8 @@ from msgspec import Meta
 
 import re
 
-from sdk.protocol import DEFAULT_PREFIX, ProtocolError, ReplyPolicy, Subjects, validate_model_name
+from .errors import SidecarError
+from jetbatch.sdk.protocol import DEFAULT_PREFIX, ProtocolError, ReplyPolicy, Subjects, validate_model_name
 
 __all__ = [
     "ClassifierConfig",
@@ -45,7 +46,7 @@ MiB = 1024 * 1024
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
 
-class ConfigError(Exception):
+class ConfigError(SidecarError):
     """A configuration file or environment variable is invalid. ``str()`` is one line for the CLI."""
 
 

@@ -20,7 +20,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from sdk.protocol import (
+from jetbatch.sdk.protocol import (
     ContentType,
     ErrorCode,
     Headers,

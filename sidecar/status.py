@@ -7,7 +7,6 @@ equivalent of the NATS micro-services ``$SRV.PING``/``INFO``/``STATS`` endpoints
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from typing import Any, Callable
@@ -16,29 +15,13 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from sdk.protocol import DEFAULT_PREFIX, Subjects
+from jetbatch.sdk.protocol import SidecarReport, Subjects
 
-__all__ = ["StatusReport", "add_arguments", "cluster_view", "collect_status", "run", "serve_status"]
-
-VERSION = "0.1.0"
+__all__ = ["StatusReport", "cluster_view", "collect_status", "serve_status"]
 
 
-class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
-    role: str  # "worker" or "classifier"
-    id: str
-    version: str = VERSION
-    models: list[str] = []
-    resident: list[str] = []
-    warm: list[str] = []  # evicted but kept in host memory: a cheap reload
-    loading: str | None = None
-    broken: dict[str, str] = {}  # models that cannot load, and why (a missing file)
-    backlog: dict[str, int] = {}
-    memory_bytes: int = 0
-    memory_budget_bytes: int | None = None
-    host_memory_bytes: int = 0
-    host_memory_budget_bytes: int | None = None
-    stats: dict[str, int] = {}
-    started_at: float = 0.0
+
+StatusReport = SidecarReport  # the status answer is the sidecar's report
 
 
 _encoder = msgspec.json.Encoder()
@@ -76,54 +59,13 @@ async def collect_status(nc: NATS, subjects: Subjects, *, wait_s: float = 0.5) -
     return sorted(reports, key=lambda r: (r.role, r.id))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default=None, help="NATS server URL (default: $NATS_URL)")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
-    parser.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
-    parser.add_argument("--json", action="store_true", help="print JSON lines")
-
-
-def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_run(args))
-
-
-async def _run(args: argparse.Namespace) -> int:
-    from sdk.connection import connect_nats
-
-    nc = await connect_nats(args.nats_url)
-    try:
-        reports = await collect_status(nc, Subjects(args.prefix), wait_s=args.wait)
-        cluster = None if args.json else await cluster_view(nc, Subjects(args.prefix))
-    finally:
-        await nc.close()
-    if args.json:
-        for r in reports:
-            print(_encoder.encode(r).decode())
-        return 0
-    if not reports:
-        print("no jetbatch sidecar answered")
-        return 1
-    print(f"{'role':<11}{'id':<28}{'resident':<22}{'loads':>6}{'batches':>9}{'requests':>10}")
-    for r in reports:
-        print(
-            f"{r.role:<11}{r.id[:27]:<28}{(', '.join(r.resident) or '-')[:21]:<22}"
-            f"{r.stats.get('loads', 0):>6}{r.stats.get('batches', 0):>9}{r.stats.get('requests', 0):>10}"
-        )
-    if cluster is not None:
-        holders, backlog = cluster
-        print(f"\n{'model':<24}{'backlog':>8}  held by")
-        for model in sorted(set(holders) | set(backlog)):
-            print(f"{model:<24}{backlog.get(model, 0):>8}  {', '.join(sorted(holders.get(model, []))) or '-'}")
-    return 0
-
-
-async def cluster_view(nc: NATS, subjects: Subjects) -> tuple[dict[str, list[str]], dict[str, int]]:
+async def cluster_view(
+    nc: NATS, subjects: Subjects, *, advert_ttl_s: float = 30.0
+) -> tuple[dict[str, list[str]], dict[str, int]]:
     """Which worker holds which model (from the workers' key-value adverts) and the backlog per
     model (one stream-info call)."""
     import nats.errors
     import nats.js.errors
-
-    from .cluster import WorkerAdvert
 
     js = nc.jetstream(timeout=2)
     holders: dict[str, list[str]] = {}
@@ -131,11 +73,13 @@ async def cluster_view(nc: NATS, subjects: Subjects) -> tuple[dict[str, list[str
         kv = await js.key_value(subjects.kv_bucket)
         now = time.time()
         for key in await kv.keys():
+            if key.startswith("claim."):
+                continue
             entry = await kv.get(key)
             if not entry.value:
                 continue
-            advert = msgspec.json.decode(entry.value, type=WorkerAdvert)
-            if now - advert.updated_at > 30:
+            advert = msgspec.json.decode(entry.value, type=SidecarReport)
+            if now - advert.updated_at > (advert.valid_s or advert_ttl_s):
                 continue
             for model in advert.resident:
                 holders.setdefault(model, []).append(advert.id)

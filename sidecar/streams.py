@@ -24,9 +24,10 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from sdk.protocol import Subjects
+from jetbatch.sdk.protocol import Subjects
 
 from .config import RepliesConfig, StreamsConfig
+from .errors import SidecarError
 
 __all__ = [
     "StreamSetupError",
@@ -46,7 +47,7 @@ __all__ = [
 log = logging.getLogger("jetbatch.streams")
 
 
-class StreamSetupError(Exception):
+class StreamSetupError(SidecarError):
     """A stream or consumer could not be created or brought in line with the configuration.
     ``transient``: JetStream did not answer (worth retrying), rather than a configuration conflict."""
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from sdk.connection import connect_nats
+from jetbatch.sdk.connection import connect_nats
 
 from .config import ConfigError, NatsConfig, NatsIdentity
 

@@ -11,7 +11,7 @@ from typing import Iterator
 import hypothesis  # noqa: F401  - imported early: CPython 3.11 can fail to compile it when first imported deep in a stack (at session end)
 import pytest
 
-from sidecar.natsserver import EmbeddedNats
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +23,7 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
 @pytest.fixture(scope="session")
 def examples_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example models and configs, built once per session (fixed seeds, no download)."""
-    from sidecar.example_models import build_examples
+    from jetbatch.sidecar.dev.example_models import build_examples
 
     directory = tmp_path_factory.mktemp("examples")
     build_examples(directory)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sidecar.handlers import SleepHandler
+from jetbatch.sidecar.handlers import SleepHandler
 
 
 class CrashOnPayload(SleepHandler):
@@ -23,7 +23,7 @@ def run_classifier_that_dies_after_its_first_republish(argv: list[str]) -> None:
     republish was confirmed and before its ingress message is acked."""
     import sys
 
-    from sidecar import classifier, cli
+    from jetbatch.sidecar import classifier, cli
 
     async def die(self: object, msg: object) -> None:
         os._exit(137)

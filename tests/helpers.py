@@ -9,13 +9,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import anyio
 import msgspec
 
-from sdk.connection import connect_nats
-from sdk.protocol import Subjects
-from sidecar.classifier import Classifier
-from sidecar.config import Config, parse_config
-from sidecar.status import StatusReport, collect_status
-from sidecar.transport import connect, connect_replies
-from sidecar.worker import BatchReport, Worker
+from jetbatch.sdk.connection import connect_nats
+from jetbatch.sdk.protocol import Subjects
+from jetbatch.sidecar.classifier import Classifier
+from jetbatch.sidecar.config import Config, parse_config
+from jetbatch.sidecar.status import StatusReport, collect_status
+from jetbatch.sidecar.transport import connect, connect_replies
+from jetbatch.sidecar.worker import BatchReport, Worker
 
 
 def make_config(prefix: str, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> Config:
@@ -28,7 +28,7 @@ def make_config(prefix: str, models: dict[str, dict[str, Any]], **sections: dict
 
 
 def sleep_model(**overrides: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"handler": "sleep", "max_batch_size": 8, "max_delay_ms": 20, "options": {"load_s": 0.0, "batch_s": 0.001, "item_s": 0.0}}
+    base: dict[str, Any] = {"handler": "sleep", "max_batch_size": 8, "max_delay_ms": 20, "options": {"load_cost_s": 0.0, "batch_cost_s": 0.001, "item_cost_s": 0.0}}
     base.update(overrides)
     return base
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import sdk
-from sdk.protocol import ContentType, Headers
+from jetbatch import sdk
+from jetbatch.sdk.protocol import ContentType, Headers
 from tests.helpers import make_config, running_worker, sleep_model
 
 VALID_CODES = {"bad_request", "deadline_exceeded"}
@@ -25,7 +25,7 @@ VALID_CODES = {"bad_request", "deadline_exceeded"}
 def worker_prefix(nats_server: Any) -> Iterator[str]:
     """A worker on its own thread and event loop for the whole module (hypothesis drives sync tests)."""
     prefix = f"bad{uuid.uuid4().hex[:8]}"
-    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=1, options={"load_s": 0, "batch_s": 0, "item_s": 0})})
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=1, options={"load_cost_s": 0, "batch_cost_s": 0, "item_cost_s": 0})})
     ready, done = threading.Event(), threading.Event()
 
     async def serve() -> None:

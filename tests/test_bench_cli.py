@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.bench import BenchError, parse_mix
+from jetbatch.sidecar.dev.loadtest import BenchError, parse_mix
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 def test_bench_against_an_embedded_deployment(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "bench", "--concurrency", "8", "--duration", "2", "--mix", "m1=0.5,m2=0.5",
-         "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")],
+        [sys.executable, "-m", "jetbatch", "bench", "--concurrency", "8", "--duration", "2", "--mix", "m1=0.5,m2=0.5",
+         "--out", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")],
         capture_output=True, text=True, timeout=180, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -31,9 +31,20 @@ def test_bench_against_an_embedded_deployment(tmp_path: Path) -> None:
     assert (tmp_path / "out.png").stat().st_size > 10_000
 
 
+def test_bench_json_is_one_summary_on_stdout(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jetbatch", "bench", "--rate", "20", "--duration", "1", "--mix", "m1=1", "--json"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)  # nothing else on stdout
+    assert summary["sent"] == summary["answered"] > 0
+
+
 def test_bad_mix_is_a_one_line_error() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "bench", "--rate", "10", "--mix", "m1=lots"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "jetbatch", "bench", "--rate", "10", "--mix", "m1=lots"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "jetbatch bench: --mix: weight of 'm1' is not a number: 'lots'"

@@ -15,10 +15,10 @@ import nats
 import pytest
 import torch
 
-import sdk
-from sdk.protocol import ContentType, Headers, Tensor
-from sidecar.config import Config
-from sidecar.streams import ensure_classifier_streams, ensure_model_consumer, ensure_streams
+from jetbatch import sdk
+from jetbatch.sdk.protocol import ContentType, Headers, Tensor
+from jetbatch.sidecar.config import Config
+from jetbatch.sidecar.streams import ensure_classifier_streams, ensure_model_consumer, ensure_streams
 from tests import classifier_fixtures
 from tests.helpers import running_classifier, running_worker, wait_until
 
@@ -109,7 +109,7 @@ async def _stream_count(js: Any, stream: str, n: int) -> bool:
 
 
 async def test_example_router_routes_example_inputs(nats_url: str, prefix: str, tmp_path: Path) -> None:
-    from sidecar.example_models import EXAMPLE_MODELS, build_examples, sample_inputs
+    from jetbatch.sidecar.dev.example_models import EXAMPLE_MODELS, build_examples, sample_inputs
 
     ex = build_examples(tmp_path)
     labels = {str(i): name for i, name in enumerate(EXAMPLE_MODELS)}
@@ -163,7 +163,7 @@ async def test_crash_between_republish_and_ack_routes_each_request_once(nats_url
         await js.publish(cfg.subjects.ingress, f"p{i}".encode(), headers={Headers.MSG_ID: f"req-{i}-{uuid.uuid4().hex[:6]}"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_")}
     args = ["classifier", "--config", str(cfg_path), "--nats-url", nats_url]
-    cmd = [sys.executable, "-m", "sidecar.cli", *args]
+    cmd = [sys.executable, "-m", "jetbatch", *args]
     crash = f"from tests.fault_handlers import run_classifier_that_dies_after_its_first_republish as r; r({args!r})"
     crashed = await anyio.run_process([sys.executable, "-c", crash], env=env, check=False)
     assert crashed.returncode == 137  # died after a republish, before acking it

@@ -9,9 +9,9 @@ from typing import Iterator
 
 import pytest
 
-import sdk
-from sidecar.natsserver import NatsCluster
-from sidecar.up import Deployment
+from jetbatch import sdk
+from jetbatch.sidecar.dev.natsserver import NatsCluster
+from jetbatch.sidecar.dev.deployment import Deployment
 from tests.helpers import worker_reports
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,8 @@ def _config(tmp_path: Path, prefix: str, models: dict[str, dict[str, float]], *,
     for name, opts in models.items():
         lines.append(
             f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 16\nmax_delay_ms = 5\n'
-            f"load_cost_s = {opts['load_s']}\nbatch_cost_s = {opts['batch_s']}\nitem_cost_s = 0.0\nmax_wait_ms = 3000\n"
-            f"options = {{ load_s = {opts['load_s']}, batch_s = {opts['batch_s']}, item_s = 0.0 }}\n"
+            f"load_cost_s = {opts['load_cost_s']}\nbatch_cost_s = {opts['batch_cost_s']}\nitem_cost_s = 0.0\nmax_wait_ms = 3000\n"
+            f"options = {{ load_cost_s = {opts['load_cost_s']}, batch_cost_s = {opts['batch_cost_s']}, item_cost_s = 0.0 }}\n"
         )
     path = tmp_path / f"{prefix}.toml"
     path.write_text("\n".join(lines))
@@ -57,7 +57,7 @@ async def _load(url: str, prefix: str, mix: list[str], *, duration_s: float, con
 
 
 def test_requests_survive_a_nats_node_dying(cluster: NatsCluster, tmp_path: Path) -> None:
-    config = _config(tmp_path, "c1", {"m1": {"load_s": 0.05, "batch_s": 0.01}})
+    config = _config(tmp_path, "c1", {"m1": {"load_cost_s": 0.05, "batch_cost_s": 0.01}})
     with Deployment(config, nats_url=cluster.url, workers=1) as dep:
 
         async def scenario() -> list[object]:
@@ -78,7 +78,7 @@ def test_requests_survive_a_nats_node_dying(cluster: NatsCluster, tmp_path: Path
 
 
 def test_three_workers_settle_on_three_models(cluster: NatsCluster, tmp_path: Path) -> None:
-    models = {name: {"load_s": 0.4, "batch_s": 0.02} for name in ("a", "b", "c")}
+    models = {name: {"load_cost_s": 0.4, "batch_cost_s": 0.02} for name in ("a", "b", "c")}
     config = _config(tmp_path, "c2", models)
     with Deployment(config, nats_url=cluster.url, workers=3) as dep:
         results = asyncio.run(_load(dep.url, "c2", ["a", "b", "c"], duration_s=6.0, concurrency=24))
@@ -96,7 +96,7 @@ def test_placement_stays_put_when_a_nats_node_is_lost(cluster: NatsCluster, tmp_
     workers' bucket stalls their view of each other for a while; a worker that cannot hear its
     peer keeps its last view instead of concluding the peer left, so neither chases the other's
     model."""
-    models = {name: {"load_s": 0.4, "batch_s": 0.02} for name in ("a", "b")}
+    models = {name: {"load_cost_s": 0.4, "batch_cost_s": 0.02} for name in ("a", "b")}
     config = _config(tmp_path, "c5", models)
     victim_index = None
     with Deployment(config, nats_url=cluster.url, workers=2, log_level="INFO") as dep:  # INFO: loads show in the failure message
@@ -127,7 +127,7 @@ def test_placement_stays_put_when_a_nats_node_is_lost(cluster: NatsCluster, tmp_
 
 
 def test_hot_model_gets_a_second_replica(cluster: NatsCluster, tmp_path: Path) -> None:
-    models = {"hot": {"load_s": 0.2, "batch_s": 0.05}, "cold": {"load_s": 0.2, "batch_s": 0.05}}
+    models = {"hot": {"load_cost_s": 0.2, "batch_cost_s": 0.05}, "cold": {"load_cost_s": 0.2, "batch_cost_s": 0.05}}
     config = _config(tmp_path, "c3", models)
     with Deployment(config, nats_url=cluster.url, workers=2) as dep:
         results = asyncio.run(_load(dep.url, "c3", ["hot"] * 19 + ["cold"], duration_s=6.0, concurrency=128))
@@ -138,7 +138,7 @@ def test_hot_model_gets_a_second_replica(cluster: NatsCluster, tmp_path: Path) -
 
 
 def test_killed_worker_requests_are_redelivered_and_answered(cluster: NatsCluster, tmp_path: Path) -> None:
-    models = {"m1": {"load_s": 0.1, "batch_s": 0.5}, "m2": {"load_s": 0.1, "batch_s": 0.5}}
+    models = {"m1": {"load_cost_s": 0.1, "batch_cost_s": 0.5}, "m2": {"load_cost_s": 0.1, "batch_cost_s": 0.5}}
     config = _config(tmp_path, "c4", models, ack_wait_s=2.0)
     with Deployment(config, nats_url=cluster.url, workers=2) as dep:
 

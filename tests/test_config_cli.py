@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import ConfigError, load_config, parse_config
+from jetbatch.sidecar.config import ConfigError, load_config, parse_config
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -16,7 +16,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
 
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "sidecar.cli", *args], capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run([sys.executable, "-m", "jetbatch", *args], capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 @pytest.mark.parametrize(

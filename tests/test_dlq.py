@@ -10,9 +10,9 @@ import uuid
 import nats
 import pytest
 
-from sdk.protocol import Headers, Subjects
-from sidecar.config import StreamsConfig
-from sidecar.streams import ensure_model_consumer, ensure_streams
+from jetbatch.sdk.protocol import Headers, Subjects
+from jetbatch.sidecar.config import StreamsConfig
+from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams
 from tests.helpers import make_config, running_worker, sleep_model
 
 pytestmark = pytest.mark.anyio
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.anyio
 
 def dlq(nats_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "dlq", *args, "--nats-url", nats_url, "--prefix", prefix],
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "jetbatch", "dlq", *args, "--nats-url", nats_url, "--prefix", prefix],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )  # fmt: skip
 
 
@@ -56,7 +56,9 @@ async def test_list_show_replay_purge(nats_url: str, prefix: str) -> None:
     assert reply.data == b"payload0" and reply.headers[Headers.STATUS] == "ok"
     left = [json.loads(line) for line in dlq(nats_url, prefix, "list", "--json").stdout.splitlines()]
     assert [r["reason"] for r in left] == ["reason 1"]
-    assert "purged 1" in dlq(nats_url, prefix, "purge").stdout
+    refused = dlq(nats_url, prefix, "purge")  # no terminal to ask on: refused, nothing deleted
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    assert "purged 1" in dlq(nats_url, prefix, "purge", "--yes").stdout
     assert dlq(nats_url, prefix, "list").stdout.strip() == "no dead letters"
     missing = dlq(nats_url, prefix, "show", "999")
     assert missing.returncode == 2 and missing.stderr.strip() == "jetbatch dlq: no dead letter with sequence 999"

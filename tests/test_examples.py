@@ -18,9 +18,9 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-import sdk
-from sidecar.example_models import sample_inputs
-from sidecar.up import Deployment
+from jetbatch import sdk
+from jetbatch.sidecar.dev.example_models import sample_inputs
+from jetbatch.sidecar.dev.deployment import Deployment
 from tests.helpers import make_config, running_worker
 
 ROOT = Path(__file__).resolve().parent.parent

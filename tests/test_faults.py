@@ -13,9 +13,9 @@ from typing import Any
 import anyio
 import pytest
 
-import sdk
-from sidecar.natsserver import EmbeddedNats
-from sidecar.up import Deployment
+from jetbatch import sdk
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from jetbatch.sidecar.dev.deployment import Deployment
 from tests.helpers import first_worker_resident, make_config, running_worker, sleep_model, wait_until, worker_reports
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -29,7 +29,7 @@ def write_config(tmp_path: Path, prefix: str, *, handler: str = "sleep", load_s:
         f"[streams]\nack_wait_s = {ack_wait_s}\nmax_deliver = {max_deliver}\n"
         f"[worker]\npoll_interval_ms = 50\ndrain_timeout_s = {drain_s}\n"
         f'[models.m1]\nhandler = "{handler}"\nmax_batch_size = 8\nmax_delay_ms = 20\n'
-        f"options = {{ load_s = {load_s}, batch_s = {batch_s}, item_s = 0.0 }}\n"
+        f"options = {{ load_cost_s = {load_s}, batch_cost_s = {batch_s}, item_cost_s = 0.0 }}\n"
     )
     return path
 
@@ -75,7 +75,7 @@ async def test_kill_9_mid_load_then_restart(nats_url: str, prefix: str, tmp_path
 
 async def test_batch_longer_than_ack_wait_is_not_redelivered(nats_url: str, prefix: str) -> None:
     config = make_config(
-        prefix, {"m1": sleep_model(max_delay_ms=50, options={"load_s": 0.0, "batch_s": 2.5, "item_s": 0.0})},
+        prefix, {"m1": sleep_model(max_delay_ms=50, options={"load_cost_s": 0.0, "batch_cost_s": 2.5, "item_cost_s": 0.0})},
         streams={"ack_wait_s": 0.6},
     )  # fmt: skip
     async with running_worker(config, nats_url) as worker:
@@ -93,7 +93,7 @@ async def test_answer_survives_a_server_restart_when_the_caller_reconnects_late(
     server = EmbeddedNats(store_dir=tmp_path / "store").start()
     try:
         config = make_config(
-            prefix, {"m1": sleep_model(max_delay_ms=5, options={"load_s": 0, "batch_s": 2.0, "item_s": 0})}, replies={"durable": durable}
+            prefix, {"m1": sleep_model(max_delay_ms=5, options={"load_cost_s": 0, "batch_cost_s": 2.0, "item_cost_s": 0})}, replies={"durable": durable}
         )
         async with running_worker(config, server.url):
             async with sdk.Client.connect(server.url, prefix=prefix, reconnect_time_wait=4.0) as client:
@@ -114,7 +114,7 @@ async def test_answer_survives_a_server_restart_when_the_caller_reconnects_late(
 async def test_nats_server_restart_under_load(tmp_path: Path, prefix: str) -> None:
     server = EmbeddedNats(store_dir=tmp_path / "store").start()
     try:
-        config = make_config(prefix, {"m1": sleep_model(max_delay_ms=10, options={"load_s": 0, "batch_s": 0.05, "item_s": 0})})
+        config = make_config(prefix, {"m1": sleep_model(max_delay_ms=10, options={"load_cost_s": 0, "batch_cost_s": 0.05, "item_cost_s": 0})})
         async with running_worker(config, server.url) as worker:
             async with sdk.Client.connect(server.url, prefix=prefix) as client:
                 before = [asyncio.ensure_future(client.infer(f"a{i}".encode(), model="m1", timeout=60)) for i in range(30)]
@@ -173,7 +173,7 @@ async def _supervise(dep: Deployment, done: Any, *, deadline_s: float) -> int:
 async def test_two_poisons_in_one_fetch_both_end_in_the_dlq_and_nothing_sticks(nats_url: str, prefix: str, tmp_path: Path) -> None:
     config = write_config(tmp_path, prefix, handler="tests.fault_handlers:CrashOnPayload", ack_wait_s=1.0, max_deliver=3)
     with config.open("a") as f:  # a second model that must not starve behind a stuck queue
-        f.write('[models.m2]\nhandler = "sleep"\nmax_batch_size = 8\nmax_delay_ms = 5\noptions = { load_s = 0.0, batch_s = 0.0, item_s = 0.0 }\n')
+        f.write('[models.m2]\nhandler = "sleep"\nmax_batch_size = 8\nmax_delay_ms = 5\noptions = { load_cost_s = 0.0, batch_cost_s = 0.0, item_cost_s = 0.0 }\n')
     dep = await anyio.to_thread.run_sync(lambda: Deployment(config, nats_url=nats_url).start())
     try:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
@@ -194,7 +194,7 @@ async def test_two_poisons_in_one_fetch_both_end_in_the_dlq_and_nothing_sticks(n
                     f"m2-{i}".encode() for i in range(10)
                 ]
         proc = await anyio.run_process(
-            [sys.executable, "-m", "sidecar.cli", "dlq", "list", "--json", "--nats-url", nats_url, "--prefix", prefix], check=False
+            [sys.executable, "-m", "jetbatch", "dlq", "list", "--json", "--nats-url", nats_url, "--prefix", prefix], check=False
         )
     finally:
         await anyio.to_thread.run_sync(dep.stop)

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-import sdk
-from sidecar.config import ModelConfig
-from sidecar.example_models import ExampleMLP, export_program
-from sidecar.handlers import BadInput, ExportHandler, HandlerError, StateDictHandler, create_handler
-from sidecar.handlers.base import Handler
+from jetbatch import sdk
+from jetbatch.sidecar.config import ModelConfig
+from jetbatch.sidecar.dev.example_models import ExampleMLP, export_program
+from jetbatch.sidecar.handlers import BadInput, ExportHandler, HandlerError, StateDictHandler, create_handler
+from jetbatch.sidecar.handlers.base import Handler
 from tests.helpers import make_config, running_worker, wait_until, worker_reports
 
 pytestmark = pytest.mark.anyio
@@ -48,7 +48,7 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _configs(d: Path) -> dict[str, dict[str, Any]]:
-    cls = {"module_class": "sidecar.example_models:ExampleMLP", "module_kwargs": {"hidden": 32, "classes": 3}}
+    cls = {"module_class": "jetbatch.sidecar.dev.example_models:ExampleMLP", "module_kwargs": {"hidden": 32, "classes": 3}}
     return {
         "exp": {"handler": "export", "path": str(d / "m.pt2")},
         "safe": {"handler": "state_dict", "path": str(d / "m.safetensors"), **cls, "options": {"input_shape": [DIM]}},
@@ -94,7 +94,7 @@ def test_state_dict_loads_without_allocating_twice(model_files: dict[str, Any], 
     monkeypatch.setattr(torch, "load", spy)
     cfg = ModelConfig(
         handler="state_dict", path=str(model_files["dir"] / "m.pth"),
-        module_class="sidecar.example_models:ExampleMLP", module_kwargs={"hidden": 32, "classes": 3},
+        module_class="jetbatch.sidecar.dev.example_models:ExampleMLP", module_kwargs={"hidden": 32, "classes": 3},
     )  # fmt: skip
     h = create_handler("m", cfg)
     assert isinstance(h, StateDictHandler)
@@ -128,7 +128,7 @@ def test_missing_or_unreadable_file_is_a_handler_error(tmp_path: Path) -> None:
 
 
 def test_handler_input_checks() -> None:
-    h = create_handler("m", ModelConfig(handler="state_dict", path="x", module_class="sidecar.example_models:ExampleMLP", module_kwargs={"hidden": 4, "classes": 2}))
+    h = create_handler("m", ModelConfig(handler="state_dict", path="x", module_class="jetbatch.sidecar.dev.example_models:ExampleMLP", module_kwargs={"hidden": 4, "classes": 2}))
     with pytest.raises(BadInput, match="floating-point"):
         h.decode(sdk.protocol.encode_payload(torch.zeros(3, dtype=torch.int64))[0], sdk.ContentType.TENSOR.value)
     with pytest.raises(HandlerError, match="module_class"):

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sdk
-from sdk.protocol import DEFAULT_REPLY_PREFIXES, Headers, ProtocolError, ReplyPolicy, Subjects, parse_request_headers
+from jetbatch import sdk
+from jetbatch.sdk.protocol import DEFAULT_REPLY_PREFIXES, Headers, ProtocolError, ReplyPolicy, Subjects, parse_request_headers
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
 
 pytestmark = pytest.mark.anyio

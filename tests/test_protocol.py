@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdk.protocol import (
+from jetbatch.sdk.protocol import (
     ContentType,
     ErrorCode,
     Headers,

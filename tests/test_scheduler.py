@@ -6,12 +6,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.policy import scheduling as sched
-from sidecar.simulator import SimModel, Workload, build_workload, lower_bound, simulate
+from jetbatch.sidecar.policy import scheduling as sched
+from jetbatch.sidecar.simulator import SimModel, Workload, build_workload, lower_bound, simulate
 
 
 def model(name: str, **kw: float) -> SimModel:
-    base = dict(load_s=0.5, batch_fixed_s=0.005, batch_item_s=0.0001, max_batch_size=16, max_wait_s=2.0, memory_bytes=1)
+    base = dict(load_cost_s=0.5, batch_cost_s=0.005, item_cost_s=0.0001, max_batch_size=16, max_wait_s=2.0, memory_bytes=1)
     base.update(kw)
     return SimModel(name=name, **base)  # type: ignore[arg-type]
 
@@ -41,7 +41,7 @@ def test_interleaved_requests_make_one_batch_per_model() -> None:
 
 
 def test_closed_burst_meets_the_lower_bound_and_fifo_collapses() -> None:
-    workload = build_workload({"models": {f"m{i}": {"load_s": 0.5} for i in range(4)}, "arrivals": {"kind": "burst", "per_model": 64}})
+    workload = build_workload({"models": {f"m{i}": {"load_cost_s": 0.5} for i in range(4)}, "arrivals": {"kind": "burst", "per_model": 64}})
     bound = lower_bound(workload)
     cost_aware = simulate(workload, "cost-aware")
     fifo = simulate(workload, "fifo")
@@ -55,13 +55,13 @@ def test_resident_model_is_served_in_bursts_not_interrupted_after_one_batch() ->
     policy = sched.make_policy("cost-aware")
     first = policy.decide(state([ms("a", 64), ms("b", 64)], None, max_models=1), now=10.0)
     assert isinstance(first, sched.Load)
-    policy.on_loaded(first.model, 10.5)
+    policy.on_loaded(first.model, 10.5, 64)
     other = "b" if first.model == "a" else "a"
     served = 0
     while served < 64:
         d = policy.decide(state([ms(first.model, 64 - served, resident=True), ms(other, 64)], first.model, max_models=1), now=11.0)
         assert isinstance(d, sched.Serve) and d.model == first.model, d
-        policy.on_batch_done(first.model, 16, 11.0)
+        policy.on_batch_done(first.model, 16, 11.0, 0.0066)
         served += 16
 
 
@@ -84,7 +84,7 @@ def test_hysteresis_keeps_the_resident_model_against_a_slightly_better_one() -> 
 def test_two_busy_models_do_not_ping_pong() -> None:
     """Open arrivals to two equally busy models: bursts, not a switch after every batch."""
     workload = build_workload(
-        {"models": {"a": {"load_s": 0.5, "max_wait_s": 10.0}, "b": {"load_s": 0.5, "max_wait_s": 10.0}},
+        {"models": {"a": {"load_cost_s": 0.5, "max_wait_s": 10.0}, "b": {"load_cost_s": 0.5, "max_wait_s": 10.0}},
          "arrivals": {"kind": "poisson", "utilization": 0.6, "duration_s": 30, "seed": 4}}
     )  # fmt: skip
     result = simulate(workload, "cost-aware")
@@ -128,7 +128,7 @@ def test_gather_window_waits_for_enough_requests_or_the_delay() -> None:
 
 
 def test_round_robin_visits_every_model_in_turn() -> None:
-    models = {n: model(n, load_s=0.0) for n in ("a", "b", "c")}
+    models = {n: model(n, load_cost_s=0.0) for n in ("a", "b", "c")}
     workload = Workload(models=models, arrivals=tuple((0.0, n) for n in ["a", "b", "c"] * 32), closed=True)
     result = simulate(workload, "round-robin")
     assert [b[2] for b in result.batches[:6]] == ["a", "b", "c", "a", "b", "c"]
@@ -150,7 +150,7 @@ traces = st.lists(st.tuples(st.floats(0, 20, allow_nan=False), st.sampled_from([
 
 def random_workload(trace: list[tuple[float, str]], loads: tuple[float, ...], slots: int, max_bytes: int | None) -> Workload:
     names = ["a", "b", "c", "d"]
-    models = {n: model(n, load_s=loads[i], memory_bytes=i + 1, max_wait_s=3.0) for i, n in enumerate(names)}
+    models = {n: model(n, load_cost_s=loads[i], memory_bytes=i + 1, max_wait_s=3.0) for i, n in enumerate(names)}
     return Workload(
         models=models,
         arrivals=tuple(sorted(trace)),

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-import sdk
+from jetbatch import sdk
 from tests.helpers import make_config, running_worker, sleep_model
 
 NO_TORCH = textwrap.dedent(
@@ -18,14 +18,14 @@ NO_TORCH = textwrap.dedent(
 
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch.") or name == "sidecar" or name.startswith("sidecar."):
+            if name == "torch" or name.startswith("torch.") or name == "jetbatch.sidecar" or name.startswith("jetbatch.sidecar."):
                 raise ImportError(f"{name} is blocked in this test")
             return None
 
     sys.meta_path.insert(0, Block())
-    import sdk
-    from sdk import Client, BlockingClient, JetbatchError, Tensor
-    assert "torch" not in sys.modules and "sidecar" not in sys.modules
+    from jetbatch import sdk
+    from jetbatch.sdk import Client, BlockingClient, JetbatchError, Tensor
+    assert "torch" not in sys.modules and "jetbatch.sidecar" not in sys.modules
     data, ctype = sdk.protocol.encode_payload({"a": 1})
     print("ok", ctype.value)
     """
@@ -205,7 +205,7 @@ def test_blocking_client(nats_url: str, prefix: str) -> None:
 async def test_duplicate_replies_are_dropped(nats_url: str, prefix: str) -> None:
     """A redelivered request can be answered twice; the caller sees one result, and a late
     duplicate for a finished request is ignored."""
-    from sdk.protocol import Headers
+    from jetbatch.sdk.protocol import Headers
 
     async with sdk.Client.connect(nats_url, prefix=prefix) as client:
         nc = client.nats

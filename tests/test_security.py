@@ -16,10 +16,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-import sdk
-from sidecar.config import Config
-from sidecar.natsserver import EmbeddedNats
-from sidecar.transport import connect_options
+from jetbatch import sdk
+from jetbatch.sidecar.config import Config
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from jetbatch.sidecar.transport import connect_options
 from tests.helpers import running_classifier, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -175,7 +175,7 @@ async def test_the_reply_identity_cannot_reach_the_jetstream_api_or_the_queues(s
             error_cb=on_error,
         )  # fmt: skip
         try:
-            targets = [f"$JS.API.STREAM.DELETE.SEC_MODELS", f"$JS.API.STREAM.PURGE.SEC_MODELS", f"{PREFIX}.model.m1", f"{PREFIX}.in", f"{PREFIX}.dlq.worker", "$KV.SEC_WORKERS.x"]
+            targets = ["$JS.API.STREAM.DELETE.SEC_MODELS", "$JS.API.STREAM.PURGE.SEC_MODELS", f"{PREFIX}.model.m1", f"{PREFIX}.in", f"{PREFIX}.dlq.worker", "$KV.SEC_WORKERS.x"]
             for subject in targets:
                 await nc.publish(subject, b"forged result")
             await nc.flush()
@@ -208,7 +208,7 @@ async def test_a_plain_nats_url_against_a_tls_only_server_fails_within_the_conne
 
 
 def test_transport_options_come_from_config_and_environment(tmp_path: Path) -> None:
-    from sidecar.config import ConfigError, parse_config
+    from jetbatch.sidecar.config import ConfigError, parse_config
 
     (tmp_path / "ca.pem").write_text("x")
     cfg = parse_config("", environ={"JETBATCH_NATS__USER": "w", "JETBATCH_NATS__PASSWORD": "pw", "JETBATCH_NATS__TOKEN": "tk"})

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sidecar.simulator import build_workload, load_workload, lower_bound, simulate
+from jetbatch.sidecar.simulator import build_workload, load_workload, lower_bound, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ def test_example_workloads_load() -> None:
 
 
 def test_lower_bound_counts_loads_batches_and_items() -> None:
-    w = build_workload({"models": {"a": {"load_s": 1.0, "batch_fixed_s": 0.01, "batch_item_s": 0.001, "max_batch_size": 4}},
+    w = build_workload({"models": {"a": {"load_cost_s": 1.0, "batch_cost_s": 0.01, "item_cost_s": 0.001, "max_batch_size": 4}},
                         "arrivals": {"kind": "burst", "per_model": 10}})  # fmt: skip
     assert lower_bound(w) == 1.0 + 3 * 0.01 + 10 * 0.001
 
@@ -27,7 +27,7 @@ def test_lower_bound_counts_loads_batches_and_items() -> None:
 def test_trace_workload(tmp_path: Path) -> None:
     (tmp_path / "trace.jsonl").write_text('{"t": 0.0, "model": "a"}\n{"t": 0.5, "model": "b"}\n{"t": 0.6, "model": "a"}\n')
     (tmp_path / "w.toml").write_text(
-        '[models.a]\nload_s = 0.1\n[models.b]\nload_s = 0.1\n[arrivals]\nkind = "trace"\npath = "trace.jsonl"\n'
+        '[models.a]\nload_cost_s = 0.1\n[models.b]\nload_cost_s = 0.1\n[arrivals]\nkind = "trace"\npath = "trace.jsonl"\n'
     )
     result = simulate(load_workload(tmp_path / "w.toml"), "cost-aware")
     assert result.completed == 3 and sorted(result.served_ids) == [0, 1, 2]
@@ -36,7 +36,7 @@ def test_trace_workload(tmp_path: Path) -> None:
 def test_simulate_cli_table_json_and_plot(tmp_path: Path) -> None:
     workload = ROOT / "examples" / "workloads" / "burst.toml"
     out = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "simulate", "--workload", str(workload), "--policy", "cost-aware,fifo", "--json",
+        [sys.executable, "-m", "jetbatch", "simulate", "--workload", str(workload), "--policy", "cost-aware,fifo", "--json",
          "--plot", str(tmp_path / "t.png")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -50,11 +50,11 @@ def test_simulate_cli_table_json_and_plot(tmp_path: Path) -> None:
 
 def test_simulate_cli_errors_are_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text("[models.a]\nload_s = 'slow'\n")
-    out = subprocess.run([sys.executable, "-m", "sidecar.cli", "simulate", "--workload", str(bad)], capture_output=True, text=True, timeout=60)
+    bad.write_text("[models.a]\nload_cost_s = 'slow'\n")
+    out = subprocess.run([sys.executable, "-m", "jetbatch", "simulate", "--workload", str(bad)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and str(bad) in out.stderr
     out = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "simulate", "--workload", str(ROOT / "examples/workloads/burst.toml"), "--policy", "nope"],
+        [sys.executable, "-m", "jetbatch", "simulate", "--workload", str(ROOT / "examples/workloads/burst.toml"), "--policy", "nope"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "unknown policy" in out.stderr

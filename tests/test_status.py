@@ -8,8 +8,8 @@ import sys
 import anyio
 import pytest
 
-import sdk
-from sidecar.status import collect_status
+from jetbatch import sdk
+from jetbatch.sidecar.status import collect_status
 from tests.helpers import make_config, running_worker, sleep_model
 
 pytestmark = pytest.mark.anyio
@@ -26,7 +26,7 @@ async def test_worker_answers_status_and_cli_shows_cluster_view(nats_url: str, p
         assert report.models == ["m1", "m2"] and report.resident == ["m1"]
         assert report.stats["requests"] == 1 and report.version
         proc = await anyio.run_process(
-            [sys.executable, "-m", "sidecar.cli", "status", "--nats-url", nats_url, "--prefix", prefix], check=False
+            [sys.executable, "-m", "jetbatch", "status", "--nats-url", nats_url, "--prefix", prefix], check=False
         )
     out = proc.stdout.decode()
     assert proc.returncode == 0, proc.stderr.decode()
@@ -36,7 +36,7 @@ async def test_worker_answers_status_and_cli_shows_cluster_view(nats_url: str, p
 
 def test_status_with_nobody_listening(nats_url: str, prefix: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "status", "--nats-url", nats_url, "--prefix", prefix, "--wait", "0.2"],
+        [sys.executable, "-m", "jetbatch", "status", "--nats-url", nats_url, "--prefix", prefix, "--wait", "0.2"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 1

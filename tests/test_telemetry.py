@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-import sdk
+from jetbatch import sdk
 from tests.helpers import make_config, running_worker, sleep_model, wait_until
 from tests.otlp_receiver import OtlpReceiver
 
@@ -90,7 +90,7 @@ async def test_batch_span_links_every_request_and_pays_the_load(otel: Otel, nats
     ok_before = _total(reader, "jetbatch.requests", jetbatch__model="m1", jetbatch__status="ok")
     loads_before = _total(reader, "jetbatch.model.loads", jetbatch__model="m1")
     batches_before = _total(reader, "jetbatch.batch.size", jetbatch__model="m1")
-    config = make_config(prefix, {"m1": sleep_model(max_batch_size=8, max_delay_ms=100, options={"load_s": 0.05, "batch_s": 0.0, "item_s": 0.0})})
+    config = make_config(prefix, {"m1": sleep_model(max_batch_size=8, max_delay_ms=100, options={"load_cost_s": 0.05, "batch_cost_s": 0.0, "item_cost_s": 0.0})})
     async with running_worker(config, nats_url) as worker:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             results = await asyncio.gather(*(client.infer_result(f"r{i}".encode(), model="m1", timeout=20) for i in range(6)))
@@ -135,7 +135,7 @@ async def test_switch_spans_sit_under_the_batch_that_paid_it(otel: Otel, nats_ur
     evictions_before = _total(reader, "jetbatch.model.evictions", jetbatch__model="a")
     switches_before = _total(reader, "jetbatch.scheduler.switches")
     unloads_before = _total(reader, "jetbatch.model.unload.duration", jetbatch__model="a")
-    fast = {"load_s": 0.02, "batch_s": 0.0, "item_s": 0.0}
+    fast = {"load_cost_s": 0.02, "batch_cost_s": 0.0, "item_cost_s": 0.0}
     config = make_config(
         prefix,
         {"a": sleep_model(memory_bytes=600, options=fast), "b": sleep_model(memory_bytes=600, options=fast)},
@@ -165,7 +165,7 @@ async def test_switch_spans_sit_under_the_batch_that_paid_it(otel: Otel, nats_ur
 async def test_error_reply_sets_span_status_and_records_the_exception(otel: Otel, nats_url: str, prefix: str) -> None:
     spans, reader, _ = otel
     failed_before = _total(reader, "jetbatch.requests", jetbatch__model="m1", jetbatch__status="model_failed")
-    model = sleep_model(max_delay_ms=100, options={"load_s": 0, "batch_s": 0, "item_s": 0, "fail_on": "poison"})
+    model = sleep_model(max_delay_ms=100, options={"load_cost_s": 0, "batch_cost_s": 0, "item_cost_s": 0, "fail_on": "poison"})
     config = make_config(prefix, {"m1": model})
     async with running_worker(config, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
@@ -186,7 +186,7 @@ def _setup_in_child(env: dict[str, str]) -> str:
     """Run ``setup_telemetry`` in a fresh interpreter (global providers are per process) and
     return what it printed: the provider installed, then one span from the console exporter."""
     code = (
-        "from sidecar.otel import setup_telemetry\n"
+        "from jetbatch.sidecar.otel import setup_telemetry\n"
         "from opentelemetry import trace\n"
         "shutdown = setup_telemetry('worker', worker_id='w-7')\n"
         "print(type(trace.get_tracer_provider()).__name__, flush=True)\n"
@@ -226,7 +226,7 @@ async def test_spans_reach_a_real_otlp_receiver_end_to_end(otel: Otel, nats_url:
         f'[nats]\nprefix = "{prefix}"\n[models.m1]\nhandler = "identity"\nmax_delay_ms = 20\n'
         '[classifier]\nrouter = "rules"\ndefault_model = "m1"\n'
     )
-    from sidecar.up import Deployment
+    from jetbatch.sidecar.dev.deployment import Deployment
 
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_METRICS_EXPORTER": "none", "OTEL_BSP_SCHEDULE_DELAY": "200"}

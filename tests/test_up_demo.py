@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import sdk
-from sdk.protocol import Tensor
-from sidecar.example_models import EXAMPLE_MODELS, build_examples, sample_inputs
+from jetbatch import sdk
+from jetbatch.sdk.protocol import Tensor
+from jetbatch.sidecar.dev.example_models import EXAMPLE_MODELS, build_examples, sample_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +29,14 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_example_models_are_real_and_deterministic(examples_dir: Path, tmp_path: Path) -> None:
-    from sidecar.example_models import ExampleMLP
-    from sidecar.handlers import read_module
+    from jetbatch.sidecar.dev.example_models import ExampleMLP
+    from jetbatch.sidecar.handlers import read_module
 
     again = build_examples(tmp_path / "again", force=True)
     x, _ = sample_inputs(4, seed=3)
     for name, (hidden, classes, fmt) in EXAMPLE_MODELS.items():
         suffix = ".pt2" if fmt == "export" else ".safetensors"
-        kw = {"module_class": "sidecar.example_models:ExampleMLP", "module_kwargs": {"hidden": hidden, "classes": classes}}
+        kw = {"module_class": "jetbatch.sidecar.dev.example_models:ExampleMLP", "module_kwargs": {"hidden": hidden, "classes": classes}}
         extra = kw if fmt == "state_dict" else {}
         a = read_module(fmt, str(examples_dir / f"{name}{suffix}"), **extra)
         b = read_module(fmt, str(again.directory / f"{name}{suffix}"), **extra)
@@ -54,7 +54,7 @@ def test_example_models_are_real_and_deterministic(examples_dir: Path, tmp_path:
 
 def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "up", "--config", str(examples_dir / "models.toml")],
+        [sys.executable, "-m", "jetbatch", "up", "--config", str(examples_dir / "models.toml")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -95,7 +95,7 @@ async def _connect(url: str) -> None:
 def test_demo_runs_and_summarises(examples_dir: Path, tmp_path: Path) -> None:
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "demo", "--requests", "60", "--dir", str(examples_dir)],
+        [sys.executable, "-m", "jetbatch", "demo", "--requests", "60", "--dir", str(examples_dir)],
         capture_output=True,
         text=True,
         timeout=180,

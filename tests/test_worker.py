@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-import sdk
-from sdk.protocol import ContentType, Headers
+from jetbatch import sdk
+from jetbatch.sdk.protocol import ContentType, Headers
 from tests.helpers import make_config, running_worker, sleep_model
 
 pytestmark = pytest.mark.anyio
@@ -110,7 +110,7 @@ async def test_expired_deadline_is_not_computed(nats_url: str, prefix: str) -> N
 async def test_handler_failure_isolates_poison_request(nats_url: str, prefix: str) -> None:
     import asyncio
 
-    model = sleep_model(max_delay_ms=100, options={"load_s": 0, "batch_s": 0, "item_s": 0, "fail_on": "poison"})
+    model = sleep_model(max_delay_ms=100, options={"load_cost_s": 0, "batch_cost_s": 0, "item_cost_s": 0, "fail_on": "poison"})
     config = make_config(prefix, {"m1": model})
     async with running_worker(config, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
@@ -126,8 +126,8 @@ async def test_startup_retries_a_slow_jetstream_then_gives_up_with_one_line() ->
     configuration conflict is not retried; a JetStream that never answers is one clear error."""
     import nats.errors
 
-    from sidecar.streams import StreamSetupError
-    from sidecar.worker import retry_startup
+    from jetbatch.sidecar.streams import StreamSetupError
+    from jetbatch.sidecar.worker import retry_startup
 
     calls = 0
 

@@ -8,9 +8,9 @@ import anyio
 import nats
 import pytest
 
-import sdk
-from sidecar.config import Config
-from sidecar.streams import ensure_model_consumer, ensure_streams
+from jetbatch import sdk
+from jetbatch.sidecar.config import Config
+from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams
 from tests.helpers import make_config, running_worker, sleep_model, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -40,7 +40,7 @@ async def _count(js: object, stream: str, n: int) -> bool:
 async def test_interleaved_requests_become_one_batch_per_model(nats_url: str, prefix: str) -> None:
     """[m1, m2, m1, m2, m1, m2], max batch 3, one resident slot, all queued before the worker
     picks: exactly two batches, [m1 x3] and [m2 x3], one load each."""
-    model = sleep_model(max_batch_size=3, max_delay_ms=50, load_cost_s=0.5, options={"load_s": 0.05, "batch_s": 0.001, "item_s": 0.0})
+    model = sleep_model(max_batch_size=3, max_delay_ms=50, load_cost_s=0.5, options={"load_cost_s": 0.05, "batch_cost_s": 0.001, "item_cost_s": 0.0})
     config = make_config(prefix, {"m1": model, "m2": model}, worker={"max_resident_models": 1})
     await _prepare_streams(config, nats_url)
     order = ["m1", "m2", "m1", "m2", "m1", "m2"]
@@ -68,7 +68,7 @@ async def test_interleaved_requests_become_one_batch_per_model(nats_url: str, pr
 async def test_every_request_answered_once_under_mixed_load(nats_url: str, prefix: str) -> None:
     """Three models, one slot, a burst of interleaved requests: every request gets exactly one
     answer from the model it asked for, and models are switched far fewer times than requests."""
-    model = sleep_model(max_batch_size=8, max_delay_ms=5, options={"load_s": 0.02, "batch_s": 0.002, "item_s": 0.0})
+    model = sleep_model(max_batch_size=8, max_delay_ms=5, options={"load_cost_s": 0.02, "batch_cost_s": 0.002, "item_cost_s": 0.0})
     config = make_config(prefix, {"a": model, "b": model, "c": model}, worker={"max_resident_models": 1})
     names = ["a", "b", "c"] * 20
     async with running_worker(config, nats_url) as worker:

@@ -14,18 +14,19 @@ from typing import Any
 
 import torch
 
-from sdk.protocol import ContentType, ProtocolError, Tensor, decode_payload, encode_payload
+from jetbatch.sdk.protocol import ContentType, ProtocolError, Tensor, decode_payload, encode_payload
 
 from ..config import ModelConfig
+from ..errors import SidecarError
 
 __all__ = ["BadInput", "Handler", "HandlerError", "resolve_device", "tensor_bytes"]
 
 
-class HandlerError(Exception):
+class HandlerError(SidecarError):
     """A handler could not be created or loaded (bad path, bad class, load failure)."""
 
 
-class BadInput(ValueError):
+class BadInput(SidecarError, ValueError):
     """One request's payload is not acceptable to this model: it gets a ``bad_request`` reply."""
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sdk.protocol import ContentType
+from jetbatch.sdk.protocol import ContentType
 
 from ..config import ModelConfig
 from .base import BadInput, Handler, HandlerError, tensor_bytes

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -13,6 +14,9 @@ from ..config import ModelConfig
 from .base import Handler, HandlerError
 
 __all__ = ["FunctionHandler", "IdentityHandler", "SleepHandler"]
+
+log = logging.getLogger("jetbatch.handlers")
+_warned: set[str] = set()
 
 
 class IdentityHandler(Handler):
@@ -32,13 +36,17 @@ class SleepHandler(Handler):
     """Simulated model with controlled costs: it sleeps ``load_cost_s`` to load and
     ``batch_cost_s + item_cost_s * n`` per batch, and returns its inputs (options of the same
     names override the model's cost estimates; the older ``load_s``/``batch_s``/``item_s`` still
-    work). ``fail_on``: a payload (bytes or str) that makes the batch raise, for poison tests.
+    work for one release, with a warning). ``fail_on``: a payload (bytes or str) that makes the batch raise, for poison tests.
     ``warm_load_cost_s``: the load time when the model is warm (default: a tenth of a cold load).
     """
 
     def __init__(self, name: str, config: ModelConfig) -> None:
         super().__init__(name, config)
         opt = self.options
+        for old, new in (("load_s", "load_cost_s"), ("batch_s", "batch_cost_s"), ("item_s", "item_cost_s")):
+            if old in opt and old not in _warned:
+                _warned.add(old)
+                log.warning("sleep handler option %r is deprecated; use %r", old, new)
         self.load_cost_s = float(opt.get("load_cost_s", opt.get("load_s", config.load_cost_s)))
         self.batch_cost_s = float(opt.get("batch_cost_s", opt.get("batch_s", config.batch_cost_s)))
         self.item_cost_s = float(opt.get("item_cost_s", opt.get("item_s", config.item_cost_s)))

@@ -104,16 +104,19 @@ Decision = Serve | Load | Idle
 
 
 class Policy(Protocol):
-    """A scheduling policy. It may keep internal state (hysteresis, burst counters) between calls,
-    updated only through ``decide`` and the ``on_*`` notifications, never from a clock."""
+    """A scheduling policy. It may keep internal state (bursts, demand) between calls, changed
+    only by the ``on_*`` events, never by ``decide`` (which can be asked "what would you do?"
+    any number of times) and never from a clock."""
 
     name: str
 
     def decide(self, state: SchedulerState, now: float) -> Decision: ...
 
-    def on_batch_done(self, model: str, size: int, now: float) -> None: ...
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:
+        """A batch of ``size`` requests of ``model`` finished; it held the device ``device_s``."""
 
-    def on_loaded(self, model: str, now: float) -> None: ...
+    def on_loaded(self, model: str, now: float, backlog: int = 0) -> None:
+        """``model`` became resident with ``backlog`` requests waiting for it."""
 
     def on_evicted(self, model: str, now: float) -> None: ...
 
@@ -163,13 +166,13 @@ class _Base:
         self._last_used: dict[str, float] = {}
         self._demand: dict[str, tuple[float, float]] = {}  # model -> (decayed count, at)
 
-    # notifications
-    def on_batch_done(self, model: str, size: int, now: float) -> None:
+    # events
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:
         self._last_used[model] = now
         count, at = self._demand.get(model, (0.0, now))
         self._demand[model] = (count * self._decay(now - at) + size, now)
 
-    def on_loaded(self, model: str, now: float) -> None:
+    def on_loaded(self, model: str, now: float, backlog: int = 0) -> None:
         self._last_used[model] = now
 
     def on_evicted(self, model: str, now: float) -> None:
@@ -253,31 +256,21 @@ class CostAware(_Base):
         self.gather_delay_s = gather_delay_s
         self._burst_s: dict[str, float] = {}  # device seconds served since each model's load
         self._gate: dict[str, int] = {}  # requests still owed from the backlog that justified a load
-        self._pending_gate: dict[str, int] = {}
-        self._cost_seen: dict[str, BatchCost] = {}
-        self._load_cost_seen: dict[str, float] = {}
 
-    def on_loaded(self, model: str, now: float) -> None:
-        super().on_loaded(model, now)
+    def on_loaded(self, model: str, now: float, backlog: int = 0) -> None:
+        super().on_loaded(model, now, backlog)
         self._burst_s[model] = 0.0
-        self._gate[model] = self._pending_gate.pop(model, 0)
+        self._gate[model] = backlog
 
-    def on_batch_done(self, model: str, size: int, now: float) -> None:
-        super().on_batch_done(model, size, now)
-        cost = self._cost_seen.get(model)
-        if cost is not None:
-            self._burst_s[model] = self._burst_s.get(model, 0.0) + cost.seconds(size)
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:
+        super().on_batch_done(model, size, now, device_s)
+        self._burst_s[model] = self._burst_s.get(model, 0.0) + device_s
         if model in self._gate:
             self._gate[model] = max(0, self._gate[model] - size)
 
     def amortised(self, m: ModelState) -> bool:
         """The burst since the last load has paid for it (see the class docstring)."""
         return self._gate.get(m.name, 0) <= 0 and self._burst_s.get(m.name, math.inf) >= self.amortize * m.load_cost_s
-
-    def _go(self, state: SchedulerState, target: ModelState, now: float, reason: str) -> Decision:
-        if not target.resident:
-            self._pending_gate[target.name] = target.backlog
-        return super()._go(state, target, now, reason)
 
     def score(self, m: ModelState, now: float) -> float:
         switch_s = 0.0 if m.resident else m.load_cost_s
@@ -286,8 +279,6 @@ class CostAware(_Base):
         return (m.backlog / max(work_s, 1e-9)) * ageing
 
     def decide(self, state: SchedulerState, now: float) -> Decision:
-        for m in state.models.values():
-            self._cost_seen[m.name] = m.batch_cost
         waiting = [m for m in state.models.values() if m.backlog > 0]
         if not waiting:
             return Idle(now + self.idle_s)
@@ -393,14 +384,16 @@ class RoundRobin(_LruBaseline):
         super().__init__(**kw)
         self._last: str | None = None
 
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:
+        super().on_batch_done(model, size, now, device_s)
+        self._last = model
+
     def decide(self, state: SchedulerState, now: float) -> Decision:
         waiting = sorted(m.name for m in state.models.values() if m.backlog > 0)
         if not waiting:
             return Idle(now + self.idle_s)
         after = [n for n in waiting if self._last is None or n > self._last]
         target = state.models[(after or waiting)[0]]
-        if target.resident:
-            self._last = target.name
         return self._go(state, target, now, "round-robin")
 
 

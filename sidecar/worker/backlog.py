@@ -18,7 +18,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from sdk.protocol import Subjects
+from jetbatch.sdk.protocol import Subjects
 
 from ..streams import model_consumer_name
 from .parts import Slot

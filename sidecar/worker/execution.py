@@ -18,7 +18,7 @@ from typing import Any, Callable
 import anyio
 from nats.aio.msg import Msg
 
-from sdk.protocol import ErrorCode, Headers, ReplyPolicy, parse_request_headers, validate_token
+from jetbatch.sdk.protocol import ErrorCode, Headers, ReplyPolicy, parse_request_headers, validate_token
 
 from ..handlers import BadInput
 from ..policy import CostEstimator, Policy
@@ -161,7 +161,7 @@ class BatchRunner:
                 if failed or len(errors) == len(requests):
                     self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed")
         slot.last_used_at = time.time()
-        self.policy.on_batch_done(slot.name, len(requests), time.time())
+        self.policy.on_batch_done(slot.name, len(requests), time.time(), compute_s)
         self.stats["batches"] += 1
         self.stats["requests"] += len(requests)
         if self.on_batch is not None:

@@ -23,14 +23,15 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from sdk.protocol import ErrorCode, Subjects
+from jetbatch import __version__
+from jetbatch.sdk.protocol import ErrorCode, SidecarReport, Subjects
 
-from ..cluster import ClusterView, WorkerAdvert
+from ..cluster import ClusterView
 from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..policy import BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, ModelState, SchedulerState, Serve, effective_backlog, make_policy
 from ..replies import Answer, Replier, settle
-from ..status import StatusReport, serve_status
+from ..status import serve_status
 from ..streams import StreamSetupError, ensure_model_consumer, ensure_streams, model_consumer_name
 from ..telemetry import WorkerTelemetry
 from .backlog import refresh_backlog
@@ -96,7 +97,7 @@ class Worker:
         self.budget = Budget(max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models)
         self.stats = {"batches": 0, "requests": 0, "loads": 0, "evictions": 0}
         self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
-        self.telemetry.register_gauges(self.status_report)
+        self.telemetry.register_gauges(self.report)
         self._stopping = anyio.Event()
         self._ready = anyio.Event()
         self._current: str | None = None
@@ -181,8 +182,8 @@ class Worker:
         serve until :meth:`stop` (or cancellation)."""
         await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=f"worker {self.worker_id}")
         if self.cluster is not None:
-            await self.cluster.advertise(self.advert())
-        status_sub = await serve_status(self.nc, self.subjects, self.status_report)
+            await self.cluster.advertise(self.report())
+        status_sub = await serve_status(self.nc, self.subjects, self.report)
         log.info("worker %s serving %s on %s", self.worker_id, ", ".join(self.slots), self.device)
         self._ready.set()
         try:
@@ -220,22 +221,36 @@ class Worker:
                         except (nats.errors.Error, ValueError):
                             pass
 
-    def status_report(self) -> StatusReport:
-        return StatusReport(
+    def report(self) -> SidecarReport:
+        """What this worker reports: its status (the status subject, ``jetbatch status``) and its
+        advert to its peers (the cluster bucket)."""
+        drain: dict[str, float] = {}
+        for s in self.slots.values():
+            if s.resident or s.name == self.residency.loading:
+                n = s.config.max_batch_size
+                drain[s.name] = n / max(self.costs.batch_cost(s.name).seconds(n), 1e-6)
+        return SidecarReport(
             role="worker",
             id=self.worker_id,
+            version=__version__,
             models=list(self.slots),
             resident=[s.name for s in self.slots.values() if s.resident],
             warm=[s.name for s in self.slots.values() if s.tier == "warm"],
             loading=self.residency.loading,
             broken={s.name: s.broken for s in self.slots.values() if s.broken},
             backlog={s.name: s.backlog for s in self.slots.values()},
+            in_flight=self._in_flight_by_model(),
+            unfetchable={s.name: s.unfetchable for s in self.slots.values() if s.unfetchable},
+            drain_rps=drain,
+            load_cost_s={name: self.residency.load_cost_s(s) for name, s in self.slots.items()},
             memory_bytes=sum(self.costs.memory_bytes(s.name) for s in self.slots.values() if s.resident),
             memory_budget_bytes=self.budget.max_bytes,
             host_memory_bytes=self.residency.host_used_bytes(),
             host_memory_budget_bytes=self.residency.host_budget_bytes,
             stats=dict(self.stats),
             started_at=self._started_at,
+            updated_at=time.time(),
+            valid_s=self.config.worker.peer_timeout_s,
         )
 
     # --- the loop --------------------------------------------------------------------------
@@ -340,7 +355,7 @@ class Worker:
             log.info("another worker is loading %s now: standing back", slot.name)
             return False
         self.residency.loading = slot.name
-        await self.cluster.advertise(self.advert())
+        await self.cluster.advertise(self.report())
         return True
 
     async def _load(self, slot: Slot, evict: Any, *, reason: str) -> None:
@@ -359,7 +374,7 @@ class Worker:
                 self._current = slot.name
         finally:
             if self.cluster is not None:
-                await self.cluster.advertise(self.advert())  # resident now: peers count our drain
+                await self.cluster.advertise(self.report())  # resident now: peers count our drain
                 await self.cluster.release(slot.name)
 
     async def _fail_queue(self, slot: Slot, message: str) -> None:
@@ -377,27 +392,6 @@ class Worker:
 
     # --- state -----------------------------------------------------------------------------
 
-    def advert(self) -> WorkerAdvert:
-        """What this worker tells its peers."""
-        drain: dict[str, float] = {}
-        for s in self.slots.values():
-            if s.resident or s.name == self.residency.loading:
-                n = s.config.max_batch_size
-                drain[s.name] = n / max(self.costs.batch_cost(s.name).seconds(n), 1e-6)
-        return WorkerAdvert(
-            id=self.worker_id,
-            models=list(self.slots),
-            resident=[s.name for s in self.slots.values() if s.resident],
-            loading=self.residency.loading,
-            drain_rps=drain,
-            load_cost_s={name: self.residency.load_cost_s(s) for name, s in self.slots.items()},
-            memory_used_bytes=sum(self.costs.memory_bytes(s.name) for s in self.slots.values() if s.resident),
-            memory_budget_bytes=self.budget.max_bytes,
-            in_flight=self._in_flight_by_model(),
-            unfetchable={s.name: s.unfetchable for s in self.slots.values() if s.unfetchable},
-            updated_at=time.time(),
-        )
-
     def _in_flight_by_model(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for m in self._in_flight_msgs.values():
@@ -409,7 +403,7 @@ class Worker:
         assert self.cluster is not None
         while True:
             await anyio.sleep(self.config.worker.heartbeat_s)
-            await self.cluster.advertise(self.advert())
+            await self.cluster.advertise(self.report())
 
     def _effective_backlog(self, slot: Slot, served: dict[str, float] | None = None) -> int:
         """Work other workers will drain before a load of ours would finish is not ours to chase."""

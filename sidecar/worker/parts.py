@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 from nats.aio.msg import Msg
 
-from sdk.protocol import RequestMeta
+from jetbatch.sdk.protocol import RequestMeta
 
 from ..config import ModelConfig
 from ..handlers import Handler

@@ -34,7 +34,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 
-from sdk.protocol import Subjects
+from jetbatch.sdk.protocol import Subjects
 
 __all__ = ["Quarantine", "Verdict", "give_up_after"]
 

@@ -160,7 +160,7 @@ class Residency:
         self.costs.observe_load(slot.name, seconds, tier)
         self.costs.observe_memory(slot.name, memory)
         self.costs.observe_host_memory(slot.name, slot.handler.host_bytes())
-        self.policy.on_loaded(slot.name, time.time())
+        self.policy.on_loaded(slot.name, time.time(), slot.backlog)
         self.stats["loads"] += 1
         attrs = {"jetbatch.model": slot.name, "jetbatch.model.tier": tier}
         self.telemetry.loads.add(1, attrs)

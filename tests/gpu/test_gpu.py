@@ -11,10 +11,10 @@ import anyio
 import pytest
 import torch
 
-import sdk
-from sidecar.config import ModelConfig
-from sidecar.example_models import ExampleMLP, export_program
-from sidecar.handlers import create_handler
+from jetbatch import sdk
+from jetbatch.sidecar.config import ModelConfig
+from jetbatch.sidecar.dev.example_models import ExampleMLP, export_program
+from jetbatch.sidecar.handlers import create_handler
 from tests.helpers import make_config, running_worker, wait_until
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

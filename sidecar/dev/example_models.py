@@ -129,6 +129,6 @@ def build_examples(directory: str | Path, *, force: bool = False) -> ExampleSet:
 def _model_toml(name: str, hidden: int, classes: int, fmt: str) -> str:
     lines = [f"[models.{name}]", f'handler = "{fmt}"', f'path = "{_model_file(name, fmt)}"']
     if fmt == "state_dict":
-        lines += ['module_class = "sidecar.example_models:ExampleMLP"', f"module_kwargs = {{ hidden = {hidden}, classes = {classes} }}", f"options = {{ input_shape = [{INPUT_DIM}] }}"]
+        lines += ['module_class = "jetbatch.sidecar.dev.example_models:ExampleMLP"', f"module_kwargs = {{ hidden = {hidden}, classes = {classes} }}", f"options = {{ input_shape = [{INPUT_DIM}] }}"]
     lines += ["max_batch_size = 16", "max_delay_ms = 10", "load_cost_s = 0.05", "max_wait_ms = 1000", ""]
     return "\n".join(lines)

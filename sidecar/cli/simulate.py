@@ -1,0 +1,43 @@
+"""``jetbatch simulate``: scheduling policies on a workload, in the discrete-event simulator that
+drives the same policy core as the live worker."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ._common import CliError, add_json
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("simulate", help="simulate scheduling policies on a workload", description=__doc__)
+    p.add_argument("--workload", required=True, metavar="FILE", help="workload file, TOML or JSON (docs/scheduler.md)")
+    p.add_argument("--policy", default="all", help="comma-separated policy names, or all (default)")
+    add_json(p, "one summary per policy")
+    p.add_argument("--plot", default=None, metavar="PNG", help="a residency and batch timeline per policy (needs jetbatch[plot])")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jetbatch.sidecar.policy import POLICIES
+    from jetbatch.sidecar.simulator import WorkloadError, load_workload, plot, print_table, simulate_policies
+
+    names = list(POLICIES) if args.policy == "all" else [p.strip() for p in args.policy.split(",") if p.strip()]
+    try:
+        if args.plot:
+            import matplotlib  # noqa: F401  - fail before the run, not after it
+        workload = load_workload(args.workload)
+        results = simulate_policies(workload, names)
+    except (WorkloadError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    rows = [r.summary(workload) for r in results]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_table(rows, workload)
+    if args.plot:
+        plot(results, workload, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,65 @@
+"""``jetbatch up``: the sidecars of a config in one process tree, with an embedded nats-server
+on the standard port unless told otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ._common import add_sidecar_options
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "up", help="run the sidecars of a config in one process tree (embedded NATS if no URL)",
+        description="Run a worker (and the classifier, if the config has one). Without --nats-url, start an embedded "
+        "nats-server on 127.0.0.1:4222 with JetStream, its store under $JETBATCH_HOME/nats.",
+    )  # fmt: skip
+    add_sidecar_options(p, config_required=False)
+    p.add_argument("--no-classifier", action="store_true", help="run only the worker")
+    p.add_argument("--port", type=int, default=4222, help="port of the embedded nats-server (default 4222; 0: any free port)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jetbatch.sidecar.dev.deployment import Deployment
+
+    home = Path(os.environ.get("JETBATCH_HOME", ".jetbatch"))
+    config_path = args.config
+    if config_path is None:
+        from jetbatch.sidecar.dev.example_models import build_examples
+
+        config_path = str(build_examples(home / "examples").up_toml)
+    dep = Deployment(
+        config_path,
+        nats_url=args.nats_url,
+        classifier=not args.no_classifier,
+        store_dir=home / "nats",
+        log_level=args.log_level,
+        capture_output=False,
+        port=-1 if args.port == 0 else args.port,
+    )
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    dep.start()
+    print(f"jetbatch up: NATS at {dep.url}; sidecars: {', '.join(dep.procs)}. Ctrl-C to stop.", flush=True)
+    try:
+        while not stop["now"]:
+            for name, proc in list(dep.procs.items()):
+                if proc.poll() is not None:
+                    print(f"jetbatch up: {name} exited with status {proc.returncode}", file=sys.stderr)
+                    stop["now"] = True
+            time.sleep(0.2)
+    finally:
+        dep.stop()
+    return 0

@@ -1,0 +1,30 @@
+"""``jetbatch worker``: run a GPU worker sidecar."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ._common import CliError, add_sidecar_options, run_async, setup_telemetry
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("worker", help="run a GPU worker sidecar", description="Serve the models of a config from their JetStream queues.")
+    add_sidecar_options(p, config_required=True)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jetbatch.sidecar.config import load_config
+    from jetbatch.sidecar.runtime import serve_sidecar
+    from jetbatch.sidecar.worker import Worker
+
+    config = load_config(args.config)
+    url = args.nats_url or config.nats.url
+    if not url:
+        raise CliError("no NATS server: pass --nats-url, set NATS_URL or nats.url, or use `jetbatch up` for an embedded one")
+    shutdown = setup_telemetry("worker", args, config.worker.id)
+    try:
+        return run_async(serve_sidecar(config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc)))
+    finally:
+        shutdown()

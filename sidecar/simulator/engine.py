@@ -1,0 +1,361 @@
+"""A discrete-event simulator of workers serving shared model queues, driving exactly the policy
+core the live worker drives: the scheduling policy, the batch window, the cost estimator and the
+cluster share (``sidecar/policy``).
+
+Each simulated worker has its own policy instance and its own :class:`CostEstimator`, seeded with
+the *configured* costs and fed the *true* (optionally noisy) load and batch times it observes, as
+the live worker is; the policy never sees the true costs. Workers share the queues; a worker
+counts as backlog only what its peers would not drain within its own load time (the same
+``effective_backlog`` rule), and a load another worker is already doing is not repeated (the live
+worker's load claim). Evicted models stay warm within the host budget; with prefetch, the next
+model is read into the warm tier while the device computes. Requests past their deadline when
+their batch starts are not computed (``deadline_exceeded``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..policy import (
+    BatchCost,
+    BatchWindow,
+    CostEstimator,
+    Idle,
+    Load,
+    ModelState,
+    Policy,
+    SchedulerState,
+    Serve,
+    effective_backlog,
+    make_policy,
+)
+from .report import SimResult
+from .workloads import SimModel, Workload
+
+__all__ = ["simulate", "simulate_policies"]
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    model: str
+    arrival: float
+    deadline: float | None
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    policy: Policy
+    costs: CostEstimator
+    resident: list[str] = field(default_factory=list)  # in load order
+    warm: dict[str, float] = field(default_factory=dict)  # model -> when it became warm
+    current: str | None = None
+    busy_until: float = 0.0
+    loading: str | None = None
+    fresh: set[str] = field(default_factory=set)
+    prefetching: tuple[str, float] | None = None  # (model, ready at)
+    last_used: dict[str, float] = field(default_factory=dict)
+
+
+class _Sim:
+    def __init__(self, workload: Workload, make: Callable[[], Policy], max_events: int) -> None:
+        self.w = workload
+        self.max_events = max_events
+        self.rng = random.Random(workload.seed)
+        self.queues: dict[str, deque[_Request]] = {name: deque() for name in workload.models}
+        self.windows = {name: BatchWindow(m.max_batch_size, m.max_delay_s) for name, m in workload.models.items()}
+        self.arrivals = list(workload.arrivals)
+        self.next_arrival = 0
+        self.arrival_log: deque[_Request] = deque()
+        self.workers = [self._worker(i, make()) for i in range(max(1, workload.workers))]
+        self.result = SimResult(policy=self.workers[0].policy.name)
+        self.events: list[tuple[float, int, int, str]] = []
+        self.seq = 0
+        self.t = 0.0
+        self.served_ids: set[int] = set()
+
+    def _worker(self, index: int, policy: Policy) -> _Worker:
+        costs = CostEstimator()
+        for name, m in self.w.models.items():
+            costs.seed(
+                name,
+                load_cost_s=m.configured_load_cost_s if m.configured_load_cost_s is not None else m.load_cost_s,
+                batch_cost=BatchCost(
+                    m.configured_batch_cost_s if m.configured_batch_cost_s is not None else m.batch_cost_s,
+                    m.configured_item_cost_s if m.configured_item_cost_s is not None else m.item_cost_s,
+                ),
+                memory_bytes=m.memory_bytes,
+            )
+        worker = _Worker(index, policy, costs)
+        if index == 0:
+            worker.resident = list(self.w.resident_at_start)
+        return worker
+
+    # --- the event loop -------------------------------------------------------------------------
+
+    def wake(self, worker: _Worker, at: float, kind: str = "decide") -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, worker.index, kind))
+
+    def admit(self, upto: float) -> None:
+        while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival][0] <= upto + 1e-12:
+            at, model = self.arrivals[self.next_arrival]
+            deadline = self.w.models[model].deadline_s
+            req = _Request(self.next_arrival, model, at, at + deadline if deadline is not None else None)
+            self.queues[model].append(req)
+            self.arrival_log.append(req)
+            self.next_arrival += 1
+
+    def next_arrival_at(self) -> float:
+        return self.arrivals[self.next_arrival][0] if self.next_arrival < len(self.arrivals) else math.inf
+
+    def run(self) -> SimResult:
+        if self.arrivals:
+            self.result.offered_s = max(self.w.window_s, 1e-9)
+            half = self.result.offered_s / 2
+            self.result.arrivals_second_half = sum(1 for at, _ in self.arrivals if half <= at < self.result.offered_s)
+        for worker in self.workers:
+            self.wake(worker, 0.0)
+        events = 0
+        while self.events:
+            events += 1
+            if events > self.max_events:
+                raise RuntimeError(f"simulation of {self.result.policy} did not finish within {self.max_events} events")
+            at, _, index, kind = heapq.heappop(self.events)
+            self.t = max(self.t, at)
+            self.admit(self.t)
+            worker = self.workers[index]
+            if kind.startswith("done:"):
+                self.finish(worker, kind)
+                continue
+            if self.t < worker.busy_until - 1e-12:
+                continue  # a stale wake-up while busy
+            if self.all_done():
+                continue
+            self.step(worker)
+        self.result.makespan_s = self.t
+        return self.result
+
+    def all_done(self) -> bool:
+        return self.next_arrival >= len(self.arrivals) and not any(self.queues.values())
+
+    # --- one decision of one worker -------------------------------------------------------------
+
+    def state(self, worker: _Worker) -> SchedulerState:
+        peers = [p for p in self.workers if p is not worker]
+        models = {}
+        for name, m in self.w.models.items():
+            resident = name in worker.resident
+            tier = "resident" if resident else ("warm" if name in worker.warm else "cold")
+            load_cost = worker.costs.load_cost_s(name, "warm" if resident and self.w.host_budget_bytes else ("cold" if resident else tier))
+            served = sum(_drain_rps(p, name, m) for p in peers if name in p.resident or p.loading == name)
+            backlog = effective_backlog(len(self.queues[name]), served, load_cost, resident_here=resident)
+            q = self.queues[name]
+            models[name] = ModelState(
+                name=name,
+                backlog=backlog,
+                oldest_enqueued_at=q[0].arrival if q and backlog else None,
+                resident=resident,
+                load_cost_s=load_cost,
+                batch_cost=worker.costs.batch_cost(name),
+                memory_bytes=worker.costs.memory_bytes(name),
+                max_batch_size=m.max_batch_size,
+                max_wait_s=m.max_wait_s,
+                # Deadlines are arrival + a per-model constant, so the queue's head has the earliest.
+                earliest_deadline=q[0].deadline if q and backlog else None,
+                last_used_at=worker.last_used.get(name),
+            )
+        order = None
+        if worker.policy.name == "fifo":
+            while self.arrival_log and self.arrival_log[0].id in self.served_ids:
+                self.arrival_log.popleft()
+            order = tuple(r.model for r in list(self.arrival_log)[:256] if r.id not in self.served_ids)
+        return SchedulerState(models=models, current=worker.current, budget=self.w.budget, arrival_order=order)
+
+    def step(self, worker: _Worker) -> None:
+        decision = worker.policy.decide(self.state(worker), self.t)
+        if isinstance(decision, Serve):
+            self.serve(worker, decision)
+        elif isinstance(decision, Load):
+            self.load(worker, decision)
+        else:
+            self.idle(worker, decision)
+
+    def idle(self, worker: _Worker, decision: Idle) -> None:
+        nxt = self.next_arrival_at()
+        if any(self.queues.values()):
+            self.wake(worker, max(min(decision.until, nxt), self.t + 1e-6))
+        elif nxt < math.inf:
+            self.wake(worker, max(nxt, self.t))
+        # else: nothing left to arrive and nothing queued: this worker is done
+
+    def serve(self, worker: _Worker, decision: Serve) -> None:
+        m = self.w.models[decision.model]
+        if decision.model not in worker.resident:
+            raise RuntimeError(f"{worker.policy.name} served non-resident model {decision.model}")
+        q = self.queues[decision.model]
+        if not q:
+            self.wake(worker, max(self.next_arrival_at(), self.t + 1e-6) if self.next_arrival_at() < math.inf else self.t + 1e-3)
+            return
+        window = self.windows[decision.model]
+        close_at = window.close_at(q[0].arrival, self.t)
+        limit = max(1, min(decision.max_items, m.max_batch_size))
+        if not window.should_close(min(len(q), limit), close_at, self.t) and len(q) < limit:
+            self.wake(worker, max(min(close_at, self.next_arrival_at()), self.t + 1e-9))  # the window is open
+            return
+        batch: list[_Request] = []
+        while q and len(batch) < limit:
+            if decision.before is not None and batch and q[0].arrival >= decision.before:
+                break
+            batch.append(q.popleft())
+        start = self.t
+        live = [r for r in batch if r.deadline is None or r.deadline >= start]
+        for r in batch:
+            if r not in live:
+                self.result.deadline_exceeded += 1
+                self._served(r, None, None)
+        if not live:
+            self.wake(worker, self.t)
+            return
+        self.maybe_prefetch(worker, decision.model)
+        duration = self.noisy(m.batch_s(len(live)))
+        end = start + duration
+        for r in live:
+            self._served(r, start, end)
+            if start - r.arrival > m.max_wait_s + m.load_cost_s + m.batch_s(m.max_batch_size) + 1e-9:
+                self.result.late_beyond_bound += 1
+        self.result.batches.append((start, end, m.name, len(live), m.name in worker.fresh))
+        worker.fresh.discard(m.name)
+        worker.current = m.name
+        worker.busy_until = end
+        self.wake(worker, end, f"done:batch:{m.name}:{len(live)}:{duration}")
+
+    def _served(self, r: _Request, start: float | None, end: float | None) -> None:
+        self.served_ids.add(r.id)
+        self.result.served_ids.append(r.id)
+        if start is None or end is None:
+            return
+        self.result.completed += 1
+        self.result.waits_s.append(start - r.arrival)
+        self.result.latencies_s.append(end - r.arrival)
+        self.result.latency_by_model.setdefault(r.model, []).append(end - r.arrival)
+        self.result.completions.append((end, r.arrival))
+
+    def load(self, worker: _Worker, decision: Load) -> None:
+        if any(p.loading == decision.model for p in self.workers if p is not worker):
+            # Another worker holds the load claim: stand back until its load ends.
+            self.wake(worker, max(p.busy_until for p in self.workers if p.loading == decision.model) + 1e-6)
+            return
+        for victim in decision.evict:
+            if victim in worker.resident:
+                worker.resident.remove(victim)
+                worker.fresh.discard(victim)
+                self.keep_warm(worker, victim)
+                worker.policy.on_evicted(victim, self.t)
+        m = self.w.models[decision.model]
+        if decision.model in worker.resident:
+            self.wake(worker, self.t)
+            return
+        tier = "warm" if decision.model in worker.warm else "cold"
+        worker.warm.pop(decision.model, None)
+        duration = self.noisy(m.load_s(tier))
+        self.result.load_log.append((self.t, self.t + duration, m.name))
+        self.result.load_seconds += duration
+        self.result.loads += 1
+        worker.loading = decision.model
+        worker.busy_until = self.t + duration
+        self.wake(worker, self.t + duration, f"done:load:{decision.model}:{tier}:{duration}")
+
+    def finish(self, worker: _Worker, kind: str) -> None:
+        _, what, model, arg, duration_text = kind.split(":", 4)
+        duration = float(duration_text)
+        if what == "batch":
+            n = int(arg)
+            worker.last_used[model] = self.t
+            worker.costs.observe_batch(model, n, duration)
+            worker.policy.on_batch_done(model, n, self.t, duration)
+        else:
+            worker.loading = None
+            worker.resident.append(model)
+            worker.fresh.add(model)
+            worker.current = model
+            worker.costs.observe_load(model, duration, arg)  # type: ignore[arg-type]
+            self.result.max_resident_seen = max(self.result.max_resident_seen, len(worker.resident))
+            self.result.max_bytes_seen = max(self.result.max_bytes_seen, sum(self.w.models[r].memory_bytes for r in worker.resident))
+            worker.policy.on_loaded(model, self.t, len(self.queues[model]))
+        if worker.prefetching and worker.prefetching[1] <= self.t:
+            self.keep_warm(worker, worker.prefetching[0])
+            worker.prefetching = None
+        self.wake(worker, self.t)
+
+    # --- the warm tier --------------------------------------------------------------------------
+
+    def keep_warm(self, worker: _Worker, model: str) -> None:
+        """Keep ``model`` in the host tier if it fits, dropping the warm copies worth least."""
+        budget = self.w.host_budget_bytes
+        size = self.w.models[model].memory_bytes
+        if budget <= 0 or size > budget:
+            return
+        demand = getattr(worker.policy, "demand", None)
+
+        def value(name: str) -> float:
+            recent = demand(name, self.t) if callable(demand) else 0.0
+            return self.w.models[name].load_cost_s * (len(self.queues[name]) + recent)
+
+        while sum(self.w.models[n].memory_bytes for n in worker.warm) + size > budget and worker.warm:
+            del worker.warm[min(worker.warm, key=lambda n: (value(n), n))]
+        worker.warm[model] = self.t
+
+    def maybe_prefetch(self, worker: _Worker, serving: str) -> None:
+        if not self.w.prefetch or self.w.host_budget_bytes <= 0 or worker.prefetching is not None:
+            return
+        waiting = [n for n, q in self.queues.items() if q and n != serving and n not in worker.resident and n not in worker.warm]
+        if not waiting:
+            return
+        nxt = max(waiting, key=lambda n: (len(self.queues[n]), n))
+        m = self.w.models[nxt]
+        read_s = max(0.0, m.load_s("cold") - m.load_s("warm"))  # host time, beside the device
+        worker.prefetching = (nxt, self.t + read_s)
+
+    def noisy(self, seconds: float) -> float:
+        cv = self.w.noise_cv
+        if cv <= 0 or seconds <= 0:
+            return seconds
+        sigma = math.sqrt(math.log(1 + cv * cv))
+        return seconds * self.rng.lognormvariate(-sigma * sigma / 2, sigma)  # mean preserved
+
+
+def _drain_rps(worker: _Worker, name: str, m: SimModel) -> float:
+    n = m.max_batch_size
+    return n / max(worker.costs.batch_cost(name).seconds(n), 1e-6)
+
+
+def simulate(workload: Workload, policy: Policy | str, *, max_events: int = 5_000_000, **options: Any) -> SimResult:
+    """Run ``workload`` under ``policy`` (a name, built with the workload's ``[policy]`` options
+    and ``options``; or one instance, for a single worker)."""
+    if isinstance(policy, str):
+        name = policy
+        merged = {**workload.policy_options, **options}
+
+        def make() -> Policy:
+            return make_policy(name, **merged)
+    else:
+        if workload.workers > 1:
+            raise ValueError("several workers need a policy name (each worker gets its own instance)")
+        instance = policy
+
+        def make() -> Policy:
+            return instance
+
+    return _Sim(workload, make, max_events).run()
+
+
+def simulate_policies(workload: Workload, names: list[str]) -> list[SimResult]:
+    """Each policy on the same workload (the same arrivals and noise)."""
+    return [simulate(workload, name) for name in names]

@@ -1,0 +1,135 @@
+"""What a simulation measured, and how it is shown: summaries (JSON), a table, a timeline plot."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .workloads import Workload
+
+__all__ = ["SimResult", "lower_bound", "plot", "print_table"]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+@dataclass
+class SimResult:
+    policy: str
+    completed: int = 0
+    deadline_exceeded: int = 0
+    makespan_s: float = 0.0
+    loads: int = 0
+    load_seconds: float = 0.0
+    load_log: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, model
+    batches: list[tuple[float, float, str, int, bool]] = field(default_factory=list)  # start, end, model, size, loaded
+    latencies_s: list[float] = field(default_factory=list)
+    latency_by_model: dict[str, list[float]] = field(default_factory=dict)
+    waits_s: list[float] = field(default_factory=list)
+    completions: list[tuple[float, float]] = field(default_factory=list)  # (completed at, arrived at)
+    offered_s: float = 0.0  # the arrival window
+    max_resident_seen: int = 0
+    max_bytes_seen: int = 0
+    served_ids: list[int] = field(default_factory=list)
+    late_beyond_bound: int = 0  # requests whose wait exceeded max_wait + one load + one batch
+
+    def percentile_ms(self, q: float) -> float:
+        return _pct(self.latencies_s, q) * 1000
+
+    arrivals_second_half: int = 0  # arrivals in the second half of the arrival window
+
+    def served_fraction(self) -> float:
+        """Completions over arrivals in the second half of the arrival window: about 1 when the
+        system keeps up, less when queues grow without bound."""
+        if not self.offered_s or not self.arrivals_second_half:
+            return 1.0
+        half = self.offered_s / 2
+        done = sum(1 for end, _ in self.completions if half <= end < self.offered_s)
+        return done / self.arrivals_second_half
+
+    def summary(self, workload: "Workload") -> dict[str, Any]:
+        per_model = {m: _pct(v, 99) * 1000 for m, v in sorted(self.latency_by_model.items())}
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "completed": self.completed,
+            "deadline_exceeded": self.deadline_exceeded,
+            "makespan_s": self.makespan_s,
+            "throughput_rps": self.completed / self.makespan_s if self.makespan_s else 0.0,
+            "loads": self.loads,
+            "loads_per_minute": self.loads / (self.makespan_s / 60) if self.makespan_s else 0.0,
+            "load_seconds": self.load_seconds,
+            "mean_batch": statistics.mean(b[3] for b in self.batches) if self.batches else 0.0,
+            "mean_ms": statistics.mean(self.latencies_s) * 1000 if self.latencies_s else float("nan"),
+            "p50_ms": self.percentile_ms(50),
+            "p95_ms": self.percentile_ms(95),
+            "p99_ms": self.percentile_ms(99),
+            "max_ms": max(self.latencies_s) * 1000 if self.latencies_s else float("nan"),
+            "max_wait_ms": max(self.waits_s) * 1000 if self.waits_s else 0.0,
+            "p99_ms_by_model": per_model,
+            "worst_model_p99_ms": max(per_model.values()) if per_model else float("nan"),
+        }
+        if workload.closed:
+            bound = lower_bound(workload)
+            out["lower_bound_s"] = bound
+            out["ratio_to_bound"] = self.makespan_s / bound if bound else float("nan")
+        else:
+            out["offered_rps"] = len(workload.arrivals) / self.offered_s if self.offered_s else 0.0
+            out["served_fraction"] = self.served_fraction()
+        return out
+
+
+def lower_bound(workload: "Workload") -> float:
+    """Offline lower bound of a closed burst: each model with work loaded once (unless resident at
+    the start) plus ceil(n / max_batch) batch overheads plus n per-item costs."""
+    counts: dict[str, int] = {}
+    for _, model in workload.arrivals:
+        counts[model] = counts.get(model, 0) + 1
+    total = 0.0
+    for name, n in counts.items():
+        m = workload.models[name]
+        if name not in workload.resident_at_start:
+            total += m.load_cost_s
+        total += math.ceil(n / m.max_batch_size) * m.batch_cost_s + n * m.item_cost_s
+    return total
+
+
+def print_table(rows: list[dict[str, Any]], workload: "Workload") -> None:
+    cols = ["policy", "makespan_s", "loads", "mean_batch", "mean_ms", "p50_ms", "p99_ms", "max_ms", "worst_model_p99_ms"]
+    cols += ["lower_bound_s", "ratio_to_bound"] if workload.closed else ["served_fraction"]
+    print("  ".join(f"{c:>18}" for c in cols))
+    for row in rows:
+        print("  ".join(f"{row[c]:>18.3f}" if isinstance(row[c], float) else f"{row[c]:>18}" for c in cols))
+
+
+def plot(results: list[SimResult], workload: "Workload", path: str) -> None:
+    """One timeline per policy: a bar per batch on its model's row, a tick per load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(workload.models)
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 1.1 * len(results) * max(1, len(models) / 3)), squeeze=False)
+    for ax, res in zip(axes[:, 0], results):
+        for start, end, model in res.load_log:
+            y = models.index(model)
+            ax.barh(y, end - start, left=start, height=0.6, color="lightgray", hatch="//", edgecolor="gray")
+        for start, end, model, size, loaded in res.batches:
+            y = models.index(model)
+            ax.barh(y, max(end - start, 1e-4), left=start, height=0.6, color=f"C{y}")
+            if loaded:
+                ax.plot([start], [y], marker="|", color="black", markersize=10)
+        ax.set_yticks(range(len(models)), models)
+        ax.set_xlim(left=0)
+        ax.set_title(f"{res.policy}: {res.loads} loads, makespan {res.makespan_s:.2f} s", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("time (s); hatched = model load, coloured = batches, | = batch that paid a load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
