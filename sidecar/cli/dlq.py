@@ -106,7 +106,7 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         chosen = entries if args.all else [m for m in entries if m.seq == args.seq]
         if not chosen:
-            raise CliError(f"no dead letter with sequence {args.seq} (see `jetbatch dlq list`)")
+            raise CliError(f"no dead letter with sequence {args.seq}")
         if args.action == "show":
             m = chosen[0]
             shown = {**_summary(m), "headers": dict(m.headers or {}), "payload_preview": (m.data or b"")[:200].decode("utf-8", "replace")}
