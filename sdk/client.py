@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,9 +18,7 @@ from . import telemetry as _telemetry
 from .errors import (
     BadRequest,
     ClientClosed,
-    ConnectionFailed,
     JetbatchError,
-    Overloaded,
     PayloadTooLarge,
     RequestTimeout,
     StreamNotFound,
@@ -30,10 +26,10 @@ from .errors import (
     error_for_code,
 )
 from .connection import connect_nats
+from .publishing import publish_with_retries
+from .validation import check_timeout, user_headers
 from .protocol import (
     DEFAULT_PREFIX,
-    JS_MSG_TOO_BIG,
-    JS_STREAM_FULL,
     BatchInfo,
     ContentType,
     Headers,
@@ -51,10 +47,6 @@ from .protocol import (
 
 __all__ = ["Client", "Result"]
 
-_PUBLISH_ATTEMPTS = 6
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a deadline further out is a bug, not a request
-_HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}$")  # what NATS can carry as a header name
-_RESERVED_HEADERS = frozenset(h.lower() for h in (Headers.MSG_ID, Headers.REPLY_TO, Headers.TENANT))
 
 
 @dataclass(frozen=True)
@@ -227,7 +219,7 @@ class Client:
         try:
             if request_id is not None:
                 validate_token(rid, "request id")  # it becomes the last token of the inbox and result subjects
-            timeout = _check_timeout(timeout)
+            timeout = check_timeout(timeout)
             if self._tenant is not None:
                 subject = self._subjects.tenant_ingress(self._tenant)
             else:
@@ -235,7 +227,7 @@ class Client:
             if model is not None:
                 validate_token(model, "model name")
             data, ctype = encode_payload(payload, content_type)
-            hdrs = _user_headers(headers)
+            hdrs = user_headers(headers)
         except ProtocolError as exc:
             raise BadRequest(str(exc), request_id=rid) from exc
 
@@ -315,50 +307,15 @@ class Client:
     async def _publish(
         self, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float
     ) -> bool:
-        """Publish with retries under the same Nats-Msg-Id, so JetStream dedupes a retried request.
-        Returns whether JetStream reported the request id as a duplicate."""
-        last: Exception | None = None
-        for attempt in range(_PUBLISH_ATTEMPTS):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                ack = await self._js.publish(subject, data, timeout=min(remaining, 5.0), headers=hdrs)
-                # A retry after a lost PubAck is also a "duplicate" of our own first attempt: its
-                # reply still comes to our inbox, and the results store has it once computed.
-                return bool(ack.duplicate)
-            except nats.errors.MaxPayloadError as exc:
-                raise PayloadTooLarge(
-                    f"payload of {len(data)} bytes is over the server's max_payload ({self._nc.max_payload} bytes)",
-                    request_id=rid,
-                ) from exc
-            except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
-                definite = await self._no_stream_error(subject, model, rid)
-                if definite is not None:
-                    raise definite from exc
-                # JetStream itself did not answer (a leader election on a cluster, a restart):
-                # retry under the same Nats-Msg-Id.
-                last = exc
-                await asyncio.sleep(min(0.1 * 2**attempt, max(deadline - time.monotonic(), 0)))
-            except nats.js.errors.APIError as exc:
-                if exc.err_code in JS_STREAM_FULL:
-                    raise Overloaded(f"queue {subject} is full: {exc.description}", request_id=rid) from exc
-                if exc.err_code in JS_MSG_TOO_BIG:
-                    raise PayloadTooLarge(
-                        f"payload of {len(data)} bytes is over the stream's max message size", request_id=rid
-                    ) from exc
-                raise JetbatchError(f"JetStream refused the request: {exc.description}", request_id=rid) from exc
-            except nats.errors.ConnectionClosedError as exc:
-                raise ConnectionFailed("connection to NATS is closed", request_id=rid) from exc
-            except nats.errors.BadHeaderError as exc:
-                raise BadRequest(f"invalid header name: {exc}", request_id=rid) from exc
-            except nats.errors.OutboundBufferLimitError as exc:
-                last = exc  # reconnecting with a full buffer: wait and retry
-                await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
-            except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
-                last = exc  # no PubAck (server busy or reconnecting): retry, dedupe makes it safe
-                await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
-        raise RequestTimeout(f"JetStream did not acknowledge the request ({last or 'deadline reached'})", request_id=rid)
+        """Publish with retries under the same Nats-Msg-Id; returns whether JetStream reported the
+        request id as a duplicate (a retry of a request it already holds or held)."""
+        ack = await publish_with_retries(
+            self._js, subject, data, hdrs, deadline=deadline, request_id=rid,
+            no_stream=lambda: self._no_stream_error(subject, model, rid),
+        )  # fmt: skip
+        # A retry after a lost PubAck is also a "duplicate" of our own first attempt: its reply
+        # still comes to our inbox, and the results store has it once computed.
+        return bool(ack.duplicate)
 
     async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError | None:
         """Why no stream took the message: ``UnknownModel`` (the models stream exists but does not
@@ -442,29 +399,6 @@ class Client:
         except ProtocolError as exc:
             raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
         return Result(request_id=rid, output=output, batch=batch_info_from_headers(headers), latency_s=latency_s)
-
-
-def _check_timeout(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ProtocolError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-    if not math.isfinite(timeout) or timeout <= 0 or timeout > MAX_TIMEOUT_S:
-        raise ProtocolError(f"timeout must be a finite number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {timeout!r}")
-    return float(timeout)
-
-
-def _user_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
-    """The caller's extra headers, checked: names NATS can carry, string values, and none of the
-    headers the SDK owns."""
-    out: dict[str, str] = {}
-    for key, value in (headers or {}).items():
-        if not isinstance(key, str) or not _HEADER_KEY_RE.match(key):
-            raise ProtocolError(f"invalid header name {key!r}")
-        if not isinstance(value, str):
-            raise ProtocolError(f"header {key}: value must be a string, got {type(value).__name__}")
-        if key.lower() in _RESERVED_HEADERS:
-            raise ProtocolError(f"header {key} is set by the SDK (use request_id= for the request id)")
-        out[key] = value
-    return out
 
 
 class _Connecting:

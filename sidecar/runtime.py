@@ -4,15 +4,23 @@ SIGINT asks for a graceful stop, drain the connections. Shared by ``jetbatch wor
 
 from __future__ import annotations
 
+import logging
 import signal
-from typing import Any, Callable, Protocol
+import time
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import anyio
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from .config import Config
+from .streams import StreamSetupError
 
-__all__ = ["Sidecar", "serve_sidecar"]
+__all__ = ["Sidecar", "retry_startup", "serve_sidecar"]
+
+log = logging.getLogger("jetbatch.runtime")
+T = TypeVar("T")
 
 
 class Sidecar(Protocol):
@@ -57,3 +65,32 @@ async def _drain(nc: Any) -> None:
             await nc.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+_TRANSIENT = (nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
+
+
+async def retry_startup(setup: Callable[[], Awaitable[T]], *, timeout_s: float, what: str) -> T:
+    """Run ``setup`` until it succeeds, retrying transient JetStream failures (a slow or electing
+    cluster) with a logged, bounded backoff; give up after ``timeout_s``. Configuration conflicts
+    are not retried."""
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.2
+    while True:
+        try:
+            return await setup()
+        except StreamSetupError as exc:
+            if not exc.transient or time.monotonic() + delay_s > deadline:
+                raise
+            error: BaseException = exc
+        except _TRANSIENT as exc:
+            if time.monotonic() + delay_s > deadline:
+                raise StreamSetupError(f"{what}: JetStream did not answer within {timeout_s:.0f}s ({exc!r})", transient=True) from exc
+            error = exc
+        except nats.js.errors.APIError as exc:
+            if exc.code not in (500, 503) or time.monotonic() + delay_s > deadline:
+                raise
+            error = exc
+        log.warning("%s: JetStream not ready (%s); retrying in %.1fs", what, error, delay_s)
+        await anyio.sleep(delay_s)
+        delay_s = min(delay_s * 2, 5.0)

@@ -8,7 +8,8 @@
 - :mod:`.backlog`: what waits in each model's queue.
 """
 
-from .loop import Worker, retry_startup
+from ..runtime import retry_startup
+from .loop import Worker
 from .parts import BatchReport
 
 __all__ = ["BatchReport", "Worker", "retry_startup"]

@@ -11,6 +11,7 @@ message is acked (replies.py).
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from typing import Any, Callable
@@ -57,6 +58,7 @@ class BatchRunner:
         self.max_deliver = max_deliver
         self.stats = stats
         self.on_batch = on_batch
+        self._rng = random.Random()
 
     # --- parsing --------------------------------------------------------------------------------
 
@@ -147,7 +149,10 @@ class BatchRunner:
                 self.costs.observe_batch(slot.name, len(fresh), compute_s)
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
             await self._finish(slot, rejected + expired + fresh)
-            for r in sorted(suspects, key=lambda r: r.seq):
+            # A random order: a worker killed from outside soon after it starts must not find the
+            # same innocent running every time (stream order would put it first after each restart).
+            self._rng.shuffle(suspects)
+            for r in suspects:
                 await self._run_suspect(slot, r, extra)
             errors = [r for r in requests if r.answer is not None and r.answer.error is not None]
             if errors:
@@ -228,13 +233,15 @@ class BatchRunner:
         crashes = await self.quarantine.crashes(slot.name, r.seq)
         verdict = self.quarantine.verdict(r.deliveries, crashes)
         if verdict is Verdict.RUN_ALONE:
-            await self.quarantine.begin(slot.name, r.seq, crashes)
             self._decode(slot, [r], extra)
             if r.answer is None:
+                # The evidence window is the model's own code: recorded just before it runs,
+                # cleared as soon as it returns.
+                await self.quarantine.begin(slot.name, r.seq, crashes)
                 with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": 1, "jetbatch.redelivered": True}):
                     await self._predict_isolating(slot, [r], extra)
+                await self.quarantine.clear(slot.name, r.seq)
             await self._finish(slot, [r])
-            await self.quarantine.clear(slot.name, r.seq)
             return
         if verdict is Verdict.CULPRIT:
             reason = f"request crashed the worker {crashes + 1} times (the last {crashes} while running alone)"

@@ -14,7 +14,7 @@ import os
 import random
 import socket
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import anyio
 import anyio.abc
@@ -23,22 +23,23 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from jetbatch import __version__
 from jetbatch.sdk.protocol import ErrorCode, SidecarReport, Subjects
 
 from ..cluster import ClusterView
 from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
-from ..policy import BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, ModelState, SchedulerState, Serve, effective_backlog, make_policy
+from ..policy import BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, effective_backlog, make_policy
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
-from ..streams import StreamSetupError, ensure_model_consumer, ensure_streams, model_consumer_name
+from ..runtime import retry_startup
+from ..streams import ensure_model_consumer, ensure_streams, model_consumer_name
 from ..telemetry import WorkerTelemetry
 from .backlog import refresh_backlog
 from .batching import Batcher
 from .execution import BatchRunner
 from .parts import BatchReport, Slot
 from .quarantine import Quarantine
+from . import view
 from .residency import Residency, default_host_budget_bytes
 
 __all__ = ["Worker"]
@@ -143,6 +144,7 @@ class Worker:
                 peer_timeout_s=config.worker.peer_timeout_s,
             )  # fmt: skip
         self._started_at = time.time()
+        self._rng = random.Random()  # private: the global one belongs to the application
 
     def _note_trouble(self) -> None:
         if self.cluster is not None:
@@ -224,34 +226,16 @@ class Worker:
     def report(self) -> SidecarReport:
         """What this worker reports: its status (the status subject, ``jetbatch status``) and its
         advert to its peers (the cluster bucket)."""
-        drain: dict[str, float] = {}
-        for s in self.slots.values():
-            if s.resident or s.name == self.residency.loading:
-                n = s.config.max_batch_size
-                drain[s.name] = n / max(self.costs.batch_cost(s.name).seconds(n), 1e-6)
-        return SidecarReport(
-            role="worker",
-            id=self.worker_id,
-            version=__version__,
-            models=list(self.slots),
-            resident=[s.name for s in self.slots.values() if s.resident],
-            warm=[s.name for s in self.slots.values() if s.tier == "warm"],
-            loading=self.residency.loading,
-            broken={s.name: s.broken for s in self.slots.values() if s.broken},
-            backlog={s.name: s.backlog for s in self.slots.values()},
-            in_flight=self._in_flight_by_model(),
-            unfetchable={s.name: s.unfetchable for s in self.slots.values() if s.unfetchable},
-            drain_rps=drain,
-            load_cost_s={name: self.residency.load_cost_s(s) for name, s in self.slots.items()},
-            memory_bytes=sum(self.costs.memory_bytes(s.name) for s in self.slots.values() if s.resident),
-            memory_budget_bytes=self.budget.max_bytes,
-            host_memory_bytes=self.residency.host_used_bytes(),
-            host_memory_budget_bytes=self.residency.host_budget_bytes,
-            stats=dict(self.stats),
-            started_at=self._started_at,
-            updated_at=time.time(),
-            valid_s=self.config.worker.peer_timeout_s,
-        )
+        return view.build_report(self)
+
+    def _in_flight_by_model(self) -> dict[str, int]:
+        return view.in_flight_by_model(self)
+
+    def _effective_backlog(self, slot: Slot, served: dict[str, float] | None = None) -> int:
+        return view.effective(self, slot, served)
+
+    def _state(self) -> SchedulerState:
+        return view.scheduler_state(self)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -347,7 +331,7 @@ class Worker:
         back if one of them now covers this model's backlog (workers must not all chase one queue)."""
         if self.cluster is None or not self.cluster.peers():
             return True
-        await anyio.sleep(random.uniform(0.0, min(0.1, self.config.worker.heartbeat_s / 4)))
+        await anyio.sleep(self._rng.uniform(0.0, min(0.1, self.config.worker.heartbeat_s / 4)))
         served = self.cluster.served_drain_rps().get(slot.name, 0.0)
         if effective_backlog(slot.backlog, served, self.residency.load_cost_s(slot), resident_here=False) == 0:
             return False
@@ -392,45 +376,11 @@ class Worker:
 
     # --- state -----------------------------------------------------------------------------
 
-    def _in_flight_by_model(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in self._in_flight_msgs.values():
-            name = self.subjects.model_from_subject(m.subject) or ""
-            out[name] = out.get(name, 0) + 1
-        return out
-
     async def _advertise_loop(self) -> None:
         assert self.cluster is not None
         while True:
             await anyio.sleep(self.config.worker.heartbeat_s)
             await self.cluster.advertise(self.report())
-
-    def _effective_backlog(self, slot: Slot, served: dict[str, float] | None = None) -> int:
-        """Work other workers will drain before a load of ours would finish is not ours to chase."""
-        if served is None:
-            served = dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
-        return effective_backlog(slot.backlog, served.get(slot.name, 0.0), self.residency.load_cost_s(slot), resident_here=slot.resident)
-
-    def _state(self) -> SchedulerState:
-        served = dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
-        models = {}
-        for name, slot in self.slots.items():
-            cfg = slot.config
-            load_cost_s = self.residency.load_cost_s(slot)
-            backlog = self._effective_backlog(slot, served)
-            models[name] = ModelState(
-                name=name,
-                backlog=backlog,
-                oldest_enqueued_at=slot.oldest_enqueued_at if backlog else None,
-                resident=slot.resident,
-                load_cost_s=load_cost_s,
-                batch_cost=self.costs.batch_cost(name),
-                memory_bytes=self.costs.memory_bytes(name),
-                max_batch_size=cfg.max_batch_size,
-                max_wait_s=cfg.max_wait_ms / 1000.0,
-                last_used_at=slot.last_used_at,
-            )
-        return SchedulerState(models=models, current=self._current, budget=self.budget)
 
     async def _heartbeat_loop(self) -> None:
         """Tell JetStream that in-flight messages are still being worked on (long loads and long
@@ -443,32 +393,3 @@ class Worker:
                     await msg.in_progress()
                 except (nats.errors.Error, TimeoutError):
                     pass
-
-
-_TRANSIENT = (nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
-
-
-async def retry_startup(setup: Callable[[], Awaitable[T]], *, timeout_s: float, what: str) -> T:
-    """Run ``setup`` until it succeeds, retrying transient JetStream failures (a slow or electing
-    cluster) with a logged, bounded backoff; give up after ``timeout_s``. Configuration conflicts
-    are not retried."""
-    deadline = time.monotonic() + timeout_s
-    delay_s = 0.2
-    while True:
-        try:
-            return await setup()
-        except StreamSetupError as exc:
-            if not exc.transient or time.monotonic() + delay_s > deadline:
-                raise
-            error: BaseException = exc
-        except _TRANSIENT as exc:
-            if time.monotonic() + delay_s > deadline:
-                raise StreamSetupError(f"{what}: JetStream did not answer within {timeout_s:.0f}s ({exc!r})", transient=True) from exc
-            error = exc
-        except nats.js.errors.APIError as exc:
-            if exc.code not in (500, 503) or time.monotonic() + delay_s > deadline:
-                raise
-            error = exc
-        log.warning("%s: JetStream not ready (%s); retrying in %.1fs", what, error, delay_s)
-        await anyio.sleep(delay_s)
-        delay_s = min(delay_s * 2, 5.0)

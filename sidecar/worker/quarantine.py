@@ -1,10 +1,11 @@
 """Poison requests: evidence before a verdict, and an end for every message.
 
 A request that JetStream redelivers may be what killed the previous worker. Redelivered requests
-(the *suspects*) run one at a time, after the first-time requests of their batch are answered.
-Before a suspect runs alone, the worker records the attempt in a key-value bucket under the
-message's stream sequence; a suspect that completes clears its record. A record that survives is
-evidence: the process died (or lost its connection) while that request, and only it, was running.
+(the *suspects*) run one at a time, in a random order, after the first-time requests of their
+batch are answered. Just before a suspect's model code runs alone, the worker records that in a
+key-value bucket under the message's stream sequence, and clears the record as soon as the code
+returns. A record that survives is evidence: the process died while that request, and only it,
+was inside the model's code.
 
 Verdicts, with ``max_deliver`` from the configuration:
 

@@ -1,0 +1,210 @@
+"""Names of the wire contract: subjects, streams, header names, status and error codes, content
+types, and the token rules subjects are built from."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from ..errors import JetbatchError
+
+DEFAULT_PREFIX = "jetbatch"
+
+
+class Headers:
+    """NATS header names. Routing metadata travels in headers so the `nats` CLI and tracing see it."""
+
+    MSG_ID = "Nats-Msg-Id"  # request id; JetStream dedupes republished/retried messages on it
+    REPLY_TO = "Jetbatch-Reply-To"  # caller's inbox; the JetStream publish reply field carries the PubAck
+    DEADLINE = "Jetbatch-Deadline"  # absolute Unix time in integer milliseconds
+    CONTENT_TYPE = "Content-Type"
+    MODEL = "Jetbatch-Model"  # on requests to jetbatch.in: the producer's model choice; on replies: the model that served
+    TRACEPARENT = "traceparent"
+    TRACESTATE = "tracestate"
+    # Reply headers.
+    STATUS = "Jetbatch-Status"  # "ok" or "error"
+    ERROR_CODE = "Jetbatch-Error-Code"
+    REQUEST_ID = "Jetbatch-Request-Id"
+    BATCH_ID = "Jetbatch-Batch-Id"
+    BATCH_SIZE = "Jetbatch-Batch-Size"
+    QUEUE_WAIT_MS = "Jetbatch-Queue-Wait-Ms"
+    MODEL_LOADED = "Jetbatch-Model-Loaded"  # "true" when this batch paid a model load
+    TRACE_ID = "Jetbatch-Trace-Id"  # the batch span's trace id (hex), when tracing is on
+    WORKER = "Jetbatch-Worker"
+    # Set by the classifier from the ingress subject a request arrived on (<prefix>.in.<tenant>),
+    # which the server's permissions tie to the producer's identity; a producer's own value is dropped.
+    TENANT = "Jetbatch-Tenant"
+    # Dead-letter headers.
+    DLQ_REASON = "Jetbatch-Dlq-Reason"
+    DLQ_STAGE = "Jetbatch-Dlq-Stage"
+    DLQ_SUBJECT = "Jetbatch-Dlq-Subject"
+    DLQ_DELIVERIES = "Jetbatch-Dlq-Deliveries"
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+
+
+class ErrorCode(str, enum.Enum):
+    """Typed error codes carried by error replies (`Jetbatch-Status: error`)."""
+
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_MODEL = "unknown_model"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    MODEL_FAILED = "model_failed"
+    OVERLOADED = "overloaded"
+    INTERNAL = "internal"
+
+
+class ContentType(str, enum.Enum):
+    """Payload encodings understood by the sidecar (the `Content-Type` header)."""
+
+    TENSOR = "application/vnd.jetbatch.tensor+msgpack"
+    MSGPACK = "application/msgpack"
+    JSON = "application/json"
+    BYTES = "application/octet-stream"
+
+
+class ProtocolError(JetbatchError, ValueError):
+    """A message does not follow the wire contract. Maps to a `bad_request` reply."""
+
+    code = "bad_request"
+
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def validate_token(value: str, what: str) -> str:
+    """Return ``value`` if it is one safe subject token (1-64 of ``[A-Za-z0-9_-]``), else raise
+    :class:`ProtocolError` naming ``what``."""
+    if not isinstance(value, str) or not _TOKEN_RE.match(value):
+        shown = value[:80] + "..." if isinstance(value, str) and len(value) > 80 else value
+        raise ProtocolError(f"invalid {what} {shown!r}: use 1-64 characters from A-Z a-z 0-9 _ -")
+    return value
+
+
+def validate_model_name(name: str) -> str:
+    """Return ``name`` if it is a valid single NATS subject token, else raise :class:`ProtocolError`.
+
+    Model names become the last token of ``<prefix>.model.<name>``: no dots, spaces, wildcards
+    (``*``, ``>``) or other characters outside ``[A-Za-z0-9_-]``; 1 to 64 characters.
+    """
+    if not isinstance(name, str) or not _TOKEN_RE.match(name):
+        raise ProtocolError(
+            f"invalid model name {name!r}: use 1-64 characters from A-Z a-z 0-9 _ - "
+            "(no dots, spaces or wildcards)"
+        )
+    return name
+
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """All subject and stream names under one prefix (default ``jetbatch``)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not _PREFIX_RE.match(self.prefix):
+            raise ProtocolError(f"invalid subject prefix {self.prefix!r}: dot-separated tokens of A-Z a-z 0-9 _ -")
+
+    @property
+    def ingress(self) -> str:
+        """Requests whose model is decided by the classifier."""
+        return f"{self.prefix}.in"
+
+    def tenant_ingress(self, tenant: str) -> str:
+        """A tenant's own ingress subject: the server's permissions tie it to the producer, so the
+        sidecars learn the tenant from where a request arrived, not from what it claims."""
+        return f"{self.prefix}.in.{validate_token(tenant, 'tenant')}"
+
+    @property
+    def tenant_ingress_wildcard(self) -> str:
+        return f"{self.prefix}.in.*"
+
+    def tenant_from_subject(self, subject: str) -> str | None:
+        """The tenant of a request that arrived on ``<prefix>.in.<tenant>`` (None on ``<prefix>.in``)."""
+        head = f"{self.prefix}.in."
+        if subject.startswith(head):
+            tenant = subject[len(head) :]
+            return tenant if _TOKEN_RE.match(tenant) else None
+        return None
+
+    def result(self, request_id: str, tenant: str | None = None) -> str:
+        """Where a request's final answer is stored (the results stream), so a caller that missed
+        the reply (a reconnect, a retry with the same request id) can fetch it by id."""
+        rid = validate_token(request_id, "request id")
+        if tenant:
+            return f"{self.prefix}.result.{validate_token(tenant, 'tenant')}.{rid}"
+        return f"{self.prefix}.result.{rid}"
+
+    @property
+    def results_wildcard(self) -> str:
+        return f"{self.prefix}.result.>"
+
+    def model(self, name: str) -> str:
+        """The per-model queue subject."""
+        return f"{self.prefix}.model.{validate_model_name(name)}"
+
+    @property
+    def models_wildcard(self) -> str:
+        return f"{self.prefix}.model.>"
+
+    def model_from_subject(self, subject: str) -> str | None:
+        head = f"{self.prefix}.model."
+        if subject.startswith(head):
+            return subject[len(head) :]
+        return None
+
+    def dead_letter(self, stage: str) -> str:
+        return f"{self.prefix}.dlq.{stage}"
+
+    @property
+    def dead_letter_wildcard(self) -> str:
+        return f"{self.prefix}.dlq.>"
+
+    @property
+    def _stream_base(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_-]", "_", self.prefix).upper()
+
+    @property
+    def ingress_stream(self) -> str:
+        return f"{self._stream_base}_IN"
+
+    @property
+    def models_stream(self) -> str:
+        return f"{self._stream_base}_MODELS"
+
+    @property
+    def dead_letter_stream(self) -> str:
+        return f"{self._stream_base}_DLQ"
+
+    @property
+    def results_stream(self) -> str:
+        return f"{self._stream_base}_RESULTS"
+
+    @property
+    def attempts_bucket(self) -> str:
+        """Key-value bucket where workers record which redelivered request they ran alone (the
+        evidence behind poison verdicts)."""
+        return f"{self._stream_base}_ATTEMPTS"
+
+    @property
+    def kv_bucket(self) -> str:
+        """Key-value bucket where workers advertise what they hold."""
+        return f"{self._stream_base}_WORKERS"
+
+    @property
+    def status_subject(self) -> str:
+        """Every sidecar answers status requests here (see `jetbatch status`)."""
+        return f"{self.prefix}.status"
+
+
+
+# JetStream API error codes that clients and sidecars must turn into typed errors.
+JS_STREAM_FULL: frozenset[int] = frozenset({10077, 10078, 10047, 10048})  # max msgs / bytes / resources
+JS_MSG_TOO_BIG: frozenset[int] = frozenset({10054})

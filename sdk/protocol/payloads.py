@@ -1,0 +1,247 @@
+"""Bodies on the wire: payload encodings (the zero-copy tensor among them), error bodies, the
+batch metadata of a reply."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import msgspec
+
+from .names import ContentType, ErrorCode, Headers, ProtocolError, Status
+
+TENSOR_DTYPES: frozenset[str] = frozenset(
+    {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+)
+_DTYPE_SIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    """A dense tensor on the wire: dtype name, shape and raw little-endian C-order bytes.
+
+    Decoding gives ``data`` as a read-only ``memoryview`` into the received message (no copy);
+    :meth:`to_torch` wraps it with ``torch.frombuffer`` (no copy either).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+    def validate(self) -> "Tensor":
+        """Check dtype and that shape and byte length agree; raise :class:`ProtocolError` if not."""
+        if self.dtype not in TENSOR_DTYPES:
+            raise ProtocolError(f"$.dtype: unsupported tensor dtype {self.dtype!r}; expected one of {sorted(TENSOR_DTYPES)}")
+        count = 1
+        for dim in self.shape:
+            if dim < 0:
+                raise ProtocolError(f"$.shape: negative dimension in {list(self.shape)}")
+            count *= dim
+        expected = count * _DTYPE_SIZE[self.dtype]
+        if len(self.data) != expected:
+            raise ProtocolError(
+                f"$.data: {len(self.data)} bytes do not match shape {list(self.shape)} of {self.dtype} ({expected} bytes)"
+            )
+        return self
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> "Tensor":
+        """Encode a torch tensor (moved to CPU, made contiguous). Needs torch only if you pass one."""
+        import ctypes
+
+        t = tensor.detach().cpu().contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in TENSOR_DTYPES:
+            raise ProtocolError(f"unsupported tensor dtype {dtype!r}")
+        nbytes = t.numel() * t.element_size()
+        raw = ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
+        return cls(dtype=dtype, shape=tuple(t.shape), data=memoryview(_to_little_endian(raw, t.element_size())))
+
+    @classmethod
+    def from_numpy(cls, array: Any) -> "Tensor":
+        """Encode a numpy array (converted to little-endian, C order)."""
+        dtype = str(array.dtype)
+        if dtype not in TENSOR_DTYPES:
+            raise ProtocolError(f"unsupported array dtype {dtype!r}")
+        arr = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        import numpy
+
+        arr = numpy.ascontiguousarray(arr)
+        return cls(dtype=dtype, shape=tuple(arr.shape), data=memoryview(arr).cast("B"))
+
+    def to_torch(self) -> Any:
+        """A torch tensor viewing ``data`` without copying (read-only memory: do not write in place)."""
+        import importlib
+
+        torch = importlib.import_module("torch")
+        self.validate()
+        dtype = getattr(torch, self.dtype)
+        if len(self.data) == 0:
+            return torch.empty(self.shape, dtype=dtype)
+        global _frombuffer_warned
+        if _frombuffer_warned:
+            flat = torch.frombuffer(self.data, dtype=dtype)
+        else:
+            import warnings
+
+            with warnings.catch_warnings():
+                # Read-only by design: the tensor views the received message without copying.
+                # torch warns once per process; silence that one and skip the (costly) guard after.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(self.data, dtype=dtype)
+            _frombuffer_warned = True
+        if sys.byteorder != "little":  # pragma: no cover - wire order is little-endian
+            flat = flat.byteswap()
+        return flat.reshape(self.shape)
+
+
+_frombuffer_warned = False
+
+
+def _to_little_endian(raw: bytes, itemsize: int) -> bytes:
+    if sys.byteorder == "little" or itemsize == 1:
+        return raw
+    import array  # pragma: no cover
+
+    arr = array.array({2: "H", 4: "I", 8: "Q"}[itemsize], raw)  # pragma: no cover
+    arr.byteswap()  # pragma: no cover
+    return arr.tobytes()  # pragma: no cover
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """Body of an error reply, JSON-encoded so any client and the `nats` CLI can read it."""
+
+    code: str
+    message: str
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """How a request was batched, read from the reply's headers."""
+
+    batch_id: str
+    batch_size: int
+    queue_wait_ms: float
+    model_loaded: bool
+    model: str
+    worker: str = ""
+    trace_id: str = ""
+
+
+# --- Encoders built once and reused -------------------------------------------------------------
+
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_msgpack_decoder = msgspec.msgpack.Decoder()
+_tensor_decoder = msgspec.msgpack.Decoder(Tensor)
+_json_encoder = msgspec.json.Encoder()
+_json_decoder = msgspec.json.Decoder()
+_error_decoder = msgspec.json.Decoder(ErrorBody)
+
+
+def encode_payload(obj: Any, content_type: ContentType | str | None = None) -> tuple[bytes, ContentType]:
+    """Encode a request or result body and pick its content type.
+
+    ``bytes`` are sent as they are (labelled ``content_type``, default octet-stream: a body the
+    caller encoded itself), a :class:`Tensor` (or torch tensor, or numpy array) as the tensor
+    encoding, anything else as msgpack unless ``content_type`` asks for JSON.
+    """
+    ctype = ContentType(content_type) if content_type is not None else None
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        # Bytes with an explicit content type are a body the caller already encoded.
+        return bytes(obj), ctype or ContentType.BYTES
+    tensor = _as_tensor(obj)
+    if tensor is not None and ctype in (None, ContentType.TENSOR):
+        return _msgpack_encoder.encode(tensor), ContentType.TENSOR
+    if ctype is ContentType.JSON:
+        try:
+            return _json_encoder.encode(obj), ContentType.JSON
+        except TypeError as exc:
+            raise ProtocolError(f"cannot encode payload as JSON: {exc}") from exc
+    try:
+        return _msgpack_encoder.encode(obj), ContentType.MSGPACK
+    except TypeError as exc:
+        raise ProtocolError(f"cannot encode payload as msgpack: {exc}") from exc
+
+
+def _as_tensor(obj: Any) -> Tensor | None:
+    if isinstance(obj, Tensor):
+        return obj
+    module = type(obj).__module__
+    if module.startswith("torch") and hasattr(obj, "data_ptr"):
+        return Tensor.from_torch(obj)
+    if module == "numpy" and type(obj).__name__ == "ndarray":
+        return Tensor.from_numpy(obj)
+    return None
+
+
+def decode_payload(data: bytes, content_type: str | None) -> Any:
+    """Decode a body by its content type; raise :class:`ProtocolError` naming what is wrong."""
+    ctype = (content_type or ContentType.BYTES.value).split(";")[0].strip().lower()
+    try:
+        if ctype == ContentType.BYTES.value:
+            return data
+        if ctype == ContentType.TENSOR.value:
+            return _tensor_decoder.decode(data).validate()
+        if ctype == ContentType.MSGPACK.value:
+            return _msgpack_decoder.decode(data)
+        if ctype == ContentType.JSON.value:
+            return _json_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable {ctype} payload: {exc}") from exc
+    raise ProtocolError(f"unsupported content type {content_type!r}; expected one of {[c.value for c in ContentType]}")
+
+
+def encode_error(code: ErrorCode, message: str, request_id: str = "") -> bytes:
+    return _json_encoder.encode(ErrorBody(code=code.value, message=message, request_id=request_id))
+
+
+def decode_error(data: bytes) -> ErrorBody:
+    try:
+        return _error_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ErrorBody(code=ErrorCode.INTERNAL.value, message=data[:200].decode("utf-8", "replace"))
+
+
+def deadline_header(timeout_s: float, now: float | None = None) -> str:
+    """Header value for a deadline ``timeout_s`` seconds from now."""
+    return str(int(((time.time() if now is None else now) + timeout_s) * 1000))
+
+
+def batch_info_from_headers(headers: Mapping[str, str] | None) -> BatchInfo:
+    """Read the batch metadata a worker puts on every reply."""
+    h = headers or {}
+
+    def num(key: str, cast: Any, default: Any) -> Any:
+        try:
+            return cast(h[key])
+        except (KeyError, TypeError, ValueError):
+            return default
+
+    return BatchInfo(
+        batch_id=h.get(Headers.BATCH_ID, ""),
+        batch_size=num(Headers.BATCH_SIZE, int, 0),
+        queue_wait_ms=num(Headers.QUEUE_WAIT_MS, float, 0.0),
+        model_loaded=h.get(Headers.MODEL_LOADED, "false").lower() == "true",
+        model=h.get(Headers.MODEL, ""),
+        worker=h.get(Headers.WORKER, ""),
+        trace_id=h.get(Headers.TRACE_ID, ""),
+    )
+
+
+def error_headers(code: ErrorCode, request_id: str, model: str | None = None) -> dict[str, str]:
+    """The headers of an error reply (the body is :func:`encode_error`)."""
+    headers = {
+        Headers.STATUS: Status.ERROR.value,
+        Headers.ERROR_CODE: code.value,
+        Headers.REQUEST_ID: request_id,
+        Headers.CONTENT_TYPE: ContentType.JSON.value,
+    }
+    if model:
+        headers[Headers.MODEL] = model
+    return headers
+

@@ -1,0 +1,173 @@
+"""Hostile input: request headers parsed once, with limits, and the reply policy that decides
+where a sidecar may answer.
+
+Every header of a request is attacker-controlled. The sidecars parse them here, once, with
+length and range limits, and never let a request choose where they publish except through a
+reply policy (an allowlist of reply prefixes).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from .names import Headers, ProtocolError, validate_model_name, validate_token
+
+MAX_REPLY_SUBJECT_BYTES = 255  # far under the server's 4 KiB control line (subject + reply + sizes)
+MAX_CONTENT_TYPE_BYTES = 128
+MAX_TRACEPARENT_BYTES = 256
+MAX_TRACESTATE_BYTES = 512  # the W3C limit a propagator must keep
+MAX_DEADLINE_DIGITS = 15  # Unix milliseconds up to the year 33658
+DEFAULT_REPLY_PREFIXES: tuple[str, ...] = ("_INBOX",)
+DEFAULT_TENANT_REPLY_PREFIX = "_INBOX.{tenant}"
+
+_SUBJECT_CHARS_RE = re.compile(r"^[!-~]+$")  # printable ASCII, no spaces or control characters
+_DEADLINE_RE = re.compile(r"^[0-9]{1,%d}$" % MAX_DEADLINE_DIGITS)
+_TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[!-~]*)?$")
+
+
+def _subject_tokens_ok(subject: str) -> bool:
+    if len(subject.encode("utf-8", "replace")) > MAX_REPLY_SUBJECT_BYTES or not _SUBJECT_CHARS_RE.match(subject):
+        return False
+    tokens = subject.split(".")
+    return all(tok and "*" not in tok and ">" not in tok for tok in tokens)
+
+
+@dataclass(frozen=True)
+class ReplyPolicy:
+    """Where a sidecar may send a request's answer: only under one of ``allowed_prefixes`` (a
+    subject prefix followed by at least one more token), never under ``$`` (the JetStream, KV and
+    system APIs) nor under ``forbidden_prefixes`` (the deployment's own ``<prefix>.``), whatever
+    the allowlist says. A request that arrived on a tenant's ingress may only be answered under
+    ``tenant_prefix`` with its tenant filled in.
+    """
+
+    allowed_prefixes: tuple[str, ...] = DEFAULT_REPLY_PREFIXES
+    tenant_prefix: str = DEFAULT_TENANT_REPLY_PREFIX
+    forbidden_prefixes: tuple[str, ...] = ()
+
+    def check(self, subject: str, *, tenant: str | None = None) -> str:
+        """Return ``subject`` if the policy allows answering there, else raise :class:`ProtocolError`."""
+        if not isinstance(subject, str) or not _subject_tokens_ok(subject):
+            shown = subject[:60] + "..." if isinstance(subject, str) and len(subject) > 60 else subject
+            raise ProtocolError(
+                f"header {Headers.REPLY_TO}: {shown!r} is not a valid reply subject "
+                f"(printable ASCII, no wildcards or empty tokens, at most {MAX_REPLY_SUBJECT_BYTES} bytes)"
+            )
+        if subject.startswith("$") or any(subject == f or subject.startswith(f + ".") for f in self.forbidden_prefixes):
+            raise ProtocolError(f"header {Headers.REPLY_TO}: replies to {subject.split('.')[0]}.* are not allowed")
+        if tenant is not None:
+            allowed: tuple[str, ...] = (self.tenant_prefix.format(tenant=tenant),)
+        else:
+            allowed = self.allowed_prefixes
+        if not any(subject.startswith(p + ".") and len(subject) > len(p) + 1 for p in allowed):
+            raise ProtocolError(f"header {Headers.REPLY_TO}: reply subjects must lie under {' or '.join(p + '.' for p in allowed)}")
+        return subject
+
+
+@dataclass(frozen=True)
+class RequestMeta:
+    """What a sidecar takes from a request's headers, each value checked.
+
+    ``problem`` is set when a header is invalid: the request gets ``bad_request`` (sent to
+    ``reply_to`` only when the reply subject itself passed the policy) and is not run.
+    """
+
+    request_id: str
+    reply_to: str | None
+    deadline: float | None  # Unix seconds
+    content_type: str | None
+    model: str | None
+    tenant: str | None
+    problem: str | None = None
+
+
+def parse_request_headers(
+    headers: Mapping[str, str] | None, *, policy: ReplyPolicy, tenant: str | None = None, fallback_id: str = ""
+) -> RequestMeta:
+    """Parse a request's headers with limits; never raises. ``tenant`` is what the sidecar knows
+    from the subject (classifier) or the classifier's header (worker), never the producer's word."""
+    h = headers or {}
+    problems: list[str] = []
+    rid = h.get(Headers.MSG_ID) or fallback_id
+    try:
+        validate_token(rid, f"request id ({Headers.MSG_ID})")
+    except ProtocolError as exc:
+        problems.append(str(exc))
+        rid = fallback_id
+    reply_to: str | None = None
+    raw_reply = h.get(Headers.REPLY_TO)
+    if raw_reply is not None:
+        try:
+            reply_to = policy.check(raw_reply, tenant=tenant)
+        except ProtocolError as exc:
+            problems.append(str(exc))
+    deadline: float | None = None
+    raw_deadline = h.get(Headers.DEADLINE)
+    if raw_deadline is not None:
+        if isinstance(raw_deadline, str) and _DEADLINE_RE.match(raw_deadline):
+            deadline = int(raw_deadline) / 1000.0
+        else:
+            problems.append(
+                f"header {Headers.DEADLINE}: expected Unix milliseconds as 1 to {MAX_DEADLINE_DIGITS} digits, "
+                f"got {_shorten(raw_deadline)!r}"
+            )
+    content_type = h.get(Headers.CONTENT_TYPE)
+    if content_type is not None and (len(content_type) > MAX_CONTENT_TYPE_BYTES or not _SUBJECT_CHARS_RE.match(content_type.replace(" ", "x"))):
+        problems.append(f"header {Headers.CONTENT_TYPE}: {_shorten(content_type)!r} is not a media type")
+        content_type = None
+    model = h.get(Headers.MODEL) or None
+    if model is not None:
+        try:
+            validate_model_name(model)
+        except ProtocolError as exc:
+            problems.append(f"header {Headers.MODEL}: {exc}")
+            model = None
+    traceparent = h.get(Headers.TRACEPARENT)
+    if traceparent is not None and (len(traceparent) > MAX_TRACEPARENT_BYTES or not _TRACEPARENT_RE.match(traceparent)):
+        problems.append(f"header {Headers.TRACEPARENT}: not a W3C trace context")
+    tracestate = h.get(Headers.TRACESTATE)
+    if tracestate is not None and len(tracestate) > MAX_TRACESTATE_BYTES:
+        problems.append(f"header {Headers.TRACESTATE}: over {MAX_TRACESTATE_BYTES} characters")
+    return RequestMeta(
+        request_id=rid,
+        reply_to=reply_to,
+        deadline=deadline,
+        content_type=content_type,
+        model=model,
+        tenant=tenant,
+        problem="; ".join(problems) if problems else None,
+    )
+
+
+def deadline_from_headers(headers: Mapping[str, str] | None) -> float | None:
+    """The request's deadline as Unix seconds, or None. Raises :class:`ProtocolError` if malformed."""
+    if not headers or Headers.DEADLINE not in headers:
+        return None
+    raw = headers[Headers.DEADLINE]
+    if not isinstance(raw, str) or not _DEADLINE_RE.match(raw):
+        raise ProtocolError(f"header {Headers.DEADLINE}: expected Unix milliseconds as 1 to {MAX_DEADLINE_DIGITS} digits, got {_shorten(raw)!r}")
+    return int(raw) / 1000.0
+
+
+def _shorten(value: object, limit: int = 40) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
+
+
+def header_bytes(headers: Mapping[str, str] | None) -> int:
+    """Bytes the headers take on the wire (``NATS/1.0`` block), which the server counts against
+    ``max_payload`` together with the body."""
+    if not headers:
+        return 0
+    total = len(b"NATS/1.0\r\n") + 2
+    for key, value in headers.items():
+        total += len(key.encode()) + 2 + len(str(value).strip().encode()) + 2
+    return total
+
+
+def message_bytes(headers: Mapping[str, str] | None, data: bytes) -> int:
+    """What the server counts against ``max_payload``: headers plus body."""
+    return header_bytes(headers) + len(data)
+

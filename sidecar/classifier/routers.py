@@ -1,0 +1,190 @@
+"""Routers: how the classifier decides each request's model, for a whole batch at once: a torch
+classification network (one forward pass per batch), rules on headers or payload fields, or a
+Python callable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from jetbatch.sdk.protocol import ContentType, ErrorCode, ProtocolError, decode_payload
+
+from ..config import ClassifierConfig, ConfigError
+from ..handlers import import_object, read_module
+
+__all__ = ["CallableRouter", "Item", "Route", "Router", "RulesRouter", "TorchRouter", "make_router"]
+
+_FILE_FORMATS = ("export", "state_dict", "torchscript")
+
+
+@dataclass(frozen=True)
+class Route:
+    """A router's verdict for one request: a model name, or an error for the caller."""
+
+    model: str | None
+    error: tuple[ErrorCode, str] | None = None
+
+
+@dataclass
+class Item:
+    """One ingress request as a router sees it."""
+
+    headers: Mapping[str, str]
+    data: bytes
+    content_type: str | None
+
+    def payload(self) -> Any:
+        """The decoded payload (raises ProtocolError when undecodable)."""
+        return decode_payload(self.data, self.content_type)
+
+
+class Router:
+    """Decides the model of every request of a batch at once."""
+
+    def route(self, items: Sequence[Item]) -> list[Route]:
+        raise NotImplementedError
+
+    def load(self) -> None:
+        """Prepare (load weights); called once, in a worker thread."""
+
+
+class TorchRouter(Router):
+    """A classification network run on the whole batch in one forward pass.
+
+    Inputs must be tensors of one shape; the argmax class (as a string index, or the network's
+    label) maps to a model through ``labels``; below ``confidence_threshold`` the softmax top
+    probability sends the request to ``fallback_model``.
+    """
+
+    def __init__(self, cfg: ClassifierConfig) -> None:
+        if not cfg.path and cfg.handler in _FILE_FORMATS:
+            raise ConfigError(f"classifier.path: required for the torch router with handler {cfg.handler!r}")
+        if not cfg.labels:
+            raise ConfigError("classifier.labels: the torch router needs a label -> model map")
+        self.cfg = cfg
+        self.module: Any = None
+
+    def load(self) -> None:
+        if self.cfg.handler in _FILE_FORMATS:
+            module = read_module(
+                self.cfg.handler, self.cfg.path or "", module_class=self.cfg.module_class, module_kwargs=dict(self.cfg.module_kwargs)
+            )
+            self.module = module.to(self.cfg.device) if self.cfg.device != "cpu" else module
+        else:
+            factory = import_object(self.cfg.handler, what="classifier.handler")
+            self.module = factory(self.cfg) if isinstance(factory, type) else factory
+            if hasattr(self.module, "eval"):
+                self.module.eval()
+
+    def route(self, items: Sequence[Item]) -> list[Route]:
+        import torch
+
+        routes: list[Route | None] = [None] * len(items)
+        tensors, index = [], []
+        for i, item in enumerate(items):
+            try:
+                value = item.payload()
+                tensor = value.to_torch() if hasattr(value, "to_torch") else None
+                if tensor is None:
+                    raise ProtocolError(f"the torch router needs a tensor ({ContentType.TENSOR.value})")
+                tensors.append(tensor.to(torch.float32))
+                index.append(i)
+            except ProtocolError as exc:
+                routes[i] = Route(None, (ErrorCode.BAD_REQUEST, str(exc)))
+        if tensors:
+            try:
+                batch = torch.stack(tensors).to(self.cfg.device)
+            except RuntimeError as exc:
+                for i in index:
+                    routes[i] = Route(None, (ErrorCode.BAD_REQUEST, f"inputs of different shapes in one batch: {exc}"))
+                return [r or Route(None, (ErrorCode.INTERNAL, "unrouted")) for r in routes]
+            with torch.inference_mode():
+                logits = self.module(batch)
+            probs = torch.softmax(logits.float(), dim=-1)
+            top_p, top_i = probs.max(dim=-1)
+            for i, p, k in zip(index, top_p.tolist(), top_i.tolist()):
+                if p < self.cfg.confidence_threshold and self.cfg.fallback_model:
+                    routes[i] = Route(self.cfg.fallback_model)
+                    continue
+                model = self.cfg.labels.get(str(k))
+                routes[i] = Route(model) if model else Route(None, (ErrorCode.UNKNOWN_MODEL, f"class {k} maps to no model"))
+        return [r or Route(None, (ErrorCode.INTERNAL, "unrouted")) for r in routes]
+
+
+class RulesRouter(Router):
+    """First matching rule wins: ``{header = "X", equals = "v", model = "m"}`` or
+    ``{field = "a.b", equals = v, model = "m"}`` (a field of a JSON/msgpack map payload)."""
+
+    def __init__(self, cfg: ClassifierConfig) -> None:
+        for n, rule in enumerate(cfg.rules):
+            if "model" not in rule or ("header" not in rule and "field" not in rule) or "equals" not in rule:
+                raise ConfigError(f"classifier.rules[{n}]: needs model, equals, and header or field")
+        self.rules = cfg.rules
+        self.default = cfg.default_model
+
+    def route(self, items: Sequence[Item]) -> list[Route]:
+        out = []
+        for item in items:
+            try:
+                out.append(self._one(item))
+            except ProtocolError as exc:
+                out.append(Route(None, (ErrorCode.BAD_REQUEST, str(exc))))
+        return out
+
+    def _one(self, item: Item) -> Route:
+        payload: Any = None
+        decoded = False
+        for rule in self.rules:
+            if "header" in rule:
+                if item.headers.get(rule["header"]) == rule["equals"]:
+                    return Route(rule["model"])
+                continue
+            if not decoded:
+                payload, decoded = item.payload(), True
+            value: Any = payload
+            for part in str(rule["field"]).split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value == rule["equals"]:
+                return Route(rule["model"])
+        if self.default:
+            return Route(self.default)
+        return Route(None, (ErrorCode.UNKNOWN_MODEL, "no routing rule matched and no default_model is set"))
+
+
+class CallableRouter(Router):
+    """``package.module:function``, called as ``function(payloads, headers) -> list[model]`` on
+    the whole batch (payloads decoded; an undecodable one is passed as None)."""
+
+    def __init__(self, cfg: ClassifierConfig) -> None:
+        if not cfg.callable:
+            raise ConfigError("classifier.callable: required for the callable router")
+        self.fn: Callable[..., Sequence[str | None]] = import_object(cfg.callable, what="classifier.callable")
+
+    def route(self, items: Sequence[Item]) -> list[Route]:
+        payloads: list[Any] = []
+        bad: dict[int, str] = {}
+        for i, item in enumerate(items):
+            try:
+                payloads.append(item.payload())
+            except ProtocolError as exc:
+                payloads.append(None)
+                bad[i] = str(exc)
+        models = list(self.fn(payloads, [dict(item.headers) for item in items]))
+        if len(models) != len(items):
+            raise RuntimeError(f"router callable returned {len(models)} models for {len(items)} requests")
+        out = []
+        for i, model in enumerate(models):
+            if i in bad:
+                out.append(Route(None, (ErrorCode.BAD_REQUEST, bad[i])))
+            elif not model:
+                out.append(Route(None, (ErrorCode.UNKNOWN_MODEL, "the router gave no model")))
+            else:
+                out.append(Route(str(model)))
+        return out
+
+
+def make_router(cfg: ClassifierConfig) -> Router:
+    kinds: dict[str, type[Router]] = {"torch": TorchRouter, "rules": RulesRouter, "callable": CallableRouter}
+    return kinds[cfg.router](cfg)
+
+

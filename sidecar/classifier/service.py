@@ -1,0 +1,271 @@
+"""The classifier sidecar (the service): routes requests from ``<prefix>.in`` to ``<prefix>.model.<name>``.
+
+It pulls ingress requests in batches (``max_batch_size`` / ``max_delay_ms``, the worker's window),
+decides each request's model with a router (a batched torch network, rules, or a callable), and
+republishes each request unchanged (payload and every header) to its model's queue. The
+republish carries ``Nats-Msg-Id`` = request id, so a retry after a crash is deduplicated by
+JetStream, and the ingress message is acked only after JetStream confirmed the republish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import anyio
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from jetbatch import __version__
+from jetbatch.sdk.errors import BadRequest, JetbatchError, Overloaded, PayloadTooLarge, UnknownModel
+from jetbatch.sdk.protocol import ErrorCode, Headers, ProtocolError, RequestMeta, SidecarReport, Subjects, message_bytes, parse_request_headers
+from jetbatch.sdk.publishing import publish_with_retries
+
+from ..config import Config, ConfigError
+from ..policy import BatchWindow
+from ..replies import Answer, Replier, client_message, settle
+from ..runtime import retry_startup
+from ..status import serve_status
+from ..streams import classifier_consumer_name, ensure_classifier_streams
+from ..telemetry import links_from_headers
+from .routers import Item, Route, Router, make_router
+
+__all__ = ["Classifier"]
+
+log = logging.getLogger("jetbatch.classifier")
+_tracer_name = "jetbatch.sidecar"
+
+
+class Classifier:
+    """One classifier replica. Replicas share the durable consumer and split the work.
+
+    ``reply_nc``: a connection with the reply identity (``nats.reply_identity``) for answers.
+    """
+
+    def __init__(self, config: Config, nc: NATS, *, router: Router | None = None, reply_nc: NATS | None = None) -> None:
+        if config.classifier is None:
+            raise ConfigError("the config has no [classifier] section")
+        self.config = config
+        self.cfg = config.classifier
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects: Subjects = config.subjects
+        self.router = router or make_router(self.cfg)
+        self.id = f"classifier-{socket.gethostname()}-{os.getpid()}"
+        self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
+        self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
+        self.reply_policy = config.reply_policy
+        self.window = BatchWindow(self.cfg.max_batch_size, self.cfg.max_delay_ms / 1000.0)
+        self._stopping = anyio.Event()
+        self._ready = anyio.Event()
+        self._started_at = time.time()
+        self._tracer = trace.get_tracer(_tracer_name)
+
+    @property
+    def ready(self) -> anyio.Event:
+        return self._ready
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def report(self) -> SidecarReport:
+        return SidecarReport(
+            role="classifier", id=self.id, version=__version__, stats=dict(self.stats), started_at=self._started_at, updated_at=time.time()
+        )
+
+    async def _setup(self) -> Any:
+        await ensure_classifier_streams(self.js, self.subjects, self.config.streams, self.config.replies)
+        return await self.js.pull_subscribe_bind(durable=classifier_consumer_name(), stream=self.subjects.ingress_stream)
+
+    async def run(self) -> None:
+        psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
+        await anyio.to_thread.run_sync(self.router.load)
+        status = await serve_status(self.nc, self.subjects, self.report)
+        self._ready.set()
+        # Pipelining: the next batch is fetched and classified while the previous one's
+        # republishes wait for their PubAcks (at most two batches in flight).
+        in_flight = anyio.Semaphore(2)
+        try:
+            async with anyio.create_task_group() as tg:
+                while not self._stopping.is_set():
+                    msgs = await self._gather(psub)
+                    if msgs:
+                        await in_flight.acquire()
+                        tg.start_soon(self._handle_and_release, msgs, in_flight)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await status.unsubscribe()
+                    await psub.unsubscribe()
+                except (nats.errors.Error, ValueError):
+                    pass
+
+    async def _handle_and_release(self, msgs: list[Msg], limiter: anyio.Semaphore) -> None:
+        try:
+            await self._handle(msgs)
+        except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
+            log.exception("classifying a batch of %d failed; it is redelivered", len(msgs))
+            for m in msgs:
+                await settle(m, "nak", delay_s=1.0)
+        finally:
+            limiter.release()
+
+    async def _gather(self, psub: Any) -> list[Msg]:
+        msgs: list[Msg] = []
+        close_at: float | None = None
+        while not self._stopping.is_set():
+            now = time.time()
+            wait_s = self.window.wait_s(len(msgs), close_at, now, idle_wait_s=0.25)
+            if msgs and wait_s <= 0.0005:
+                break
+            try:
+                got = await psub.fetch(batch=self.cfg.max_batch_size - len(msgs), timeout=max(wait_s, 0.001))
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            except nats.errors.ConnectionClosedError:
+                self._stopping.set()
+                break
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                log.warning("fetch failed: %r", exc)
+                await anyio.sleep(0.1)
+                break
+            if close_at is None:
+                # The classifier's window runs from the first fetch (its requests have not waited
+                # in a model queue yet).
+                close_at = self.window.close_at(time.time(), time.time())
+            msgs.extend(got)
+            if self.window.is_full(len(msgs)):
+                break
+        return msgs
+
+    def _parse(self, msg: Msg) -> tuple[Item, RequestMeta]:
+        headers = msg.headers or {}
+        tenant = self.subjects.tenant_from_subject(msg.subject)
+        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=uuid.uuid4().hex)
+        item = Item(headers=headers, data=msg.data, content_type=meta.content_type)
+        return item, meta
+
+    async def _handle(self, msgs: list[Msg]) -> None:
+        now = time.time()
+        parsed = [self._parse(m) for m in msgs]
+        routes: list[Route | None] = [None] * len(msgs)
+        to_classify: list[int] = []
+        for i, (item, meta) in enumerate(parsed):
+            if meta.problem is not None:
+                routes[i] = Route(None, (ErrorCode.BAD_REQUEST, meta.problem))
+            elif meta.deadline is not None and meta.deadline < now:
+                routes[i] = Route(None, (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {now - meta.deadline:.3f}s before routing"))
+            elif meta.model:
+                # The producer named the model: no classification.
+                self.stats["direct"] += 1
+                routes[i] = Route(meta.model)
+            else:
+                to_classify.append(i)
+        with self._tracer.start_as_current_span(
+            f"{self.subjects.ingress} process",
+            kind=SpanKind.CONSUMER,
+            links=links_from_headers([m.headers for m in msgs]),
+            attributes={
+                "messaging.system": "nats",
+                "messaging.operation.type": "process",
+                "messaging.destination.name": self.subjects.ingress,
+                "messaging.batch.message_count": len(msgs),
+                "jetbatch.classifier.classified": len(to_classify),
+            },
+        ):
+            if to_classify:
+                batch = [parsed[i][0] for i in to_classify]
+                try:
+                    decided = await anyio.to_thread.run_sync(self.router.route, batch)
+                except Exception as exc:  # noqa: BLE001 - a router bug answers the batch, it does not kill the sidecar
+                    log.error("router failed on a batch of %d: %r", len(batch), exc)
+                    decided = [Route(None, (ErrorCode.INTERNAL, f"router failed: {client_message(exc)}"))] * len(batch)
+                for i, route in zip(to_classify, decided):
+                    routes[i] = route
+            # Republish the whole batch concurrently: one PubAck round trip per batch, not per request.
+            outcomes = await asyncio.gather(
+                *(self._forward(msg, item, meta, route) for msg, (item, meta), route in zip(msgs, parsed, routes) if route)
+            )
+            failed = [o for o in outcomes if o is not None]
+            if failed:
+                await self._answer(failed)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(msgs)
+
+    async def _forward(self, msg: Msg, item: Item, meta: RequestMeta, route: Route) -> tuple[Msg, RequestMeta, Route] | None:
+        """Republish a routed request (then ack it); return it with its error otherwise."""
+        error = route.error
+        if error is None and route.model is not None:
+            try:
+                subject = self.subjects.model(route.model)  # validates the name
+            except ProtocolError as exc:
+                error = (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
+            else:
+                error = await self._republish(subject, msg, meta)
+                if error is None:
+                    self.stats["routed"] += 1
+                    await self._settle_forwarded(msg)
+                    return None
+        assert error is not None
+        return msg, meta, Route(route.model, error)
+
+    async def _settle_forwarded(self, msg: Msg) -> None:
+        await settle(msg, "ack")
+
+    async def _answer(self, failed: list[tuple[Msg, RequestMeta, Route]]) -> None:
+        answers = []
+        for msg, meta, route in failed:
+            assert route.error is not None
+            code, message = route.error
+            refused = Headers.REPLY_TO in (msg.headers or {}) and meta.reply_to is None
+            if code is ErrorCode.UNKNOWN_MODEL or refused:
+                # Kept for an operator before the caller hears of it.
+                await self.replier.dead_letter(msg, message, "classifier")
+            answers.append(Answer.failure(meta, code, message, model=route.model))
+        await self.replier.deliver(answers)
+        for (msg, meta, route), answer in zip(failed, answers):
+            self.stats["errors"] += 1
+            await settle(msg, "term" if answer.error is ErrorCode.BAD_REQUEST else "ack")
+
+    async def _republish(self, subject: str, msg: Msg, meta: RequestMeta) -> tuple[ErrorCode, str] | None:
+        # Unchanged (request id, reply-to, deadline, trace context), except the tenant: the
+        # classifier's word, from the subject the request arrived on, never the producer's.
+        headers = {k: v for k, v in (msg.headers or {}).items() if k != Headers.TENANT}
+        if meta.tenant is not None:
+            headers[Headers.TENANT] = meta.tenant
+        if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):
+            return (ErrorCode.BAD_REQUEST, "request is over the server's max payload once routed")
+        model = self.subjects.model_from_subject(subject)
+
+        async def no_stream() -> JetbatchError | None:
+            try:
+                await self.js.stream_info(self.subjects.models_stream)
+            except (nats.js.errors.Error, nats.errors.Error, asyncio.TimeoutError):
+                return None  # JetStream unavailable: retry, dedupe makes it safe
+            return UnknownModel(f"no model named {model!r} is served")
+
+        try:
+            await publish_with_retries(
+                self.js, subject, msg.data, headers, deadline=time.monotonic() + 15.0, request_id=meta.request_id, no_stream=no_stream
+            )
+        except UnknownModel as exc:
+            return (ErrorCode.UNKNOWN_MODEL, exc.message)
+        except Overloaded:
+            return (ErrorCode.OVERLOADED, f"queue for model {model} is full")
+        except PayloadTooLarge:
+            return (ErrorCode.BAD_REQUEST, "payload is over the model queue's max message size")
+        except BadRequest as exc:
+            return (ErrorCode.BAD_REQUEST, exc.message)
+        except JetbatchError as exc:
+            log.warning("republish of %s failed: %s", meta.request_id, exc.message)
+            return (ErrorCode.INTERNAL, f"JetStream did not take the republish: {exc.message}")
+        return None
