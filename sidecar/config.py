@@ -144,7 +144,9 @@ class ModelConfig(_Base):
     load_cost_s: NonNegFloat = 1.0  # estimate until measured
     batch_cost_s: NonNegFloat = 0.005  # fixed seconds per batch, estimate until measured
     item_cost_s: NonNegFloat = 0.0005  # seconds per item, estimate until measured
-    max_wait_ms: PositiveFloat = 2000.0  # bounded-waiting target for the scheduler
+    # Floor of the scheduler's wait bound; None: the bound follows the traffic (two natural cycles,
+    # S / (1 - utilisation)). A bound below the cycle cannot be kept by reordering: docs/scheduler.md.
+    max_wait_ms: PositiveFloat | None = None
     options: dict[str, Any] = {}  # handler-specific settings
 
 

@@ -33,6 +33,19 @@ def test_trace_workload(tmp_path: Path) -> None:
     assert result.completed == 3 and sorted(result.served_ids) == [0, 1, 2]
 
 
+def test_requests_that_cannot_finish_in_time_are_not_computed() -> None:
+    """Batches take 0.5 s: with 0.3 s deadlines nothing can finish, and nothing is computed; with
+    5 s deadlines every request is, as the live worker does."""
+    def run(deadline_s: float) -> object:
+        raw = {"models": {"a": {"load_cost_s": 0.0, "batch_cost_s": 0.5, "item_cost_s": 0.0, "deadline_s": deadline_s}},
+               "arrivals": {"kind": "poisson", "rate": 1.0, "duration_s": 20, "seed": 2}}  # fmt: skip
+        return simulate(build_workload(raw), "cost-aware")
+
+    tight, loose = run(0.3), run(5.0)
+    assert tight.completed == 0 and tight.deadline_exceeded > 0 and not tight.batches  # type: ignore[attr-defined]
+    assert loose.deadline_exceeded == 0 and loose.completed > 0  # type: ignore[attr-defined]
+
+
 def test_simulate_cli_table_json_and_plot(tmp_path: Path) -> None:
     workload = ROOT / "examples" / "workloads" / "burst.toml"
     out = subprocess.run(

@@ -107,6 +107,21 @@ async def test_expired_deadline_is_not_computed(nats_url: str, prefix: str) -> N
     assert worker.stats["requests"] == 1
 
 
+async def test_request_that_cannot_finish_in_time_is_refused_before_compute(nats_url: str, prefix: str) -> None:
+    """A model whose batches take 0.6 s: a request due in 0.3 s is answered deadline_exceeded at
+    once (its batch would end too late), one due in 5 s is computed."""
+    slow = {"load_cost_s": 0.0, "batch_cost_s": 0.6, "item_cost_s": 0.0}
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=1, batch_cost_s=0.6, options=slow)})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"in time", model="m1", timeout=5) == b"in time"
+            due = str(int((time.time() + 0.3) * 1000))
+            started = time.monotonic()
+            with pytest.raises(sdk.DeadlineExceeded, match="a batch takes about"):
+                await client.infer(b"too tight", model="m1", timeout=10, headers={Headers.DEADLINE: due})
+            assert time.monotonic() - started < 0.6  # answered sooner than its batch could have run
+
+
 async def test_handler_failure_isolates_poison_request(nats_url: str, prefix: str) -> None:
     import asyncio
 

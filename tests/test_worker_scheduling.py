@@ -78,3 +78,89 @@ async def test_every_request_answered_once_under_mixed_load(nats_url: str, prefi
     assert [r.batch.model for r in results] == names
     assert worker.stats["requests"] == len(names)
     assert worker.stats["loads"] < len(names) // 4
+
+
+async def _ack_pending(client: sdk.Client, model: str) -> int:
+    info = await client.nats.jetstream().consumer_info(client.subjects.models_stream, f"model-{model}")
+    return int(info.num_ack_pending)
+
+
+async def test_two_requests_stay_pending_until_the_third_releases_the_batch(nats_url: str, prefix: str) -> None:
+    """Batching proven by state, not by elapsed time: with max batch 3 and a window of a minute, the
+    worker holds two fetched requests unanswered; the third closes the batch at once."""
+    config = make_config(prefix, {"m1": sleep_model(max_batch_size=3, max_delay_ms=60_000)})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            results: list[sdk.Result] = []
+
+            async def send(payload: bytes) -> None:
+                results.append(await client.infer_result(payload, model="m1", timeout=60))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send, b"one")
+                tg.start_soon(send, b"two")
+                await wait_until(lambda: _pending_is(client, 2), timeout_s=10, what="two requests fetched")
+                assert results == []  # fetched, held in the open window, not answered
+                tg.start_soon(send, b"three")
+                with anyio.fail_after(10):  # far less than the minute the window could last
+                    while len(results) < 3:
+                        await anyio.sleep(0.01)
+    assert sorted(r.output for r in results) == [b"one", b"three", b"two"]
+    assert len({r.batch.batch_id for r in results}) == 1 and results[0].batch.batch_size == 3
+
+
+async def _pending_is(client: sdk.Client, n: int) -> bool:
+    return await _ack_pending(client, "m1") == n
+
+
+async def test_cancelled_infer_and_fetch_leave_everything_working(nats_url: str, prefix: str) -> None:
+    """Cancellation regression: a caller cancelling an infer in flight does not disturb the
+    client's next request, and a worker stopped while its fetch long-polls an empty queue stops
+    within its deadline."""
+    slow = {"load_cost_s": 0.0, "batch_cost_s": 0.3, "item_cost_s": 0.0}
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=1, options=slow)})
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        async with running_worker(config, nats_url):
+            with anyio.move_on_after(0.1) as scope:
+                await client.infer(b"abandoned", model="m1", timeout=10)
+            assert scope.cancelled_caught
+            assert await client.infer(b"next", model="m1", timeout=10) == b"next"
+            await wait_until(lambda: _pending_is(client, 0), timeout_s=10, what="the abandoned request acked")
+            # The worker now long-polls an empty queue; leaving the block stops it.
+            started = anyio.current_time()
+        assert anyio.current_time() - started < 10
+        assert await _ack_pending(client, "m1") == 0
+
+
+async def test_live_burst_agrees_with_the_simulator(nats_url: str, prefix: str) -> None:
+    """4 models x 64 interleaved requests, queued before the worker starts, one slot: the live
+    worker makes the simulator's loads and batches, and its makespan is within 15% of the
+    simulated one (both drive the same policy, window and estimator)."""
+    from jetbatch.sidecar.simulator import build_workload, simulate
+
+    costs = {"load_cost_s": 0.5, "batch_cost_s": 0.1, "item_cost_s": 0.001}
+    model = sleep_model(max_batch_size=16, max_delay_ms=5, **costs, options=costs)
+    names = [f"m{i}" for i in range(4)]
+    # No warm tier: every load is a cold one in both (the prefetch overlap is the tier bench's subject).
+    config = make_config(prefix, {n: model for n in names}, worker={"max_resident_models": 1, "host_memory_budget_bytes": 0})
+    sim_models = {n: {**costs, "max_batch_size": 16} for n in names}
+    sim = simulate(build_workload({"models": sim_models, "arrivals": {"kind": "burst", "per_model": 64}}), "cost-aware")
+    await _prepare_streams(config, nats_url)
+    order = names * 64
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        results: list[sdk.Result] = []
+
+        async def send(i: int, m: str) -> None:
+            results.append(await client.infer_result(f"{m}-{i}".encode(), model=m, timeout=60))
+
+        async with anyio.create_task_group() as tg:
+            for i, m in enumerate(order):
+                tg.start_soon(send, i, m)
+            await _queued(client, len(order))
+            started = anyio.current_time()  # the worker's startup (a connect, stream checks) counts
+            async with running_worker(config, nats_url) as worker:
+                await wait_until(lambda: len(results) == len(order), timeout_s=60, what="all replies")
+                makespan = anyio.current_time() - started
+    assert worker.stats["loads"] == sim.loads == 4
+    assert len({r.batch.batch_id for r in results}) == len(sim.batches) == 16
+    assert abs(makespan - sim.makespan_s) <= 0.15 * sim.makespan_s, (makespan, sim.makespan_s)

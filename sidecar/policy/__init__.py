@@ -22,7 +22,7 @@ from .scheduling import (
     make_policy,
 )
 from .share import effective_backlog
-from .window import BatchWindow
+from .window import BatchWindow, cannot_finish
 
 __all__ = [
     "POLICIES",
@@ -38,6 +38,7 @@ __all__ = [
     "SchedulerState",
     "Serve",
     "Tier",
+    "cannot_finish",
     "effective_backlog",
     "fits",
     "make_policy",

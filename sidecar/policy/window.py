@@ -5,13 +5,17 @@ request was *enqueued* (a request that already waited that long in the queue doe
 again), or when its earliest deadline leaves no more time to wait, whichever comes first. While
 the device is still busy with the previous batch, the next one keeps filling instead of closing
 small: it could not start earlier anyway.
+
+A request that could not finish before its deadline even if its batch started now (given the
+estimated batch time) is answered ``deadline_exceeded`` instead of computed: the device time goes
+to requests someone still waits for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BatchWindow"]
+__all__ = ["BatchWindow", "cannot_finish"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +53,9 @@ class BatchWindow:
         if device_busy:
             return max(0.005, (close_at - now) if close_at is not None else 0.005)
         return max(0.0, (close_at - now) if close_at is not None else idle_wait_s)
+
+
+def cannot_finish(deadline: float | None, now: float, predicted_s: float) -> bool:
+    """Whether a request due at ``deadline`` misses it even if its batch starts ``now`` and takes
+    the predicted ``predicted_s`` seconds."""
+    return deadline is not None and now + max(predicted_s, 0.0) > deadline

@@ -9,7 +9,8 @@ counts as backlog only what its peers would not drain within its own load time (
 ``effective_backlog`` rule), and a load another worker is already doing is not repeated (the live
 worker's load claim). Evicted models stay warm within the host budget; with prefetch, the next
 model is read into the warm tier while the device computes. Requests past their deadline when
-their batch starts are not computed (``deadline_exceeded``).
+their batch starts, or that the estimated batch time would carry past it, are not computed
+(``deadline_exceeded``), as in the live worker.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..policy import (
     Policy,
     SchedulerState,
     Serve,
+    cannot_finish,
     effective_backlog,
     make_policy,
 )
@@ -215,7 +217,8 @@ class _Sim:
                 break
             batch.append(q.popleft())
         start = self.t
-        live = [r for r in batch if r.deadline is None or r.deadline >= start]
+        predicted_s = worker.costs.batch_cost(decision.model).seconds(len(batch))
+        live = [r for r in batch if not cannot_finish(r.deadline, start, predicted_s)]
         for r in batch:
             if r not in live:
                 self.result.deadline_exceeded += 1
@@ -228,7 +231,7 @@ class _Sim:
         end = start + duration
         for r in live:
             self._served(r, start, end)
-            if start - r.arrival > m.max_wait_s + m.load_cost_s + m.batch_s(m.max_batch_size) + 1e-9:
+            if m.max_wait_s is not None and start - r.arrival > m.max_wait_s + m.load_cost_s + m.batch_s(m.max_batch_size) + 1e-9:
                 self.result.late_beyond_bound += 1
         self.result.batches.append((start, end, m.name, len(live), m.name in worker.fresh))
         worker.fresh.discard(m.name)

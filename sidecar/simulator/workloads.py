@@ -19,7 +19,7 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     item_cost_s = 0.0001                # true seconds per request
     max_batch_size = 16
     max_delay_s = 0.0                   # batch window
-    max_wait_s = 2.0
+    max_wait_s = 10.0                   # floor of the wait bound (default: from the traffic)
     memory_bytes = 1
     deadline_s = 5.0                    # each request's deadline after its arrival (optional)
     configured_load_cost_s = 0.5        # what the configuration tells the estimator (default: true)
@@ -64,7 +64,7 @@ class SimModel:
     batch_cost_s: float = 0.005
     item_cost_s: float = 0.0001
     max_batch_size: int = 16
-    max_wait_s: float = 2.0
+    max_wait_s: float | None = None  # None: the policy derives the bound from the traffic
     memory_bytes: int = 1
     max_delay_s: float = 0.0
     warm_load_cost_s: float | None = None  # None: a tenth of the cold load

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from jetbatch.sdk.protocol import ErrorCode, Headers, ReplyPolicy, parse_request_headers, validate_token
 
 from ..handlers import BadInput
-from ..policy import CostEstimator, Policy
+from ..policy import CostEstimator, Policy, cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
 from .parts import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
@@ -105,10 +105,11 @@ class BatchRunner:
             return h
 
         rejected, expired, fresh, suspects = [], [], [], []
+        predicted_s = self.costs.batch_cost(slot.name).seconds(len(requests))
         for r in requests:
             if r.meta.problem is not None:
                 rejected.append(r)
-            elif r.meta.deadline is not None and r.meta.deadline < now:
+            elif cannot_finish(r.meta.deadline, now, predicted_s):
                 expired.append(r)
             elif r.deliveries <= 1:
                 fresh.append(r)
@@ -135,8 +136,9 @@ class BatchRunner:
                 r.action = "term"  # a malformed request will not get better on redelivery
                 r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, r.meta.problem or "bad request", extra(r))
             for r in expired:
-                late_s = now - (r.meta.deadline or now)
-                r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {late_s:.3f}s before compute", extra(r))
+                left_s = (r.meta.deadline or now) - now
+                why = f"deadline passed {-left_s:.3f}s before compute" if left_s < 0 else f"{left_s:.3f}s left, a batch takes about {predicted_s:.3f}s"
+                r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, why, extra(r))
             started = time.perf_counter()
             if fresh:
                 self._decode(slot, fresh, extra)

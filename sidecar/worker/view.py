@@ -81,7 +81,7 @@ def scheduler_state(self: "Worker") -> SchedulerState:
             batch_cost=self.costs.batch_cost(name),
             memory_bytes=self.costs.memory_bytes(name),
             max_batch_size=cfg.max_batch_size,
-            max_wait_s=cfg.max_wait_ms / 1000.0,
+            max_wait_s=cfg.max_wait_ms / 1000.0 if cfg.max_wait_ms is not None else None,
             last_used_at=slot.last_used_at,
         )
     return SchedulerState(models=models, current=self._current, budget=self.budget)

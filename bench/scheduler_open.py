@@ -1,0 +1,179 @@
+"""The scheduler on open, heterogeneous traffic: every policy on the same arrival traces.
+
+Workload families (ten models, load costs 0.12-2 s spaced geometrically, batch costs linear in
+size, Zipf 1.1 popularity):
+
+- ``cheap-popular``: the most popular models are the cheapest to load;
+- ``costly-popular``: the most popular models are the most expensive to load;
+- ``unrelated``: popularity shuffled against cost (seeded).
+
+Arrivals are Poisson or on/off (20 s on, 20 s off, the same mean rate) at a utilisation ρ that
+counts full-batch service work only; memory is 1, 2 or 3 model slots, or a byte budget of 40% of
+all models' bytes (sizes proportional to load cost). Each cell runs several seeds; the tables
+give geometric means over seeds of each policy's ratio to ``exhaustive`` on the same trace, plus
+served/offered (completions over arrivals in the second half of the window: < 0.95 means queues
+grow without bound).
+
+    python bench/scheduler_open.py                      # the full grid (about 15 minutes on 2 cores)
+    python bench/scheduler_open.py --quick              # one seed, 300 s, fewer cells
+    python bench/scheduler_open.py --json out.json --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jetbatch.sidecar.simulator import build_workload, simulate  # noqa: E402
+
+FAMILIES = ("cheap-popular", "costly-popular", "unrelated")
+MEMORY = ("1 slot", "2 slots", "3 slots", "bytes 40%")
+POLICIES = ("cost-aware", "exhaustive", "round-robin", "cost-aware-lru")
+N_MODELS = 10
+
+
+def _models(family: str, seed: int) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    loads = [0.12 * (2.0 / 0.12) ** (k / (N_MODELS - 1)) for k in range(N_MODELS)]  # cheapest first
+    models = {}
+    for k, load in enumerate(loads):
+        models[f"m{k}"] = {
+            "load_cost_s": round(load, 4),
+            "warm_load_cost_s": round(load / 5, 4),
+            # Bigger models run longer batches: fixed and per-item costs grow with the load cost.
+            "batch_cost_s": round(0.01 + 0.02 * load, 4),
+            "item_cost_s": round(0.001 + 0.002 * load, 5),
+            "max_batch_size": 16,
+            "memory_bytes": int(load * 1000),
+        }
+    ranks = list(range(N_MODELS))  # ranks[i]: the popularity rank of model i
+    if family == "costly-popular":
+        ranks.reverse()
+    elif family == "unrelated":
+        random.Random(1000 + seed).shuffle(ranks)
+    mix = {f"m{i}": 1.0 / (ranks[i] + 1) ** 1.1 for i in range(N_MODELS)}
+    return models, mix
+
+
+def workload(family: str, memory: str, rho: float, kind: str, seed: int, duration_s: float) -> Any:
+    models, mix = _models(family, seed)
+    if memory.startswith("bytes"):
+        budget: dict[str, Any] = {"max_bytes": int(0.4 * sum(m["memory_bytes"] for m in models.values()))}
+    else:
+        budget = {"max_models": int(memory.split()[0])}
+    arrivals: dict[str, Any] = {"kind": kind, "utilization": rho, "duration_s": duration_s, "mix": mix, "seed": seed}
+    if kind == "onoff":
+        arrivals.update(on_s=20.0, off_s=20.0)
+    return build_workload({"models": models, "budget": budget, "arrivals": arrivals})
+
+
+def run_cell(cell: tuple[str, str, float, str, int, float, tuple[str, ...]]) -> list[dict[str, Any]]:
+    family, memory, rho, kind, seed, duration_s, policies = cell
+    w = workload(family, memory, rho, kind, seed, duration_s)
+    rows = []
+    for policy in policies:
+        started = time.perf_counter()
+        res = simulate(w, policy)
+        s = res.summary(w)
+        # The rarest model: its worst wait, to hold against the cycle.
+        rare = min(w.models, key=lambda n: sum(1 for _, m in w.arrivals if m == n))
+        rows.append(
+            {
+                "family": family, "memory": memory, "rho": rho, "kind": kind, "seed": seed, "policy": policy,
+                "served": s["served_fraction"], "mean_s": s["mean_ms"] / 1000, "p99_s": s["p99_ms"] / 1000,
+                "max_s": s["max_ms"] / 1000, "worst_model_p99_s": s["worst_model_p99_ms"] / 1000,
+                "rare_max_s": max(res.latency_by_model.get(rare, [0.0])),
+                "loads_per_min": s["loads_per_minute"], "requests": len(w.arrivals),
+                "sim_s": time.perf_counter() - started,
+            }
+        )
+    return rows
+
+
+def _geo(values: list[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(statistics.mean(math.log(v) for v in values)) if values else float("nan")
+
+
+def tables(rows: list[dict[str, Any]], policies: tuple[str, ...]) -> str:
+    by_cell: dict[tuple[Any, ...], dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        by_cell.setdefault((r["family"], r["memory"], r["kind"], r["rho"]), {}).setdefault(r["policy"], []).append(r)
+    out = []
+    others = [p for p in policies if p != "exhaustive"]
+    head = "| family | memory | arrivals | ρ | exhaustive served | exhaustive mean s | exhaustive p99 s |"
+    for p in others:
+        head += f" {p} served | mean × | p99 × | max × | worst-model p99 × | loads/min |"
+    out.append(head)
+    out.append("|" + "---|" * (head.count("|") - 1))
+    for (family, memory, kind, rho), per in sorted(by_cell.items()):
+        ex = sorted(per["exhaustive"], key=lambda r: r["seed"])
+        line = (
+            f"| {family} | {memory} | {kind} | {rho:.2f} | {statistics.mean(r['served'] for r in ex):.2f} "
+            f"| {_geo([r['mean_s'] for r in ex]):.2f} | {_geo([r['p99_s'] for r in ex]):.2f} |"
+        )
+        for p in others:
+            rs = sorted(per.get(p, []), key=lambda r: r["seed"])
+
+            def ratio(key: str) -> float:
+                return _geo([a[key] / b[key] for a, b in zip(rs, ex) if b[key] > 0])
+
+            line += (
+                f" {statistics.mean(r['served'] for r in rs):.2f} | {ratio('mean_s'):.2f} | {ratio('p99_s'):.2f} "
+                f"| {ratio('max_s'):.2f} | {ratio('worst_model_p99_s'):.2f} | {statistics.mean(r['loads_per_min'] for r in rs):.1f} |"
+            )
+        out.append(line)
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one seed, 300 s, ρ .5/.85, Poisson only")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--memory", default=",".join(MEMORY))
+    ap.add_argument("--rho", default="0.3,0.5,0.7,0.85")
+    ap.add_argument("--kinds", default="poisson,onoff")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--json", help="write every run's row here")
+    ap.add_argument("--markdown", help="write the tables here")
+    args = ap.parse_args()
+    seeds, duration, rhos, kinds = args.seeds, args.duration, [float(x) for x in args.rho.split(",")], args.kinds.split(",")
+    if args.quick:
+        seeds, duration, rhos, kinds = 1, 300.0, [0.5, 0.85], ["poisson"]
+    policies = tuple(args.policies.split(","))
+    if "exhaustive" not in policies:
+        policies = ("exhaustive", *policies)
+    cells = [
+        (f, m, rho, k, seed, duration, policies)
+        for f, m, rho, k, seed in itertools.product(args.families.split(","), args.memory.split(","), rhos, kinds, range(1, seeds + 1))
+    ]
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for done, cell_rows in enumerate(pool.map(run_cell, cells), 1):
+            rows.extend(cell_rows)
+            print(f"\r{done}/{len(cells)} cells, {time.perf_counter() - started:.0f} s", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    text = tables(rows, policies)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Bookkeeping every policy shares: recency, decayed demand, eviction, and small helpers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from .types import Decision, Load, ModelState, SchedulerState, Serve, fits
+
+__all__ = ["PolicyBase", "age", "best", "drain_seconds", "oldest"]
+
+
+def drain_seconds(m: ModelState, n: int) -> float:
+    """Device seconds to serve ``n`` requests of ``m`` in full batches."""
+    if n <= 0:
+        return 0.0
+    batches = math.ceil(n / m.max_batch_size)
+    return batches * m.batch_cost.batch_cost_s + n * m.batch_cost.item_cost_s
+
+
+def best(models: Sequence[ModelState], key: Any) -> ModelState:
+    """The model maximising ``key``; ties go to the model whose name sorts first (deterministic)."""
+    return max(sorted(models, key=lambda m: m.name), key=key)
+
+
+def oldest(m: ModelState, now: float) -> float:
+    return m.oldest_enqueued_at if m.oldest_enqueued_at is not None else now
+
+
+def age(m: ModelState, now: float) -> float:
+    return 0.0 if m.oldest_enqueued_at is None else max(0.0, now - m.oldest_enqueued_at)
+
+
+class PolicyBase:
+    """Bookkeeping shared by the policies: recency, decayed demand, and eviction."""
+
+    name = "base"
+
+    def __init__(self, *, eviction: str = "cost", demand_half_life_s: float = 30.0, idle_s: float = 0.25) -> None:
+        if eviction not in ("cost", "lru"):
+            raise ValueError(f"eviction must be 'cost' or 'lru', got {eviction!r}")
+        self.eviction = eviction
+        self.demand_half_life_s = demand_half_life_s
+        self.idle_s = idle_s
+        self._last_used: dict[str, float] = {}
+        self._demand: dict[str, tuple[float, float]] = {}  # model -> (decayed count, at)
+
+    # events
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:
+        self._last_used[model] = now
+        count, at = self._demand.get(model, (0.0, now))
+        self._demand[model] = (count * self._decay(now - at) + size, now)
+
+    def on_loaded(self, model: str, now: float, backlog: int = 0) -> None:
+        self._last_used[model] = now
+
+    def on_evicted(self, model: str, now: float) -> None:
+        pass
+
+    def _decay(self, dt: float) -> float:
+        return 0.5 ** (max(dt, 0.0) / self.demand_half_life_s)
+
+    def demand(self, model: str, now: float) -> float:
+        """Requests served recently, exponentially decayed (half-life ``demand_half_life_s``)."""
+        count, at = self._demand.get(model, (0.0, now))
+        return count * self._decay(now - at)
+
+    def _evictions(
+        self, state: SchedulerState, target: ModelState, now: float, protected: frozenset[str] = frozenset()
+    ) -> tuple[str, ...] | None:
+        """Which resident models to unload so ``target`` fits the budget; None when it cannot fit
+        without evicting a ``protected`` model.
+
+        ``cost`` eviction keeps the models whose reload would cost most given what they are likely
+        to be asked for next (load cost × (backlog + recent demand)); ``lru`` evicts the least
+        recently used, the baseline of Ray Serve's multiplexing and ModelMesh.
+        """
+        resident = [m for m in state.models.values() if m.resident and m.name != target.name]
+        evict: list[str] = []
+        while not fits(state.budget, [m for m in resident if m.name not in evict], target):
+            victims = [m for m in resident if m.name not in evict and m.name not in protected]
+            if not victims:
+                if any(m.name in protected for m in resident if m.name not in evict):
+                    return None
+                break
+            if self.eviction == "lru":
+                victim = min(victims, key=lambda m: (self._last_used.get(m.name, -math.inf), m.name))
+            else:
+                victim = min(
+                    victims,
+                    key=lambda m: (m.load_cost_s * (m.backlog + self.demand(m.name, now)), self._last_used.get(m.name, -math.inf), m.name),
+                )
+            evict.append(victim.name)
+        return tuple(evict)
+
+    def _go(self, state: SchedulerState, target: ModelState, now: float, reason: str) -> Decision:
+        if target.resident:
+            return Serve(target.name, target.max_batch_size, reason)
+        return Load(target.name, self._evictions(state, target, now) or (), reason)

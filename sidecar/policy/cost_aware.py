@@ -1,0 +1,204 @@
+"""The default policy: exhaustive visits that pay for their loads, and a cost-aware choice of what
+comes next, with a wait bound derived from the cycle the traffic forces.
+
+Grounded in the polling-system facts of ``docs/scheduler.md``: with switch costs S per cycle and
+utilisation ρ, every model's queue is visited about once per S / (1 − ρ) seconds whatever the
+order, so a wait bound shorter than that cycle cannot be kept by reordering and only turns the
+policy into "most overdue first". Cost-awareness pays in choosing *which* model comes next, never
+in cutting a paid-for visit short.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .base import PolicyBase, age, best, oldest
+from .types import Budget, Decision, Idle, Load, ModelState, SchedulerState, Serve
+
+__all__ = ["CostAware"]
+
+_LN2 = math.log(2.0)
+
+
+class CostAware(PolicyBase):
+    """The default policy.
+
+    - **Visits.** The resident model is served until its queue is empty (exhaustive service, the
+      strong baseline on a closed burst and under open load). A visit that began with a load is
+      never cut short before it has served the requests waiting at the load (gated service) and
+      ``amortize`` × the load cost of device time; after that, it yields only to a model that has
+      waited past its wait bound (below), which is what keeps a model under overload from
+      starving the others.
+    - **Which model next.** The waiting model with the most waiting relieved per second of
+      switch, ``backlog × age / (switch cost + batch cost)`` (the switch cost is zero for a
+      resident model), times an ageing factor ``1 + age / bound`` and a deadline factor (up to 2×
+      for a model whose earliest deadline falls within one cycle and can still be met). A model
+      past its bound comes first, most overdue first. With Poisson arrivals ``backlog × age`` is
+      about ``rate × age²``, so a model comes up once its age reaches about
+      ``sqrt(switch / rate)``: visit frequencies proportional to ``sqrt(rate / switch cost)``,
+      which minimise the mean wait for a given share of time spent loading (the square-root rule
+      of polling tables). Popular cheap models are visited often, rare costly ones in larger
+      batches.
+    - **The wait bound** is ``max(max_wait_s, wait_cycles × cycle)`` where the cycle is
+      ``S / (1 − ρ)``: S sums the load costs of the models in recent use that cannot all stay
+      resident, and ρ is this worker's measured busy share (decayed with ``demand_half_life_s``,
+      capped at ``max_utilisation``). With no ``max_wait_s`` configured the bound follows the
+      traffic alone.
+    - **Several slots.** A resident model whose visit has not paid for its load and still has
+      requests is never evicted for another model: the scheduler serves a resident queue instead
+      until the load is amortised, so more memory cannot make it thrash.
+    - **Gather window.** With ``gather_size`` > 0, wait until that many requests are queued in all
+      or the oldest has waited ``gather_delay_s``.
+    """
+
+    name = "cost-aware"
+
+    def __init__(
+        self,
+        *,
+        amortize: float = 1.0,
+        wait_cycles: float = 2.0,
+        max_utilisation: float = 0.95,
+        gather_size: int = 0,
+        gather_delay_s: float = 0.0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(**kw)
+        if amortize < 0 or wait_cycles <= 0 or not 0 < max_utilisation < 1:
+            raise ValueError("cost-aware needs amortize >= 0, wait_cycles > 0 and 0 < max_utilisation < 1")
+        self.amortize = amortize
+        self.wait_cycles = wait_cycles
+        self.max_utilisation = max_utilisation
+        self.gather_size = gather_size
+        self.gather_delay_s = gather_delay_s
+        self._burst_s: dict[str, float] = {}  # device seconds served since each model's load
+        self._gate: dict[str, int] = {}  # requests still owed from the backlog that justified a load
+        self._busy = 0.0  # decayed device seconds of batches
+        self._busy_at: float | None = None
+        self._since: float | None = None  # first event seen: the start of the busy-share window
+
+    # --- events -----------------------------------------------------------------------------
+
+    def on_loaded(self, model: str, now: float, backlog: int = 0) -> None:
+        super().on_loaded(model, now, backlog)
+        if self._since is None:
+            self._since = now
+        self._burst_s[model] = 0.0
+        self._gate[model] = backlog
+
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:
+        super().on_batch_done(model, size, now, device_s)
+        if self._since is None:
+            self._since = now - device_s
+        self._busy = self._busy * self._decay(now - (self._busy_at if self._busy_at is not None else now)) + device_s
+        self._busy_at = now
+        self._burst_s[model] = self._burst_s.get(model, 0.0) + device_s
+        if model in self._gate:
+            self._gate[model] = max(0, self._gate[model] - size)
+
+    # --- estimates (read-only) --------------------------------------------------------------
+
+    def utilisation(self, now: float) -> float:
+        """The device's busy share over the recent past, as measured from batch times."""
+        if self._since is None or self._busy_at is None:
+            return 0.0
+        h = self.demand_half_life_s
+        elapsed = max(now - self._since, 1e-9)
+        window = (h / _LN2) * (1.0 - 0.5 ** (elapsed / h))  # what a device busy all along would show
+        busy = self._busy * self._decay(now - self._busy_at)
+        return min(self.max_utilisation, busy / window)
+
+    def cycle_s(self, state: SchedulerState, now: float) -> float:
+        """The natural cycle S / (1 − ρ): how long the device takes to come back to a model."""
+        active = [m for m in state.models.values() if m.backlog > 0 or self.demand(m.name, now) >= 1.0]
+        if not active:
+            return 0.0
+        slots = _slots(state.budget, active)
+        if slots >= len(active):
+            switch_s = sum(m.load_cost_s for m in active if not m.resident)
+        else:
+            # Each cycle reloads all but about (slots - 1) of the models in use.
+            switch_s = sum(m.load_cost_s for m in active) * (len(active) - slots + 1) / len(active)
+        return switch_s / (1.0 - self.utilisation(now))
+
+    def bound_s(self, m: ModelState, cycle_s: float) -> float:
+        """How long ``m``'s oldest request may wait before ``m`` comes next."""
+        return max(m.max_wait_s or 0.0, self.wait_cycles * cycle_s, m.load_cost_s, 1e-3)
+
+    def amortised(self, m: ModelState) -> bool:
+        """The visit since the last load has paid for it (see the class docstring)."""
+        return self._gate.get(m.name, 0) <= 0 and self._burst_s.get(m.name, math.inf) >= self.amortize * m.load_cost_s
+
+    def score(self, m: ModelState, now: float, cycle_s: float) -> float:
+        """Waiting time relieved per second of switch: ``backlog × age / (switch + batch)``, with
+        ageing and the deadline factor (see the class docstring)."""
+        switch_s = 0.0 if m.resident else m.load_cost_s
+        waited_s = m.backlog * (age(m, now) + 1e-3)  # about twice the queue's summed waiting
+        ageing = 1.0 + age(m, now) / self.bound_s(m, cycle_s)
+        per_switch = waited_s / max(switch_s + m.batch_cost.batch_cost_s, 1e-6)
+        return per_switch * ageing * self._deadline_factor(m, now, cycle_s, switch_s)
+
+    def _deadline_factor(self, m: ModelState, now: float, cycle_s: float, switch_s: float) -> float:
+        if m.earliest_deadline is None or cycle_s <= 0:
+            return 1.0
+        slack = m.earliest_deadline - now - switch_s - m.batch_cost.seconds(min(m.backlog, m.max_batch_size))
+        if slack < 0 or slack >= cycle_s:
+            return 1.0  # already lost (it will be answered deadline_exceeded), or not pressing
+        return 1.0 + (cycle_s - slack) / cycle_s
+
+    # --- the decision -------------------------------------------------------------------------
+
+    def decide(self, state: SchedulerState, now: float) -> Decision:
+        waiting = [m for m in state.models.values() if m.backlog > 0]
+        if not waiting:
+            return Idle(now + self.idle_s)
+        if self.gather_size > 0:
+            total = sum(m.backlog for m in waiting)
+            first = min(oldest(m, now) for m in waiting)
+            if total < self.gather_size and now - first < self.gather_delay_s - 1e-9:
+                return Idle(first + self.gather_delay_s, "gather")
+        cycle = self.cycle_s(state, now)
+        overdue = [m for m in waiting if age(m, now) >= self.bound_s(m, cycle)]
+        protected = frozenset(m.name for m in waiting if m.resident and not self.amortised(m))
+        current = state.models.get(state.current) if state.current else None
+        if current is not None and current.resident and current.backlog > 0:
+            if current.name in protected:
+                return Serve(current.name, current.max_batch_size, "burst")
+            others = [m for m in overdue if m.name != current.name]
+            if not others:
+                return Serve(current.name, current.max_batch_size, "exhaustive")
+            target = best(others, lambda m: (age(m, now) / self.bound_s(m, cycle), m.resident))
+            return self._visit(state, target, now, protected, cycle, "overdue")
+        if overdue:
+            target = best(overdue, lambda m: (age(m, now) / self.bound_s(m, cycle), m.resident))
+            return self._visit(state, target, now, protected, cycle, "overdue")
+        target = best(waiting, lambda m: (self.score(m, now, cycle), m.resident, -oldest(m, now)))
+        return self._visit(state, target, now, protected, cycle, "backlog")
+
+    def _visit(
+        self, state: SchedulerState, target: ModelState, now: float, protected: frozenset[str], cycle: float, reason: str
+    ) -> Decision:
+        if target.resident:
+            return Serve(target.name, target.max_batch_size, reason)
+        evict = self._evictions(state, target, now, protected)
+        if evict is None:
+            # Loading it would evict a model whose load has not paid off yet: serve that first.
+            busy = [m for m in state.models.values() if m.name in protected]
+            keep = best(busy, lambda m: (self.score(m, now, cycle), -oldest(m, now)))
+            return Serve(keep.name, keep.max_batch_size, "protect-burst")
+        return Load(target.name, evict, reason)
+
+
+def _slots(budget: Budget, models: list[ModelState]) -> int:
+    """How many of ``models`` can be resident at once (the smallest first, for a byte budget)."""
+    slots = len(models) if budget.max_models is None else min(budget.max_models, len(models))
+    if budget.max_bytes is not None:
+        used, fit = 0, 0
+        for m in sorted(models, key=lambda m: m.memory_bytes):
+            if used + m.memory_bytes > budget.max_bytes:
+                break
+            used += m.memory_bytes
+            fit += 1
+        slots = min(slots, max(fit, 1))
+    return max(slots, 1)

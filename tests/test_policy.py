@@ -1,0 +1,113 @@
+"""The pure policy parts besides scheduling: the batch window, the cost estimator and the cluster
+share. No clock, no I/O: times go in as numbers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jetbatch.sidecar.policy import BatchCost, BatchWindow, CostEstimator, cannot_finish, effective_backlog
+
+# --- the batch window ---------------------------------------------------------------------------
+
+
+def test_window_closes_on_size_before_the_delay() -> None:
+    w = BatchWindow(max_batch_size=3, max_delay_s=1.0)
+    close_at = w.close_at(first_enqueued_at=10.0, first_seen_at=10.0)
+    assert close_at == 11.0
+    assert not w.should_close(2, close_at, now=10.1)  # two requests: pending
+    assert w.should_close(3, close_at, now=10.1)  # the third releases the batch
+    assert w.wait_s(2, close_at, now=10.1) == pytest.approx(0.9)
+    assert w.wait_s(3, close_at, now=10.1) == 0.0
+
+
+def test_window_counts_from_the_enqueue_time_and_honours_deadlines() -> None:
+    w = BatchWindow(max_batch_size=16, max_delay_s=0.5)
+    # A request that already waited in the queue does not wait again once fetched.
+    assert w.close_at(first_enqueued_at=9.0, first_seen_at=10.0) == 9.5
+    assert w.should_close(1, w.close_at(9.0, 10.0), now=10.0)
+    # An earlier deadline closes the window sooner.
+    assert w.close_at(10.0, 10.0, earliest_deadline=10.2) == 10.2
+
+
+def test_window_keeps_filling_while_the_device_is_busy() -> None:
+    w = BatchWindow(max_batch_size=8, max_delay_s=0.01)
+    close_at = w.close_at(10.0, 10.0)
+    assert w.should_close(2, close_at, now=11.0)
+    assert not w.should_close(2, close_at, now=11.0, device_busy=True)
+    assert w.should_close(8, close_at, now=11.0, device_busy=True)  # full closes anyway
+    assert w.wait_s(0, None, now=11.0, idle_wait_s=0.3) == 0.3
+
+
+def test_cannot_finish_uses_the_predicted_batch_time() -> None:
+    assert not cannot_finish(None, 100.0, 5.0)
+    assert not cannot_finish(101.0, 100.0, 0.5)
+    assert cannot_finish(101.0, 100.0, 1.5)
+    assert cannot_finish(99.0, 100.0, 0.0)
+
+
+@given(st.integers(0, 64), st.floats(0, 5), st.floats(0, 5), st.floats(0, 10))
+def test_window_never_holds_a_full_batch(count: int, delay: float, enqueued: float, now: float) -> None:
+    w = BatchWindow(max_batch_size=16, max_delay_s=delay)
+    close_at = w.close_at(enqueued, enqueued)
+    if count >= 16:
+        assert w.should_close(count, close_at, now) and w.wait_s(count, close_at, now) == 0.0
+    if count == 0:
+        assert not w.should_close(count, close_at, now)
+
+
+# --- the cost estimator -------------------------------------------------------------------------
+
+
+def test_estimator_starts_from_the_configuration_and_learns() -> None:
+    c = CostEstimator(alpha=0.5)
+    c.seed("m", load_cost_s=2.0, batch_cost=BatchCost(0.01, 0.001), memory_bytes=100)
+    assert c.load_cost_s("m") == 2.0
+    assert c.load_cost_s("m", "resident") == 0.0
+    assert c.load_cost_s("m", "warm") == pytest.approx(0.6)  # a prior share of the cold load until measured
+    c.observe_load("m", 1.0)
+    assert c.load_cost_s("m") == pytest.approx(1.5)
+    c.observe_load("m", 0.1, "warm")
+    assert c.load_cost_s("m", "warm") == pytest.approx(0.1)
+    for _ in range(30):
+        c.observe_batch("m", 10, 0.05 + 0.002 * 10)
+    assert c.batch_cost("m").seconds(10) == pytest.approx(0.07, rel=0.05)
+    c.observe_memory("m", 0)  # a zero reading (nothing measured) keeps the estimate
+    assert c.memory_bytes("m") == 100
+    assert c.host_memory_bytes("m") == 100  # the device size until a host copy is measured
+
+
+def test_estimator_rejects_a_bad_alpha() -> None:
+    with pytest.raises(ValueError):
+        CostEstimator(alpha=0.0)
+
+
+@given(st.lists(st.tuples(st.integers(1, 64), st.floats(0.0, 2.0)), min_size=1, max_size=40))
+def test_estimator_stays_within_what_it_saw(observations: list[tuple[int, float]]) -> None:
+    c = CostEstimator()
+    c.seed("m", load_cost_s=1.0, batch_cost=BatchCost(0.0, 0.0))
+    for n, seconds in observations:
+        c.observe_batch("m", n, seconds)
+        cost = c.batch_cost("m")
+        assert cost.batch_cost_s >= 0 and cost.item_cost_s >= 0
+    longest = max(s for _, s in observations)
+    assert c.batch_cost("m").seconds(1) <= longest + 1e-9
+
+
+# --- the cluster share --------------------------------------------------------------------------
+
+
+def test_share_leaves_what_peers_would_not_drain_within_our_load() -> None:
+    # Peers drain 100 req/s; our load takes 2 s: of 500 waiting, 300 are ours to justify a load.
+    assert effective_backlog(500, 100.0, 2.0, resident_here=False) == 300
+    assert effective_backlog(150, 100.0, 2.0, resident_here=False) == 0
+    # Resident here: the whole queue is ours too (serving it costs no load).
+    assert effective_backlog(150, 100.0, 2.0, resident_here=True) == 150
+    assert effective_backlog(150, 0.0, 2.0, resident_here=False) == 150  # nobody else serves it
+
+
+@given(st.integers(0, 10_000), st.floats(0, 1e4), st.floats(0, 100), st.booleans())
+def test_share_is_between_zero_and_the_backlog(backlog: int, rps: float, horizon: float, resident: bool) -> None:
+    share = effective_backlog(backlog, rps, horizon, resident_here=resident)
+    assert 0 <= share <= backlog
