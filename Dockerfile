@@ -30,8 +30,10 @@ ENV PYTHONPATH=/src
 RUN useradd --system --uid 10001 --home /var/lib/jetbatch --create-home jetbatch
 USER jetbatch
 WORKDIR /var/lib/jetbatch
-# Healthy when this sidecar answers on the status subject (see docs/protocol.md).
+# /healthz, /readyz and /metrics: 9464 for a worker, 9465 for a classifier ([http] in the config).
+EXPOSE 9464 9465
+# Healthy when this container's sidecar answers /readyz on either port (no torch import).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD jetbatch status --wait 1 --json | grep -q '"id"' || exit 1
+    CMD ["jetbatch", "probe"]
 ENTRYPOINT ["jetbatch"]
 CMD ["worker", "--config", "/etc/jetbatch/models.toml"]

@@ -20,7 +20,11 @@ _INSTRUMENTATION = "jetbatch.sdk"
 _tracer = trace.get_tracer(_INSTRUMENTATION)
 _meter = metrics.get_meter(_INSTRUMENTATION)
 _latency = _meter.create_histogram(
-    "jetbatch.client.request.duration", unit="s", description="End-to-end latency seen by the producer"
+    "jetbatch.client.request.duration",
+    unit="s",
+    description="End-to-end latency seen by the producer",
+    # Seconds: the SDK's default boundaries (0, 5, 10, ...) would put every answer in one bucket.
+    explicit_bucket_boundaries_advisory=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 
 

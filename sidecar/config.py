@@ -33,6 +33,7 @@ __all__ = [
     "NatsIdentity",
     "RepliesConfig",
     "StreamsConfig",
+    "HttpConfig",
     "TelemetryConfig",
     "WorkerConfig",
     "load_config",
@@ -199,6 +200,20 @@ class TelemetryConfig(_Base):
     console: bool = False  # print spans to stdout (debugging); exporters otherwise come from OTEL_*
 
 
+class HttpConfig(_Base):
+    """Each sidecar's HTTP endpoints: /healthz, /readyz and /metrics (Prometheus text).
+
+    A port of None turns a sidecar's endpoints off; 0 picks a free port (logged at start).
+    9464 is the Prometheus exporters' customary port; the classifier takes the next one so both
+    sidecars fit one pod or host.
+    """
+
+    host: str = "0.0.0.0"
+    worker_port: Annotated[int, Meta(ge=0, le=65535)] | None = 9464
+    classifier_port: Annotated[int, Meta(ge=0, le=65535)] | None = 9465
+    metrics: bool = True  # serve /metrics (installs the OpenTelemetry Prometheus reader)
+
+
 class Config(_Base):
     nats: NatsConfig = NatsConfig()
     streams: StreamsConfig = StreamsConfig()
@@ -206,6 +221,7 @@ class Config(_Base):
     models: dict[str, ModelConfig] = {}
     classifier: ClassifierConfig | None = None
     telemetry: TelemetryConfig = TelemetryConfig()
+    http: HttpConfig = HttpConfig()
     replies: RepliesConfig = RepliesConfig()
 
     def __post_init__(self) -> None:

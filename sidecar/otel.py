@@ -4,7 +4,10 @@
 - ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
   ``..._METRICS_ENDPOINT``: export over OTLP HTTP/protobuf; nothing is exported by default;
 - ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: comma-separated ``otlp`` (default when an
-  endpoint is set), ``console``, or ``none``; ``OTEL_METRIC_EXPORT_INTERVAL`` (ms, default 5000);
+  endpoint is set), ``console``, ``prometheus`` (metrics only) or ``none``;
+  ``OTEL_METRIC_EXPORT_INTERVAL`` (ms, default 5000);
+- the sidecar's HTTP ``/metrics`` endpoint (on unless ``[http]`` turns it off) installs the
+  OpenTelemetry Prometheus reader whatever ``OTEL_METRICS_EXPORTER`` says;
 - ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``: read by the SDK itself;
 - ``--trace-console``: print spans to stdout for local debugging.
 
@@ -30,7 +33,7 @@ __all__ = ["setup_telemetry"]
 
 log = logging.getLogger(__name__)
 
-_KNOWN_EXPORTERS = frozenset({"otlp", "console", "none"})
+_KNOWN_EXPORTERS = frozenset({"otlp", "console", "prometheus", "none"})
 
 
 def _exporter_choices(kind: str) -> set[str]:
@@ -42,8 +45,8 @@ def _exporter_choices(kind: str) -> set[str]:
         names = {n.strip() for n in explicit.split(",") if n.strip()}
         for unknown in sorted(names - _KNOWN_EXPORTERS):
             # zipkin, prometheus...: not bundled. Say so once at start-up instead of exporting nothing silently.
-            log.warning("OTEL_%s_EXPORTER=%s: exporter not supported by jetbatch (otlp, console, none); ignored", kind.upper(), unknown)
-        return names & {"otlp", "console"}
+            log.warning("OTEL_%s_EXPORTER=%s: exporter not supported by jetbatch (otlp, console, prometheus, none); ignored", kind.upper(), unknown)
+        return names & ({"otlp", "console", "prometheus"} if kind == "metrics" else {"otlp", "console"})
     endpoint = os.environ.get(f"OTEL_EXPORTER_OTLP_{kind.upper()}_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     return {"otlp"} if endpoint else set()
 
@@ -59,16 +62,19 @@ def _metric_interval_ms() -> float:
         return 5000.0
 
 
-def setup_telemetry(role: str, *, console: bool = False, worker_id: str | None = None) -> Callable[[], None]:
+def setup_telemetry(role: str, *, console: bool = False, worker_id: str | None = None, prometheus: bool = False) -> Callable[[], None]:
     """Install global tracer and meter providers for a sidecar ``role`` (``worker``,
     ``classifier``); ``console`` adds a stdout span exporter (``--trace-console``); ``worker_id``
-    becomes ``service.instance.id``. Returns a function that flushes and shuts the providers down
+    becomes ``service.instance.id``; ``prometheus`` installs the Prometheus reader that the HTTP
+    ``/metrics`` endpoint renders. Returns a function that flushes and shuts the providers down
     (call it on exit: spans still batched would be lost). Installs nothing, so that the API stays
     a no-op on the hot path, when nothing is to be exported."""
     traces = _exporter_choices("traces")
     if console:
         traces.add("console")
     metric_exporters = _exporter_choices("metrics")
+    if prometheus:
+        metric_exporters.add("prometheus")
     if not traces and not metric_exporters:
         return lambda: None
     resource = Resource.create(
@@ -99,6 +105,11 @@ def setup_telemetry(role: str, *, console: bool = False, worker_id: str | None =
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
             readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(), export_interval_millis=interval_ms))
+        if "prometheus" in metric_exporters:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+            # Registers a collector with prometheus_client's registry; scraped through /metrics.
+            readers.append(PrometheusMetricReader())
         meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         metrics.set_meter_provider(meter_provider)
         shutdowns.append(meter_provider.shutdown)

@@ -28,8 +28,17 @@ class Sidecar(Protocol):
 
     def stop(self) -> None: ...
 
+    @property
+    def ready(self) -> anyio.Event: ...
 
-async def serve_sidecar(config: Config, url: str, *, name: str, make: Callable[[NATS, NATS | None], Sidecar]) -> int:
+    def problems(self) -> list[str]: ...
+
+
+async def serve_sidecar(
+    config: Config, url: str, *, name: str, make: Callable[[NATS, NATS | None], Sidecar], http_port: int | None = None
+) -> int:
+    """Connect, run the sidecar until SIGTERM/SIGINT, drain. ``http_port``: where /healthz,
+    /readyz and /metrics listen (None: off)."""
     from .transport import connect, connect_replies
 
     nc = await connect(config.nats, url, name=name)
@@ -37,8 +46,30 @@ async def serve_sidecar(config: Config, url: str, *, name: str, make: Callable[[
     try:
         reply_nc = await connect_replies(config.nats, url, name=f"{name}-replies")
         sidecar = make(nc, reply_nc)
+        stopping = anyio.Event()
+
+        def stop() -> None:
+            stopping.set()
+            sidecar.stop()
+
+        def alive() -> tuple[bool, str]:
+            # Answering at all proves the event loop turns; a stop past its drain shows here too.
+            return (True, "alive") if not nc.is_closed else (False, "NATS connection closed")
+
+        def ready() -> tuple[bool, str]:
+            if stopping.is_set():
+                return False, "stopping"
+            if not nc.is_connected:
+                return False, "not connected to NATS (reconnecting)"
+            if not sidecar.ready.is_set():
+                return False, "setting up streams and consumers"
+            problems = sidecar.problems()
+            return (not problems or len(problems) < _model_count(config)), "; ".join(problems) or "ready"
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_stop_on_signals, sidecar.stop)
+            tg.start_soon(_stop_on_signals, stop)
+            if http_port is not None:
+                await _start_probes(tg, config, http_port, alive, ready)
             await sidecar.run()
             tg.cancel_scope.cancel()
     finally:
@@ -47,6 +78,21 @@ async def serve_sidecar(config: Config, url: str, *, name: str, make: Callable[[
                 if conn is not None:
                     await _drain(conn)
     return 0
+
+
+def _model_count(config: Config) -> int:
+    return max(1, len(config.models))
+
+
+async def _start_probes(tg: Any, config: Config, port: int, alive: Any, ready: Any) -> None:
+    from .health import ProbeServer, prometheus_text
+
+    server = ProbeServer(config.http.host, port, alive, ready, prometheus_text if config.http.metrics else None)
+    try:
+        await tg.start(server.serve)
+    except OSError as exc:
+        # Serving goes on: a probe that cannot connect tells the operator more than a dead sidecar.
+        log.error("health endpoints not served: cannot listen on %s:%d: %s", config.http.host, port, exc.strerror or exc)
 
 
 async def _stop_on_signals(stop: Callable[[], None]) -> None:

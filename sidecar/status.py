@@ -15,7 +15,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from jetbatch.sdk.protocol import SidecarReport, Subjects
+from jetbatch.sdk.protocol import ProtocolError, ReplyPolicy, SidecarReport, Subjects
 
 __all__ = ["StatusReport", "cluster_view", "collect_status", "serve_status"]
 
@@ -28,12 +28,20 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(StatusReport)
 
 
-async def serve_status(nc: NATS, subjects: Subjects, report: Callable[[], StatusReport]) -> Any:
-    """Answer status requests with ``report()``; returns the subscription (unsubscribe to stop)."""
+async def serve_status(nc: NATS, subjects: Subjects, report: Callable[[], StatusReport], policy: ReplyPolicy) -> Any:
+    """Answer status requests with ``report()``; returns the subscription (unsubscribe to stop).
+
+    Answers go only where ``policy`` allows (inboxes), as for requests: a status request whose
+    reply subject names ``$JS.API...`` must not make the sidecar call the JetStream API."""
 
     async def on_request(msg: Msg) -> None:
-        if msg.reply:
-            await nc.publish(msg.reply, _encoder.encode(report()))
+        if not msg.reply:
+            return
+        try:
+            policy.check(msg.reply)
+        except ProtocolError:
+            return  # nobody legitimate waits there
+        await nc.publish(msg.reply, _encoder.encode(report()))
 
     return await nc.subscribe(subjects.status_subject, cb=on_request)
 

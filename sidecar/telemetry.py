@@ -22,6 +22,13 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 __all__ = ["LoadRecord", "WorkerTelemetry", "links_from_headers", "tracing_enabled"]
 
 
+# Histogram buckets per quantity (seconds unless named otherwise).
+COMPUTE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LOAD_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
 @dataclass
 class LoadRecord:
     """Timing of one switch, kept until the batch that paid for it emits its spans."""
@@ -131,11 +138,23 @@ class WorkerTelemetry:
         self.prefix = subjects_prefix
         self.tracer = trace.get_tracer(_INSTRUMENTATION)
         meter = metrics.get_meter(_INSTRUMENTATION)
-        self.batch_size = meter.create_histogram("jetbatch.batch.size", unit="{request}", description="Requests per batch")
-        self.queue_wait = meter.create_histogram("jetbatch.queue.wait", unit="s", description="Time a request waited in its queue")
-        self.load_duration = meter.create_histogram("jetbatch.model.load.duration", unit="s", description="Model load time")
-        self.unload_duration = meter.create_histogram("jetbatch.model.unload.duration", unit="s", description="Model unload time")
-        self.infer_duration = meter.create_histogram("jetbatch.infer.duration", unit="s", description="Batch compute time")
+        # Explicit bucket advice: the SDK's default boundaries (0, 5, 10, ... 10000) suit
+        # milliseconds, so every latency in seconds would land in the first bucket.
+        self.batch_size = meter.create_histogram(
+            "jetbatch.batch.size", unit="{request}", description="Requests per batch", explicit_bucket_boundaries_advisory=BATCH_SIZE_BUCKETS
+        )
+        self.queue_wait = meter.create_histogram(
+            "jetbatch.queue.wait", unit="s", description="Time a request waited in its queue", explicit_bucket_boundaries_advisory=WAIT_BUCKETS_S
+        )
+        self.load_duration = meter.create_histogram(
+            "jetbatch.model.load.duration", unit="s", description="Model load time", explicit_bucket_boundaries_advisory=LOAD_BUCKETS_S
+        )
+        self.unload_duration = meter.create_histogram(
+            "jetbatch.model.unload.duration", unit="s", description="Model unload time", explicit_bucket_boundaries_advisory=LOAD_BUCKETS_S
+        )
+        self.infer_duration = meter.create_histogram(
+            "jetbatch.infer.duration", unit="s", description="Batch compute time", explicit_bucket_boundaries_advisory=COMPUTE_BUCKETS_S
+        )
         self.requests = meter.create_counter("jetbatch.requests", unit="{request}", description="Requests answered, by model and status")
         self.loads = meter.create_counter("jetbatch.model.loads", unit="{load}", description="Model loads")
         self.evictions = meter.create_counter("jetbatch.model.evictions", unit="{eviction}", description="Model evictions")

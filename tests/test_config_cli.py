@@ -92,3 +92,19 @@ def test_cli_server_down_is_one_line(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "cannot connect to NATS at nats://127.0.0.1:1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_answers_help_version_status_dlq_and_probe_without_torch(nats_url: str, prefix: str) -> None:
+    """The producer-side commands never import torch: with torch made unimportable they still
+    run, and their failures are one line, never an ImportError."""
+    runner = "import sys; sys.modules['torch'] = None; from jetbatch.sidecar.cli import main; sys.exit(main(sys.argv[1:]))"
+    for argv, codes in (
+        (["--help"], {0}),
+        (["--version"], {0}),
+        (["status", "--nats-url", nats_url, "--prefix", prefix, "--wait", "0.2"], {1}),  # nobody answers
+        (["dlq", "list", "--nats-url", nats_url, "--prefix", prefix], {0, 2}),
+        (["probe", "--port", "9"], {1}),
+    ):
+        r = subprocess.run([sys.executable, "-c", runner, *argv], capture_output=True, text=True, timeout=60)
+        assert r.returncode in codes, (argv, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr and "torch" not in r.stderr, (argv, r.stderr)

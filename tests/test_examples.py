@@ -102,8 +102,41 @@ def test_kubernetes_manifest_runs_the_worker_as_a_sidecar() -> None:
     assert worker["args"][:1] == ["worker"] and "--config" in worker["args"]
     assert {e["name"] for e in worker["env"]} >= {"NATS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT"}
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert "jetbatch status" in " ".join(worker["readinessProbe"]["exec"]["command"])
+    assert worker["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert worker["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert {p["containerPort"] for p in worker["ports"]} == {9464}  # [http] worker_port's default
     assert doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 20
+
+
+def test_keda_scales_the_workers_on_the_model_consumers_lag() -> None:
+    """Structural (no cluster here, and no KEDA schema offline): the ScaledObject targets the
+    worker Deployment in the same file, and each trigger names jetbatch's real stream and the
+    consumer of one of the example models."""
+    from jetbatch.sdk.protocol import Subjects
+    from jetbatch.sidecar.config import HttpConfig
+    from jetbatch.sidecar.dev.example_models import EXAMPLE_MODELS
+    from jetbatch.sidecar.streams import model_consumer_name
+
+    docs = list(yaml.safe_load_all((ROOT / "examples" / "k8s" / "keda-worker-autoscaling.yaml").read_text()))
+    by_kind = {d["kind"]: d for d in docs}
+    assert set(by_kind) == {"ConfigMap", "Deployment", "ScaledObject"}
+    scaled, deployment = by_kind["ScaledObject"], by_kind["Deployment"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert scaled["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+    triggers = scaled["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"nats-jetstream"}
+    assert {t["metadata"]["stream"] for t in triggers} == {Subjects("jetbatch").models_stream}
+    assert {t["metadata"]["consumer"] for t in triggers} == {model_consumer_name(m) for m in EXAMPLE_MODELS}
+    for t in triggers:
+        assert int(t["metadata"]["lagThreshold"]) > 0
+        assert t["metadata"]["natsServerMonitoringEndpoint"].endswith(":8222")
+    conf = by_kind["ConfigMap"]["data"]["nats.conf"]
+    assert "jetstream" in conf and "max_payload" in conf and "http_port: 8222" in conf
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["ports"][0]["containerPort"] == HttpConfig().worker_port
 
 
 @pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust is not installed (pip install locust)")

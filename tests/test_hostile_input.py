@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from jetbatch import sdk
 from jetbatch.sdk.protocol import DEFAULT_REPLY_PREFIXES, Headers, ProtocolError, ReplyPolicy, Subjects, parse_request_headers
-from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
+from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until, worker_reports
 
 pytestmark = pytest.mark.anyio
 
@@ -198,3 +198,25 @@ async def test_results_are_not_readable_without_the_request_id(nats_url: str, pr
             await client.infer(b"secret", model="m1", timeout=10)
             with pytest.raises(nats.js.errors.NotFoundError):
                 await client.nats.jetstream().get_msg(Subjects(prefix).results_stream, subject=Subjects(prefix).result("not-my-id"), direct=True)
+
+
+async def test_status_requests_cannot_aim_the_answer_at_the_jetstream_api(nats_url: str, prefix: str) -> None:
+    """The status responder obeys the same reply allowlist: a status request with a reply subject
+    naming the JetStream API or a queue gets no answer there; an inbox gets one."""
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            seen = await _spy(nc, ["$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>", subjects.model("m2")])
+            for reply_to in _attacks(subjects)[:7]:
+                await nc.publish(subjects.status_subject, b"", reply=reply_to)
+            answers = await worker_reports(nats_url, prefix)  # an inbox still gets the report
+            assert [r.role for r in answers] == ["worker"]
+            await nc.flush()
+            assert seen == []
+            await js.stream_info(subjects.models_stream)
+            await js.stream_info(subjects.dead_letter_stream)
+        finally:
+            await nc.close()

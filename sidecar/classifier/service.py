@@ -74,6 +74,10 @@ class Classifier:
     def ready(self) -> anyio.Event:
         return self._ready
 
+    def problems(self) -> list[str]:
+        """Readiness detail (/readyz): the router either loaded at start or the sidecar exited."""
+        return []
+
     def stop(self) -> None:
         self._stopping.set()
 
@@ -89,7 +93,7 @@ class Classifier:
     async def run(self) -> None:
         psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
         await anyio.to_thread.run_sync(self.router.load)
-        status = await serve_status(self.nc, self.subjects, self.report)
+        status = await serve_status(self.nc, self.subjects, self.report, self.reply_policy)
         self._ready.set()
         # Pipelining: the next batch is fetched and classified while the previous one's
         # republishes wait for their PubAcks (at most two batches in flight).

@@ -42,12 +42,36 @@ def add_sidecar_options(p: argparse.ArgumentParser, *, config_required: bool) ->
     add_nats_url(p)
     add_log_level(p)
     p.add_argument("--trace-console", action="store_true", help="print spans to stdout (debugging)")
+    p.add_argument(
+        "--http-port", default=None, type=_port, metavar="PORT",
+        help="port of /healthz, /readyz and /metrics (0: any free port, 'off': none; default: [http] in the config, 9464 worker, 9465 classifier)",
+    )  # fmt: skip
 
 
-def setup_telemetry(role: str, args: argparse.Namespace, worker_id: str | None = None) -> Callable[[], None]:
+def _port(text: str) -> int:
+    if text.strip().lower() == "off":
+        return -1
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number or 'off', got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range 0-65535")
+    return port
+
+
+def http_port(args: argparse.Namespace, configured: int | None) -> int | None:
+    """The HTTP port to serve on: --http-port over the config; None when off."""
+    chosen = getattr(args, "http_port", None)
+    if chosen is None:
+        return configured
+    return None if chosen < 0 else int(chosen)
+
+
+def setup_telemetry(role: str, args: argparse.Namespace, worker_id: str | None = None, *, prometheus: bool = False) -> Callable[[], None]:
     from jetbatch.sidecar.otel import setup_telemetry as setup
 
-    return setup(role, console=bool(getattr(args, "trace_console", False)), worker_id=worker_id)
+    return setup(role, console=bool(getattr(args, "trace_console", False)), worker_id=worker_id, prometheus=prometheus)
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import CliError, add_sidecar_options, run_async, setup_telemetry
+from ._common import CliError, add_sidecar_options, http_port, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
@@ -28,10 +28,13 @@ def run(args: argparse.Namespace) -> int:
     url = args.nats_url or config.nats.url
     if not url:
         raise CliError("no NATS server: pass --nats-url or set NATS_URL or nats.url")
-    shutdown = setup_telemetry("classifier", args)
+    port = http_port(args, config.http.classifier_port)
+    shutdown = setup_telemetry("classifier", args, prometheus=port is not None and config.http.metrics)
     try:
         return run_async(
-            serve_sidecar(config, url, name="jetbatch-classifier", make=lambda nc, rnc: Classifier(config, nc, reply_nc=rnc))
+            serve_sidecar(
+                config, url, name="jetbatch-classifier", make=lambda nc, rnc: Classifier(config, nc, reply_nc=rnc), http_port=port
+            )
         )
     finally:
         shutdown()

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         capture_output=False,
         port=-1 if args.port == 0 else args.port,
+        configured_http=True,
     )
     stop = {"now": False}
 
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     dep.start()
     print(f"jetbatch up: NATS at {dep.url}; sidecars: {', '.join(dep.procs)}. Ctrl-C to stop.", flush=True)
+    http = dep.config.http
+    if http.worker_port is not None:
+        print(f"jetbatch up: worker0 health and metrics at http://127.0.0.1:{http.worker_port}/readyz and /metrics", flush=True)
     try:
         while not stop["now"]:
             for name, proc in list(dep.procs.items()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import CliError, add_sidecar_options, run_async, setup_telemetry
+from ._common import CliError, add_sidecar_options, http_port, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
@@ -23,8 +23,11 @@ def run(args: argparse.Namespace) -> int:
     url = args.nats_url or config.nats.url
     if not url:
         raise CliError("no NATS server: pass --nats-url, set NATS_URL or nats.url, or use `jetbatch up` for an embedded one")
-    shutdown = setup_telemetry("worker", args, config.worker.id)
+    port = http_port(args, config.http.worker_port)
+    shutdown = setup_telemetry("worker", args, config.worker.id, prometheus=port is not None and config.http.metrics)
     try:
-        return run_async(serve_sidecar(config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc)))
+        return run_async(
+            serve_sidecar(config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc), http_port=port)
+        )
     finally:
         shutdown()

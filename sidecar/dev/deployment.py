@@ -43,6 +43,7 @@ class Deployment:
         worker_config_paths: Sequence[str | os.PathLike[str]] | None = None,
         capture_output: bool = True,
         port: int = -1,
+        configured_http: bool = False,
     ) -> None:
         self.config_path = Path(config_path)
         self.config = load_config(self.config_path)
@@ -55,6 +56,9 @@ class Deployment:
         self.extra_env = extra_env or {}
         self.capture_output = capture_output
         self.port = port  # of the embedded server: -1 picks a free one
+        # HTTP endpoints: the config's ports for the first worker and the classifier (`jetbatch up`),
+        # else any free port (tests and benchmarks run several deployments on one host).
+        self.configured_http = configured_http
         self.server: EmbeddedNats | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, Path] = {}
@@ -84,12 +88,14 @@ class Deployment:
     def start_worker(self, index: int) -> str:
         name = f"worker{index}"
         path = self.worker_config_paths[index] if self.worker_config_paths else self.config_path
-        self._spawn(name, ["worker", "--config", str(path)])
+        http = [] if self.configured_http and index == 0 else ["--http-port", "0"]
+        self._spawn(name, ["worker", "--config", str(path), *http])
         return name
 
     def start_classifier(self, index: int = 0) -> str:
         name = f"classifier{index}"
-        self._spawn(name, ["classifier", "--config", str(self.config_path)])
+        http = [] if self.configured_http else ["--http-port", "0"]
+        self._spawn(name, ["classifier", "--config", str(self.config_path), *http])
         return name
 
     def start(self, ready_timeout_s: float = 60.0) -> "Deployment":

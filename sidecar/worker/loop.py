@@ -170,6 +170,10 @@ class Worker:
         """Ask for a graceful stop; :meth:`run` returns once in-flight work is drained."""
         self._stopping.set()
 
+    def problems(self) -> list[str]:
+        """One line per model that cannot serve (readiness detail; /readyz)."""
+        return [f"model {name}: {slot.broken}" for name, slot in self.slots.items() if slot.broken]
+
     async def _setup(self) -> Any:
         await ensure_streams(self.js, self.subjects, self.config.streams, self.slots, self.config.replies)
         for name, slot in self.slots.items():
@@ -185,7 +189,7 @@ class Worker:
         await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=f"worker {self.worker_id}")
         if self.cluster is not None:
             await self.cluster.advertise(self.report())
-        status_sub = await serve_status(self.nc, self.subjects, self.report)
+        status_sub = await serve_status(self.nc, self.subjects, self.report, self.config.reply_policy)
         log.info("worker %s serving %s on %s", self.worker_id, ", ".join(self.slots), self.device)
         self._ready.set()
         try:

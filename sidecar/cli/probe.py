@@ -1,0 +1,43 @@
+"""``jetbatch probe``: ask a local sidecar's /readyz (or /healthz): for container health checks.
+
+Standard library only and no torch import, so a probe every few seconds costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import urllib.error
+import urllib.request
+from typing import Any
+
+from ._common import EXIT_FAILED, EXIT_OK
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "probe", help="check a local sidecar's /readyz (exit 0 when ready): for HEALTHCHECK",
+        description="GET /readyz (or /healthz with --live) on the first port that answers; exit 0 when it says 200.",
+    )  # fmt: skip
+    p.add_argument("--port", type=int, action="append", metavar="PORT", help="port(s) to try, in order (default: 9464, then 9465)")
+    p.add_argument("--host", default="127.0.0.1", help="host of the sidecar (default: 127.0.0.1)")
+    p.add_argument("--live", action="store_true", help="ask /healthz (alive) instead of /readyz (ready to serve)")
+    p.add_argument("--timeout", type=float, default=2.0, metavar="S", help="seconds per port (default: 2)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = "/healthz" if args.live else "/readyz"
+    last = "no port answered"
+    for port in args.port or [9464, 9465]:
+        url = f"http://{args.host}:{port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=args.timeout) as r:
+                print(f"{url}: {r.status} {r.read().decode(errors='replace').strip()}")
+                return EXIT_OK
+        except urllib.error.HTTPError as e:
+            print(f"{url}: {e.code} {e.read().decode(errors='replace').strip()}")
+            return EXIT_FAILED
+        except (urllib.error.URLError, OSError) as e:
+            last = f"{url}: {getattr(e, 'reason', e)}"
+    print(last)
+    return EXIT_FAILED

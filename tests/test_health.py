@@ -1,0 +1,122 @@
+"""Each sidecar's HTTP endpoints, answered by a real worker process: /healthz, /readyz (ready only
+once its streams exist; not ready while NATS is gone) and /metrics (Prometheus text with the
+histogram buckets jetbatch advises)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jetbatch import sdk
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _poll(what: str, check: "object", timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    with EmbeddedNats(store_dir=tmp_path / "store") as s:
+        yield s
+
+
+def test_worker_serves_health_readiness_and_metrics(server: EmbeddedNats, tmp_path: Path) -> None:
+    prefix = "health"
+    config = tmp_path / "w.toml"
+    config.write_text(
+        f'[nats]\nprefix = "{prefix}"\n[worker]\npoll_interval_ms = 50\n'
+        '[models.m1]\nhandler = "sleep"\nmax_delay_ms = 1\noptions = { load_cost_s = 0.0, batch_cost_s = 0.003, item_cost_s = 0.0 }\n'
+    )
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetbatch", "worker", "--config", str(config), "--nats-url", server.url, "--http-port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        _poll("/healthz", lambda: _get(port, "/healthz")[0] == 200)
+        _poll("/readyz", lambda: _get(port, "/readyz")[0] == 200)
+
+        async def use() -> None:
+            # Ready means the streams exist: a producer can publish at once.
+            async with sdk.Client.connect(server.url, prefix=prefix) as client:
+                for i in range(5):
+                    assert await client.infer(f"x{i}".encode(), model="m1", timeout=10) == f"x{i}".encode()
+
+        asyncio.run(use())
+        probe = [sys.executable, "-m", "jetbatch", "probe", "--port", str(_free_port()), "--port", str(port)]
+        assert subprocess.run(probe, capture_output=True).returncode == 0  # the second port answers
+
+        def scraped() -> bool:
+            status, text = _get(port, "/metrics")
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            infer = families.get("jetbatch_infer_duration_seconds")
+            requests = families.get("jetbatch_requests")
+            if status != 200 or infer is None or requests is None:
+                return False
+            bounds = {s.labels["le"] for s in infer.samples if s.name.endswith("_bucket")}
+            assert {"0.001", "0.005", "0.1", "1.0", "+Inf"} <= bounds, bounds  # seconds, not the ms defaults
+            return sum(s.value for s in requests.samples if s.name.endswith("_total")) >= 5
+
+        _poll("metrics with 5 requests", scraped)
+
+        # Hostile or wrong requests get a status and the endpoint keeps answering.
+        assert _get(port, "/nope")[0] == 404
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 400")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"DELETE /readyz HTTP/1.1\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 405")
+
+        server.kill()  # NATS gone: not ready, still alive
+        _poll("/readyz 503 without NATS", lambda: _get(port, "/readyz")[0] == 503)
+        status, why = _get(port, "/readyz")
+        assert "NATS" in why
+        assert _get(port, "/healthz")[0] == 200
+        assert subprocess.run(probe, capture_output=True).returncode == 1
+        server.restart()
+        _poll("/readyz again after NATS returns", lambda: _get(port, "/readyz")[0] == 200, timeout_s=60)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out.decode()[-2000:]
+
+
+def test_http_port_option_is_checked(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "jetbatch", "worker", "--config", "x.toml", "--http-port", "99999"], capture_output=True, text=True)
+    assert r.returncode == 2 and "out of range" in r.stderr and "Traceback" not in r.stderr
