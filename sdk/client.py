@@ -254,7 +254,16 @@ class Client:
         span = _telemetry.start_producer_span(subject, rid, model, hdrs, len(data))
         status = "error"
         try:
-            duplicate = await self._publish(subject, data, hdrs, rid, model, deadline=started + timeout)
+            send = _telemetry.start_send_span(span, subject, rid, hdrs, len(data), self._server_address())
+            try:
+                duplicate = await self._publish(subject, data, hdrs, rid, model, deadline=started + timeout)
+            except JetbatchError as exc:
+                _telemetry.end_send_span(send, exc.code or type(exc).__name__)
+                raise
+            except BaseException as exc:
+                _telemetry.end_send_span(send, type(exc).__qualname__)
+                raise
+            _telemetry.end_send_span(send)
             if duplicate:
                 # JetStream already holds (or held) this request id: a retry of a request that is
                 # running or finished. Its answer is in the results store, now or soon.
@@ -268,10 +277,10 @@ class Client:
             status = "ok"
             return result
         except JetbatchError as exc:
-            if span is not None:
-                _telemetry.record_error(span, exc)
             if exc.code:
                 status = exc.code
+            if span is not None:
+                _telemetry.record_error(span, exc, exc.code or type(exc).__name__)
             raise
         finally:
             self._pending.pop(rid, None)
@@ -303,6 +312,13 @@ class Client:
         return await asyncio.gather(*(one(p) for p in payloads), return_exceptions=return_exceptions)
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _server_address(self) -> tuple[str, int] | None:
+        """The server this client is connected to (``server.address``/``server.port`` on spans)."""
+        url = getattr(self._nc, "connected_url", None)
+        if url is None or url.hostname is None:
+            return None
+        return url.hostname, url.port or 4222
 
     async def _publish(
         self, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float

@@ -11,7 +11,7 @@ from typing import Any, MutableMapping
 from opentelemetry import metrics, propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-__all__ = ["end_producer_span", "record_error", "start_producer_span"]
+__all__ = ["end_producer_span", "end_send_span", "record_error", "start_producer_span", "start_send_span"]
 
 _INSTRUMENTATION = "jetbatch.sdk"
 # A proxy that binds to the real tracer once an SDK provider is installed, even if that happens
@@ -31,36 +31,59 @@ _latency = _meter.create_histogram(
 def start_producer_span(
     subject: str, request_id: str, model: str | None, headers: MutableMapping[str, str], body_size: int
 ) -> Span:
-    """Start the PRODUCER span of one request and inject its W3C context (``traceparent``,
-    ``tracestate``) into ``headers``, which become the NATS message headers. ``body_size`` is in
-    bytes. A no-op span (and no header) unless an OpenTelemetry SDK is installed."""
-    span = _tracer.start_span(
-        f"{subject} publish",
-        kind=SpanKind.PRODUCER,
-        attributes={
-            "messaging.system": "nats",
-            "messaging.operation.type": "publish",
-            "messaging.destination.name": subject,
-            "messaging.message.id": request_id,
-            "messaging.message.body.size": body_size,
-            "jetbatch.model": model or "",
-        },
+    """Start the CLIENT span of one request, ``infer <model>`` (``infer`` when the classifier
+    chooses), which lasts until its answer; :func:`start_send_span` opens the PRODUCER span of the
+    publish under it. A no-op span unless an OpenTelemetry SDK is installed."""
+    return _tracer.start_span(
+        f"infer {model}" if model else "infer",
+        kind=SpanKind.CLIENT,
+        attributes={"jetbatch.model": model or "", "jetbatch.request.id": request_id, "messaging.message.body.size": body_size},
     )
+
+
+def start_send_span(
+    parent: Span, subject: str, request_id: str, headers: MutableMapping[str, str], body_size: int, server: tuple[str, int] | None
+) -> Span:
+    """The PRODUCER span of the publish, ``send <subject>`` per the OpenTelemetry messaging
+    conventions (v1.37: ``messaging.operation.type=send``), ended at the JetStream PubAck. Its W3C
+    context (``traceparent``, ``tracestate``) goes into ``headers``, so consumers link to it."""
+    attributes: dict[str, Any] = {
+        "messaging.system": "nats",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "send",
+        "messaging.destination.name": subject,
+        "messaging.message.id": request_id,
+        "messaging.message.body.size": body_size,
+    }
+    if server is not None:
+        attributes["server.address"], attributes["server.port"] = server
+    span = _tracer.start_span(f"send {subject}", context=trace.set_span_in_context(parent), kind=SpanKind.PRODUCER, attributes=attributes)
     propagate.inject(headers, context=trace.set_span_in_context(span))
     return span
 
 
-def record_error(span: Span, exc: BaseException) -> None:
-    """Mark the producer span failed: an ``exception`` event and ERROR status."""
+def end_send_span(span: Span, error_type: str | None = None) -> None:
+    if error_type is not None:
+        span.set_attribute("error.type", error_type)
+        span.set_status(Status(StatusCode.ERROR))
+    span.end()
+
+
+def record_error(span: Span, exc: BaseException, error_type: str) -> None:
+    """Mark the request's span failed: ``error.type`` (the error code, e.g. ``deadline_exceeded``,
+    as the conventions ask for a low-cardinality class), an ``exception`` event, ERROR status."""
+    span.set_attribute("error.type", error_type)
     span.record_exception(exc)
     span.set_status(Status(StatusCode.ERROR, str(exc)))
 
 
 def end_producer_span(span: Span | None, model: str | None, status: str, latency_s: float) -> None:
-    """End the producer span with the request's outcome (``ok`` or an error code) and record its
+    """End the request's span with its outcome (``ok`` or an error code) and record its
     end-to-end latency (seconds, publish to reply) in ``jetbatch.client.request.duration``."""
     if span is not None:
         span.set_attribute("jetbatch.status", status)
         span.end()
     attrs: dict[str, Any] = {"jetbatch.model": model or "", "jetbatch.status": status}
+    if status != "ok":
+        attrs["error.type"] = status
     _latency.record(latency_s, attributes=attrs)

@@ -1,8 +1,9 @@
 """Health and readiness: every sidecar answers on ``<prefix>.status``; ``jetbatch status`` asks.
 
 A request to ``<prefix>.status`` (any body) is answered by every running sidecar with one JSON
-:class:`StatusReport`, so one scatter-gather request lists the whole bus. This is the documented
-equivalent of the NATS micro-services ``$SRV.PING``/``INFO``/``STATS`` endpoints.
+:class:`StatusReport`, so one scatter-gather request lists the whole bus. The same subject is the
+``status`` endpoint of each sidecar's NATS micro service (``nats micro ls/info/stats``, see
+discovery.py), whose STATS carry the same report.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import ProtocolError, ReplyPolicy, SidecarReport, Subjects
 
-__all__ = ["StatusReport", "cluster_view", "collect_status", "serve_status"]
+__all__ = ["StatusReport", "StatusService", "cluster_view", "collect_status", "serve_status"]
 
 
 
@@ -28,11 +29,30 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(StatusReport)
 
 
-async def serve_status(nc: NATS, subjects: Subjects, report: Callable[[], StatusReport], policy: ReplyPolicy) -> Any:
-    """Answer status requests with ``report()``; returns the subscription (unsubscribe to stop).
+class StatusService:
+    """The status endpoint and the NATS micro-services face of one sidecar (see discovery.py)."""
+
+    def __init__(self, sub: Any, micro: Any) -> None:
+        self._sub = sub
+        self.micro = micro
+
+    async def unsubscribe(self) -> None:
+        await self.micro.stop()
+        await self._sub.unsubscribe()
+
+
+async def serve_status(nc: NATS, subjects: Subjects, report: Callable[[], StatusReport], policy: ReplyPolicy) -> StatusService:
+    """Answer status requests with ``report()`` and register with the NATS micro-services
+    protocol (``nats micro ls``); returns a handle (``await handle.unsubscribe()`` to stop).
 
     Answers go only where ``policy`` allows (inboxes), as for requests: a status request whose
     reply subject names ``$JS.API...`` must not make the sidecar call the JetStream API."""
+    import jetbatch
+
+    from .discovery import MicroService
+
+    first = report()
+    micro = MicroService(nc, subjects, first.role, report, policy, first.version or jetbatch.__version__)
 
     async def on_request(msg: Msg) -> None:
         if not msg.reply:
@@ -41,9 +61,13 @@ async def serve_status(nc: NATS, subjects: Subjects, report: Callable[[], Status
             policy.check(msg.reply)
         except ProtocolError:
             return  # nobody legitimate waits there
+        started = time.perf_counter()
         await nc.publish(msg.reply, _encoder.encode(report()))
+        micro.note_status_request(time.perf_counter() - started)
 
-    return await nc.subscribe(subjects.status_subject, cb=on_request)
+    sub = await nc.subscribe(subjects.status_subject, cb=on_request)
+    await micro.start()
+    return StatusService(sub, micro)
 
 
 async def collect_status(nc: NATS, subjects: Subjects, *, wait_s: float = 0.5) -> list[StatusReport]:

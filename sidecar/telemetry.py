@@ -219,8 +219,9 @@ class WorkerTelemetry:
             attrs["jetbatch.queue.wait.min_ms"] = min(waits_ms)
             attrs["jetbatch.queue.wait.max_ms"] = max(waits_ms)
             attrs["jetbatch.queue.wait.mean_ms"] = sum(waits_ms) / len(waits_ms)
+        # Messaging conventions (v1.37): "{operation name} {destination}".
         with self.tracer.start_as_current_span(
-            f"process {model}", kind=SpanKind.CONSUMER, links=links_from_headers(headers_list), attributes=attrs,
+            f"process {self.prefix}.model.{model}", kind=SpanKind.CONSUMER, links=links_from_headers(headers_list), attributes=attrs,
             start_time=start_ns,
         ) as span:
             yield span
@@ -235,11 +236,15 @@ class WorkerTelemetry:
             yield span
 
     def mark_error(self, span: Span, exc: BaseException) -> None:
-        """Record ``exc`` on ``span`` (an ``exception`` event) and set its status to ERROR."""
+        """Record ``exc`` on ``span`` (an ``exception`` event, ``error.type`` its class) and set
+        its status to ERROR."""
+        span.set_attribute("error.type", type(exc).__qualname__)
         span.record_exception(exc)
         span.set_status(Status(StatusCode.ERROR, str(exc)))
 
-    def mark_status_error(self, span: Span, description: str) -> None:
+    def mark_status_error(self, span: Span, description: str, error_type: str) -> None:
+        """ERROR status with ``error.type`` (an error code such as ``model_failed``)."""
+        span.set_attribute("error.type", error_type)
         span.set_status(Status(StatusCode.ERROR, description))
 
     @staticmethod

@@ -10,7 +10,7 @@ import pytest
 
 from jetbatch import sdk
 from jetbatch.sidecar.status import collect_status
-from tests.helpers import make_config, running_worker, sleep_model
+from tests.helpers import make_config, running_worker, sleep_model, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -41,3 +41,61 @@ def test_status_with_nobody_listening(nats_url: str, prefix: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 1
     assert "no jetbatch sidecar answered" in proc.stdout
+
+
+async def test_sidecars_are_listed_by_the_nats_micro_protocol(nats_url: str, prefix: str) -> None:
+    """What `nats micro ls/info/stats` sends, from a plain nats-py client: PING finds the worker,
+    INFO names its status endpoint, STATS carries its report (models, residency, counters); and a
+    control request whose reply names the JetStream API gets no answer there."""
+    import json
+
+    import nats
+
+    from jetbatch.sdk.protocol import Subjects
+
+    config = make_config(prefix, {"m1": sleep_model(), "m2": sleep_model()}, worker={"max_resident_models": 2})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"x", model="m1", timeout=10) == b"x"
+        nc = await nats.connect(nats_url)
+        try:
+            inbox = nc.new_inbox()
+            answers: list[dict] = []
+            async def on_answer(m: object) -> None:
+                await _append(answers, m)
+
+            sub = await nc.subscribe(inbox, cb=on_answer)
+            await nc.publish("$SRV.PING.jetbatch-worker", b"", reply=inbox)
+            await wait_until(lambda: any(a.get("metadata", {}).get("prefix") == prefix for a in answers), what="a PING answer")
+            ping = next(a for a in answers if a["metadata"]["prefix"] == prefix)
+            assert ping["type"] == "io.nats.micro.v1.ping_response" and ping["name"] == "jetbatch-worker"
+            assert ping["metadata"]["models"] == "m1,m2" and "m1" in ping["metadata"]["resident"].split(",")
+            info = json.loads((await nc.request(f"$SRV.INFO.jetbatch-worker.{ping['id']}", b"", timeout=5)).data)
+            assert info["type"] == "io.nats.micro.v1.info_response"
+            assert [e["subject"] for e in info["endpoints"]] == [Subjects(prefix).status_subject]
+            stats = json.loads((await nc.request(f"$SRV.STATS.jetbatch-worker.{ping['id']}", b"", timeout=5)).data)
+            assert stats["type"] == "io.nats.micro.v1.stats_response"
+            report = stats["endpoints"][0]["data"]
+            assert report["id"] == worker.worker_id and report["stats"]["requests"] >= 1
+            # The allowlist holds for the control subjects too.
+            spy: list[str] = []
+            async def on_spy(m: object) -> None:
+                await _append_subject(spy, m)
+
+            await nc.subscribe("$JS.API.STREAM.DELETE.>", cb=on_spy)
+            await nc.publish("$SRV.PING", b"", reply=f"$JS.API.STREAM.DELETE.{Subjects(prefix).models_stream}")
+            await nc.request(f"$SRV.PING.jetbatch-worker.{ping['id']}", b"", timeout=5)  # processed after the attack
+            assert spy == []
+            await sub.unsubscribe()
+        finally:
+            await nc.close()
+
+
+async def _append(answers: list, msg: object) -> None:
+    import json
+
+    answers.append(json.loads(msg.data))  # type: ignore[attr-defined]
+
+
+async def _append_subject(seen: list, msg: object) -> None:
+    seen.append(msg.subject)  # type: ignore[attr-defined]

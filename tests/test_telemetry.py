@@ -99,9 +99,20 @@ async def test_batch_span_links_every_request_and_pays_the_load(otel: Otel, nats
     assert len({r.batch.batch_id for r in results}) == 1  # one batch of 6
     finished = spans.get_finished_spans()
     producers = [s for s in finished if s.kind is SpanKind.PRODUCER and s.attributes.get("messaging.destination.name") == f"{prefix}.model.m1"]
-    batches = [s for s in finished if s.name == "process m1"]
+    batches = [s for s in finished if s.name == f"process {prefix}.model.m1"]
     assert len(producers) == 6 and len(batches) == 1
+    # Messaging conventions (v1.37): "{operation} {destination}", operation type send/process,
+    # the server on the send span, and the send span under the request's CLIENT span.
+    clients = {s.context.span_id: s for s in finished if s.kind is SpanKind.CLIENT and s.name == "infer m1"}
+    for p in producers:
+        assert p.name == f"send {prefix}.model.m1"
+        assert p.attributes["messaging.operation.type"] == "send" and p.attributes["messaging.operation.name"] == "send"
+        assert p.attributes["server.address"] == "127.0.0.1" and isinstance(p.attributes["server.port"], int)
+        assert p.parent is not None and p.parent.span_id in clients
+        assert p.end_time <= clients[p.parent.span_id].end_time  # the publish ends at the PubAck, the request at its answer
+    assert len(clients) == 6
     batch = batches[0]
+    assert batch.attributes["messaging.operation.type"] == "process" and "error.type" not in batch.attributes
     assert batch.kind is SpanKind.CONSUMER
     assert batch.attributes["messaging.system"] == "nats"
     assert batch.attributes["messaging.destination.name"] == f"{prefix}.model.m1"
@@ -147,7 +158,7 @@ async def test_switch_spans_sit_under_the_batch_that_paid_it(otel: Otel, nats_ur
             await client.infer(b"2", model="b", timeout=20)  # evicts a: one model fits the budget
         memory = {p.attributes["jetbatch.memory"]: p.value for p in _points(reader, "jetbatch.memory", jetbatch__worker__id=worker.worker_id)}
     finished = spans.get_finished_spans()
-    batch_b = next(s for s in finished if s.name == "process b")
+    batch_b = next(s for s in finished if s.name == f"process {prefix}.model.b")
     children = [s for s in finished if s.parent and s.parent.span_id == batch_b.context.span_id]
     assert [s.name for s in children] == ["model.unload", "model.load", "infer"]
     unload, load = children[0], children[1]
@@ -172,13 +183,16 @@ async def test_error_reply_sets_span_status_and_records_the_exception(otel: Otel
             await client.infer(b"warm", model="m1", timeout=10)
             outcome = await asyncio.gather(client.infer(b"ok", model="m1", timeout=10), client.infer(b"poison", model="m1", timeout=10), return_exceptions=True)
     assert outcome[0] == b"ok" and isinstance(outcome[1], sdk.ModelFailed)
-    failed = [s for s in spans.get_finished_spans() if s.name == "process m1" and s.status.status_code is StatusCode.ERROR]
+    failed = [s for s in spans.get_finished_spans() if s.name == f"process {prefix}.model.m1" and s.status.status_code is StatusCode.ERROR]
     assert len(failed) == 1
     assert any(e.name == "exception" and "poison" in str(e.attributes.get("exception.message")) for e in failed[0].events)
     assert any(e.name == "request.error" and e.attributes["jetbatch.error.code"] == "model_failed" for e in failed[0].events)
-    producer_errors = [s for s in spans.get_finished_spans() if s.kind is SpanKind.PRODUCER and s.status.status_code is StatusCode.ERROR]
-    assert len(producer_errors) == 1
-    assert producer_errors[0].attributes["jetbatch.status"] == "model_failed"
+    assert failed[0].attributes["error.type"] == "model_failed"
+    # The request's CLIENT span fails with error.type; its publish (the send span) did not fail.
+    client_errors = [s for s in spans.get_finished_spans() if s.kind is SpanKind.CLIENT and s.status.status_code is StatusCode.ERROR]
+    assert len(client_errors) == 1
+    assert client_errors[0].attributes["jetbatch.status"] == "model_failed" and client_errors[0].attributes["error.type"] == "model_failed"
+    assert not [s for s in spans.get_finished_spans() if s.kind is SpanKind.PRODUCER and s.status.status_code is StatusCode.ERROR]
     assert _total(reader, "jetbatch.requests", jetbatch__model="m1", jetbatch__status="model_failed") - failed_before == 1
 
 
@@ -251,9 +265,9 @@ async def test_spans_reach_a_real_otlp_receiver_end_to_end(otel: Otel, nats_url:
         got = receiver.snapshot()
     services = {svc for svc, _ in got}
     assert {"jetbatch-worker", "jetbatch-classifier"} <= services
-    producer = {bytes(s.span_id): s for svc, s in got if s.kind == s.SPAN_KIND_PRODUCER and s.name.startswith(f"{prefix}.in")}
+    producer = {bytes(s.span_id): s for svc, s in got if s.kind == s.SPAN_KIND_PRODUCER and s.name == f"send {prefix}.in"}
     assert len(producer) == 4
-    batch_spans = [s for svc, s in got if svc == "jetbatch-worker" and s.name == "process m1"]
+    batch_spans = [s for svc, s in got if svc == "jetbatch-worker" and s.name == f"process {prefix}.model.m1"]
     linked = {bytes(link.span_id) for s in batch_spans for link in s.links}
     assert set(producer) <= linked  # every request's producer span is linked from its batch
     traces = {bytes(link.trace_id) for s in batch_spans for link in s.links}

@@ -175,13 +175,15 @@ class Classifier:
             else:
                 to_classify.append(i)
         with self._tracer.start_as_current_span(
-            f"{self.subjects.ingress} process",
+            f"process {self.subjects.ingress}",  # messaging conventions: "{operation} {destination}"
             kind=SpanKind.CONSUMER,
             links=links_from_headers([m.headers for m in msgs]),
             attributes={
                 "messaging.system": "nats",
                 "messaging.operation.type": "process",
+                "messaging.operation.name": "process",
                 "messaging.destination.name": self.subjects.ingress,
+                "messaging.consumer.group.name": classifier_consumer_name(),
                 "messaging.batch.message_count": len(msgs),
                 "jetbatch.classifier.classified": len(to_classify),
             },

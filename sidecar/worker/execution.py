@@ -166,7 +166,9 @@ class BatchRunner:
                         span.record_exception(r.exception, {"jetbatch.request.id": r.meta.request_id})
                 failed = [r for r in errors if r.answer and r.answer.error in (ErrorCode.MODEL_FAILED, ErrorCode.INTERNAL)]
                 if failed or len(errors) == len(requests):
-                    self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed")
+                    worst = (failed or errors)[0].answer
+                    code = worst.error.value if worst is not None and worst.error is not None else "internal"
+                    self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed", code)
         slot.last_used_at = time.time()
         self.policy.on_batch_done(slot.name, len(requests), time.time(), compute_s)
         self.stats["batches"] += 1
