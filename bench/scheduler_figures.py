@@ -31,7 +31,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import sdk  # noqa: E402
+from jetbatch import sdk  # noqa: E402
 from jetbatch.sidecar.config import Config  # noqa: E402
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
 from jetbatch.sidecar.simulator import build_workload, simulate  # noqa: E402
@@ -70,7 +70,8 @@ def live_config(prefix: str, policy: str, n_models: int = 4) -> Config:
         {
             "nats": {"prefix": prefix},
             "streams": {"max_deliver": 1000, "ack_wait_s": 60},  # fifo naks the request that ends a run
-            "worker": {"policy": policy, "poll_interval_ms": 50, "max_resident_models": 1, "coordinate": False},
+            # No warm tier: the simulator's workload has none either, so both pay the same loads.
+            "worker": {"policy": policy, "poll_interval_ms": 50, "max_resident_models": 1, "coordinate": False, "host_memory_budget_bytes": 0},
             "models": {f"m{i}": model for i in range(n_models)},
         },
         Config,
@@ -107,14 +108,12 @@ async def live_burst(url: str, policy: str, per_model: int) -> dict[str, float]:
             "loads": worker.stats["loads"], "batches": len({r.batch.batch_id for r in results})}  # fmt: skip
 
 
-async def live_poisson(url: str, policy: str, duration_s: float, rate: float, seed: int = 1) -> dict[str, float]:
-    import random
-
+async def live_poisson(url: str, policy: str, trace: tuple[tuple[float, str], ...], duration_s: float) -> dict[str, float]:
+    """Replay ``trace`` (the simulator's own arrivals) against a live worker."""
     prefix = f"p{uuid.uuid4().hex[:6]}"
     cfg = live_config(prefix, policy)
     nc = await connect(cfg.nats, url)
     worker = Worker(cfg, nc)
-    rng = random.Random(seed)
     latencies: list[float] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.run)
@@ -123,32 +122,27 @@ async def live_poisson(url: str, policy: str, duration_s: float, rate: float, se
 
             async def one(m: str) -> None:
                 try:
-                    r = await client.infer_result(b"x", model=m, timeout=duration_s + 30)
+                    r = await client.infer_result(b"x", model=m, timeout=duration_s + 60)
                     latencies.append(r.latency_s)
                 except sdk.RequestTimeout:
                     pass
 
             tasks = []
             started = time.perf_counter()
-            t = 0.0
-            sent = 0
-            while True:
-                t += rng.expovariate(rate)
-                if t >= duration_s:
-                    break
-                await asyncio.sleep(max(0.0, started + t - time.perf_counter()))
-                tasks.append(asyncio.ensure_future(one(f"m{rng.randrange(4)}")))
-                sent += 1
+            for at, model in trace:
+                await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+                tasks.append(asyncio.ensure_future(one(model)))
             await asyncio.gather(*tasks)
             elapsed = time.perf_counter() - started
         worker.stop()
     await nc.close()
     latencies.sort()
     return {
-        "offered_rps": sent / duration_s,
+        "offered_rps": len(trace) / duration_s,
         "throughput_rps": len(latencies) / elapsed,
         "answered": len(latencies),
-        "sent": sent,
+        "sent": len(trace),
+        "mean_ms": sum(latencies) / len(latencies) * 1000 if latencies else float("nan"),
         "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1000 if latencies else float("nan"),
         "loads_per_minute": worker.stats["loads"] / (elapsed / 60),
     }
@@ -167,11 +161,12 @@ async def live_figures(live_duration_s: float) -> dict[str, Any]:
         out["burst_small_cost_aware"] = await live_burst(server.url, "cost-aware", 16)
         out["burst_small_fifo"] = await live_burst(server.url, "fifo", 16)
         out["poisson_rate"] = rate
+        # The same arrivals live and simulated: the simulator's trace, replayed.
+        sim_poisson = build_workload({"models": MODELS4, "arrivals": {"kind": "poisson", "rate": rate, "duration_s": live_duration_s, "seed": 1}})
         for policy in ("cost-aware", "exhaustive", "round-robin"):
-            out[f"poisson_{policy}"] = await live_poisson(server.url, policy, live_duration_s, rate)
+            out[f"poisson_{policy}"] = await live_poisson(server.url, policy, sim_poisson.arrivals, live_duration_s)
     small = build_workload({"models": MODELS4, "arrivals": {"kind": "burst", "per_model": 16}})
     out["sim_burst_small"] = {p: simulate(small, p).summary(small) for p in ("cost-aware", "fifo")}
-    sim_poisson = build_workload({"models": MODELS4, "arrivals": {"kind": "poisson", "rate": rate, "duration_s": live_duration_s, "seed": 1}})
     out["sim_poisson_same_rate"] = {p: simulate(sim_poisson, p).summary(sim_poisson) for p in ("cost-aware", "exhaustive", "round-robin")}
     return out
 

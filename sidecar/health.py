@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import anyio
 import anyio.abc
@@ -21,7 +21,8 @@ __all__ = ["Check", "ProbeServer", "prometheus_text"]
 log = logging.getLogger("jetbatch.health")
 
 _MAX_HEAD = 4096
-_READ_TIMEOUT_S = 5.0
+_TIMEOUT_S = 5.0  # a whole exchange, read and write: a client that stops reading is dropped
+_MAX_CONNECTIONS = 32  # probes and scrapes need a handful; more are refused, never queued
 
 # A check returns (ok, one line saying why).
 Check = Callable[[], tuple[bool, str]]
@@ -39,22 +40,51 @@ class ProbeServer:
     metrics: Callable[[], bytes] | None = None
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Listen until cancelled; reports the bound port through ``task_status`` (``tg.start``)."""
+        """Listen until cancelled; reports the bound port through ``task_status`` (``tg.start``).
+        Nothing a client does (nor running out of file descriptors) ends it with an error: the
+        endpoints must never take the sidecar down."""
         listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port, reuse_port=False)
         sock = listener.extra(anyio.abc.SocketAttribute.local_address)
         self.port = int(sock[1])  # type: ignore[index]
         log.info("health and metrics on http://%s:%d (/healthz, /readyz, /metrics)", self.host, self.port)
         task_status.started(self.port)
-        async with listener:
-            await listener.serve(self._handle)
+        self._open = 0
+        async with listener, anyio.create_task_group() as tg:
+            # One accept loop per bound socket (a host name may bind IPv4 and IPv6).
+            for sock_listener in getattr(listener, "listeners", [listener]):
+                tg.start_soon(self._accept_loop, sock_listener, tg)
+
+    async def _accept_loop(self, listener: Any, tg: anyio.abc.TaskGroup) -> None:
+        failures = 0
+        while True:
+            try:
+                stream = await listener.accept()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - EMFILE and friends, or a bug: wait, go on
+                failures += 1
+                if failures == 1:
+                    log.warning("health endpoint cannot accept a connection: %r", exc)
+                await anyio.sleep(min(1.0, 0.05 * failures))
+                continue
+            if self._open >= _MAX_CONNECTIONS:
+                await _close(stream)
+                continue
+            self._open += 1
+            tg.start_soon(self._handle_counted, stream)
+
+    async def _handle_counted(self, stream: anyio.abc.SocketStream) -> None:
+        try:
+            await self._handle(stream)
+        finally:
+            self._open -= 1
 
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:
             try:
-                with anyio.fail_after(_READ_TIMEOUT_S):
+                with anyio.fail_after(_TIMEOUT_S):
                     head = await _read_head(stream)
-                status, ctype, body = self._respond(head)
-                await stream.send(_response(status, ctype, body))
+                    status, ctype, body = self._respond(head)
+                    await stream.send(_response(status, ctype, body))
             except (TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 return
             except Exception:  # noqa: BLE001 - a probe must never take the sidecar down
@@ -73,7 +103,7 @@ class ProbeServer:
             return 400, "text/plain", b"bad request\n"
         method, target = parts[0], parts[1].split("?", 1)[0]
         if method != "GET":
-            return 405, "text/plain", b"method not allowed\n"
+            return 405, "text/plain", b"method not allowed: GET only\n"
         if target in ("/healthz", "/livez"):
             ok, why = self.alive()
             return (200 if ok else 503), "text/plain", (why + "\n").encode()
@@ -88,7 +118,7 @@ class ProbeServer:
 async def _read_head(stream: anyio.abc.SocketStream) -> bytes | None:
     """The request head (up to the blank line), or None when it is over the limit or cut short."""
     data = b""
-    while b"\r\n\r\n" not in data:
+    while b"\r\n\r\n" not in data and b"\n\n" not in data:
         if len(data) > _MAX_HEAD:
             return None
         try:
@@ -96,14 +126,23 @@ async def _read_head(stream: anyio.abc.SocketStream) -> bytes | None:
         except anyio.EndOfStream:
             return None
         data += chunk
-    return data
+    return data.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
+
+
+async def _close(stream: anyio.abc.SocketStream) -> None:
+    try:
+        await stream.aclose()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _response(status: int, ctype: str, body: bytes) -> bytes:
     reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error", 503: "Service Unavailable"}
     head = (
         f"HTTP/1.1 {status} {reason.get(status, 'Error')}\r\n"
-        f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n"
+        f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\nCache-Control: no-store\r\n"
+        + ("Allow: GET\r\n" if status == 405 else "")
+        + "\r\n"
     )
     return head.encode("latin-1") + body
 

@@ -183,3 +183,26 @@ def test_dockerfile_is_non_root_with_a_healthcheck() -> None:
         if line.startswith("COPY "):
             for source in line.split()[1:-1]:
                 assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fastapi") is None, reason="FastAPI is not installed (pip install fastapi httpx)")
+def test_fastapi_app_from_the_migration_page(nats_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dynamic-batcher quickstart, migrated: its processor served by the function handler
+    (examples/migration/jetbatch.toml), its FastAPI app on the SDK; a bad body is a 502 with a
+    plain message, not a stack trace."""
+    from fastapi.testclient import TestClient
+
+    from jetbatch.sidecar.dev.deployment import Deployment
+
+    with Deployment(ROOT / "examples" / "migration" / "jetbatch.toml", nats_url=nats_server.url, classifier=False):
+        monkeypatch.setenv("NATS_URL", nats_server.url)
+        from examples.fastapi_app import app
+
+        with TestClient(app) as http:
+            body = {"content": "string", "nested": {"key": "string", "values": [1, 5, 2]}}
+            r = http.post("/items/batch/1", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json() == {"item_id": 1, "data": {"content": "string", "nested": {"key": "string", "values": [2, 6, 3]}}}
+            bad = http.post("/items/batch/2", json={"nested": {"values": ["not a number"]}})
+            assert bad.status_code == 502
+            assert "Traceback" not in bad.text and "/" not in bad.json()["detail"].split(":")[0]

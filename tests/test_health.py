@@ -102,6 +102,15 @@ def test_worker_serves_health_readiness_and_metrics(server: EmbeddedNats, tmp_pa
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(b"DELETE /readyz HTTP/1.1\r\n\r\n")
             assert s.recv(64).startswith(b"HTTP/1.1 405")
+        # A flood of idle connections is capped: the sidecar goes on serving requests, and the
+        # endpoint answers again once they go.
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(60)]
+        try:
+            asyncio.run(use())
+        finally:
+            for s in idle:
+                s.close()
+        _poll("/healthz after the flood", lambda: _get(port, "/healthz")[0] == 200)
 
         server.kill()  # NATS gone: not ready, still alive
         _poll("/readyz 503 without NATS", lambda: _get(port, "/readyz")[0] == 503)

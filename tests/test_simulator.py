@@ -34,7 +34,8 @@ def test_trace_workload(tmp_path: Path) -> None:
 
 
 def test_requests_that_cannot_finish_in_time_are_not_computed() -> None:
-    """Batches take 0.5 s: with 0.3 s deadlines nothing can finish, and nothing is computed; with
+    """Batches take 0.5 s: with 0.3 s deadlines nothing can finish, and only the probe batches
+    (one after every PROBE_AFTER_REFUSALS refused whole, to keep measuring) are computed; with
     5 s deadlines every request is, as the live worker does."""
     def run(deadline_s: float) -> object:
         raw = {"models": {"a": {"load_cost_s": 0.0, "batch_cost_s": 0.5, "item_cost_s": 0.0, "deadline_s": deadline_s}},
@@ -42,7 +43,7 @@ def test_requests_that_cannot_finish_in_time_are_not_computed() -> None:
         return simulate(build_workload(raw), "cost-aware")
 
     tight, loose = run(0.3), run(5.0)
-    assert tight.completed == 0 and tight.deadline_exceeded > 0 and not tight.batches  # type: ignore[attr-defined]
+    assert tight.deadline_exceeded > 0 and tight.completed <= len(tight.batches) <= tight.deadline_exceeded / 4  # type: ignore[attr-defined]
     assert loose.deadline_exceeded == 0 and loose.completed > 0  # type: ignore[attr-defined]
 
 

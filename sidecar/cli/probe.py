@@ -28,10 +28,12 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     path = "/healthz" if args.live else "/readyz"
     last = "no port answered"
+    # Straight to the local sidecar: an HTTP_PROXY in the container's environment must not apply.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     for port in args.port or [9464, 9465]:
         url = f"http://{args.host}:{port}{path}"
         try:
-            with urllib.request.urlopen(url, timeout=args.timeout) as r:
+            with opener.open(url, timeout=args.timeout) as r:
                 print(f"{url}: {r.status} {r.read().decode(errors='replace').strip()}")
                 return EXIT_OK
         except urllib.error.HTTPError as e:

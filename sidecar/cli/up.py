@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         capture_output=False,
         port=-1 if args.port == 0 else args.port,
         configured_http=True,
+        http_port=args.http_port,
     )
     stop = {"now": False}
 
@@ -54,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     dep.start()
     print(f"jetbatch up: NATS at {dep.url}; sidecars: {', '.join(dep.procs)}. Ctrl-C to stop.", flush=True)
-    http = dep.config.http
-    if http.worker_port is not None:
-        print(f"jetbatch up: worker0 health and metrics at http://127.0.0.1:{http.worker_port}/readyz and /metrics", flush=True)
+    port = dep.config.http.worker_port if args.http_port is None else (None if args.http_port < 0 else args.http_port)
+    if port:
+        print(f"jetbatch up: worker0 health and metrics at http://127.0.0.1:{port}/readyz and /metrics", flush=True)
     try:
         while not stop["now"]:
             for name, proc in list(dep.procs.items()):

@@ -44,6 +44,7 @@ class Deployment:
         capture_output: bool = True,
         port: int = -1,
         configured_http: bool = False,
+        http_port: int | None = None,
     ) -> None:
         self.config_path = Path(config_path)
         self.config = load_config(self.config_path)
@@ -59,6 +60,8 @@ class Deployment:
         # HTTP endpoints: the config's ports for the first worker and the classifier (`jetbatch up`),
         # else any free port (tests and benchmarks run several deployments on one host).
         self.configured_http = configured_http
+        # `jetbatch up --http-port P`: worker0 on P, the classifier on P + 1 (0: free ports; -1: off).
+        self.http_port = http_port
         self.server: EmbeddedNats | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, Path] = {}
@@ -85,16 +88,23 @@ class Deployment:
         if out is not None:
             out.close()
 
+    def _http_args(self, offset: int) -> list[str]:
+        if self.http_port is None:
+            return []  # the config's ports
+        if self.http_port < 0:
+            return ["--http-port", "off"]
+        return ["--http-port", str(self.http_port + offset if self.http_port else 0)]
+
     def start_worker(self, index: int) -> str:
         name = f"worker{index}"
         path = self.worker_config_paths[index] if self.worker_config_paths else self.config_path
-        http = [] if self.configured_http and index == 0 else ["--http-port", "0"]
+        http = self._http_args(0) if self.configured_http and index == 0 else ["--http-port", "0"]
         self._spawn(name, ["worker", "--config", str(path), *http])
         return name
 
     def start_classifier(self, index: int = 0) -> str:
         name = f"classifier{index}"
-        http = [] if self.configured_http else ["--http-port", "0"]
+        http = self._http_args(1) if self.configured_http else ["--http-port", "0"]
         self._spawn(name, ["classifier", "--config", str(self.config_path), *http])
         return name
 

@@ -22,10 +22,11 @@ from .scheduling import (
     make_policy,
 )
 from .share import effective_backlog
-from .window import BatchWindow, cannot_finish
+from .window import PROBE_AFTER_REFUSALS, BatchWindow, cannot_finish
 
 __all__ = [
     "POLICIES",
+    "PROBE_AFTER_REFUSALS",
     "BatchCost",
     "BatchWindow",
     "Budget",

@@ -39,6 +39,8 @@ class PolicyBase:
     def __init__(self, *, eviction: str = "cost", demand_half_life_s: float = 30.0, idle_s: float = 0.25) -> None:
         if eviction not in ("cost", "lru"):
             raise ValueError(f"eviction must be 'cost' or 'lru', got {eviction!r}")
+        if not demand_half_life_s > 0:
+            raise ValueError(f"demand_half_life_s must be positive, got {demand_half_life_s!r}")
         self.eviction = eviction
         self.demand_half_life_s = demand_half_life_s
         self.idle_s = idle_s

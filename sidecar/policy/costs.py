@@ -45,6 +45,7 @@ class CostEstimator:
         self._batch: dict[str, BatchCost] = {}
         self._memory: dict[str, int] = {}
         self._host_memory: dict[str, int] = {}
+        self._fastest: dict[str, float] = {}  # the shortest batch seen per model
 
     def seed(
         self,
@@ -69,6 +70,7 @@ class CostEstimator:
         self._load[key] = seconds if prior is None else (1 - self.alpha) * prior + self.alpha * seconds
 
     def observe_batch(self, model: str, n: int, seconds: float) -> None:
+        self._fastest[model] = min(seconds, self._fastest.get(model, seconds))
         # Keep the fixed part and refit the per-item part from this observation, and vice versa.
         cost = self._batch.get(model, BatchCost(0.0, 0.0))
         per_item = max(0.0, (seconds - cost.batch_cost_s) / max(n, 1))
@@ -92,6 +94,18 @@ class CostEstimator:
         if tier == "warm":
             return self._load.get((model, "warm"), cold * WARM_SHARE_PRIOR)
         return cold
+
+    def fastest_batch_s(self, model: str) -> float | None:
+        """The shortest batch measured for ``model`` (None before the first): a lower bound that
+        one slow outlier (a warm-up, a noisy neighbour) cannot inflate."""
+        return self._fastest.get(model)
+
+    def deadline_estimate_s(self, model: str, n: int) -> float:
+        """The batch time a deadline check assumes: the estimate for ``n``, capped by the fastest
+        batch seen, so that a request is refused only when even a fast batch would be late."""
+        estimate = self.batch_cost(model).seconds(n)
+        fastest = self._fastest.get(model)
+        return estimate if fastest is None else min(estimate, fastest)
 
     def batch_cost(self, model: str) -> BatchCost:
         return self._batch.get(model, BatchCost(0.005, 0.0005))

@@ -8,14 +8,19 @@ small: it could not start earlier anyway.
 
 A request that could not finish before its deadline even if its batch started now (given the
 estimated batch time) is answered ``deadline_exceeded`` instead of computed: the device time goes
-to requests someone still waits for.
+to requests someone still waits for. The estimate is capped by the fastest batch seen, and after
+``PROBE_AFTER_REFUSALS`` batches in a row refused whole on a prediction the next one is computed
+anyway: a refused batch measures nothing, so an inflated estimate must not lock a model out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BatchWindow", "cannot_finish"]
+# After this many batches in a row refused whole on a predicted time, compute the next one.
+PROBE_AFTER_REFUSALS = 8
+
+__all__ = ["PROBE_AFTER_REFUSALS", "BatchWindow", "cannot_finish"]
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ..policy import (
     ModelState,
     Policy,
     SchedulerState,
+    PROBE_AFTER_REFUSALS,
     Serve,
     cannot_finish,
     effective_backlog,
@@ -63,6 +64,8 @@ class _Worker:
     fresh: set[str] = field(default_factory=set)
     prefetching: tuple[str, float] | None = None  # (model, ready at)
     last_used: dict[str, float] = field(default_factory=dict)
+    load_share: int = 0  # the effective backlog that justified the load under way
+    refused_on_prediction: dict[str, int] = field(default_factory=dict)
 
 
 class _Sim:
@@ -81,6 +84,7 @@ class _Sim:
         self.seq = 0
         self.t = 0.0
         self.served_ids: set[int] = set()
+        self.nonempty: set[str] = set()  # models with requests queued
 
     def _worker(self, index: int, policy: Policy) -> _Worker:
         costs = CostEstimator()
@@ -111,6 +115,7 @@ class _Sim:
             deadline = self.w.models[model].deadline_s
             req = _Request(self.next_arrival, model, at, at + deadline if deadline is not None else None)
             self.queues[model].append(req)
+            self.nonempty.add(model)
             self.arrival_log.append(req)
             self.next_arrival += 1
 
@@ -150,13 +155,21 @@ class _Sim:
     # --- one decision of one worker -------------------------------------------------------------
 
     def state(self, worker: _Worker) -> SchedulerState:
-        peers = [p for p in self.workers if p is not worker]
+        # What the peers drain per model: a pass over their (few) resident models, not over all
+        # models for each peer, so a decision stays cheap at 100 workers x 1000 models.
+        served_by: dict[str, float] = {}
+        for p in self.workers:
+            if p is worker:
+                continue
+            for name in {*p.resident, *([p.loading] if p.loading else [])}:
+                served_by[name] = served_by.get(name, 0.0) + _drain_rps(p, name, self.w.models[name])
         models = {}
-        for name, m in self.w.models.items():
+        for name in self._visible(worker):
+            m = self.w.models[name]
             resident = name in worker.resident
             tier = "resident" if resident else ("warm" if name in worker.warm else "cold")
             load_cost = worker.costs.load_cost_s(name, "warm" if resident and self.w.host_budget_bytes else ("cold" if resident else tier))
-            served = sum(_drain_rps(p, name, m) for p in peers if name in p.resident or p.loading == name)
+            served = served_by.get(name, 0.0)
             backlog = effective_backlog(len(self.queues[name]), served, load_cost, resident_here=resident)
             q = self.queues[name]
             models[name] = ModelState(
@@ -180,11 +193,28 @@ class _Sim:
             order = tuple(r.model for r in list(self.arrival_log)[:256] if r.id not in self.served_ids)
         return SchedulerState(models=models, current=worker.current, budget=self.w.budget, arrival_order=order)
 
+    def _visible(self, worker: _Worker) -> Any:
+        """The models a decision needs to see. All of them up to a few dozen (exactly what the
+        live worker shows its policy); beyond, the ones with requests waiting, on the device or in
+        the warm tier, or served by this worker recently (their demand still counts in the
+        policy's cycle estimate): an idle model among a thousand changes no decision."""
+        if len(self.w.models) <= 64:
+            return self.w.models
+        recent = self.t - 150.0  # five demand half-lives: what is older weighs under 1/32
+        names = set(self.nonempty)
+        names.update(worker.resident, worker.warm)
+        names.update(n for n, at in worker.last_used.items() if at >= recent)
+        if worker.current:
+            names.add(worker.current)
+        return sorted(names)
+
     def step(self, worker: _Worker) -> None:
-        decision = worker.policy.decide(self.state(worker), self.t)
+        state = self.state(worker)
+        decision = worker.policy.decide(state, self.t)
         if isinstance(decision, Serve):
             self.serve(worker, decision)
         elif isinstance(decision, Load):
+            worker.load_share = state.models[decision.model].backlog  # the cluster share, as live
             self.load(worker, decision)
         else:
             self.idle(worker, decision)
@@ -216,9 +246,15 @@ class _Sim:
             if decision.before is not None and batch and q[0].arrival >= decision.before:
                 break
             batch.append(q.popleft())
+        if not q:
+            self.nonempty.discard(decision.model)
         start = self.t
-        predicted_s = worker.costs.batch_cost(decision.model).seconds(len(batch))
+        # The live worker's rule: the capped estimate, and no prediction once PROBE_AFTER_REFUSALS
+        # batches in a row were refused whole on one.
+        refusals = worker.refused_on_prediction.get(decision.model, 0)
+        predicted_s = 0.0 if refusals >= PROBE_AFTER_REFUSALS else worker.costs.deadline_estimate_s(decision.model, len(batch))
         live = [r for r in batch if not cannot_finish(r.deadline, start, predicted_s)]
+        worker.refused_on_prediction[decision.model] = refusals + 1 if not live and predicted_s > 0 else 0
         for r in batch:
             if r not in live:
                 self.result.deadline_exceeded += 1
@@ -291,7 +327,7 @@ class _Sim:
             worker.costs.observe_load(model, duration, arg)  # type: ignore[arg-type]
             self.result.max_resident_seen = max(self.result.max_resident_seen, len(worker.resident))
             self.result.max_bytes_seen = max(self.result.max_bytes_seen, sum(self.w.models[r].memory_bytes for r in worker.resident))
-            worker.policy.on_loaded(model, self.t, len(self.queues[model]))
+            worker.policy.on_loaded(model, self.t, min(worker.load_share, len(self.queues[model])))
         if worker.prefetching and worker.prefetching[1] <= self.t:
             self.keep_warm(worker, worker.prefetching[0])
             worker.prefetching = None

@@ -18,7 +18,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from jetbatch.sdk.protocol import Subjects
+from jetbatch.sdk.protocol import ProtocolError, Subjects, deadline_from_headers
 
 from ..streams import model_consumer_name
 from .parts import Slot
@@ -58,6 +58,7 @@ async def refresh_backlog(
         slot.backlog = pending + (0 if held else slot.stranded)
         if slot.backlog == 0:
             slot.oldest_enqueued_at = None
+            slot.head_deadline = None
         elif pending and held or not slot.stranded:
             delivered = info.delivered.stream_seq if info.delivered is not None else 0
             slot.oldest_enqueued_at = await _oldest(js, subjects, slot, (delivered or 0) + 1, now)
@@ -68,10 +69,16 @@ async def refresh_backlog(
 
 
 async def _oldest(js: JetStreamContext, subjects: Subjects, slot: Slot, from_seq: int, now: float) -> float | None:
+    """When the oldest waiting request was enqueued; also notes its deadline (``head_deadline``),
+    which the scheduler weighs (the head's is the earliest when callers use one timeout)."""
     try:
         raw = await js.get_msg(subjects.models_stream, seq=from_seq, subject=subjects.model(slot.name), next=True)
     except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
         return slot.oldest_enqueued_at or now
+    try:
+        slot.head_deadline = deadline_from_headers(getattr(raw, "headers", None))
+    except ProtocolError:
+        slot.head_deadline = None  # a malformed deadline: that request gets bad_request anyway
     ts = _raw_timestamp(raw)
     return min(ts, now) if ts is not None else now
 

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from jetbatch.sdk.protocol import ErrorCode, Headers, ReplyPolicy, parse_request_headers, validate_token
 
 from ..handlers import BadInput
-from ..policy import CostEstimator, Policy, cannot_finish
+from ..policy import PROBE_AFTER_REFUSALS, CostEstimator, Policy, cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
 from .parts import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
@@ -86,6 +86,15 @@ class BatchRunner:
 
     # --- one batch ------------------------------------------------------------------------------
 
+    def _predicted_s(self, slot: Slot, n: int) -> float:
+        """How long a batch of ``n`` is expected to take, for the deadline check: the estimate,
+        but never more than the fastest batch seen (one slow outlier must not refuse a model's
+        every request), and 0 after ``PROBE_AFTER_REFUSALS`` batches in a row were refused whole on
+        a prediction (that batch measures the model again)."""
+        if slot.refused_on_prediction >= PROBE_AFTER_REFUSALS:
+            return 0.0
+        return self.costs.deadline_estimate_s(slot.name, n)
+
     async def run(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
         batch_id = uuid.uuid4().hex[:16]
         now = time.time()
@@ -105,7 +114,7 @@ class BatchRunner:
             return h
 
         rejected, expired, fresh, suspects = [], [], [], []
-        predicted_s = self.costs.batch_cost(slot.name).seconds(len(requests))
+        predicted_s = self._predicted_s(slot, len(requests))
         for r in requests:
             if r.meta.problem is not None:
                 rejected.append(r)
@@ -115,6 +124,11 @@ class BatchRunner:
                 fresh.append(r)
             else:
                 suspects.append(r)
+        # A batch refused whole on a prediction teaches the estimator nothing: after a few in a
+        # row one is computed (unless its deadlines really passed), so an inflated estimate
+        # cannot lock a model out for good.
+        refused_whole = bool(expired) and len(expired) == len(requests) and predicted_s > 0
+        slot.refused_on_prediction = slot.refused_on_prediction + 1 if refused_whole else 0
         load_record = slot.pending_load if loaded else None
         slot.pending_load = None
         compute_s = 0.0

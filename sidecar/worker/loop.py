@@ -357,8 +357,9 @@ class Worker:
             )  # fmt: skip
         if not await self._claim_load(slot):
             return
+        share = self._effective_backlog(slot)  # what the peers would not drain: ours to serve
         try:
-            if await self.residency.load(slot, evict, reason=reason):
+            if await self.residency.load(slot, evict, reason=reason, share=share):
                 self._current = slot.name
         finally:
             if self.cluster is not None:

@@ -64,6 +64,8 @@ class Slot:
     fresh_load: bool = False  # the next batch is the first after a load: it "paid" the load
     backlog: int = 0
     oldest_enqueued_at: float | None = None
+    head_deadline: float | None = None  # the oldest waiting request's deadline (Unix seconds)
+    refused_on_prediction: int = 0  # batches in a row refused whole on their predicted time
     in_flight: int = 0
     limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
     last_used_at: float | None = None

@@ -92,9 +92,11 @@ class Residency:
 
     # --- moves ----------------------------------------------------------------------------------
 
-    async def load(self, slot: Slot, evict: Sequence[str], *, reason: str) -> bool:
+    async def load(self, slot: Slot, evict: Sequence[str], *, reason: str, share: int | None = None) -> bool:
         """Evict ``evict`` (in order), then make ``slot`` resident. False if it could not load:
-        its waiting requests were then answered ``model_failed``."""
+        its waiting requests were then answered ``model_failed``. ``share``: the part of the
+        backlog that justified the load (the cluster share; default: all of it), which the
+        policy's visit owes before it may be cut short."""
         if slot.broken is not None:
             try:
                 slot.handler.check()  # the file may have appeared since startup
@@ -116,11 +118,13 @@ class Residency:
                     unloads.append(await self._evict(self.slots[name]))
                 if slot.resident:
                     return True
-                return await self._load_locked(slot, evict, unloads, reason)
+                return await self._load_locked(slot, evict, unloads, reason, share)
         finally:
             self.loading = None
 
-    async def _load_locked(self, slot: Slot, evict: Sequence[str], unloads: list[tuple[Any, ...]], reason: str) -> bool:
+    async def _load_locked(
+        self, slot: Slot, evict: Sequence[str], unloads: list[tuple[Any, ...]], reason: str, share: int | None = None
+    ) -> bool:
         tier = slot.tier
         started = time.perf_counter()
         started_ns = time.time_ns()
@@ -160,7 +164,7 @@ class Residency:
         self.costs.observe_load(slot.name, seconds, tier)
         self.costs.observe_memory(slot.name, memory)
         self.costs.observe_host_memory(slot.name, slot.handler.host_bytes())
-        self.policy.on_loaded(slot.name, time.time(), slot.backlog)
+        self.policy.on_loaded(slot.name, time.time(), slot.backlog if share is None else min(share, slot.backlog))
         self.stats["loads"] += 1
         attrs = {"jetbatch.model": slot.name, "jetbatch.model.tier": tier}
         self.telemetry.loads.add(1, attrs)

@@ -76,6 +76,7 @@ def scheduler_state(self: "Worker") -> SchedulerState:
             name=name,
             backlog=backlog,
             oldest_enqueued_at=slot.oldest_enqueued_at if backlog else None,
+            earliest_deadline=slot.head_deadline if backlog else None,
             resident=slot.resident,
             load_cost_s=load_cost_s,
             batch_cost=self.costs.batch_cost(name),
