@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import sdk  # noqa: E402
+from jetbatch import sdk  # noqa: E402
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
 from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
 

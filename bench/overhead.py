@@ -5,6 +5,7 @@ number of requests and the same producer concurrency; the raw side is the least 
 request/reply needs (no scheduling, no handler thread, no batching window). Run:
 
     python bench/overhead.py [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier] [--compare-durable]
+                             [--uvloop] [--profile out.pstats]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import sdk  # noqa: E402
+from jetbatch import sdk  # noqa: E402
 from jetbatch.sidecar.config import Config  # noqa: E402
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
 from jetbatch.sidecar.transport import connect  # noqa: E402
@@ -63,7 +64,7 @@ async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple
         while not stop.is_set():
             try:
                 msgs = await psub.fetch(64, timeout=0.2)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
                 continue
             for m in msgs:
                 await nc.publish(m.headers["Reply"], m.data)
@@ -271,9 +272,23 @@ if __name__ == "__main__":
     parser.add_argument("--classifier", action="store_true", help="also SDK → classifier → worker (requests without a model)")
     parser.add_argument("--compare-durable", action="store_true", help="also run with the results store off (replies.durable = false)")
     parser.add_argument("--json", default=None, help="write the summary here")
+    parser.add_argument("--uvloop", action="store_true", help="run everything on uvloop's event loop (jetbatch[fast])")
+    parser.add_argument("--profile", default=None, metavar="FILE", help="cProfile the whole run into FILE (pstats)")
     ns = parser.parse_args()
     POLICY = ns.policy
+    if ns.uvloop:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    if ns.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     out = asyncio.run(main(ns))
+    if ns.profile:
+        profiler.disable()
+        profiler.dump_stats(ns.profile)
     print(json.dumps(out, indent=2))
     if ns.json:
         Path(ns.json).write_text(json.dumps(out, indent=2))

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import sdk  # noqa: E402
+from jetbatch import sdk  # noqa: E402
 from jetbatch.sdk.protocol import ContentType, Tensor, decode_payload, encode_payload  # noqa: E402
 from jetbatch.sidecar.config import Config  # noqa: E402
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402

@@ -58,6 +58,24 @@ def sim_figures() -> dict[str, Any]:
     for rate in (2.0, 10.0):
         zipf = build_workload({"models": zipf_models, "budget": {"max_models": 2}, "arrivals": {"kind": "poisson", "rate": rate, "duration_s": 300, "zipf": 1.1, "seed": 3}})
         out[f"zipf_rate_{rate:g}"] = {p: simulate(zipf, p).summary(zipf) for p in ("cost-aware", "cost-aware-lru")}
+    out["tiers"] = tier_figures()
+    return out
+
+
+def tier_figures() -> dict[str, Any]:
+    """The warm tier in the scheduler's figures: the closed burst and the Poisson workload above,
+    with every load cold (no host tier) against a host tier with prefetch (the next model read
+    while the device computes; a warm load costs a tenth of a cold one, the ratio
+    bench/model_loading.py measures on CPU for a 134 MB model is 0.05-0.06)."""
+    out: dict[str, Any] = {}
+    warm_models = {name: {**m, "warm_load_cost_s": LOAD_S / 10, "memory_bytes": 1} for name, m in MODELS4.items()}
+    for label, arrivals in (
+        ("burst", {"kind": "burst", "per_model": 64}),
+        ("poisson", {"kind": "poisson", "utilization": 0.7, "duration_s": 120, "seed": 1}),
+    ):
+        for tier, host in (("cold only", {}), ("warm tier + prefetch", {"host": {"budget_bytes": 4, "prefetch": True}})):
+            w = build_workload({"models": warm_models, "arrivals": arrivals, **host})
+            out[f"{label} / {tier}"] = simulate(w, "cost-aware").summary(w)
     return out
 
 

@@ -51,6 +51,14 @@ def _exporter_choices(kind: str) -> set[str]:
     return {"otlp"} if endpoint else set()
 
 
+def _check_protocol() -> None:
+    """Only OTLP over HTTP/protobuf is bundled (gRPC would add grpcio to every sidecar image)."""
+    for var in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"):
+        value = os.environ.get(var, "").strip().lower()
+        if value and value != "http/protobuf":
+            log.warning("%s=%s: jetbatch bundles OTLP over http/protobuf only; exporting with http/protobuf", var, value)
+
+
 def _metric_interval_ms() -> float:
     """Metric export period: ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) when set, else 5 s (the SDK's
     own default, 60 s, is too slow to watch a backlog gauge move)."""
@@ -77,6 +85,8 @@ def setup_telemetry(role: str, *, console: bool = False, worker_id: str | None =
         metric_exporters.add("prometheus")
     if not traces and not metric_exporters:
         return lambda: None
+    if "otlp" in traces or "otlp" in metric_exporters:
+        _check_protocol()
     resource = Resource.create(
         {
             "service.name": os.environ.get("OTEL_SERVICE_NAME", f"jetbatch-{role}"),

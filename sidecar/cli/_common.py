@@ -75,9 +75,14 @@ def setup_telemetry(role: str, args: argparse.Namespace, worker_id: str | None =
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> int:
+    """Run a sidecar's coroutine on asyncio, with uvloop's event loop when it is installed
+    (``pip install 'jetbatch[fast]'``; ``JETBATCH_UVLOOP=0`` turns it off)."""
+    import importlib.util
+
     import anyio
 
     async def runner() -> int:
         return int(await coro or 0)
 
-    return anyio.run(runner)
+    use_uvloop = os.environ.get("JETBATCH_UVLOOP", "1") != "0" and importlib.util.find_spec("uvloop") is not None
+    return anyio.run(runner, backend="asyncio", backend_options={"use_uvloop": use_uvloop})
