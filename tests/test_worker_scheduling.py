@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import anyio
 import nats
@@ -37,25 +38,34 @@ async def _count(js: object, stream: str, n: int) -> bool:
     return bool(info.state.messages >= n)
 
 
-async def test_interleaved_requests_become_one_batch_per_model(nats_url: str, prefix: str) -> None:
-    """[m1, m2, m1, m2, m1, m2], max batch 3, one resident slot, all queued before the worker
-    picks: exactly two batches, [m1 x3] and [m2 x3], one load each."""
-    model = sleep_model(max_batch_size=3, max_delay_ms=50, load_cost_s=0.5, options={"load_cost_s": 0.05, "batch_cost_s": 0.001, "item_cost_s": 0.0})
-    config = make_config(prefix, {"m1": model, "m2": model}, worker={"max_resident_models": 1})
-    await _prepare_streams(config, nats_url)
-    order = ["m1", "m2", "m1", "m2", "m1", "m2"]
-    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+async def _queue_then_serve(config: Config, url: str, prefix: str, order: list[str], timeout_s: float) -> tuple[list[sdk.Result], Any, float]:
+    """Publish one request per entry of ``order`` (the model), wait until all of them sit in
+    JetStream, then start a worker and wait for every answer. Returns the results, the worker and
+    the seconds from the worker's start (its startup included) to the last answer."""
+    await _prepare_streams(config, url)
+    async with sdk.Client.connect(url, prefix=prefix) as client:
         results: list[sdk.Result] = []
 
         async def send(i: int, m: str) -> None:
-            results.append(await client.infer_result(f"{m}-{i}".encode(), model=m, timeout=20))
+            results.append(await client.infer_result(f"{m}-{i}".encode(), model=m, timeout=timeout_s))
 
         async with anyio.create_task_group() as tg:
             for i, m in enumerate(order):
                 tg.start_soon(send, i, m)
             await _queued(client, len(order))  # every request waits in JetStream before the worker starts
-            async with running_worker(config, nats_url) as worker:
-                await wait_until(lambda: len(results) == len(order), timeout_s=20, what="all replies")
+            started = anyio.current_time()
+            async with running_worker(config, url) as worker:
+                await wait_until(lambda: len(results) == len(order), timeout_s=timeout_s, what="all replies")
+                makespan = anyio.current_time() - started
+    return results, worker, makespan
+
+
+async def test_interleaved_requests_become_one_batch_per_model(nats_url: str, prefix: str) -> None:
+    """[m1, m2, m1, m2, m1, m2], max batch 3, one resident slot, all queued before the worker
+    picks: exactly two batches, [m1 x3] and [m2 x3], one load each."""
+    model = sleep_model(max_batch_size=3, max_delay_ms=50, load_cost_s=0.5, options={"load_cost_s": 0.05, "batch_cost_s": 0.001, "item_cost_s": 0.0})
+    config = make_config(prefix, {"m1": model, "m2": model}, worker={"max_resident_models": 1})
+    results, worker, _ = await _queue_then_serve(config, nats_url, prefix, ["m1", "m2", "m1", "m2", "m1", "m2"], 20)
     batches: dict[str, list[sdk.Result]] = {}
     for r in results:
         batches.setdefault(r.batch.batch_id, []).append(r)
@@ -145,22 +155,7 @@ async def test_live_burst_agrees_with_the_simulator(nats_url: str, prefix: str) 
     config = make_config(prefix, {n: model for n in names}, worker={"max_resident_models": 1, "host_memory_budget_bytes": 0})
     sim_models = {n: {**costs, "max_batch_size": 16} for n in names}
     sim = simulate(build_workload({"models": sim_models, "arrivals": {"kind": "burst", "per_model": 64}}), "cost-aware")
-    await _prepare_streams(config, nats_url)
-    order = names * 64
-    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-        results: list[sdk.Result] = []
-
-        async def send(i: int, m: str) -> None:
-            results.append(await client.infer_result(f"{m}-{i}".encode(), model=m, timeout=60))
-
-        async with anyio.create_task_group() as tg:
-            for i, m in enumerate(order):
-                tg.start_soon(send, i, m)
-            await _queued(client, len(order))
-            started = anyio.current_time()  # the worker's startup (a connect, stream checks) counts
-            async with running_worker(config, nats_url) as worker:
-                await wait_until(lambda: len(results) == len(order), timeout_s=60, what="all replies")
-                makespan = anyio.current_time() - started
+    results, worker, makespan = await _queue_then_serve(config, nats_url, prefix, names * 64, 60)
     assert worker.stats["loads"] == sim.loads == 4
     assert len({r.batch.batch_id for r in results}) == len(sim.batches) == 16
     assert abs(makespan - sim.makespan_s) <= 0.15 * sim.makespan_s, (makespan, sim.makespan_s)
