@@ -108,18 +108,19 @@ async def test_expired_deadline_is_not_computed(nats_url: str, prefix: str) -> N
 
 
 async def test_request_that_cannot_finish_in_time_is_refused_before_compute(nats_url: str, prefix: str) -> None:
-    """A model whose batches take 0.6 s: a request due in 0.3 s is answered deadline_exceeded at
-    once (its batch would end too late), one due in 5 s is computed."""
-    slow = {"load_cost_s": 0.0, "batch_cost_s": 0.6, "item_cost_s": 0.0}
-    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=1, batch_cost_s=0.6, options=slow)})
+    """A model whose batches take 1 s: a request due in 0.6 s is answered deadline_exceeded as
+    soon as its batch is assembled (that batch would end too late), one due in 5 s is computed."""
+    slow = {"load_cost_s": 0.0, "batch_cost_s": 1.0, "item_cost_s": 0.0}
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=1, batch_cost_s=1.0, options=slow)})
     async with running_worker(config, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             assert await client.infer(b"in time", model="m1", timeout=5) == b"in time"
-            due = str(int((time.time() + 0.3) * 1000))
+            due = str(int((time.time() + 0.6) * 1000))
             started = time.monotonic()
+            # Refused on the prediction (the message says so), not because the deadline passed.
             with pytest.raises(sdk.DeadlineExceeded, match="a batch takes about"):
                 await client.infer(b"too tight", model="m1", timeout=10, headers={Headers.DEADLINE: due})
-            assert time.monotonic() - started < 0.6  # answered sooner than its batch could have run
+            assert time.monotonic() - started < 1.0  # sooner than its batch could have run
 
 
 async def test_handler_failure_isolates_poison_request(nats_url: str, prefix: str) -> None:
