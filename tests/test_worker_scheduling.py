@@ -65,7 +65,14 @@ async def test_interleaved_requests_become_one_batch_per_model(nats_url: str, pr
     picks: exactly two batches, [m1 x3] and [m2 x3], one load each."""
     model = sleep_model(max_batch_size=3, max_delay_ms=50, load_cost_s=0.5, options={"load_cost_s": 0.05, "batch_cost_s": 0.001, "item_cost_s": 0.0})
     config = make_config(prefix, {"m1": model, "m2": model}, worker={"max_resident_models": 1})
-    results, worker, _ = await _queue_then_serve(config, nats_url, prefix, ["m1", "m2", "m1", "m2", "m1", "m2"], 20)
+    order = ["m1", "m2", "m1", "m2", "m1", "m2"]
+    results, worker, _ = await _queue_then_serve(config, nats_url, prefix, order, 20)
+    # The simulator, driving the same policy and window, makes the same two batches.
+    from jetbatch.sidecar.simulator import SimModel, Workload, simulate
+
+    sim_models = {n: SimModel(n, load_cost_s=0.05, batch_cost_s=0.001, item_cost_s=0.0, max_batch_size=3) for n in ("m1", "m2")}
+    sim = simulate(Workload(models=sim_models, arrivals=tuple((0.0, m) for m in order), closed=True), "cost-aware")
+    assert sorted((b[2], b[3]) for b in sim.batches) == [("m1", 3), ("m2", 3)] and sim.loads == 2
     batches: dict[str, list[sdk.Result]] = {}
     for r in results:
         batches.setdefault(r.batch.batch_id, []).append(r)
