@@ -47,9 +47,18 @@ class MicroService:
     """The micro-services face of one sidecar; :meth:`start` subscribes, :meth:`stop` leaves."""
 
     def __init__(
-        self, nc: NATS, subjects: Subjects, role: str, report: Callable[[], SidecarReport], policy: ReplyPolicy, version: str
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        role: str,
+        report: Callable[[], SidecarReport],
+        policy: ReplyPolicy,
+        version: str,
+        *,
+        out: NATS | None = None,
     ) -> None:
         self.nc = nc
+        self.out = out or nc  # answers go out on the reply identity's connection when there is one
         self.subjects = subjects
         self.role = role
         self.report = report
@@ -93,7 +102,7 @@ class MicroService:
         except ProtocolError:
             return  # not an inbox: nobody legitimate waits there
         try:
-            await self.nc.publish(msg.reply, json.dumps(body, default=str).encode())
+            await self.out.publish(msg.reply, json.dumps(body, default=str).encode())
         except Exception as exc:  # noqa: BLE001 - discovery must never end the sidecar
             log.debug("discovery answer failed: %s", exc)
 

@@ -41,18 +41,23 @@ class StatusService:
         await self._sub.unsubscribe()
 
 
-async def serve_status(nc: NATS, subjects: Subjects, report: Callable[[], StatusReport], policy: ReplyPolicy) -> StatusService:
+async def serve_status(
+    nc: NATS, subjects: Subjects, report: Callable[[], StatusReport], policy: ReplyPolicy, *, out: NATS | None = None
+) -> StatusService:
     """Answer status requests with ``report()`` and register with the NATS micro-services
     protocol (``nats micro ls``); returns a handle (``await handle.unsubscribe()`` to stop).
 
     Answers go only where ``policy`` allows (inboxes), as for requests: a status request whose
-    reply subject names ``$JS.API...`` must not make the sidecar call the JetStream API."""
+    reply subject names ``$JS.API...`` must not make the sidecar call the JetStream API. ``out``:
+    the connection answers are published on (the reply identity's, when the deployment has one:
+    only it may publish to inboxes under the least-privilege configuration)."""
     import jetbatch
 
     from .discovery import MicroService
 
     first = report()
-    micro = MicroService(nc, subjects, first.role, report, policy, first.version or jetbatch.__version__)
+    out = out or nc
+    micro = MicroService(nc, subjects, first.role, report, policy, first.version or jetbatch.__version__, out=out)
 
     async def on_request(msg: Msg) -> None:
         if not msg.reply:
@@ -62,7 +67,7 @@ async def serve_status(nc: NATS, subjects: Subjects, report: Callable[[], Status
         except ProtocolError:
             return  # nobody legitimate waits there
         started = time.perf_counter()
-        await nc.publish(msg.reply, _encoder.encode(report()))
+        await out.publish(msg.reply, _encoder.encode(report()))
         micro.note_status_request(time.perf_counter() - started)
 
     sub = await nc.subscribe(subjects.status_subject, cb=on_request)

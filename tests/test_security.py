@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -17,6 +18,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from jetbatch import sdk
+from jetbatch.sdk.protocol import Subjects
+from jetbatch.sidecar.status import collect_status
 from jetbatch.sidecar.config import Config
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats
 from jetbatch.sidecar.transport import connect_options
@@ -26,7 +29,7 @@ pytestmark = pytest.mark.anyio
 PREFIX = "sec"
 SECRETS = {
     "producer": "p-Secret-1", "other": "o-Secret-2", "worker": "w-Secret-3", "classifier": "c-Secret-4",
-    "worker-replies": "wr-Secret-5", "classifier-replies": "cr-Secret-6",
+    "worker-replies": "wr-Secret-5", "classifier-replies": "cr-Secret-6", "operator": "op-Secret-7",
 }  # fmt: skip
 
 
@@ -86,8 +89,10 @@ def _server_config(tmp: Path) -> str:
         f"    {tenant('producer')}\n"
         f"    {tenant('other')}\n"
         # The sidecars' main identities: JetStream API and acks, queues and dead letters, never a caller's inbox.
-        f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>'], ['_INBOX.classifier.>', f'{PREFIX}.status'])}\n"
-        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>'], ['_INBOX.worker.>', f'{PREFIX}.status'])}\n"
+        f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>'], ['_INBOX.classifier.>', f'{PREFIX}.status', '$SRV.>'])}\n"
+        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>'], ['_INBOX.worker.>', f'{PREFIX}.status', '$SRV.>'])}\n"
+        # An operator: asks `jetbatch status` and `nats micro`, reads only its own inbox.
+        f"    {user('operator', [f'{PREFIX}.status', '$SRV.>'], ['_INBOX.operator.>'])}\n"
         f"    {replies('classifier-replies')}\n"
         f"    {replies('worker-replies')}\n"
         "  ]\n}\n"
@@ -150,6 +155,17 @@ async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any
             # Refused: listening on another caller's inbox.
             await client.nats.subscribe("_INBOX.other.>")
             await wait_until(lambda: any("subscription" in e.lower() for e in errors), what="the server's -ERR")
+        # An operator sees both sidecars through the status subject and the micro-services
+        # protocol: the answers come on the reply identities, the only ones allowed to publish to
+        # inboxes here.
+        op = await nats.connect(url, user="operator", password=SECRETS["operator"], tls=_tls(tmp), inbox_prefix="_INBOX.operator")
+        try:
+            reports = await collect_status(op, Subjects(PREFIX), wait_s=1.0)
+            assert sorted(r.role for r in reports) == ["classifier", "worker"]
+            ping = await op.request("$SRV.PING.jetbatch-worker", b"", timeout=5)
+            assert b"io.nats.micro.v1.ping_response" in ping.data
+        finally:
+            await op.close()
     assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.model.m1" in e for e in errors), errors
     assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.in.other" in e for e in errors), errors
     assert any("permissions violation for subscription" in e.lower() and "_inbox.other" in e.lower() for e in errors), errors

@@ -93,7 +93,7 @@ class Classifier:
     async def run(self) -> None:
         psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
         await anyio.to_thread.run_sync(self.router.load)
-        status = await serve_status(self.nc, self.subjects, self.report, self.reply_policy)
+        status = await serve_status(self.nc, self.subjects, self.report, self.reply_policy, out=self.replier.out)
         self._ready.set()
         # Pipelining: the next batch is fetched and classified while the previous one's
         # republishes wait for their PubAcks (at most two batches in flight).

@@ -189,7 +189,7 @@ class Worker:
         await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=f"worker {self.worker_id}")
         if self.cluster is not None:
             await self.cluster.advertise(self.report())
-        status_sub = await serve_status(self.nc, self.subjects, self.report, self.config.reply_policy)
+        status_sub = await serve_status(self.nc, self.subjects, self.report, self.config.reply_policy, out=self.replier.out)
         log.info("worker %s serving %s on %s", self.worker_id, ", ".join(self.slots), self.device)
         self._ready.set()
         try:
