@@ -23,11 +23,13 @@ def cluster() -> Iterator[NatsCluster]:
         yield c
 
 
-def _config(tmp_path: Path, prefix: str, models: dict[str, dict[str, float]], *, ack_wait_s: float = 30.0, max_wait_ms: int = 3000) -> Path:
+def _config(
+    tmp_path: Path, prefix: str, models: dict[str, dict[str, float]], *, ack_wait_s: float = 30.0, max_wait_ms: int = 3000, peer_timeout_s: float = 5.0
+) -> Path:
     lines = [
         f'[nats]\nprefix = "{prefix}"\n',
         f"[streams]\nreplicas = 3\nack_wait_s = {ack_wait_s}\nmax_deliver = 10\n",
-        "[worker]\nmax_resident_models = 1\npoll_interval_ms = 100\nheartbeat_s = 0.3\n",
+        f"[worker]\nmax_resident_models = 1\npoll_interval_ms = 100\nheartbeat_s = 0.3\npeer_timeout_s = {peer_timeout_s}\n",
     ]
     for name, opts in models.items():
         lines.append(
@@ -97,10 +99,10 @@ def test_placement_stays_put_when_a_nats_node_is_lost(cluster: NatsCluster, tmp_
     peer keeps its last view instead of concluding the peer left, so neither chases the other's
     model."""
     models = {name: {"load_cost_s": 0.4, "batch_cost_s": 0.02} for name in ("a", "b")}
-    # The starvation bound outranks placement: a peer stalled past max_wait_ms while the cluster
-    # elects new leaders (seconds, on a loaded 2-core host) is rightly helped by the other worker.
-    # This test is about the stale view alone, so the bound is set above the 10 s window.
-    config = _config(tmp_path, "c5", models, max_wait_ms=15000)
+    # A peer stalled past max_wait_ms, or silent past peer_timeout_s, while the cluster elects new
+    # leaders (several seconds on a loaded 2-core host) is rightly helped or replaced by the other
+    # worker. This test is about the stale view alone, so both are set above its 10 s window.
+    config = _config(tmp_path, "c5", models, max_wait_ms=15000, peer_timeout_s=15.0)
     victim_index = None
     with Deployment(config, nats_url=cluster.url, workers=2, log_level="INFO") as dep:  # INFO: loads show in the failure message
         try:
