@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 from typing import Callable
 
@@ -27,11 +28,33 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-__all__ = ["setup_telemetry"]
+__all__ = ["PrivateIdGenerator", "setup_telemetry"]
 
 log = logging.getLogger(__name__)
+
+class PrivateIdGenerator(RandomIdGenerator):
+    """Random trace and span ids from a private generator: the SDK's default draws from the
+    global ``random`` module, which belongs to the application (a sidecar embedded in a process,
+    a test run by Hypothesis, a seeded simulation would see its sequence disturbed)."""
+
+    def __init__(self) -> None:
+        self._rng = random.Random()
+
+    def generate_span_id(self) -> int:
+        span_id = self._rng.getrandbits(64)
+        while span_id == trace.INVALID_SPAN_ID:
+            span_id = self._rng.getrandbits(64)
+        return span_id
+
+    def generate_trace_id(self) -> int:
+        trace_id = self._rng.getrandbits(128)
+        while trace_id == trace.INVALID_TRACE_ID:
+            trace_id = self._rng.getrandbits(128)
+        return trace_id
+
 
 _KNOWN_EXPORTERS = frozenset({"otlp", "console", "prometheus", "none"})
 
@@ -96,7 +119,7 @@ def setup_telemetry(role: str, *, console: bool = False, worker_id: str | None =
     )
     shutdowns: list[Callable[[], object]] = []
     if traces:
-        provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER(_ARG)
+        provider = TracerProvider(resource=resource, id_generator=PrivateIdGenerator())  # sampler from OTEL_TRACES_SAMPLER(_ARG)
         if "console" in traces:
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
         if "otlp" in traces:

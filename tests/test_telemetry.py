@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from jetbatch import sdk
+from jetbatch.sidecar.otel import PrivateIdGenerator
 from tests.helpers import make_config, running_worker, sleep_model, wait_until
 from tests.otlp_receiver import OtlpReceiver
 
@@ -49,7 +50,9 @@ def _otel_providers() -> Iterator[Otel]:
     # session; tests clear the span exporter (``otel``) and compare metrics against a baseline.
     spans = InMemorySpanExporter()
     extra = Switchable()
-    provider = TracerProvider()
+    # Ids from a private generator, as the sidecars' own provider does: the default draws from the
+    # global random module, which Hypothesis watches in the tests that share this process.
+    provider = TracerProvider(id_generator=PrivateIdGenerator())
     provider.add_span_processor(SimpleSpanProcessor(spans))
     provider.add_span_processor(SimpleSpanProcessor(extra))
     reader = InMemoryMetricReader()
@@ -275,3 +278,17 @@ async def test_spans_reach_a_real_otlp_receiver_end_to_end(otel: Otel, nats_url:
     classifier_spans = [s for svc, s in got if svc == "jetbatch-classifier"]
     assert {bytes(link.span_id) for s in classifier_spans for link in s.links} >= set(producer)
     assert {r.batch.trace_id for r in results} <= {bytes(s.trace_id).hex() for s in batch_spans}
+
+
+def test_span_ids_leave_the_global_random_module_alone() -> None:
+    """The sidecars' tracer provider draws ids from its own generator: an application's seeded
+    `random` sequence (or Hypothesis watching it) is not disturbed by tracing."""
+    import random
+
+    random.seed(7)
+    state = random.getstate()
+    ids = PrivateIdGenerator()
+    spans = {ids.generate_span_id() for _ in range(1000)}
+    traces = {ids.generate_trace_id() for _ in range(1000)}
+    assert random.getstate() == state
+    assert len(spans) == 1000 and len(traces) == 1000 and 0 not in spans and 0 not in traces
