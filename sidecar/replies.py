@@ -1,10 +1,10 @@
 """The reply path shared by the worker and the classifier: answers, their durable copies, dead
 letters, and settling each message (ack, term, nak) without ever raising into a serving loop.
 
-Order for every answer (docs/reliability.md): store it in the results stream and wait for the
-PubAck, publish it to the caller's reply subject, and only then let the caller of this module ack
-the request. A crash before the PubAck redelivers the request; a crash after it leaves the answer
-where the caller (or the next worker) finds it by request id.
+Order for every answer (docs/reliability.md): publish its stored copy to the results stream,
+publish it to the caller's reply subject right behind, wait for the store's PubAck, and only then
+let the caller of this module ack the request. A crash before the PubAck redelivers the request;
+a crash after it leaves the answer where the caller (or the next worker) finds it by request id.
 """
 
 from __future__ import annotations
@@ -109,11 +109,16 @@ class Replier:
         return Answer.failure(answer.meta, ErrorCode.MODEL_FAILED, f"output of {size} bytes is over the server's max payload ({limit})", extra)
 
     async def deliver(self, answers: list[Answer]) -> None:
-        """Store every answer durably (when enabled), then send each to its caller. Sets
-        ``stored``/``sent`` on each; never raises."""
+        """Store every answer durably (when enabled) and send each to its caller. Sets
+        ``stored``/``sent`` on each; never raises.
+
+        The stored copies are published first and the replies right behind them on the same
+        connection, and only then are the PubAcks awaited: a caller gets its answer without
+        waiting for the store's round trip, while the request is still acked only once its
+        stored copy is confirmed (``safe``). A reply that arrives before a store that then fails
+        is harmless: the request is redelivered, and the caller ignores a second answer."""
         answers[:] = [self.fit(a) for a in answers]
-        if self.config.durable:
-            await self._store(answers)
+        stores = await self._store_start(answers) if self.config.durable else []
         for a in answers:
             if a.meta.reply_to is None:
                 continue
@@ -127,6 +132,8 @@ class Replier:
             await self.out.flush(timeout=5)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             log.warning("flush after replies failed: %r", exc)
+        if stores:
+            await self._store_finish(stores)
 
     async def resend(self, answer: Answer) -> None:
         """Send an answer found in the results store to its caller again (a redelivered request
@@ -144,7 +151,8 @@ class Replier:
         was handed to the connection)."""
         return answer.stored if self.config.durable else answer.sent or answer.meta.reply_to is None
 
-    async def _store(self, answers: list[Answer]) -> None:
+    async def _store_start(self, answers: list[Answer]) -> list[tuple[Answer, asyncio.Future[Any]]]:
+        """Publish each answer's stored copy; the PubAcks are awaited by :meth:`_store_finish`."""
         futures: list[tuple[Answer, asyncio.Future[Any]]] = []
         for a in answers:
             try:
@@ -154,8 +162,9 @@ class Replier:
                 log.warning("storing the answer of %s failed: %r", a.meta.request_id, exc)
                 continue
             futures.append((a, fut))
-        if not futures:
-            return
+        return futures
+
+    async def _store_finish(self, futures: list[tuple[Answer, asyncio.Future[Any]]]) -> None:
         done, pending = await asyncio.wait([f for _, f in futures], timeout=_STORE_TIMEOUT_S)
         for fut in pending:
             fut.cancel()
