@@ -10,7 +10,7 @@ loop nor make it allocate. Anything else gets 400, 404 or 405 and the connection
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import anyio
@@ -38,6 +38,7 @@ class ProbeServer:
     alive: Check
     ready: Check
     metrics: Callable[[], bytes] | None = None
+    _open: int = field(default=0, init=False, repr=False)  # connections being served now
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled; reports the bound port through ``task_status`` (``tg.start``).
@@ -48,7 +49,6 @@ class ProbeServer:
         self.port = int(sock[1])  # type: ignore[index]
         log.info("health and metrics on http://%s:%d (/healthz, /readyz, /metrics)", self.host, self.port)
         task_status.started(self.port)
-        self._open = 0
         async with listener, anyio.create_task_group() as tg:
             # One accept loop per bound socket (a host name may bind IPv4 and IPv6).
             for sock_listener in getattr(listener, "listeners", [listener]):
