@@ -20,6 +20,9 @@ async def test_worker_answers_status_and_cli_shows_cluster_view(nats_url: str, p
     async with running_worker(config, nats_url) as worker:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             await client.infer(b"x", model="m1", timeout=10)
+            # The answer reaches the caller before the worker has its stored copy confirmed and
+            # counts the request: wait for the count, not for a fixed time.
+            await wait_until(lambda: worker.stats["requests"] == 1, what="the request counted")
             reports = await collect_status(client.nats, config.subjects, wait_s=0.3)
         assert [(r.role, r.id) for r in reports] == [("worker", worker.worker_id)]
         report = reports[0]
@@ -57,6 +60,7 @@ async def test_sidecars_are_listed_by_the_nats_micro_protocol(nats_url: str, pre
     async with running_worker(config, nats_url) as worker:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             assert await client.infer(b"x", model="m1", timeout=10) == b"x"
+        await wait_until(lambda: worker.stats["requests"] >= 1, what="the request counted")
         nc = await nats.connect(nats_url)
         try:
             inbox = nc.new_inbox()
