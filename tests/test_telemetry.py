@@ -13,7 +13,7 @@ from typing import Any, Iterator, NamedTuple
 import anyio
 import pytest
 from opentelemetry import metrics, trace
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
@@ -57,7 +57,9 @@ def _otel_providers() -> Iterator[Otel]:
     provider.add_span_processor(SimpleSpanProcessor(extra))
     reader = InMemoryMetricReader()
     trace.set_tracer_provider(provider)
-    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    # No exemplars: their reservoir samples with the global random module (from the worker threads
+    # of other tests in this process, while Hypothesis watches that module's state).
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader], exemplar_filter=AlwaysOffExemplarFilter()))
     if trace.get_tracer_provider() is not provider:
         pytest.skip("another test module already installed a global tracer provider")
     yield Otel(spans, reader, extra)
