@@ -21,9 +21,11 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import StorageType
 
 from jetbatch.sdk.protocol import SidecarReport, Subjects
+
+from .streams import ensure_key_value
 
 __all__ = ["ClusterView"]
 
@@ -61,23 +63,14 @@ class ClusterView:
         return 3.0 * self.heartbeat_s
 
     async def start(self) -> None:
-        bucket = self.subjects.kv_bucket
-        try:
-            self._kv = await self.js.key_value(bucket)
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-            try:
-                self._kv = await self.js.create_key_value(
-                    KeyValueConfig(
-                        bucket=bucket,
-                        description="jetbatch workers: residency and drain rates",
-                        history=1,
-                        ttl=self.ttl_s,
-                        storage=StorageType.MEMORY,  # soft state, re-advertised every heartbeat
-                        replicas=self.replicas,
-                    )
-                )
-            except nats.js.errors.BadRequestError:
-                self._kv = await self.js.key_value(bucket)  # created concurrently by a peer
+        self._kv = await ensure_key_value(
+            self.js,
+            self.subjects.kv_bucket,
+            description="jetbatch workers: residency and drain rates",
+            ttl_s=self.ttl_s,
+            storage=StorageType.MEMORY,  # soft state, re-advertised every heartbeat
+            replicas=self.replicas,
+        )
         self._watcher = await self._kv.watchall()  # type: ignore[attr-defined]
 
     async def watch(self) -> None:

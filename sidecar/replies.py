@@ -120,14 +120,7 @@ class Replier:
         answers[:] = [self.fit(a) for a in answers]
         stores = await self._store_start(answers) if self.config.durable else []
         for a in answers:
-            if a.meta.reply_to is None:
-                continue
-            try:
-                await self.out.publish(a.meta.reply_to, a.body, headers=a.headers)
-                a.sent = True
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                # Reconnecting with a full buffer, or closed: the stored copy still answers.
-                log.warning("reply to %s failed: %r", a.meta.request_id, exc)
+            await self._send(a)
         try:
             await self.out.flush(timeout=5)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
@@ -138,13 +131,18 @@ class Replier:
     async def resend(self, answer: Answer) -> None:
         """Send an answer found in the results store to its caller again (a redelivered request
         whose earlier delivery was computed and stored, but not acked)."""
+        await self._send(answer)
+
+    async def _send(self, answer: Answer) -> None:
+        """Publish ``answer`` to its caller (if it has a reply subject); sets ``sent``."""
         if answer.meta.reply_to is None:
             return
         try:
             await self.out.publish(answer.meta.reply_to, answer.body, headers=answer.headers)
             answer.sent = True
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("resending the answer of %s failed: %r", answer.meta.request_id, exc)
+            # Reconnecting with a full buffer, or closed: the stored copy still answers.
+            log.warning("reply to %s failed: %r", answer.meta.request_id, exc)
 
     def safe(self, answer: Answer) -> bool:
         """Whether the request may be acked: its answer is stored (or, without the results store,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterable
+from typing import Any, Iterable
 
 import nats.errors
 import nats.js.errors
@@ -19,6 +19,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -35,6 +36,7 @@ __all__ = [
     "classifier_consumer_name",
     "dead_letter_stream_config",
     "ensure_classifier_streams",
+    "ensure_key_value",
     "ensure_model_consumer",
     "ensure_streams",
     "ingress_stream_config",
@@ -290,3 +292,19 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, wanted: ConsumerCo
                 ) from exc
             # Concurrent creation by another replica, or a cluster electing a leader: retry.
             await asyncio.sleep(0.2 * (attempt + 1))
+
+
+async def ensure_key_value(
+    js: JetStreamContext, bucket: str, *, description: str, ttl_s: float, storage: StorageType, replicas: int
+) -> Any:
+    """Open the key-value ``bucket``, creating it (one value per key) if it does not exist yet;
+    a peer creating it at the same moment is not an error."""
+    try:
+        return await js.key_value(bucket)
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+        try:
+            return await js.create_key_value(
+                KeyValueConfig(bucket=bucket, description=description, history=1, ttl=ttl_s, storage=storage, replicas=replicas)
+            )
+        except nats.js.errors.BadRequestError:
+            return await js.key_value(bucket)  # created concurrently by a peer

@@ -33,9 +33,11 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import StorageType
 
 from jetbatch.sdk.protocol import Subjects
+
+from ..streams import ensure_key_value
 
 __all__ = ["Quarantine", "Verdict", "give_up_after"]
 
@@ -67,23 +69,14 @@ class Quarantine:
         self._kv: Any = None
 
     async def start(self) -> None:
-        bucket = self.subjects.attempts_bucket
-        try:
-            self._kv = await self.js.key_value(bucket)
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-            try:
-                self._kv = await self.js.create_key_value(
-                    KeyValueConfig(
-                        bucket=bucket,
-                        description="jetbatch: redelivered requests run alone (poison evidence)",
-                        history=1,
-                        ttl=self.ttl_s,
-                        storage=StorageType.FILE,  # evidence must survive a server restart
-                        replicas=self.replicas,
-                    )
-                )
-            except nats.js.errors.BadRequestError:
-                self._kv = await self.js.key_value(bucket)  # created concurrently by a peer
+        self._kv = await ensure_key_value(
+            self.js,
+            self.subjects.attempts_bucket,
+            description="jetbatch: redelivered requests run alone (poison evidence)",
+            ttl_s=self.ttl_s,
+            storage=StorageType.FILE,  # evidence must survive a server restart
+            replicas=self.replicas,
+        )
 
     @staticmethod
     def _key(model: str, seq: int) -> str:
