@@ -249,7 +249,7 @@ class WorkerTelemetry:
 
     @staticmethod
     def trace_id_hex(span: Span) -> str:
-        """The span's trace id as 32 hex digits (the ``Jetbatch-Trace-Id`` reply header), or
+        """The span's trace id as 32 hex digits (the ``trace`` field of the ``Jetbatch-Batch`` reply header), or
         ``""`` when tracing is off."""
         ctx = span.get_span_context()
         return format(ctx.trace_id, "032x") if ctx.is_valid else ""

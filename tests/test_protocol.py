@@ -9,12 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jetbatch.sdk.protocol import (
+    BatchInfo,
     ContentType,
     ErrorCode,
     Headers,
     ProtocolError,
     Subjects,
     Tensor,
+    batch_header,
     batch_info_from_headers,
     deadline_from_headers,
     decode_error,
@@ -135,3 +137,34 @@ def test_deadline_header() -> None:
 def test_batch_info_tolerates_missing_and_bad_headers() -> None:
     info = batch_info_from_headers({Headers.BATCH_SIZE: "x", Headers.MODEL_LOADED: "TRUE", Headers.BATCH_ID: "b"})
     assert info.batch_size == 0 and info.model_loaded is True and info.batch_id == "b"
+
+
+def test_batch_header_round_trip() -> None:
+    value = batch_header("3f2a9c1d0b7e4a12", 64, 2.4171, True, "gpu-1-4711", "4bf92f3577b34da6a3ce929d0e0e4736")
+    assert value == "id=3f2a9c1d0b7e4a12;size=64;wait_ms=2.417;loaded=1;worker=gpu-1-4711;trace=4bf92f3577b34da6a3ce929d0e0e4736"
+    info = batch_info_from_headers({Headers.BATCH: value, Headers.MODEL: "m1"})
+    assert info == BatchInfo("3f2a9c1d0b7e4a12", 64, 2.417, True, "m1", "gpu-1-4711", "4bf92f3577b34da6a3ce929d0e0e4736")
+    untraced = batch_info_from_headers({Headers.BATCH: batch_header("b", 1, 0.0, False, "w")})
+    assert (untraced.trace_id, untraced.model_loaded, untraced.batch_size) == ("", False, 1)
+
+
+def test_batch_info_reads_the_six_headers_of_protocol_1() -> None:
+    info = batch_info_from_headers(
+        {
+            "Jetbatch-Batch-Id": "b1", "Jetbatch-Batch-Size": "3", "Jetbatch-Queue-Wait-Ms": "1.5",
+            "Jetbatch-Model-Loaded": "true", "Jetbatch-Worker": "w", "Jetbatch-Trace-Id": "t", Headers.MODEL: "m",
+        }  # fmt: skip
+    )
+    assert info == BatchInfo("b1", 3, 1.5, True, "m", "w", "t")
+
+
+def test_batch_info_ignores_unknown_fields_and_bad_values() -> None:
+    info = batch_info_from_headers({Headers.BATCH: "id=b;size=NaN;wait_ms=inf;loaded=yes;future=1;;=;worker"})
+    assert (info.batch_id, info.batch_size, info.queue_wait_ms, info.model_loaded, info.worker) == ("b", 0, 0.0, False, "")
+    assert batch_info_from_headers({Headers.BATCH: "id=b;" + "x" * 600}).batch_id == ""  # over the length limit
+
+
+@given(st.dictionaries(st.sampled_from([Headers.BATCH, Headers.MODEL, "Jetbatch-Batch-Size", "Jetbatch-Queue-Wait-Ms"]), st.text(max_size=700)))
+def test_batch_info_never_raises(headers: dict[str, str]) -> None:
+    info = batch_info_from_headers(headers)
+    assert len(info.batch_id) <= 64 and len(info.trace_id) <= 32

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from jetbatch import sdk
-from tests.helpers import make_config, running_worker, sleep_model
+from tests.helpers import make_config, running_worker, sleep_model, wait_until
 
 NO_TORCH = textwrap.dedent(
     """
@@ -222,3 +222,27 @@ async def test_duplicate_replies_are_dropped(nats_url: str, prefix: str) -> None
         await nc.flush()  # the duplicate reaches the inbox: it must be dropped without error
         await sub.unsubscribe()
     assert result == b"first"
+
+
+@pytest.mark.anyio
+async def test_an_unanswered_request_times_out_and_a_cancelled_caller_is_cancelled(nats_url: str, prefix: str) -> None:
+    """The reply timer: no answer within ``timeout`` is RequestTimeout; cancelling the caller is a
+    cancellation, not a timeout; neither leaves the request registered."""
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        pass  # creates the streams; nobody serves m1 afterwards
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        with pytest.raises(sdk.RequestTimeout, match="no reply within 0.3s"):
+            await client.infer(b"nobody home", model="m1", timeout=0.3)
+        task = asyncio.ensure_future(client.infer(b"cancel me", model="m1", timeout=30))
+        js = client.nats.jetstream()
+        await wait_until(lambda: _queued(js, client.subjects.models_stream), timeout_s=10, what="the request in its queue")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client._pending == {}
+
+
+async def _queued(js: object, stream: str) -> bool:
+    info = await js.stream_info(stream)  # type: ignore[attr-defined]
+    return info.state.messages >= 2

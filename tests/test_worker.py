@@ -170,3 +170,62 @@ async def test_startup_retries_a_slow_jetstream_then_gives_up_with_one_line() ->
     with pytest.raises(StreamSetupError, match="did not answer within 1s"):
         await retry_startup(never, timeout_s=1, what="w")
     assert time.monotonic() - started < 3
+
+
+async def test_a_reply_on_the_wire_carries_five_headers_with_the_batch_metadata_in_one(nats_url: str, prefix: str) -> None:
+    """Protocol 2: what a client in another language (or the `nats` CLI) sees of a reply."""
+    import nats
+
+    from jetbatch.sdk.protocol import Subjects, batch_info_from_headers
+
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.jetstream().publish(
+                Subjects(prefix).model("m1"), b"hi",
+                headers={Headers.MSG_ID: "wire-1", Headers.REPLY_TO: inbox, Headers.CONTENT_TYPE: ContentType.BYTES.value},
+            )  # fmt: skip
+            msg = await sub.next_msg(timeout=15)
+        finally:
+            await nc.close()
+    assert msg.data == b"hi"
+    assert set(msg.headers) == {Headers.STATUS, Headers.REQUEST_ID, Headers.CONTENT_TYPE, Headers.MODEL, Headers.BATCH}
+    fields = dict(part.split("=", 1) for part in msg.headers[Headers.BATCH].split(";"))
+    assert set(fields) >= {"id", "size", "wait_ms", "loaded", "worker"} and fields["size"] == "1" and fields["loaded"] == "1"
+    info = batch_info_from_headers(msg.headers)
+    assert (info.model, info.batch_size, len(info.batch_id)) == ("m1", 1, 16)
+
+
+async def test_an_answer_the_results_store_refuses_is_sent_but_not_acked(nats_url: str, prefix: str) -> None:
+    """The store's PubAck gates the ack: when the results stream refuses the stored copy (here:
+    over its maximum message size), the caller still gets the live reply, and the request is
+    redelivered rather than acked as if its answer were safe."""
+    import nats
+
+    from jetbatch.sdk.protocol import Subjects
+    from jetbatch.sidecar.streams import model_consumer_name
+    from tests.helpers import wait_until
+
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(subjects.results_stream)
+            info.config.max_msg_size = 16  # every answer below is bigger
+            await js.update_stream(info.config)
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                assert await client.infer(b"x" * 64, model="m1", timeout=10) == b"x" * 64
+
+            async def redelivered() -> bool:
+                consumer = await js.consumer_info(subjects.models_stream, model_consumer_name("m1"))
+                return consumer.num_redelivered >= 1
+
+            await wait_until(redelivered, timeout_s=15, what="the unstored request's redelivery")
+            assert (await js.stream_info(subjects.results_stream)).state.messages == 0
+        finally:
+            await nc.close()

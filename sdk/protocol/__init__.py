@@ -27,6 +27,7 @@ from .payloads import (
     BatchInfo,
     ErrorBody,
     Tensor,
+    batch_header,
     batch_info_from_headers,
     deadline_header,
     decode_error,
@@ -45,6 +46,7 @@ from .requests import (
     deadline_from_headers,
     header_bytes,
     message_bytes,
+    new_request_id,
     parse_request_headers,
 )
 
@@ -68,6 +70,7 @@ __all__ = [
     "Status",
     "Subjects",
     "Tensor",
+    "batch_header",
     "batch_info_from_headers",
     "deadline_from_headers",
     "deadline_header",
@@ -78,6 +81,7 @@ __all__ = [
     "error_headers",
     "header_bytes",
     "message_bytes",
+    "new_request_id",
     "parse_request_headers",
     "validate_model_name",
     "validate_token",

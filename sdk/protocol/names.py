@@ -26,6 +26,10 @@ class Headers:
     STATUS = "Jetbatch-Status"  # "ok" or "error"
     ERROR_CODE = "Jetbatch-Error-Code"
     REQUEST_ID = "Jetbatch-Request-Id"
+    # The batch metadata of a reply, one header since protocol 2 (see docs/protocol.md):
+    # ``id=<16 hex>;size=<n>;wait_ms=<ms>;loaded=<0|1>;worker=<id>[;trace=<32 hex>]``.
+    BATCH = "Jetbatch-Batch"
+    # Protocol 1 carried the same metadata as six headers; the SDK still reads them (one release).
     BATCH_ID = "Jetbatch-Batch-Id"
     BATCH_SIZE = "Jetbatch-Batch-Size"
     QUEUE_WAIT_MS = "Jetbatch-Queue-Wait-Ms"

@@ -212,24 +212,48 @@ def deadline_header(timeout_s: float, now: float | None = None) -> str:
     return str(int(((time.time() if now is None else now) + timeout_s) * 1000))
 
 
+MAX_BATCH_HEADER_BYTES = 512  # far above the longest value a worker writes (about 120)
+
+
+def batch_header(batch_id: str, size: int, queue_wait_ms: float, loaded: bool, worker: str, trace_id: str = "") -> str:
+    """The value of the ``Jetbatch-Batch`` reply header (protocol 2)."""
+    value = f"id={batch_id};size={size};wait_ms={queue_wait_ms:.3f};loaded={1 if loaded else 0};worker={worker}"
+    return f"{value};trace={trace_id}" if trace_id else value
+
+
 def batch_info_from_headers(headers: Mapping[str, str] | None) -> BatchInfo:
-    """Read the batch metadata a worker puts on every reply."""
+    """Read the batch metadata a worker puts on every reply: the ``Jetbatch-Batch`` header, or the
+    six headers of protocol 1 from an older worker. Never raises: a malformed or oversized value
+    gives defaults (the answer itself is still good)."""
     h = headers or {}
+    fields: dict[str, str] = {}
+    compact = h.get(Headers.BATCH)
+    if isinstance(compact, str) and len(compact) <= MAX_BATCH_HEADER_BYTES:
+        for part in compact.split(";"):
+            key, _, value = part.partition("=")
+            fields[key.strip()] = value.strip()
+    elif compact is None:
+        legacy = {
+            "id": Headers.BATCH_ID, "size": Headers.BATCH_SIZE, "wait_ms": Headers.QUEUE_WAIT_MS,
+            "loaded": Headers.MODEL_LOADED, "worker": Headers.WORKER, "trace": Headers.TRACE_ID,
+        }  # fmt: skip
+        fields = {key: h[name] for key, name in legacy.items() if isinstance(h.get(name), str)}
 
     def num(key: str, cast: Any, default: Any) -> Any:
         try:
-            return cast(h[key])
-        except (KeyError, TypeError, ValueError):
+            value = cast(fields[key])
+        except (KeyError, TypeError, ValueError, OverflowError):
             return default
+        return value if value == value and abs(value) != float("inf") else default  # no NaN or infinities
 
     return BatchInfo(
-        batch_id=h.get(Headers.BATCH_ID, ""),
-        batch_size=num(Headers.BATCH_SIZE, int, 0),
-        queue_wait_ms=num(Headers.QUEUE_WAIT_MS, float, 0.0),
-        model_loaded=h.get(Headers.MODEL_LOADED, "false").lower() == "true",
-        model=h.get(Headers.MODEL, ""),
-        worker=h.get(Headers.WORKER, ""),
-        trace_id=h.get(Headers.TRACE_ID, ""),
+        batch_id=fields.get("id", "")[:64],
+        batch_size=num("size", int, 0),
+        queue_wait_ms=num("wait_ms", float, 0.0),
+        model_loaded=fields.get("loaded", "").lower() in ("1", "true"),
+        model=str(h.get(Headers.MODEL, ""))[:64],
+        worker=fields.get("worker", "")[:128],
+        trace_id=fields.get("trace", "")[:32],
     )
 
 

@@ -9,8 +9,9 @@ reply policy (an allowlist of reply prefixes).
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .names import Headers, ProtocolError, validate_model_name, validate_token
 
@@ -83,19 +84,32 @@ class RequestMeta:
     problem: str | None = None
 
 
+def new_request_id() -> str:
+    """A fresh request id: 32 hex characters (a random UUID)."""
+    return uuid.uuid4().hex
+
+
 def parse_request_headers(
-    headers: Mapping[str, str] | None, *, policy: ReplyPolicy, tenant: str | None = None, fallback_id: str = ""
+    headers: Mapping[str, str] | None,
+    *,
+    policy: ReplyPolicy,
+    tenant: str | None = None,
+    fallback_id: str | Callable[[], str] = "",
 ) -> RequestMeta:
     """Parse a request's headers with limits; never raises. ``tenant`` is what the sidecar knows
-    from the subject (classifier) or the classifier's header (worker), never the producer's word."""
+    from the subject (classifier) or the classifier's header (worker), never the producer's word.
+    ``fallback_id`` (or a function making one, called only when needed) names a request whose
+    ``Nats-Msg-Id`` is missing or invalid."""
     h = headers or {}
     problems: list[str] = []
-    rid = h.get(Headers.MSG_ID) or fallback_id
+    rid = h.get(Headers.MSG_ID)
+    if rid is None or rid == "":
+        rid = fallback_id() if callable(fallback_id) else fallback_id
     try:
         validate_token(rid, f"request id ({Headers.MSG_ID})")
     except ProtocolError as exc:
         problems.append(str(exc))
-        rid = fallback_id
+        rid = fallback_id() if callable(fallback_id) else fallback_id
     reply_to: str | None = None
     raw_reply = h.get(Headers.REPLY_TO)
     if raw_reply is not None:

@@ -14,7 +14,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from typing import Any
 
 import anyio
@@ -27,7 +26,17 @@ from opentelemetry.trace import SpanKind
 
 from jetbatch import __version__
 from jetbatch.sdk.errors import BadRequest, JetbatchError, Overloaded, PayloadTooLarge, UnknownModel
-from jetbatch.sdk.protocol import ErrorCode, Headers, ProtocolError, RequestMeta, SidecarReport, Subjects, message_bytes, parse_request_headers
+from jetbatch.sdk.protocol import (
+    ErrorCode,
+    Headers,
+    ProtocolError,
+    RequestMeta,
+    SidecarReport,
+    Subjects,
+    message_bytes,
+    new_request_id,
+    parse_request_headers,
+)
 from jetbatch.sdk.publishing import publish_with_retries
 
 from ..config import Config, ConfigError
@@ -154,7 +163,7 @@ class Classifier:
     def _parse(self, msg: Msg) -> tuple[Item, RequestMeta]:
         headers = msg.headers or {}
         tenant = self.subjects.tenant_from_subject(msg.subject)
-        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=uuid.uuid4().hex)
+        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=new_request_id)
         item = Item(headers=headers, data=msg.data, content_type=meta.content_type)
         return item, meta
 

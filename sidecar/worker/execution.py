@@ -19,7 +19,7 @@ from typing import Any, Callable
 import anyio
 from nats.aio.msg import Msg
 
-from jetbatch.sdk.protocol import ErrorCode, Headers, ReplyPolicy, parse_request_headers, validate_token
+from jetbatch.sdk.protocol import ErrorCode, Headers, ReplyPolicy, batch_header, new_request_id, parse_request_headers, validate_token
 
 from ..handlers import BadInput
 from ..policy import PROBE_AFTER_REFUSALS, CostEstimator, Policy, cannot_finish
@@ -48,7 +48,8 @@ class BatchRunner:
         stats: dict[str, int],
         on_batch: Callable[[BatchReport], None] | None = None,
     ) -> None:
-        self.worker_id = worker_id
+        # The id travels inside the ``Jetbatch-Batch`` header, whose fields ``;`` and ``=`` separate.
+        self.worker_id = worker_id.replace(";", "_").replace("=", "_")
         self.replier = replier
         self.quarantine = quarantine
         self.telemetry = telemetry
@@ -72,7 +73,7 @@ class BatchRunner:
                 validate_token(tenant, "tenant")
             except Exception as exc:  # noqa: BLE001 - ProtocolError; any failure is the request's
                 tenant_problem, tenant = str(exc), None
-        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=uuid.uuid4().hex)
+        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=new_request_id)
         if tenant_problem:
             meta = _with_problem(meta, f"header {Headers.TENANT}: {tenant_problem}")
         return Request(
@@ -100,18 +101,13 @@ class BatchRunner:
         now = time.time()
         requests = [self.parse(m, now) for m in msgs]
         waits_ms = {id(r): max(0.0, (now - r.enqueued_at) * 1000.0) for r in requests}
-        base = {
-            Headers.BATCH_ID: batch_id,
-            Headers.BATCH_SIZE: str(len(requests)),
-            Headers.MODEL_LOADED: "true" if loaded else "false",
-            Headers.MODEL: slot.name,
-            Headers.WORKER: self.worker_id,
-        }
+        trace = [""]  # the batch span's trace id, once the span exists
 
         def extra(r: Request) -> dict[str, str]:
-            h = dict(base)
-            h[Headers.QUEUE_WAIT_MS] = f"{waits_ms[id(r)]:.3f}"
-            return h
+            return {
+                Headers.MODEL: slot.name,
+                Headers.BATCH: batch_header(batch_id, len(requests), waits_ms[id(r)], loaded, self.worker_id, trace[0]),
+            }
 
         rejected, expired, fresh, suspects = [], [], [], []
         predicted_s = self._predicted_s(slot, len(requests))
@@ -143,9 +139,7 @@ class BatchRunner:
         ) as span:
             if load_record is not None:
                 self.telemetry.record_load(load_record, span)
-            trace_id = self.telemetry.trace_id_hex(span)
-            if trace_id:
-                base[Headers.TRACE_ID] = trace_id
+            trace[0] = self.telemetry.trace_id_hex(span) or ""
             for r in rejected:
                 r.action = "term"  # a malformed request will not get better on redelivery
                 r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, r.meta.problem or "bad request", extra(r))
@@ -282,11 +276,13 @@ class BatchRunner:
         for a in stored_answers:
             if a is not None:
                 await self.replier.resend(a)
+        outcomes: dict[str, int] = {}
         for r in requests:
             a = r.answer
             if a is None:  # cannot happen: every path sets an answer
                 continue
-            self.telemetry.requests.add(1, {"jetbatch.model": slot.name, "jetbatch.status": a.error.value if a.error else "ok"})
+            outcome = a.error.value if a.error else "ok"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
             if r.reply_refused:
                 # Nowhere safe to answer: keep the request, with the reason, for an operator.
                 await self.replier.dead_letter(r.msg, r.meta.problem or "reply subject refused", "worker")
@@ -299,6 +295,8 @@ class BatchRunner:
                 await settle(r.msg, r.action)
             else:
                 await settle(r.msg, "nak", delay_s=1.0)  # redelivered; its next delivery finds it stored or recomputes
+        for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
+            self.telemetry.requests.add(count, {"jetbatch.model": slot.name, "jetbatch.status": outcome})
 
 
 def _with_problem(meta: Any, problem: str) -> Any:
