@@ -15,7 +15,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -34,6 +33,7 @@ from jetbatch.sdk.protocol import (
 )
 
 from .config import RepliesConfig
+from .pubacks import PubAcks, settled
 
 __all__ = ["Answer", "Replier", "client_message"]
 
@@ -92,7 +92,7 @@ class Replier:
     reply_nc: NATS | None = None
     _js: Any = field(init=False, default=None)
 
-    _acks: "_PubAcks | None" = field(init=False, default=None)
+    _acks: PubAcks | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._js = (self.reply_nc or self.nc).jetstream()
@@ -155,7 +155,7 @@ class Replier:
     async def _store_start(self, answers: list[Answer]) -> list[tuple[Answer, asyncio.Future[Any]]]:
         """Publish each answer's stored copy; the PubAcks are awaited by :meth:`_store_finish`."""
         if self._acks is None:
-            self._acks = _PubAcks(self.out)
+            self._acks = PubAcks(self.out)
         futures: list[tuple[Answer, asyncio.Future[Any]]] = []
         for a in answers:
             try:
@@ -168,13 +168,11 @@ class Replier:
         return futures
 
     async def _store_finish(self, futures: list[tuple[Answer, asyncio.Future[Any]]]) -> None:
-        done, pending = await asyncio.wait([f for _, f in futures], timeout=_STORE_TIMEOUT_S)
-        for fut in pending:
-            fut.cancel()
+        await settled([f for _, f in futures], _STORE_TIMEOUT_S)
         for a, fut in futures:
-            if fut in done and not fut.cancelled() and fut.exception() is None:
+            if not fut.cancelled() and fut.exception() is None:
                 a.stored = True
-            elif fut in done and not fut.cancelled():
+            elif not fut.cancelled():
                 log.warning("the results stream refused the answer of %s: %r", a.meta.request_id, fut.exception())
 
     async def stored_answer(self, meta: RequestMeta) -> Answer | None:
@@ -221,56 +219,6 @@ class Replier:
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
             log.warning("dead-lettering %s failed: %r", original.get(Headers.MSG_ID), exc)
             return False
-
-
-class StoreRefused(Exception):
-    """JetStream did not store a message: its PubAck carried an error, or no stream answered."""
-
-
-class _PubAcks:
-    """JetStream publishes whose PubAcks come back to one inbox subscription, each resolving a
-    future. nats-py's ``publish_async`` does the same but wraps every publish in
-    ``asyncio.wait_for`` (a task per message on Python 3.11): a third of the cost of storing an
-    answer in the profile of docs/benchmarks.md. Futures the caller gives up on are cancelled,
-    which removes them here too."""
-
-    def __init__(self, nc: NATS) -> None:
-        self._nc = nc
-        self._prefix = f"{nc.new_inbox()}."
-        self._sub: Any = None
-        self._waiting: dict[str, asyncio.Future[None]] = {}
-        self._next = 0
-
-    async def publish(self, subject: str, body: bytes, headers: dict[str, str]) -> asyncio.Future[None]:
-        if self._sub is None:
-            self._sub = await self._nc.subscribe(f"{self._prefix}*", cb=self._on_ack)
-        self._next += 1
-        token = str(self._next)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[token] = fut
-        fut.add_done_callback(lambda _: self._waiting.pop(token, None))
-        try:
-            await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
-        except BaseException:
-            fut.cancel()
-            raise
-        return fut
-
-    async def _on_ack(self, msg: Msg) -> None:
-        fut = self._waiting.get(msg.subject[len(self._prefix) :])
-        if fut is None or fut.done():
-            return
-        try:
-            ack = msgspec.json.decode(msg.data) if msg.data else None
-        except msgspec.DecodeError:
-            ack = None
-        if isinstance(ack, dict) and "error" not in ack and "stream" in ack:
-            fut.set_result(None)
-        else:
-            # No stream (a 503 status with an empty body), or an API error such as a full store.
-            status = (msg.headers or {}).get("Status", "")
-            detail = ack.get("error") if isinstance(ack, dict) else f"status {status or 'unknown'}"
-            fut.set_exception(StoreRefused(str(detail)[:300]))
 
 
 async def settle(msg: Msg, action: str, *, delay_s: float | None = None) -> bool:

@@ -41,6 +41,7 @@ from jetbatch.sdk.publishing import publish_with_retries
 
 from ..config import Config, ConfigError
 from ..policy import BatchWindow
+from ..pubacks import PubAcks, settled
 from ..replies import Answer, Replier, client_message, settle
 from ..runtime import retry_startup
 from ..status import serve_status
@@ -52,6 +53,7 @@ __all__ = ["Classifier"]
 
 log = logging.getLogger("jetbatch.classifier")
 _tracer_name = "jetbatch.sidecar"
+_REPUBLISH_ACK_TIMEOUT_S = 5.0  # then the careful path retries (same Nats-Msg-Id: no duplicates)
 
 
 class Classifier:
@@ -67,6 +69,7 @@ class Classifier:
         self.cfg = config.classifier
         self.nc = nc
         self.js = nc.jetstream()
+        self._pubacks = PubAcks(nc)
         self.subjects: Subjects = config.subjects
         self.router = router or make_router(self.cfg)
         self.id = f"classifier-{socket.gethostname()}-{os.getpid()}"
@@ -206,32 +209,65 @@ class Classifier:
                     decided = [Route(None, (ErrorCode.INTERNAL, f"router failed: {client_message(exc)}"))] * len(batch)
                 for i, route in zip(to_classify, decided):
                     routes[i] = route
-            # Republish the whole batch concurrently: one PubAck round trip per batch, not per request.
-            outcomes = await asyncio.gather(
-                *(self._forward(msg, item, meta, route) for msg, (item, meta), route in zip(msgs, parsed, routes) if route)
-            )
-            failed = [o for o in outcomes if o is not None]
+            failed = await self._forward([(msg, meta, route) for msg, (_, meta), route in zip(msgs, parsed, routes) if route])
             if failed:
                 await self._answer(failed)
         self.stats["batches"] += 1
         self.stats["requests"] += len(msgs)
 
-    async def _forward(self, msg: Msg, item: Item, meta: RequestMeta, route: Route) -> tuple[Msg, RequestMeta, Route] | None:
-        """Republish a routed request (then ack it); return it with its error otherwise."""
-        error = route.error
-        if error is None and route.model is not None:
+    async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]]) -> list[tuple[Msg, RequestMeta, Route]]:
+        """Republish the routed requests and ack each once JetStream has it; return the others
+        with their errors. The whole batch goes out back to back with its PubAcks awaited together
+        (one round trip a batch); a request that first attempt did not place takes the careful
+        path, retried under its ``Nats-Msg-Id`` with typed errors."""
+        failed: list[tuple[Msg, RequestMeta, Route]] = []
+        sent: list[tuple[Msg, RequestMeta, Route, str, dict[str, str], asyncio.Future[Any] | None]] = []
+        for msg, meta, route in routed:
+            prepared = self._prepare(msg, meta, route)
+            if isinstance(prepared, tuple) and isinstance(prepared[0], ErrorCode):
+                failed.append((msg, meta, Route(route.model, prepared)))
+                continue
+            subject, headers = prepared
             try:
-                subject = self.subjects.model(route.model)  # validates the name
-            except ProtocolError as exc:
-                error = (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
+                fut: asyncio.Future[Any] | None = await self._pubacks.publish(subject, msg.data, headers)
+            except (nats.errors.Error, asyncio.TimeoutError):
+                fut = None  # reconnecting with a full buffer, or closed: the careful path decides
+            sent.append((msg, meta, route, subject, headers, fut))
+        await settled([fut for *_, fut in sent if fut is not None], _REPUBLISH_ACK_TIMEOUT_S)
+        retry = []
+        for msg, meta, route, subject, headers, fut in sent:
+            if fut is not None and not fut.cancelled() and fut.exception() is None:
+                await self._forwarded(msg)
             else:
-                error = await self._republish(subject, msg, meta)
-                if error is None:
-                    self.stats["routed"] += 1
-                    await self._settle_forwarded(msg)
-                    return None
-        assert error is not None
-        return msg, meta, Route(route.model, error)
+                retry.append((msg, meta, route, subject, headers))
+        errors = await asyncio.gather(*(self._republish(subject, msg, meta, headers) for msg, meta, _, subject, headers in retry))
+        for (msg, meta, route, _, _), error in zip(retry, errors):
+            if error is None:
+                await self._forwarded(msg)
+            else:
+                failed.append((msg, meta, Route(route.model, error)))
+        return failed
+
+    def _prepare(self, msg: Msg, meta: RequestMeta, route: Route) -> tuple[str, dict[str, str]] | tuple[ErrorCode, str]:
+        """The subject and headers a routed request is republished with, or why it cannot be."""
+        if route.error is not None or route.model is None:
+            return route.error or (ErrorCode.INTERNAL, "router returned neither a model nor an error")
+        try:
+            subject = self.subjects.model(route.model)  # validates the name
+        except ProtocolError as exc:
+            return (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
+        # Unchanged (request id, reply-to, deadline, trace context), except the tenant: the
+        # classifier's word, from the subject the request arrived on, never the producer's.
+        headers = {k: v for k, v in (msg.headers or {}).items() if k != Headers.TENANT}
+        if meta.tenant is not None:
+            headers[Headers.TENANT] = meta.tenant
+        if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):
+            return (ErrorCode.BAD_REQUEST, "request is over the server's max payload once routed")
+        return subject, headers
+
+    async def _forwarded(self, msg: Msg) -> None:
+        self.stats["routed"] += 1
+        await self._settle_forwarded(msg)
 
     async def _settle_forwarded(self, msg: Msg) -> None:
         await settle(msg, "ack")
@@ -251,14 +287,9 @@ class Classifier:
             self.stats["errors"] += 1
             await settle(msg, "term" if answer.error is ErrorCode.BAD_REQUEST else "ack")
 
-    async def _republish(self, subject: str, msg: Msg, meta: RequestMeta) -> tuple[ErrorCode, str] | None:
-        # Unchanged (request id, reply-to, deadline, trace context), except the tenant: the
-        # classifier's word, from the subject the request arrived on, never the producer's.
-        headers = {k: v for k, v in (msg.headers or {}).items() if k != Headers.TENANT}
-        if meta.tenant is not None:
-            headers[Headers.TENANT] = meta.tenant
-        if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):
-            return (ErrorCode.BAD_REQUEST, "request is over the server's max payload once routed")
+    async def _republish(self, subject: str, msg: Msg, meta: RequestMeta, headers: dict[str, str]) -> tuple[ErrorCode, str] | None:
+        """The careful path: publish with retries under the same ``Nats-Msg-Id`` (dedupe makes a
+        repeat of the bulk attempt safe); JetStream's refusals become typed errors."""
         model = self.subjects.model_from_subject(subject)
 
         async def no_stream() -> JetbatchError | None:
