@@ -5,7 +5,7 @@ number of requests and the same producer concurrency; the raw side is the least 
 request/reply needs (no scheduling, no handler thread, no batching window). Run:
 
     python bench/overhead.py [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier] [--compare-durable]
-                             [--uvloop] [--profile out.pstats]
+                             [--uvloop] [--profile out.pstats [--profile-only raw|jetbatch|classified]]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Awaitable, TypeVar
 
 import anyio
 import msgspec
@@ -32,8 +33,23 @@ from jetbatch.sidecar.transport import connect  # noqa: E402
 from jetbatch.sidecar.worker import Worker  # noqa: E402
 
 
+T = TypeVar("T")
 POLICY = "cost-aware"
 POLL_MS = 250.0  # the default
+PROFILER: Any = None
+PROFILE_ONLY: str | None = None
+
+
+async def profiled(kind: str, coro: Awaitable[T]) -> T:
+    """Await ``coro`` with the profiler on when ``--profile-only`` names its kind of round."""
+    on = PROFILER is not None and PROFILE_ONLY == kind
+    if on:
+        PROFILER.enable()
+    try:
+        return await coro
+    finally:
+        if on:
+            PROFILER.disable()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -211,8 +227,8 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     with EmbeddedNats() as server:
         for _ in range(args.rounds):
             # Alternate the order so neither side always runs on a warmer machine.
-            raw_rps, rl = await raw_round(server.url, args.requests, args.concurrency, payload)
-            jb_rps, jl, mean_batch = await jetbatch_round(server.url, args.requests, args.concurrency, payload, args.max_batch)
+            raw_rps, rl = await profiled("raw", raw_round(server.url, args.requests, args.concurrency, payload))
+            jb_rps, jl, mean_batch = await profiled("jetbatch", jetbatch_round(server.url, args.requests, args.concurrency, payload, args.max_batch))
             results["raw_rps"].append(raw_rps)
             results["jb_rps"].append(jb_rps)
             results["ratio"].append(jb_rps / raw_rps)
@@ -221,7 +237,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
                 results["volatile_rps"].append(v_rps)
                 results["durable_ratio"].append(jb_rps / v_rps)
             if args.classifier:
-                c_rps, cl = await classified_round(server.url, args.requests, args.concurrency, payload, args.max_batch)
+                c_rps, cl = await profiled("classified", classified_round(server.url, args.requests, args.concurrency, payload, args.max_batch))
                 results["classified_rps"].append(c_rps)
                 results["classified_ratio"].append(c_rps / raw_rps)
                 cls_lat += cl
@@ -273,7 +289,9 @@ if __name__ == "__main__":
     parser.add_argument("--compare-durable", action="store_true", help="also run with the results store off (replies.durable = false)")
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--uvloop", action="store_true", help="run everything on uvloop's event loop (jetbatch[fast])")
-    parser.add_argument("--profile", default=None, metavar="FILE", help="cProfile the whole run into FILE (pstats)")
+    parser.add_argument("--profile", default=None, metavar="FILE", help="cProfile the run into FILE (pstats)")
+    parser.add_argument("--profile-only", choices=["raw", "jetbatch", "classified"], default=None,
+                        help="profile only those rounds (default: the whole run)")
     ns = parser.parse_args()
     POLICY = ns.policy
     if ns.uvloop:
@@ -283,12 +301,14 @@ if __name__ == "__main__":
     if ns.profile:
         import cProfile
 
-        profiler = cProfile.Profile()
-        profiler.enable()
+        PROFILER = cProfile.Profile()
+        PROFILE_ONLY = ns.profile_only
+        if PROFILE_ONLY is None:
+            PROFILER.enable()
     out = asyncio.run(main(ns))
-    if ns.profile:
-        profiler.disable()
-        profiler.dump_stats(ns.profile)
+    if PROFILER is not None:
+        PROFILER.disable()
+        PROFILER.dump_stats(ns.profile)
     print(json.dumps(out, indent=2))
     if ns.json:
         Path(ns.json).write_text(json.dumps(out, indent=2))

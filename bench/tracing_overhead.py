@@ -2,10 +2,23 @@
 tracing off, same workload (SDK → worker, identity handler), alternating in one run. Each round
 runs in a fresh process, because OpenTelemetry's global providers can be set only once. Run:
 
-    python bench/tracing_overhead.py [--requests 3000] [--rounds 3] [--sample-ratio 1.0]
+    python bench/tracing_overhead.py [--requests 3000] [--rounds 3] [--sample-ratio 1.0] [--side both|worker]
+    python bench/tracing_overhead.py --producer-span [--requests 20000]
 
 ``--sample-ratio`` below 1 samples that share of traces (``parentbased_traceidratio`` in the SDK and
 the worker) to show what sampling buys back.
+
+``--side worker`` toggles tracing in the worker process only: the producer always creates and
+propagates its spans (a tracer provider whose spans go nowhere), so every batch span has its
+links either way, and what changes is the worker's own tracing (batch span, links, infer span,
+export). Besides throughput it reports the worker process's CPU time per request (from
+``/proc``), the worker-bound throughput ratio that a shared, noisy machine blurs least.
+
+``--producer-span`` measures the SDK's per-request span work alone: the CPU time of the
+``infer``/``send`` spans, the context injection and the latency histogram, with no provider
+installed (``none``), with a provider whose spans go nowhere (``silent``), and with a batch span
+processor exporting OTLP/HTTP in its thread (``export``: process CPU, the exporter thread's
+included); ``bare`` is one span without attributes started and ended, the OpenTelemetry SDK's floor.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,14 +51,37 @@ def install_tracing(endpoint: str | None, sample_ratio: float = 1.0) -> object:
     return provider
 
 
-async def one_round_processes(n: int, tracing: bool, endpoint: str | None, sample_ratio: float = 1.0) -> float:
-    """The worker in its own process (as deployed), the SDK here; both traced or neither."""
+def install_silent_tracing() -> object:
+    """A tracer provider that samples and propagates every span and exports none."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = TracerProvider()
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_round_processes(
+    n: int, tracing: bool, endpoint: str | None, sample_ratio: float = 1.0, side: str = "both"
+) -> tuple[float, float]:
+    """The worker in its own process (as deployed), the SDK here; both traced or neither (or,
+    with ``side="worker"``, the producer always propagating). Returns (req/s, worker CPU µs a
+    request)."""
     import tempfile
 
     from jetbatch import sdk
     from jetbatch.sidecar.dev.deployment import Deployment
 
-    provider = install_tracing(endpoint, sample_ratio) if tracing else None
+    if side == "worker":
+        provider = install_silent_tracing()
+    else:
+        provider = install_tracing(endpoint, sample_ratio) if tracing else None
     env = {"OTEL_TRACES_EXPORTER": "none"}
     if tracing:
         env = {
@@ -63,12 +100,50 @@ async def one_round_processes(n: int, tracing: bool, endpoint: str | None, sampl
                     async with gate:
                         await client.infer(b"x" * 256, model="m", timeout=60)
 
+                pid = dep.procs["worker0"].pid
+                cpu_before = cpu_seconds(pid)
                 started = asyncio.get_running_loop().time()
                 await asyncio.gather(*(one() for _ in range(n)))
                 elapsed = asyncio.get_running_loop().time() - started
+                cpu_us = (cpu_seconds(pid) - cpu_before) / n * 1e6
     if provider is not None:
         provider.shutdown()  # type: ignore[attr-defined]
-    return n / elapsed
+    return n / elapsed, cpu_us
+
+
+def producer_span_cost(n: int, mode: str, endpoint: str | None) -> float:
+    """CPU µs per request of the SDK's span work (what ``Client.infer`` calls around a publish)."""
+    import time
+
+    from jetbatch.sdk import telemetry
+
+    provider = None
+    if mode == "silent":
+        provider = install_silent_tracing()
+    elif mode == "export":
+        provider = install_tracing(endpoint)
+    server = ("127.0.0.1", 4222)
+    if mode == "bare":
+        # The floor: one span without attributes, started and ended, under a provider that exports nothing.
+        from opentelemetry import trace
+
+        provider = install_silent_tracing()
+        tracer = trace.get_tracer("bench")
+        started = time.process_time()
+        for _ in range(n):
+            tracer.start_span("x").end()
+        return (time.process_time() - started) / n * 1e6
+    started = time.process_time()
+    for i in range(n):
+        headers: dict[str, str] = {}
+        span = telemetry.start_producer_span("jetbatch.model.m", f"r{i}", "m", headers, 256)
+        send = telemetry.start_send_span(span, "jetbatch.model.m", f"r{i}", headers, 256, server)
+        telemetry.end_send_span(send)
+        telemetry.end_producer_span(span, "m", "ok", 0.01)
+    cost = (time.process_time() - started) / n * 1e6
+    if provider is not None:
+        provider.shutdown()  # type: ignore[attr-defined]  # waits for the exporter thread's last batch
+    return cost
 
 
 async def one_round(n: int, tracing: bool, endpoint: str | None, sample_ratio: float = 1.0) -> float:
@@ -119,31 +194,64 @@ def main() -> None:
     parser.add_argument("--topology", choices=["processes", "one-process"], default="processes",
                         help="worker in its own process (default), or SDK and worker in one process")
     parser.add_argument("--sample-ratio", type=float, default=1.0, help="share of traces sampled when tracing is on (default 1.0)")
-    parser.add_argument("--child", choices=["on", "off"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["both", "worker"], default="both",
+                        help="trace the SDK and the worker (default), or toggle the worker's tracing only (processes topology)")
+    parser.add_argument("--producer-span", action="store_true", help="measure the SDK's span work per request, alone")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        fn = one_round_processes if args.topology == "processes" else one_round
-        print(asyncio.run(fn(args.requests, args.child == "on", args.endpoint, args.sample_ratio)))
+        if args.producer_span:
+            print(producer_span_cost(args.requests, args.child, args.endpoint))
+        elif args.topology == "processes":
+            print(*asyncio.run(one_round_processes(args.requests, args.child == "on", args.endpoint, args.sample_ratio, args.side)))
+        else:
+            print(asyncio.run(one_round(args.requests, args.child == "on", args.endpoint, args.sample_ratio)))
         return
     from tests.otlp_receiver import OtlpReceiver
 
-    off, on = [], []
+    def child(mode: str, endpoint: str, *extra: str) -> list[float]:
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", mode, "--requests", str(args.requests), "--endpoint", endpoint,
+             "--topology", args.topology, "--sample-ratio", str(args.sample_ratio), "--side", args.side, *extra],
+            capture_output=True, text=True, check=True, cwd=ROOT,
+        )  # fmt: skip
+        return [float(x) for x in out.stdout.strip().splitlines()[-1].split()]
+
+    if args.producer_span:
+        costs: dict[str, list[float]] = {"none": [], "bare": [], "silent": [], "export": []}
+        with OtlpReceiver() as receiver:
+            for _ in range(args.rounds):
+                for mode, bucket in costs.items():
+                    bucket.append(child(mode, receiver.endpoint, "--producer-span")[0])
+        print(json.dumps({
+            "requests": args.requests, "cpu_us_per_request": {k: [round(x, 1) for x in v] for k, v in costs.items()},
+            "median_us": {k: round(statistics.median(v), 1) for k, v in costs.items()},
+        }, indent=2))  # fmt: skip
+        return
+
+    off, on, off_cpu, on_cpu = [], [], [], []
     with OtlpReceiver() as receiver:
         for _ in range(args.rounds):
-            for mode, bucket in (("off", off), ("on", on)):
-                out = subprocess.run(
-                    [sys.executable, __file__, "--child", mode, "--requests", str(args.requests), "--endpoint", receiver.endpoint,
-                     "--topology", args.topology, "--sample-ratio", str(args.sample_ratio)],
-                    capture_output=True, text=True, check=True, cwd=ROOT,
-                )  # fmt: skip
-                bucket.append(float(out.stdout.strip().splitlines()[-1]))
+            for mode, bucket, cpu in (("off", off, off_cpu), ("on", on, on_cpu)):
+                got = child(mode, receiver.endpoint)
+                bucket.append(got[0])
+                if len(got) > 1:
+                    cpu.append(got[1])
         exported = len(receiver.snapshot())
     ratios = [a / b for a, b in zip(on, off)]
-    print(json.dumps({
-        "topology": args.topology, "requests": args.requests, "sample_ratio": args.sample_ratio, "off_rps": [round(x) for x in off], "on_rps": [round(x) for x in on],
+    summary: dict[str, object] = {
+        "topology": args.topology, "side": args.side, "requests": args.requests, "sample_ratio": args.sample_ratio,
+        "off_rps": [round(x) for x in off], "on_rps": [round(x) for x in on],
         "ratio_median": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios], "spans_exported": exported,
-    }, indent=2))  # fmt: skip
+    }  # fmt: skip
+    if off_cpu and on_cpu:
+        cpu_ratios = [b / a for a, b in zip(on_cpu, off_cpu)]  # worker-bound throughput on ÷ off
+        summary.update({
+            "worker_cpu_us_per_request_off": [round(x, 1) for x in off_cpu], "worker_cpu_us_per_request_on": [round(x, 1) for x in on_cpu],
+            "worker_bound_ratio_median": statistics.median(cpu_ratios), "worker_bound_ratios": [round(r, 3) for r in cpu_ratios],
+        })  # fmt: skip
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
