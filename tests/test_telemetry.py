@@ -12,6 +12,8 @@ from typing import Any, Iterator, NamedTuple
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -294,3 +296,31 @@ def test_span_ids_leave_the_global_random_module_alone() -> None:
     traces = {ids.generate_trace_id() for _ in range(1000)}
     assert random.getstate() == state
     assert len(spans) == 1000 and len(traces) == 1000 and 0 not in spans and 0 not in traces
+
+
+_HEX = "0123456789abcdef"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.tuples(st.sampled_from(["00", "00", "01", "ff"]) | st.text(_HEX, min_size=2, max_size=2), st.text(_HEX, min_size=32, max_size=32), st.text(_HEX, min_size=16, max_size=16),
+                  st.text(_HEX, min_size=2, max_size=2)).map("-".join),
+        st.text(_HEX + "-_+ xABF", max_size=60),
+    ),
+    st.one_of(st.none(), st.just("congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"), st.text(max_size=30)),
+)  # fmt: skip
+def test_links_read_traceparent_exactly_as_the_propagator_does(_otel_providers: Otel, traceparent: str, tracestate: str | None) -> None:
+    """The batch span's links parse ``traceparent`` directly (a third of the propagator's cost);
+    whatever the header holds, the link is the propagator's span context or there is none."""
+    from opentelemetry import propagate
+
+    from jetbatch.sidecar.telemetry import links_from_headers
+
+    headers = {"traceparent": traceparent} if tracestate is None else {"traceparent": traceparent, "tracestate": tracestate}
+    expected = trace.get_current_span(propagate.extract(headers)).get_span_context()
+    links = links_from_headers([headers])
+    if expected.is_valid:
+        assert len(links) == 1 and links[0].context == expected and links[0].context.trace_state == expected.trace_state
+    else:
+        assert links == []
