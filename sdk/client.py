@@ -25,7 +25,7 @@ from .errors import (
     error_for_code,
 )
 from .connection import connect_nats
-from .publishing import publish_with_retries
+from .publishing import PubAcks, PublishRefused, publish_with_retries
 from .validation import check_timeout, user_headers
 from .protocol import (
     DEFAULT_PREFIX,
@@ -46,6 +46,8 @@ from .protocol import (
 )
 
 __all__ = ["Client", "Result"]
+
+_PUBACK_WAIT_S = 5.0  # then the careful path retries (as nats-py's js.publish times out)
 
 
 
@@ -81,6 +83,7 @@ class Client:
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconnects_seen = 0
+        self._acks = PubAcks(nc)
         self._address_of: Any = None
         self._address: tuple[str, int] | None = None
 
@@ -154,6 +157,7 @@ class Client:
         self._pending.clear()
         for task in list(self._tasks):
             task.cancel()
+        await self._acks.close()
         try:
             if self._sub is not None:
                 await self._sub.unsubscribe()
@@ -335,6 +339,11 @@ class Client:
     ) -> bool:
         """Publish with retries under the same Nats-Msg-Id; returns whether JetStream reported the
         request id as a duplicate (a retry of a request it already holds or held)."""
+        first = await self._publish_once(subject, data, hdrs, deadline)
+        if first is not None:
+            return bool(first.get("duplicate"))
+        # Refused, unanswered or not sent: the careful path retries under the same Nats-Msg-Id
+        # (dedupe makes a repeat safe) and turns JetStream's answer into a typed error.
         ack = await publish_with_retries(
             self._js, subject, data, hdrs, deadline=deadline, request_id=rid,
             no_stream=lambda: self._no_stream_error(subject, model, rid),
@@ -342,6 +351,26 @@ class Client:
         # A retry after a lost PubAck is also a "duplicate" of our own first attempt: its reply
         # still comes to our inbox, and the results store has it once computed.
         return bool(ack.duplicate)
+
+    async def _publish_once(self, subject: str, data: bytes, hdrs: dict[str, str], deadline: float) -> dict[str, Any] | None:
+        """One publish whose PubAck comes back on the client's PubAck subscription (no task per
+        request, unlike ``js.publish``); None when it was not stored for any reason."""
+        try:
+            fut = await self._acks.publish(subject, data, hdrs)
+        except (nats.errors.Error, asyncio.TimeoutError):
+            return None
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_at(loop.time() + min(max(deadline - time.monotonic(), 0.0), _PUBACK_WAIT_S), _expire, fut)
+        try:
+            return await fut
+        except PublishRefused:
+            return None
+        except asyncio.CancelledError:
+            if fut.cancelled() and not _current_task_cancelling():
+                return None  # no PubAck in time
+            raise
+        finally:
+            expiry.cancel()
 
     async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError | None:
         """Why no stream took the message: ``UnknownModel`` (the models stream exists but does not

@@ -32,8 +32,9 @@ from jetbatch.sdk.protocol import (
     message_bytes,
 )
 
+from jetbatch.sdk.publishing import PubAcks, settled
+
 from .config import RepliesConfig
-from .pubacks import PubAcks, settled
 
 __all__ = ["Answer", "Replier", "client_message"]
 

@@ -37,11 +37,10 @@ from jetbatch.sdk.protocol import (
     new_request_id,
     parse_request_headers,
 )
-from jetbatch.sdk.publishing import publish_with_retries
+from jetbatch.sdk.publishing import PubAcks, publish_with_retries, settled
 
 from ..config import Config, ConfigError
 from ..policy import BatchWindow
-from ..pubacks import PubAcks, settled
 from ..replies import Answer, Replier, client_message, settle
 from ..runtime import retry_startup
 from ..status import serve_status
