@@ -168,3 +168,32 @@ def test_batch_info_ignores_unknown_fields_and_bad_values() -> None:
 def test_batch_info_never_raises(headers: dict[str, str]) -> None:
     info = batch_info_from_headers(headers)
     assert len(info.batch_id) <= 64 and len(info.trace_id) <= 32
+
+
+def _reply_allowed_by_the_rules(subject: str, allowed: tuple[str, ...], forbidden: tuple[str, ...]) -> bool:
+    """The reply policy as docs/security.md states it, token by token."""
+    if not subject or len(subject.encode()) > 255 or any(not ("!" <= c <= "~") for c in subject):
+        return False
+    tokens = subject.split(".")
+    if any(not t or "*" in t or ">" in t for t in tokens) or subject.startswith("$"):
+        return False
+    if any(tokens[: len(f.split("."))] == f.split(".") for f in forbidden):
+        return False
+    return any(tokens[: len(p.split("."))] == p.split(".") and len(tokens) > len(p.split(".")) for p in allowed)
+
+
+@settings(max_examples=400)
+@given(
+    st.lists(st.sampled_from(["_INBOX", "a", "b", "jetbatch", "$JS", "API", "*", ">", "", "x y", "é", "ok-1", "_INBOXa"]), min_size=1, max_size=5).map(".".join)
+    | st.text(alphabet="_INBOXjetbach.*>$ a1é-", max_size=40)
+)
+def test_reply_policy_follows_its_rules_for_any_subject(subject: str) -> None:
+    from jetbatch.sdk.protocol import ReplyPolicy
+
+    policy = ReplyPolicy(allowed_prefixes=("_INBOX", "a.b"), forbidden_prefixes=("jetbatch",))
+    try:
+        policy.check(subject)
+        accepted = True
+    except ProtocolError:
+        accepted = False
+    assert accepted == _reply_allowed_by_the_rules(subject, ("_INBOX", "a.b"), ("jetbatch",))

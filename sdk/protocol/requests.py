@@ -8,6 +8,7 @@ reply policy (an allowlist of reply prefixes).
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from dataclasses import dataclass
@@ -29,10 +30,10 @@ _TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2
 
 
 def _subject_tokens_ok(subject: str) -> bool:
-    if len(subject.encode("utf-8", "replace")) > MAX_REPLY_SUBJECT_BYTES or not _SUBJECT_CHARS_RE.match(subject):
-        return False
-    tokens = subject.split(".")
-    return all(tok and "*" not in tok and ">" not in tok for tok in tokens)
+    """Printable ASCII within the length limit, no wildcard, no empty token."""
+    if len(subject) > MAX_REPLY_SUBJECT_BYTES or not _SUBJECT_CHARS_RE.match(subject):
+        return False  # (the pattern admits ASCII only, so characters are bytes here)
+    return "*" not in subject and ">" not in subject and ".." not in subject and subject[0] != "." and subject[-1] != "."
 
 
 @dataclass(frozen=True)
@@ -56,15 +57,21 @@ class ReplyPolicy:
                 f"header {Headers.REPLY_TO}: {shown!r} is not a valid reply subject "
                 f"(printable ASCII, no wildcards or empty tokens, at most {MAX_REPLY_SUBJECT_BYTES} bytes)"
             )
-        if subject.startswith("$") or any(subject == f or subject.startswith(f + ".") for f in self.forbidden_prefixes):
+        if subject.startswith("$") or subject in self.forbidden_prefixes or subject.startswith(self._forbidden_heads):
             raise ProtocolError(f"header {Headers.REPLY_TO}: replies to {subject.split('.')[0]}.* are not allowed")
-        if tenant is not None:
-            allowed: tuple[str, ...] = (self.tenant_prefix.format(tenant=tenant),)
-        else:
-            allowed = self.allowed_prefixes
-        if not any(subject.startswith(p + ".") and len(subject) > len(p) + 1 for p in allowed):
-            raise ProtocolError(f"header {Headers.REPLY_TO}: reply subjects must lie under {' or '.join(p + '.' for p in allowed)}")
+        # A subject "under" a prefix has at least one more token, and tokens are never empty.
+        heads = (self.tenant_prefix.format(tenant=tenant) + ".",) if tenant is not None else self._allowed_heads
+        if not subject.startswith(heads):
+            raise ProtocolError(f"header {Headers.REPLY_TO}: reply subjects must lie under {' or '.join(heads)}")
         return subject
+
+    @functools.cached_property
+    def _allowed_heads(self) -> tuple[str, ...]:
+        return tuple(p + "." for p in self.allowed_prefixes)
+
+    @functools.cached_property
+    def _forbidden_heads(self) -> tuple[str, ...]:
+        return tuple(f + "." for f in self.forbidden_prefixes)
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,8 @@ def header_bytes(headers: Mapping[str, str] | None) -> int:
         return 0
     total = len(b"NATS/1.0\r\n") + 2
     for key, value in headers.items():
-        total += len(key.encode()) + 2 + len(str(value).strip().encode()) + 2
+        text = (value if isinstance(value, str) else str(value)).strip()
+        total += (len(key) if key.isascii() else len(key.encode())) + 4 + (len(text) if text.isascii() else len(text.encode()))
     return total
 
 
