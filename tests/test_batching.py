@@ -1,0 +1,62 @@
+"""The batch window's timing against a queue whose fetches return late (worker/batching.py).
+
+A stand-in subscription plays the JetStream pull: it returns one queued message at once, then
+times out ``overrun`` after the timeout it was given, as fetches on a loaded host do. What is
+checked is the batcher's own arithmetic: it learns the overrun and aims its last fetch early, so
+a batch closes near ``max_delay`` instead of an overrun late.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import nats.errors
+import pytest
+
+from jetbatch.sidecar.policy import BatchWindow
+from jetbatch.sidecar.worker.batching import Batcher
+
+pytestmark = pytest.mark.anyio
+
+
+class LateQueue:
+    def __init__(self, overrun_s: float) -> None:
+        self.overrun_s = overrun_s
+        self.queued = 0
+        self.timeouts: list[float] = []
+
+    async def fetch(self, batch: int, timeout: float) -> list[Any]:
+        if self.queued:
+            self.queued -= 1
+            now = time.time()
+            return [SimpleNamespace(metadata=SimpleNamespace(timestamp=SimpleNamespace(timestamp=lambda: now), num_pending=0))]
+        self.timeouts.append(timeout)
+        await anyio.sleep(timeout + self.overrun_s)
+        raise nats.errors.TimeoutError
+
+
+def _slot(queue: LateQueue, max_delay_s: float) -> Any:
+    config = SimpleNamespace(max_concurrent_batches=1)
+    return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, config=config, backlog=0)
+
+
+async def test_the_batcher_learns_how_late_fetches_return_and_closes_batches_near_max_delay() -> None:
+    queue = LateQueue(overrun_s=0.02)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25)
+    slot = _slot(queue, max_delay_s=0.1)
+    closes = []
+    for _ in range(12):
+        queue.queued = 1
+        started = time.monotonic()
+        msgs = await batcher.gather(slot, 64)
+        closes.append(time.monotonic() - started)
+        assert len(msgs) == 1
+    assert 0.012 <= batcher.late_s <= 0.025  # learnt: about the 20 ms overrun
+    # Aimed early by what it learnt: the last batches close within a few ms of the 100 ms
+    # window, where the first ones (aimed on time) closed about the whole overrun late.
+    assert closes[0] >= 0.115
+    assert max(closes[-4:]) < 0.112
+    assert queue.timeouts[-1] < 0.1 - 0.012
