@@ -31,7 +31,6 @@ from jetbatch.sdk.protocol import (
     error_headers,
     message_bytes,
 )
-
 from jetbatch.sdk.publishing import PubAcks, settled
 
 from .config import RepliesConfig
@@ -92,7 +91,6 @@ class Replier:
     config: RepliesConfig
     reply_nc: NATS | None = None
     _js: Any = field(init=False, default=None)
-
     _acks: PubAcks | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
