@@ -182,3 +182,27 @@ async def test_crash_between_republish_and_ack_routes_each_request_once(nats_url
 
 async def _empty(js: Any, stream: str) -> bool:
     return (await js.stream_info(stream)).state.messages == 0
+
+
+async def test_a_full_model_queue_is_overloaded_for_the_caller_and_the_classifier_keeps_routing(nats_url: str, prefix: str) -> None:
+    """The bulk republish's refusal (JetStream error 10077 in a PubAck) goes through the careful
+    path to a typed answer: the caller gets Overloaded, not a timeout, and nothing is lost."""
+    cfg = config(prefix, {"router": "rules", "default_model": "m1"})
+    cfg = msgspec.structs.replace(cfg, streams=msgspec.structs.replace(cfg.streams, max_msgs=2))
+    await prepare(cfg, nats_url)  # the model queues exist, and no worker drains them
+    async with running_classifier(cfg, nats_url) as classifier:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            parked = [asyncio.ensure_future(client.infer({"n": i}, timeout=30)) for i in range(2)]
+            js = client.nats.jetstream()
+
+            async def queue_full() -> bool:
+                return (await js.stream_info(client.subjects.models_stream)).state.messages >= 2
+
+            await wait_until(queue_full, timeout_s=15, what="two requests in the model queue")
+            with pytest.raises(sdk.Overloaded, match="m1"):
+                await client.infer({"n": 2}, timeout=20)
+            # The answer reaches the caller before the store's PubAck, and the count follows it.
+            await wait_until(lambda: classifier.stats["errors"] == 1, timeout_s=10, what="the refusal counted")
+            assert classifier.stats["routed"] == 2
+            for task in parked:
+                task.cancel()
