@@ -44,9 +44,9 @@ def _slot(queue: LateQueue, max_delay_s: float) -> Any:
 
 
 async def test_the_batcher_learns_how_late_fetches_return_and_closes_batches_near_max_delay() -> None:
-    queue = LateQueue(overrun_s=0.02)
+    queue = LateQueue(overrun_s=0.04)
     batcher = Batcher(anyio.Event(), poll_interval_s=0.25)
-    slot = _slot(queue, max_delay_s=0.1)
+    slot = _slot(queue, max_delay_s=0.2)
     closes = []
     for _ in range(12):
         queue.queued = 1
@@ -54,9 +54,9 @@ async def test_the_batcher_learns_how_late_fetches_return_and_closes_batches_nea
         msgs = await batcher.gather(slot, 64)
         closes.append(time.monotonic() - started)
         assert len(msgs) == 1
-    assert 0.012 <= batcher.late_s <= 0.025  # learnt: about the 20 ms overrun
-    # Aimed early by what it learnt: the last batches close within a few ms of the 100 ms
-    # window, where the first ones (aimed on time) closed about the whole overrun late.
-    assert closes[0] >= 0.115
-    assert max(closes[-4:]) < 0.112
-    assert queue.timeouts[-1] < 0.1 - 0.012
+    assert 0.03 <= batcher.late_s <= 0.05  # learnt: about the 40 ms overrun (capped at 50 ms)
+    # Aimed early by what it learnt, the last batches close near the 200 ms window (a loaded
+    # host's wake-ups allowed for), where the first one, aimed on time, closed the whole overrun late.
+    assert closes[0] >= 0.235
+    assert max(closes[-4:]) < 0.225
+    assert queue.timeouts[-1] < 0.2 - 0.03

@@ -260,10 +260,15 @@ async def test_spans_reach_a_real_otlp_receiver_end_to_end(otel: Otel, nats_url:
                     results = await asyncio.gather(*(client.infer_result({"i": i}, timeout=30) for i in range(4)))
 
                 def have_all() -> bool:
-                    services = {svc for svc, _ in receiver.snapshot()}
-                    return {"jetbatch-worker", "jetbatch-classifier"} <= services
+                    # Every request's producer span linked from an exported batch span (the worker
+                    # exports every 200 ms), and the classifier heard from: no reliance on the
+                    # flush at shutdown, which a loaded host can cut short.
+                    spans = receiver.snapshot()
+                    sent = {bytes(s.span_id) for _, s in spans if s.kind == s.SPAN_KIND_PRODUCER and s.name == f"send {prefix}.in"}
+                    linked = {bytes(link.span_id) for svc, s in spans if svc == "jetbatch-worker" for link in s.links}
+                    return len(sent) == 4 and sent <= linked and any(svc == "jetbatch-classifier" for svc, _ in spans)
 
-                await wait_until(have_all, timeout_s=30, what="spans from the worker and the classifier")
+                await wait_until(have_all, timeout_s=30, what="every request linked from the worker's exported batch spans")
             finally:
                 await anyio.to_thread.run_sync(dep.stop)  # SIGTERM flushes the sidecars' exporters
         finally:
