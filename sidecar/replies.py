@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -31,7 +32,8 @@ from jetbatch.sdk.protocol import (
     error_headers,
     message_bytes,
 )
-from jetbatch.sdk.publishing import PubAcks, settled
+from jetbatch.sdk.errors import JetbatchError
+from jetbatch.sdk.publishing import PublishRefused, PubAcks, publish_with_retries, settled
 
 from .config import RepliesConfig
 
@@ -167,12 +169,33 @@ class Replier:
         return futures
 
     async def _store_finish(self, futures: list[tuple[Answer, asyncio.Future[Any]]]) -> None:
+        started = time.monotonic()
         await settled([f for _, f in futures], _STORE_TIMEOUT_S)
+        unanswered: list[Answer] = []
         for a, fut in futures:
-            if not fut.cancelled() and fut.exception() is None:
+            if fut.cancelled():
+                continue  # no PubAck within the bound: redelivered, and found stored or recomputed
+            exc = fut.exception()
+            if exc is None:
                 a.stored = True
-            elif not fut.cancelled():
-                log.warning("the results stream refused the answer of %s: %r", a.meta.request_id, fut.exception())
+            elif isinstance(exc, PublishRefused) and exc.err_code is None:
+                unanswered.append(a)
+            else:
+                log.warning("the results stream refused the answer of %s: %r", a.meta.request_id, exc)
+        if unanswered:
+            # No stream answered: a leader election or a restart. Retried within the same bound,
+            # so an election of a few seconds delays these acks instead of redelivering (and
+            # recomputing) every request it caught, which other workers would also count as backlog.
+            deadline = started + _STORE_TIMEOUT_S
+            await asyncio.gather(*(self._store_again(a, deadline) for a in unanswered))
+
+    async def _store_again(self, answer: Answer, deadline: float) -> None:
+        subject = self.subjects.result(answer.meta.request_id, answer.meta.tenant)
+        try:
+            await publish_with_retries(self._js, subject, answer.body, answer.headers, deadline=deadline, request_id=answer.meta.request_id)
+            answer.stored = True
+        except JetbatchError as exc:
+            log.warning("storing the answer of %s failed: %s", answer.meta.request_id, exc.message)
 
     async def stored_answer(self, meta: RequestMeta) -> Answer | None:
         """The answer stored for this request id by an earlier delivery, if any."""

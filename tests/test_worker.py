@@ -229,3 +229,44 @@ async def test_an_answer_the_results_store_refuses_is_sent_but_not_acked(nats_ur
             assert (await js.stream_info(subjects.results_stream)).state.messages == 0
         finally:
             await nc.close()
+
+
+async def test_a_results_stream_briefly_gone_delays_the_ack_instead_of_redelivering(nats_url: str, prefix: str) -> None:
+    """No stream answering the store (a leader election, a restart) is retried within the store's
+    bound: once the results stream is back, the answer is stored and the request acked, never
+    redelivered to be computed again."""
+    import nats
+
+    from jetbatch.sdk.protocol import Subjects
+    from jetbatch.sidecar.streams import model_consumer_name, results_stream_config
+    from tests.helpers import wait_until
+
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url) as worker:
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            await js.delete_stream(subjects.results_stream)
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                # The live reply goes out before the store is confirmed: the caller has its answer.
+                assert await client.infer(b"during the election", model="m1", timeout=10, request_id="elect-1") == b"during the election"
+            await js.add_stream(results_stream_config(subjects, config.streams, config.replies))
+
+            async def stored() -> bool:
+                try:
+                    await js.get_msg(subjects.results_stream, subject=subjects.result("elect-1"), direct=True)
+                    return True
+                except nats.js.errors.NotFoundError:
+                    return False
+
+            await wait_until(stored, timeout_s=10, what="the answer stored once the stream was back")
+            await wait_until(lambda: _settled(js, subjects.models_stream, model_consumer_name("m1")), timeout_s=10, what="the request acked")
+            assert worker.stats["requests"] == 1  # computed once: never naked and run again
+        finally:
+            await nc.close()
+
+
+async def _settled(js: object, stream: str, consumer: str) -> bool:
+    info = await js.consumer_info(stream, consumer)  # type: ignore[attr-defined]
+    return info.num_ack_pending == 0 and info.num_pending == 0
