@@ -66,6 +66,18 @@ async def running_classifier(config: Config, url: str) -> AsyncIterator[Classifi
         yield classifier
 
 
+@contextlib.asynccontextmanager
+async def worker_and_jetstream(prefix: str, url: str) -> AsyncIterator[tuple[Worker, Any]]:
+    """A worker serving one sleep model ``m1`` under ``prefix``, and a plain nats-py JetStream
+    context on its own connection, for tests that look at or change the streams themselves."""
+    async with running_worker(make_config(prefix, {"m1": sleep_model()}), url) as worker:
+        nc = await connect_nats(url)
+        try:
+            yield worker, nc.jetstream()
+        finally:
+            await nc.close()
+
+
 async def worker_reports(url: str, prefix: str, *, wait_s: float = 0.3) -> list[StatusReport]:
     """The status reports of every worker on the bus under ``prefix``."""
     nc = await connect_nats(url)

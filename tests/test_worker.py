@@ -203,68 +203,54 @@ async def test_an_answer_the_results_store_refuses_is_sent_but_not_acked(nats_ur
     """The store's PubAck gates the ack: when the results stream refuses the stored copy (here:
     over its maximum message size), the caller still gets the live reply, and the request is
     redelivered rather than acked as if its answer were safe."""
-    import nats
-
     from jetbatch.sdk.protocol import Subjects
     from jetbatch.sidecar.streams import model_consumer_name
-    from tests.helpers import wait_until
+    from tests.helpers import wait_until, worker_and_jetstream
 
     subjects = Subjects(prefix)
-    config = make_config(prefix, {"m1": sleep_model()})
-    async with running_worker(config, nats_url):
-        nc = await nats.connect(nats_url)
-        try:
-            js = nc.jetstream()
-            info = await js.stream_info(subjects.results_stream)
-            info.config.max_msg_size = 16  # every answer below is bigger
-            await js.update_stream(info.config)
-            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-                assert await client.infer(b"x" * 64, model="m1", timeout=10) == b"x" * 64
+    async with worker_and_jetstream(prefix, nats_url) as (_, js):
+        info = await js.stream_info(subjects.results_stream)
+        info.config.max_msg_size = 16  # every answer below is bigger
+        await js.update_stream(info.config)
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"x" * 64, model="m1", timeout=10) == b"x" * 64
 
-            async def redelivered() -> bool:
-                consumer = await js.consumer_info(subjects.models_stream, model_consumer_name("m1"))
-                return consumer.num_redelivered >= 1
+        async def redelivered() -> bool:
+            consumer = await js.consumer_info(subjects.models_stream, model_consumer_name("m1"))
+            return consumer.num_redelivered >= 1
 
-            await wait_until(redelivered, timeout_s=15, what="the unstored request's redelivery")
-            assert (await js.stream_info(subjects.results_stream)).state.messages == 0
-        finally:
-            await nc.close()
+        await wait_until(redelivered, timeout_s=15, what="the unstored request's redelivery")
+        assert (await js.stream_info(subjects.results_stream)).state.messages == 0
 
 
 async def test_a_results_stream_briefly_gone_delays_the_ack_instead_of_redelivering(nats_url: str, prefix: str) -> None:
     """No stream answering the store (a leader election, a restart) is retried within the store's
     bound: once the results stream is back, the answer is stored and the request acked, never
     redelivered to be computed again."""
-    import nats
+    import nats.js.errors
 
     from jetbatch.sdk.protocol import Subjects
     from jetbatch.sidecar.streams import model_consumer_name, results_stream_config
-    from tests.helpers import wait_until
+    from tests.helpers import wait_until, worker_and_jetstream
 
     subjects = Subjects(prefix)
-    config = make_config(prefix, {"m1": sleep_model()})
-    async with running_worker(config, nats_url) as worker:
-        nc = await nats.connect(nats_url)
-        try:
-            js = nc.jetstream()
-            await js.delete_stream(subjects.results_stream)
-            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-                # The live reply goes out before the store is confirmed: the caller has its answer.
-                assert await client.infer(b"during the election", model="m1", timeout=10, request_id="elect-1") == b"during the election"
-            await js.add_stream(results_stream_config(subjects, config.streams, config.replies))
+    async with worker_and_jetstream(prefix, nats_url) as (worker, js):
+        await js.delete_stream(subjects.results_stream)
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            # The live reply goes out before the store is confirmed: the caller has its answer.
+            assert await client.infer(b"during the election", model="m1", timeout=10, request_id="elect-1") == b"during the election"
+        await js.add_stream(results_stream_config(subjects, worker.config.streams, worker.config.replies))
 
-            async def stored() -> bool:
-                try:
-                    await js.get_msg(subjects.results_stream, subject=subjects.result("elect-1"), direct=True)
-                    return True
-                except nats.js.errors.NotFoundError:
-                    return False
+        async def stored() -> bool:
+            try:
+                await js.get_msg(subjects.results_stream, subject=subjects.result("elect-1"), direct=True)
+                return True
+            except nats.js.errors.NotFoundError:
+                return False
 
-            await wait_until(stored, timeout_s=10, what="the answer stored once the stream was back")
-            await wait_until(lambda: _settled(js, subjects.models_stream, model_consumer_name("m1")), timeout_s=10, what="the request acked")
-            assert worker.stats["requests"] == 1  # computed once: never naked and run again
-        finally:
-            await nc.close()
+        await wait_until(stored, timeout_s=10, what="the answer stored once the stream was back")
+        await wait_until(lambda: _settled(js, subjects.models_stream, model_consumer_name("m1")), timeout_s=10, what="the request acked")
+        assert worker.stats["requests"] == 1  # computed once: never naked and run again
 
 
 async def _settled(js: object, stream: str, consumer: str) -> bool:
