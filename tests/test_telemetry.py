@@ -329,3 +329,20 @@ def test_links_read_traceparent_exactly_as_the_propagator_does(_otel_providers: 
         assert len(links) == 1 and links[0].context == expected and links[0].context.trace_state == expected.trace_state
     else:
         assert links == []
+
+
+def test_an_unsampled_batch_span_reads_no_request_context(_otel_providers: Otel) -> None:
+    """Links are added once the batch span is known to be recorded: an unsampled batch (10%
+    sampling drops nine in ten) does no per-request tracing work at all."""
+    from jetbatch.sidecar.telemetry import link_requests
+
+    class Untouchable(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            raise AssertionError("an unsampled span read the requests' headers")
+
+    link_requests(trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT), Untouchable([{"traceparent": "x"}]))
+    tracer = trace.get_tracer("test")
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with tracer.start_as_current_span("process batch") as span:
+        link_requests(span, [{"traceparent": traceparent}, None, {}])
+    assert [link.context.span_id for link in span.links] == [0x00F067AA0BA902B7]

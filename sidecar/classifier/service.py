@@ -45,7 +45,7 @@ from ..replies import Answer, Replier, client_message, settle
 from ..runtime import retry_startup
 from ..status import serve_status
 from ..streams import classifier_consumer_name, ensure_classifier_streams
-from ..telemetry import links_from_headers
+from ..telemetry import link_requests
 from .routers import Item, Route, Router, make_router
 
 __all__ = ["Classifier"]
@@ -188,7 +188,6 @@ class Classifier:
         with self._tracer.start_as_current_span(
             f"process {self.subjects.ingress}",  # messaging conventions: "{operation} {destination}"
             kind=SpanKind.CONSUMER,
-            links=links_from_headers([m.headers for m in msgs]),
             attributes={
                 "messaging.system": "nats",
                 "messaging.operation.type": "process",
@@ -198,7 +197,8 @@ class Classifier:
                 "messaging.batch.message_count": len(msgs),
                 "jetbatch.classifier.classified": len(to_classify),
             },
-        ):
+        ) as span:
+            link_requests(span, [m.headers for m in msgs])
             if to_classify:
                 batch = [parsed[i][0] for i in to_classify]
                 try:
