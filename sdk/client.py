@@ -274,16 +274,10 @@ class Client:
                 # JetStream already holds (or held) this request id: a retry of a request that is
                 # running or finished. Its answer is in the results store, now or soon.
                 self._spawn(self._poll_stored_result(rid))
-            # One timer on the future itself: asyncio.wait_for would add a task per request.
-            expiry = loop.call_at(loop.time() + max(timeout - (time.monotonic() - started), 0.0), _expire, fut)
             try:
-                msg = await fut
-            except asyncio.CancelledError:
-                if fut.cancelled() and not _current_task_cancelling():
-                    raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
-                raise
-            finally:
-                expiry.cancel()
+                msg = await _within(fut, timeout - (time.monotonic() - started))
+            except TimeoutError:
+                raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
             result = self._to_result(msg, rid, time.monotonic() - started)
             status = "ok"
             return result
@@ -359,18 +353,10 @@ class Client:
             fut = await self._acks.publish(subject, data, hdrs)
         except (nats.errors.Error, asyncio.TimeoutError):
             return None
-        loop = asyncio.get_running_loop()
-        expiry = loop.call_at(loop.time() + min(max(deadline - time.monotonic(), 0.0), _PUBACK_WAIT_S), _expire, fut)
         try:
-            return await fut
-        except PublishRefused:
-            return None
-        except asyncio.CancelledError:
-            if fut.cancelled() and not _current_task_cancelling():
-                return None  # no PubAck in time
-            raise
-        finally:
-            expiry.cancel()
+            return await _within(fut, min(deadline - time.monotonic(), _PUBACK_WAIT_S))
+        except (PublishRefused, TimeoutError):
+            return None  # refused, or no PubAck in time
 
     async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError | None:
         """Why no stream took the message: ``UnknownModel`` (the models stream exists but does not
@@ -456,16 +442,26 @@ class Client:
         return Result(request_id=rid, output=output, batch=batch_info_from_headers(headers), latency_s=latency_s)
 
 
+async def _within(fut: asyncio.Future[Any], timeout_s: float) -> Any:
+    """Await ``fut`` for at most ``timeout_s`` on one timer (``asyncio.wait_for`` would add a task
+    per call). Raises ``TimeoutError`` when the timer fired; a cancelled caller stays cancelled."""
+    loop = asyncio.get_running_loop()
+    expiry = loop.call_at(loop.time() + max(timeout_s, 0.0), _expire, fut)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if fut.cancelled() and not (task is not None and task.cancelling() > 0):
+            raise TimeoutError from None
+        raise
+    finally:
+        expiry.cancel()
+
+
 def _expire(fut: asyncio.Future[Any]) -> None:
-    """The request's timer: cancelling its future wakes the waiting ``infer`` with a timeout."""
+    """The timer of :func:`_within`: cancelling the future wakes its waiter with a timeout."""
     if not fut.done():
         fut.cancel()
-
-
-def _current_task_cancelling() -> bool:
-    """Whether the caller's own task is being cancelled (rather than the reply timing out)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 class _Connecting:

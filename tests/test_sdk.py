@@ -162,14 +162,7 @@ async def _ignore_timeout(client: sdk.Client, payload: bytes) -> None:
 
 
 async def _publish_when_full(client: sdk.Client) -> None:
-    import anyio
-
-    with anyio.fail_after(10):
-        while True:
-            info = await client.nats.jetstream().stream_info(client.subjects.models_stream)
-            if info.state.messages >= 2:
-                break
-            await anyio.sleep(0.01)
+    await wait_until(lambda: _queued(client.nats.jetstream(), client.subjects.models_stream), timeout_s=10, what="a full queue")
     await client.infer(b"one too many", model="m1", timeout=3)
 
 
