@@ -30,6 +30,7 @@ from jetbatch.sdk.protocol import (
     Subjects,
     encode_error,
     error_headers,
+    forwardable_headers,
     message_bytes,
 )
 from jetbatch.sdk.errors import JetbatchError
@@ -217,7 +218,10 @@ class Replier:
         """Copy ``msg`` (payload and headers) to ``<prefix>.dlq.<stage>`` with its reason, original
         subject and delivery count. A copy too large for the server keeps its headers only."""
         original = dict(msg.headers or {})
-        headers = {k: v for k, v in original.items() if k != Headers.MSG_ID}  # the DLQ keeps every entry
+        # No Nats-* header of the producer's: the server would act on it (Nats-Expected-Stream
+        # refuses the copy, and the request would be gone), and without Nats-Msg-Id the DLQ keeps
+        # every entry.
+        headers = forwardable_headers(original)
         headers.update(
             {
                 Headers.DLQ_REASON: reason[:1000],

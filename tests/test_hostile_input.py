@@ -107,6 +107,52 @@ async def test_classifier_publishes_nothing_where_a_request_aims_its_reply(nats_
             await nc.close()
 
 
+async def test_a_producers_nats_headers_never_steer_the_sidecars_own_publishes(nats_url: str, prefix: str) -> None:
+    """JetStream acts on Nats-* headers (Nats-Expected-Stream, Nats-Rollup, ...). A producer's
+    must not ride along on what a sidecar publishes: a refused request copied with one into the
+    dead-letter stream was refused there and vanished (no reply, no dead letter), and a classifier
+    republish carrying one was refused by the model queue."""
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)}, classifier={"router": "rules", "default_model": "m1"})
+    async with running_worker(config, nats_url) as worker, running_classifier(config, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                assert await client.infer(b"warm", model="m1", timeout=20) == b"warm"
+                # Worker: a reply subject it refuses, and a header that matches the models stream
+                # (so the request is queued) but not the dead-letter stream.
+                await js.publish(
+                    subjects.model("m1"), b"refused",
+                    headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: f"$JS.API.STREAM.DELETE.{subjects.models_stream}",
+                             "Nats-Expected-Stream": subjects.models_stream},
+                )  # fmt: skip
+                await wait_until(lambda: worker.stats["requests"] >= 2, what="the refused request handled")
+                dlq = await js.stream_info(subjects.dead_letter_stream)
+                assert dlq.state.messages == 1, "the refused request must be kept in the dead-letter stream"
+                kept = await js.get_msg(subjects.dead_letter_stream, seq=dlq.state.last_seq)
+                assert not any(k.lower().startswith("nats-") for k in (kept.headers or {})), kept.headers
+                # Classifier: headers that match the ingress stream and nothing after it.
+                steered = {"Nats-Expected-Stream": subjects.ingress_stream, "Nats-Expected-Last-Subject-Sequence": "0"}
+                assert await client.infer(b"routed anyway", headers=steered, timeout=20) == b"routed anyway"
+                # No reply subject at all: computed and stored for a caller that reads the store.
+                quiet = uuid.uuid4().hex
+                await js.publish(subjects.model("m1"), b"no reply wanted", headers={Headers.MSG_ID: quiet})
+
+                async def stored() -> bool:
+                    try:
+                        await js.get_msg(subjects.results_stream, subject=subjects.result(quiet), direct=True)
+                    except nats.js.errors.NotFoundError:
+                        return False
+                    return True
+
+                await wait_until(stored, what="the result of a request without a reply subject in the store")
+                assert (await js.get_msg(subjects.results_stream, subject=subjects.result(quiet), direct=True)).data == b"no reply wanted"
+                assert await client.infer(b"still serving", model="m1", timeout=20) == b"still serving"
+        finally:
+            await nc.close()
+
+
 async def test_absurd_deadlines_and_huge_reply_subjects_get_bad_request_and_the_sidecars_keep_serving(nats_url: str, prefix: str) -> None:
     config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)}, classifier={"router": "rules", "default_model": "m1"})
     async with running_worker(config, nats_url), running_classifier(config, nats_url):

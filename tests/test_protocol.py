@@ -17,6 +17,7 @@ from jetbatch.sdk.protocol import (
     Subjects,
     Tensor,
     batch_header,
+    forwardable_headers,
     batch_info_from_headers,
     deadline_from_headers,
     decode_error,
@@ -197,3 +198,16 @@ def test_reply_policy_follows_its_rules_for_any_subject(subject: str) -> None:
     except ProtocolError:
         accepted = False
     assert accepted == _reply_allowed_by_the_rules(subject, ("_INBOX", "a.b"), ("jetbatch",))
+
+
+def test_forwardable_headers_drop_every_nats_header_whatever_its_case() -> None:
+    """What a sidecar copies from a request onto its own publish: never a header the server acts on."""
+    request = {
+        Headers.MSG_ID: "r1", "Nats-Expected-Stream": "X", "nats-rollup": "all", "NATS-TTL": "1s",
+        Headers.REPLY_TO: "_INBOX.a.r1", Headers.DEADLINE: "1700000000000", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+        "X-App": "kept", "Natsy": "kept too",
+    }  # fmt: skip
+    assert forwardable_headers(request) == {
+        Headers.REPLY_TO: "_INBOX.a.r1", Headers.DEADLINE: "1700000000000", "traceparent": request["traceparent"], "X-App": "kept", "Natsy": "kept too",
+    }  # fmt: skip
+    assert forwardable_headers(None) == {}

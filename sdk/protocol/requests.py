@@ -172,6 +172,15 @@ def deadline_from_headers(headers: Mapping[str, str] | None) -> float | None:
     return int(raw) / 1000.0
 
 
+def forwardable_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """A request's headers as a sidecar may copy them onto its own publish (a republish, a dead
+    letter): every ``Nats-*`` header dropped, whatever its case. The server acts on those
+    (``Nats-Expected-Stream``, ``Nats-Expected-Last-Sequence``, ``Nats-Rollup``, ``Nats-TTL``,
+    ``Nats-Msg-Id``, …), so a producer's value would steer the sidecar's publish: refuse it, or
+    worse. The sidecar sets the ones it needs itself."""
+    return {k: v for k, v in (headers or {}).items() if not k[:5].lower() == "nats-"}
+
+
 def _shorten(value: object, limit: int = 40) -> str:
     text = str(value)
     return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"

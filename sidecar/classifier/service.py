@@ -33,6 +33,7 @@ from jetbatch.sdk.protocol import (
     RequestMeta,
     SidecarReport,
     Subjects,
+    forwardable_headers,
     message_bytes,
     new_request_id,
     parse_request_headers,
@@ -255,9 +256,12 @@ class Classifier:
             subject = self.subjects.model(route.model)  # validates the name
         except ProtocolError as exc:
             return (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
-        # Unchanged (request id, reply-to, deadline, trace context), except the tenant: the
-        # classifier's word, from the subject the request arrived on, never the producer's.
-        headers = {k: v for k, v in (msg.headers or {}).items() if k != Headers.TENANT}
+        # Unchanged (reply-to, deadline, trace context), except: the tenant is the classifier's
+        # word, from the subject the request arrived on, never the producer's; no Nats-* header of
+        # the producer's steers the republish (Nats-Expected-*, Nats-Rollup, ...); and the request
+        # id the classifier parsed (a fallback one when the producer sent none) is the dedupe key.
+        headers = {k: v for k, v in forwardable_headers(msg.headers).items() if k != Headers.TENANT}
+        headers[Headers.MSG_ID] = meta.request_id
         if meta.tenant is not None:
             headers[Headers.TENANT] = meta.tenant
         if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):

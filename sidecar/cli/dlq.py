@@ -19,7 +19,7 @@ import nats.errors
 import nats.js.errors
 
 from jetbatch.sdk.connection import connect_nats
-from jetbatch.sdk.protocol import Headers, Subjects
+from jetbatch.sdk.protocol import Headers, Subjects, forwardable_headers
 
 from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix
 
@@ -114,7 +114,7 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         replayed = 0
         for m in chosen:
-            h = dict(m.headers or {})
+            h = forwardable_headers(m.headers)  # older dead letters may hold a producer's Nats-*
             subject = h.pop(Headers.DLQ_SUBJECT, "")
             for key in (Headers.DLQ_REASON, Headers.DLQ_STAGE, Headers.DLQ_DELIVERIES):
                 h.pop(key, None)
