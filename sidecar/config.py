@@ -187,6 +187,7 @@ class ClassifierConfig(_Base):
     confidence_threshold: Annotated[float, Meta(ge=0, le=1)] = 0.0
     fallback_model: str | None = None
     device: str = "cpu"
+    input_shape: list[PositiveInt] | None = None  # one request's tensor shape, without the batch dimension
     # rules router: first match wins; each rule is {header = "...", equals = "..."} or
     # {field = "a.b", equals = ...} plus model = "..."
     rules: list[dict[str, Any]] = []

@@ -31,3 +31,22 @@ def by_payload_key(payloads: Sequence[Any], headers: Sequence[Mapping[str, str]]
 def slow_to_m1(payloads: Sequence[Any], headers: Sequence[Mapping[str, str]]) -> list[str]:
     time.sleep(0.005)  # simulated router compute, so two replicas both get work
     return ["m1"] * len(payloads)
+
+
+class PairNet(torch.nn.Module):
+    """Two classes from inputs of exactly two features (a linear layer: other widths raise).
+    ``fail`` makes every forward pass raise, as a broken router would."""
+
+    fail = False
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.tensor([[-10.0, 0.0], [10.0, 0.0]]))
+            self.linear.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if PairNet.fail:
+            raise RuntimeError("the router network is broken")
+        return self.linear(x)

@@ -11,10 +11,12 @@ from jetbatch.sdk.protocol import ContentType, ErrorCode, ProtocolError, decode_
 
 from ..config import ClassifierConfig, ConfigError
 from ..handlers import import_object, read_module
+from ..replies import client_message
 
 __all__ = ["CallableRouter", "Item", "Route", "Router", "RulesRouter", "TorchRouter", "make_router"]
 
 _FILE_FORMATS = ("export", "state_dict", "torchscript")
+_MAX_SHAPES_REMEMBERED = 64
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,10 @@ class Router:
 class TorchRouter(Router):
     """A classification network run on the whole batch in one forward pass.
 
-    Inputs must be tensors of one shape; the argmax class (as a string index, or the network's
+    Inputs are tensors: of ``input_shape`` when it is configured (others are answered
+    ``bad_request`` one by one); without it, each distinct shape in a batch gets its own forward
+    pass, and a shape the network has never taken that makes it fail is the input's fault
+    (``bad_request``), while a shape that worked before is the router's (``internal``). The argmax class (as a string index, or the network's
     label) maps to a model through ``labels``; below ``confidence_threshold`` the softmax top
     probability sends the request to ``fallback_model``.
     """
@@ -63,6 +68,7 @@ class TorchRouter(Router):
             raise ConfigError("classifier.labels: the torch router needs a label -> model map")
         self.cfg = cfg
         self.module: Any = None
+        self._shapes_ok: set[tuple[int, ...]] = set()  # input shapes the network has taken
 
     def load(self) -> None:
         if self.cfg.handler in _FILE_FORMATS:
@@ -80,35 +86,60 @@ class TorchRouter(Router):
         import torch
 
         routes: list[Route | None] = [None] * len(items)
-        tensors, index = [], []
+        by_shape: dict[tuple[int, ...], list[tuple[int, Any]]] = {}
         for i, item in enumerate(items):
             try:
-                value = item.payload()
-                tensor = value.to_torch() if hasattr(value, "to_torch") else None
-                if tensor is None:
-                    raise ProtocolError(f"the torch router needs a tensor ({ContentType.TENSOR.value})")
-                tensors.append(tensor.to(torch.float32))
-                index.append(i)
+                tensor = self._tensor(item)
             except ProtocolError as exc:
                 routes[i] = Route(None, (ErrorCode.BAD_REQUEST, str(exc)))
-        if tensors:
+                continue
+            by_shape.setdefault(tuple(tensor.shape), []).append((i, tensor))
+        # One forward pass per input shape, so one producer's odd tensor cannot fail the others'.
+        for shape, group in by_shape.items():
+            batch = torch.stack([t for _, t in group]).to(self.cfg.device)
             try:
-                batch = torch.stack(tensors).to(self.cfg.device)
-            except RuntimeError as exc:
-                for i in index:
-                    routes[i] = Route(None, (ErrorCode.BAD_REQUEST, f"inputs of different shapes in one batch: {exc}"))
-                return [r or Route(None, (ErrorCode.INTERNAL, "unrouted")) for r in routes]
-            with torch.inference_mode():
-                logits = self.module(batch)
-            probs = torch.softmax(logits.float(), dim=-1)
-            top_p, top_i = probs.max(dim=-1)
-            for i, p, k in zip(index, top_p.tolist(), top_i.tolist()):
+                with torch.inference_mode():
+                    logits = self.module(batch)
+                if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(group):
+                    raise ValueError(f"expected logits of shape [{len(group)}, classes], got {_shape_of(logits)}")
+                probs = torch.softmax(logits.float(), dim=-1)
+                top_p, top_i = probs.max(dim=-1)
+            except Exception as exc:
+                if shape in self._shapes_ok:
+                    raise  # a shape that has worked before: the router itself is failing
+                # A shape the network has never taken (no input_shape configured): the input's fault.
+                for i, _ in group:
+                    routes[i] = Route(None, (ErrorCode.BAD_REQUEST, f"the router cannot take input shape {list(shape)}: {client_message(exc, 200)}"))
+                continue
+            if len(self._shapes_ok) < _MAX_SHAPES_REMEMBERED:
+                self._shapes_ok.add(shape)
+            for (i, _), p, k in zip(group, top_p.tolist(), top_i.tolist()):
                 if p < self.cfg.confidence_threshold and self.cfg.fallback_model:
                     routes[i] = Route(self.cfg.fallback_model)
                     continue
                 model = self.cfg.labels.get(str(k))
                 routes[i] = Route(model) if model else Route(None, (ErrorCode.UNKNOWN_MODEL, f"class {k} maps to no model"))
         return [r or Route(None, (ErrorCode.INTERNAL, "unrouted")) for r in routes]
+
+    def _tensor(self, item: Item) -> Any:
+        """The request's input as a float32 tensor of the configured shape; ProtocolError if not."""
+        import torch
+
+        value = item.payload()
+        if not hasattr(value, "to_torch"):
+            raise ProtocolError(f"the torch router needs a tensor ({ContentType.TENSOR.value})")
+        expected = self.cfg.input_shape
+        if expected is not None and list(value.shape) != list(expected):
+            raise ProtocolError(f"the router expects input shape {list(expected)}, got {list(value.shape)}")
+        try:
+            return value.to_torch().to(torch.float32)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # a shape torch cannot build
+            raise ProtocolError(f"$.shape: {list(value.shape)[:8]} is not a tensor torch can build: {client_message(exc, 200)}") from None
+
+
+def _shape_of(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return str(list(shape)) if shape is not None else type(value).__name__
 
 
 class RulesRouter(Router):

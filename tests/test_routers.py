@@ -1,0 +1,78 @@
+"""The classifier's routers on their own (no broker): one producer's bad input never fails the
+others' requests in the same batch."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import msgspec
+import pytest
+import torch
+
+from jetbatch.sdk.protocol import ErrorCode, Tensor, encode_payload
+from jetbatch.sidecar.classifier.routers import Item, TorchRouter
+from jetbatch.sidecar.config import ClassifierConfig
+from tests.classifier_fixtures import PairNet
+
+LABELS = {"0": "m0", "1": "m1"}
+
+
+def router(**options: Any) -> TorchRouter:
+    cfg = msgspec.convert({"router": "torch", "handler": "tests.classifier_fixtures:PairNet", "labels": LABELS, **options}, ClassifierConfig)
+    r = TorchRouter(cfg)
+    r.load()
+    return r
+
+
+def tensor_item(t: Tensor) -> Item:
+    data, ctype = encode_payload(t)
+    return Item(headers={}, data=data, content_type=ctype.value)
+
+
+def good(first: float) -> Item:
+    return tensor_item(Tensor.from_torch(torch.tensor([first, 0.0])))
+
+
+@pytest.fixture(autouse=True)
+def working_net() -> Iterator[None]:
+    PairNet.fail = False
+    yield
+    PairNet.fail = False
+
+
+HOSTILE = {
+    "wrong width": Tensor.from_torch(torch.ones(3)),
+    "wrong rank": Tensor.from_torch(torch.ones(2, 2)),
+    "empty": Tensor.from_torch(torch.ones(0)),
+    "overflowing shape": Tensor(dtype="float32", shape=(2**64 - 1, 0), data=b""),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_hostile_tensor_fails_alone(kind: str) -> None:
+    """8 valid requests and one hostile one in a batch: the 8 are routed, the one is bad_request
+    (it was the whole batch's bad_request or internal error, the 8 terminated with it)."""
+    items = [good(1.0 if i % 2 else -1.0) for i in range(8)]
+    items.insert(3, tensor_item(HOSTILE[kind]))
+    routes = router().route(items)
+    assert routes[3].model is None and routes[3].error is not None and routes[3].error[0] is ErrorCode.BAD_REQUEST, routes[3]
+    others = routes[:3] + routes[4:]
+    assert [r.model for r in others] == ["m0", "m1", "m0", "m1", "m0", "m1", "m0", "m1"]
+    assert "Traceback" not in routes[3].error[1] and "\n" not in routes[3].error[1]
+
+
+def test_a_configured_input_shape_is_checked_before_the_forward_pass() -> None:
+    routes = router(input_shape=[2]).route([good(1.0), tensor_item(HOSTILE["wrong width"])])
+    assert routes[0].model == "m1"
+    assert routes[1].error is not None and routes[1].error[0] is ErrorCode.BAD_REQUEST
+    assert "expects input shape [2], got [3]" in routes[1].error[1]
+
+
+def test_a_router_failing_on_a_shape_it_took_before_is_the_router_s_fault() -> None:
+    """The service answers `internal` (and logs) when route() raises: a broken network must not
+    be passed off as every caller's bad input."""
+    r = router()
+    assert [x.model for x in r.route([good(1.0)])] == ["m1"]
+    PairNet.fail = True
+    with pytest.raises(RuntimeError, match="broken"):
+        r.route([good(1.0), good(-1.0)])
