@@ -201,6 +201,29 @@ def test_unpaid_load_is_not_evicted_while_its_queue_waits() -> None:
     assert isinstance(d, sched.Load) and d.model == "c"
 
 
+def test_an_unpaid_cheap_load_does_not_push_eviction_onto_the_costly_model() -> None:
+    """Two slots: big (2 s to load, in steady use) and small (just loaded, 5 waiting) are
+    resident; new has waited past its bound. small is the model that should make room, but its
+    load has not paid off, so the policy serves small first rather than evicting big, whose reload
+    would cost twenty times more. Found in the open-traffic grid: with 2-3 slots on cheap-popular
+    traffic the rare costly model lost its slot to every cheap burst (p99 1.06x exhaustive)."""
+    policy = sched.make_policy("cost-aware")
+    for k in range(20):
+        policy.on_batch_done("big", 16, 5.0 + k * 0.01, 0.01)
+    policy.on_loaded("small", 9.5, 5)
+    s = state(
+        [ms("big", 0, resident=True, load=2.0), ms("small", 5, resident=True, oldest=9.0, load=0.1), ms("new", 3, oldest=0.0, load=0.1)],
+        "big", max_models=2,
+    )  # fmt: skip
+    d = policy.decide(s, now=10.0)
+    assert d == sched.Serve("small", 16, "protect-burst")
+    for k in range(10):  # small's visit pays for its load and its queue empties
+        policy.on_batch_done("small", 1, 10.0 + k * 0.02, 0.02)
+    s = state([ms("big", 0, resident=True, load=2.0), ms("small", 0, resident=True, load=0.1), ms("new", 3, oldest=0.0, load=0.1)], "small", max_models=2)
+    d = policy.decide(s, now=10.5)
+    assert isinstance(d, sched.Load) and d.model == "new" and d.evict == ("small",)
+
+
 def test_more_slots_never_collapse_the_zipf_workload() -> None:
     """The multi-slot collapse of 0.2: at 100 req/s over six models with tenfold load-cost
     differences, an already-resident model interrupted each new model's burst and the new model

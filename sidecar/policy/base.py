@@ -70,20 +70,20 @@ class PolicyBase:
     def _evictions(
         self, state: SchedulerState, target: ModelState, now: float, protected: frozenset[str] = frozenset()
     ) -> tuple[str, ...] | None:
-        """Which resident models to unload so ``target`` fits the budget; None when it cannot fit
-        without evicting a ``protected`` model.
+        """Which resident models to unload so ``target`` fits the budget; None when the model that
+        should go is ``protected`` (its load has not paid off yet: serve it first, then ask again).
 
-        ``cost`` eviction keeps the models whose reload would cost most given what they are likely
-        to be asked for next (load cost × (backlog + recent demand)); ``lru`` evicts the least
-        recently used, the baseline of Ray Serve's multiplexing and ModelMesh.
+        ``cost`` eviction unloads the models whose reload would cost least given what they are
+        likely to be asked for next (load cost × (backlog + recent demand)); ``lru`` evicts the
+        least recently used, the baseline of Ray Serve's multiplexing and ModelMesh. A protected
+        model never moves that choice onto a model worth more: evicting a costly, steadily used
+        model because a cheap one is mid-burst would pay the costly load again soon after.
         """
         resident = [m for m in state.models.values() if m.resident and m.name != target.name]
         evict: list[str] = []
         while not fits(state.budget, [m for m in resident if m.name not in evict], target):
-            victims = [m for m in resident if m.name not in evict and m.name not in protected]
+            victims = [m for m in resident if m.name not in evict]
             if not victims:
-                if any(m.name in protected for m in resident if m.name not in evict):
-                    return None
                 break
             if self.eviction == "lru":
                 victim = min(victims, key=lambda m: (self._last_used.get(m.name, -math.inf), m.name))
@@ -92,6 +92,8 @@ class PolicyBase:
                     victims,
                     key=lambda m: (m.load_cost_s * (m.backlog + self.demand(m.name, now)), self._last_used.get(m.name, -math.inf), m.name),
                 )
+            if victim.name in protected:
+                return None
             evict.append(victim.name)
         return tuple(evict)
 

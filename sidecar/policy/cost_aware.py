@@ -47,7 +47,9 @@ class CostAware(PolicyBase):
       traffic alone.
     - **Several slots.** A resident model whose visit has not paid for its load and still has
       requests is never evicted for another model: the scheduler serves a resident queue instead
-      until the load is amortised, so more memory cannot make it thrash.
+      until the load is amortised, so more memory cannot make it thrash. Nor does it shift the
+      eviction onto a model worth more: when the model that should make room is mid-burst, the
+      scheduler serves it first rather than evicting a costly model in steady use.
     - **Gather window.** With ``gather_size`` > 0, wait until that many requests are queued in all
       or the oldest has waited ``gather_delay_s``.
     """
