@@ -26,6 +26,7 @@ log = logging.getLogger("jetbatch.worker")
 _INITIAL_LATE_S = 0.001
 _MAX_LATE_S = 0.05
 _LATE_WEIGHT = 0.2
+_TOP_UP_S = 0.002  # the shortest wait for requests the queue says are there
 
 
 class Batcher:
@@ -57,7 +58,8 @@ class Batcher:
 
     async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None) -> list[Msg]:
         """Pull until the window closes: ``max_items``, or ``max_delay`` after the first request
-        of the batch was enqueued. While a batch of this model still runs, keep filling."""
+        of the batch was enqueued. While a batch of this model still runs, keep filling; once the
+        window has closed, still take what the queue reported waiting, up to ``max_items``."""
         window = slot.window
         msgs: list[Msg] = list(first or [])
         close_at: float | None = None
@@ -75,8 +77,17 @@ class Batcher:
             if msgs and wait_s <= early_s:
                 # A fetch returns about ``late_s`` after its timeout (a probe, a pull request, the
                 # server's expiry and the event loop's wake-ups): started with less than that
-                # left it would end past the window, so the batch closes now.
-                break
+                # left it would end past the window, so the batch closes to new arrivals now.
+                # Requests already queued need no window: a fetch that came back short (a loaded
+                # host, a pull split by the server) is topped up from the backlog it reported.
+                if slot.backlog <= 0:
+                    break
+                got = await self.fetch(slot, min(max_items - len(msgs), slot.backlog), min(max(2 * self.late_s, _TOP_UP_S), _MAX_LATE_S))
+                if not got:
+                    break  # another worker of the shared queue took them
+                msgs.extend(got)
+                slot.backlog = pending_after(got[-1], slot.backlog - len(got))
+                continue
             # With a batch open, aim the fetch early by what fetches overrun, so it ends at the window.
             timeout_s = max(wait_s - early_s, 0.001) if msgs else max(wait_s, 0.001)
             started = time.monotonic()
