@@ -44,6 +44,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 MiB = 1024 * 1024
+_OWN_KEY_RE = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.DOTALL)
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
 
@@ -171,6 +172,17 @@ class WorkerConfig(_Base):
     # or leader election, so a node loss does not make placement thrash.
     peer_timeout_s: PositiveFloat = 5.0
 
+    def __post_init__(self) -> None:
+        # Checked here, so a typo is named with its file before the worker connects anywhere.
+        from .policy.scheduling import make_policy
+
+        try:
+            make_policy(self.policy, **self.policy_options)
+        except ValueError as exc:
+            raise ValueError(f"policy: {exc}") from None
+        except TypeError as exc:
+            raise ValueError(f"policy_options: {exc}") from None
+
 
 class ClassifierConfig(_Base):
     """The classifier sidecar: pulls ``<prefix>.in`` and republishes to ``<prefix>.model.<name>``."""
@@ -195,6 +207,22 @@ class ClassifierConfig(_Base):
     # callable router
     callable: str | None = None  # "package.module:function"
     options: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        named = [("fallback_model", self.fallback_model), ("default_model", self.default_model)]
+        named += [(f"labels.{label}", model) for label, model in self.labels.items()]
+        named += [(f"rules[{n}].model", rule.get("model")) for n, rule in enumerate(self.rules) if isinstance(rule, dict)]
+        for key, model in named:
+            if model is None:
+                continue
+            try:
+                validate_model_name(model) if isinstance(model, str) else _not_a_name(model)
+            except ProtocolError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+
+
+def _not_a_name(value: object) -> None:
+    raise ProtocolError(f"expected a model name, got {type(value).__name__}")
 
 
 class TelemetryConfig(_Base):
@@ -320,6 +348,10 @@ def _describe(message: str) -> str:
     problem = problem.replace("Object contains unknown field", "unknown key").replace(
         "Object missing required field", "missing required key"
     )
+    # A section's own check says "key: problem" (__post_init__): join it to the section's path.
+    own = _OWN_KEY_RE.match(problem)
+    if path and own:
+        return f"{path}.{own.group(1)}: {own.group(2)}"
     return f"{path}: {problem}" if path else problem
 
 

@@ -29,6 +29,11 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
         ('[models."a.b"]\nhandler = "sleep"\n', "invalid model name 'a.b'"),
         ('[worker]\npoll_interval_ms = 1\n', "worker.poll_interval_ms: Expected `float` >= 10"),
         ("[models.m1\n", "invalid TOML"),
+        # Checked when the file is read, so the file is named before any connection is tried.
+        ('[worker]\npolicy = "lifo"\n', "worker.policy: unknown policy 'lifo'"),
+        ("[worker]\npolicy_options = { bogus = 1 }\n", "worker.policy_options: "),
+        ('[classifier]\nrules = [{ header = "X", equals = "a", model = "bad name*" }]\n', "classifier.rules[0].model: invalid model name"),
+        ('[classifier]\nrouter = "torch"\nhandler = "x:y"\nlabels = { "0" = "a b" }\n', "classifier.labels.0: invalid model name 'a b'"),
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -108,3 +113,55 @@ def test_cli_answers_help_version_status_dlq_and_probe_without_torch(nats_url: s
         r = subprocess.run([sys.executable, "-c", runner, *argv], capture_output=True, text=True, timeout=60)
         assert r.returncode in codes, (argv, r.returncode, r.stderr)
         assert "Traceback" not in r.stderr and "torch" not in r.stderr, (argv, r.stderr)
+
+
+_WORKLOADS = {
+    "models.json": '{"models": 5}',
+    "zero.toml": '[models.m1]\nload_cost_s = 0.5\nmax_batch_size = 0\n',
+    "negative.toml": "[models.m1]\nload_cost_s = -1\n",
+    "typo.toml": "[models.m1]\nload_cost_s = 1\n[budget]\nmax_modelz = 1\n",
+    "options.toml": "[models.m1]\nload_cost_s = 1\n[policy]\nbogus = 2\n",
+    "huge.toml": '[models.m1]\nload_cost_s = 1\n[arrivals]\nkind = "poisson"\nrate = 1e12\n',
+    "burst.toml": "[models.m1]\nload_cost_s = 0.1\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["examples", "build", "--dir", "{file}"], "exists and is not a directory"),
+        (["demo", "--dir", "{file}"], "exists and is not a directory"),
+        (["demo", "--requests", "-5"], "must be >= 0"),
+        (["demo", "--concurrency", "0"], "must be >= 1"),  # it hung forever
+        (["simulate", "--workload", "{dir}/models.json"], "models: Expected `object`, got `int`"),
+        (["simulate", "--workload", "{dir}/zero.toml"], "models.m1.max_batch_size: Expected `int` >= 1"),
+        (["simulate", "--workload", "{dir}/negative.toml"], "models.m1.load_cost_s: Expected `float` >= 0.0"),
+        (["simulate", "--workload", "{dir}/typo.toml"], "budget: unknown key `max_modelz`"),
+        (["simulate", "--workload", "{dir}/options.toml"], "options.toml: policy: "),
+        (["simulate", "--workload", "{dir}/huge.toml"], "over 20000000 requests"),
+        (["simulate", "--workload", "{dir}/burst.toml", "--policy", ""], "--policy: name at least one"),
+        (["simulate", "--workload", "{dir}/burst.toml", "--plot", "{dir}/missing/x.png"], "does not exist"),
+        (["bench", "--concurrency", "2", "--duration", "-1"], "must be > 0"),
+        (["bench", "--concurrency", "2", "--out", "{dir}/missing/out.json"], "does not exist"),
+        (["probe", "--timeout", "-1"], "must be > 0"),
+        (["probe", "--host", "no such host!"], "expected a host name or address"),
+        (["up", "--config", "{dir}/none.toml", "--port", "70000"], "out of range 0-65535"),
+        (["up", "--config", "{dir}/none.toml", "--port", "-1"], "out of range 0-65535"),
+        (["status", "--wait", "-1"], "must be > 0"),
+        (["worker", "--config", "{dir}/none.toml", "--log-level", "VERBOSE"], "expected one of DEBUG"),
+    ],
+)
+def test_cli_bad_arguments_are_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
+    """Found by a review that tried every subcommand with bad input: each of these printed a
+    traceback, hung, or ran on nonsense. Each must be refused at once, in one line, with status 2."""
+    (tmp_path / "afile").write_text("not a directory")
+    for name, text in _WORKLOADS.items():
+        (tmp_path / name).write_text(text)
+    argv = [a.format(file=tmp_path / "afile", dir=tmp_path) for a in args]
+    proc = run_cli(*argv, env={"JETBATCH_HOME": str(tmp_path / "home")}, timeout=30)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+    # One line of error (argparse adds its usage line before its own).
+    errors = [line for line in proc.stderr.splitlines() if line and not line.startswith(("usage:", " "))]
+    assert len(errors) == 1, proc.stderr

@@ -113,3 +113,59 @@ def test_demo_runs_and_summarises(examples_dir: Path, tmp_path: Path) -> None:
     # jetbatch's default path calls no deprecated API: a newcomer's demo prints no warnings.
     assert "Warning" not in proc.stderr and "Warning" not in proc.stdout, proc.stderr
     assert time.monotonic() - started < 180
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process under ``pid`` (Linux /proc)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_demo_stopped_by_sigterm_leaves_nothing_running(examples_dir: Path, tmp_path: Path) -> None:
+    """`kill` (or `docker stop`, or a CI timeout) on the demo stops its nats-server, worker and
+    classifier too: they were left running without a parent, with the server's store on disk."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetbatch", "demo", "--requests", "100000", "--concurrency", "1", "--quiet", "--dir", str(examples_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = ""
+        deadline = time.monotonic() + 120
+        while "sending" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "sending" in line, line
+        url = re.search(r"NATS at (nats://\S+);", line).group(1)  # type: ignore[union-attr]
+        started = _descendants(proc.pid)
+        assert len(started) >= 3, started  # nats-server, the worker, the classifier
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate(timeout=10)
+    assert "Traceback" not in err, err
+    assert not [pid for pid in started if _alive(pid)], "left running after the demo stopped"
+    with pytest.raises(sdk.ConnectionFailed):
+        asyncio.run(_connect(url))

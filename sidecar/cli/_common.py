@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from typing import Any, Callable, Coroutine
+import signal
+from typing import Any, Callable, Coroutine, Iterator
 
 from jetbatch.sdk.errors import JetbatchError
 
@@ -26,11 +28,72 @@ def add_prefix(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default="jetbatch", help="subject prefix of the deployment (default: jetbatch)")
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """An argparse type: a logging level name, any case."""
+    level = text.strip().upper()
+    if level not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(_LOG_LEVELS)}, got {text!r}")
+    return level
+
+
 def add_log_level(p: argparse.ArgumentParser) -> None:
+    # The environment's value goes through the same check when argparse applies the default.
     p.add_argument(
-        "--log-level", default=os.environ.get("JETBATCH_LOG_LEVEL", "WARNING"), metavar="LEVEL",
+        "--log-level", default=os.environ.get("JETBATCH_LOG_LEVEL", "WARNING"), type=log_level, metavar="LEVEL",
         help="DEBUG, INFO, WARNING (default, or $JETBATCH_LOG_LEVEL) or ERROR",
     )  # fmt: skip
+
+
+def _number(kind: type, minimum: float, inclusive: bool) -> Callable[[str], Any]:
+    bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")) or not (value >= minimum if inclusive else value > minimum):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {bound}"
+    return parse
+
+
+# argparse types for counts and durations: a bad value is argparse's one-line usage error.
+positive_int = _number(int, 1, True)
+non_negative_int = _number(int, 0, True)
+positive_float = _number(float, 0.0, False)
+non_negative_float = _number(float, 0.0, True)
+
+
+def writable_file(path: str, what: str) -> None:
+    """Fail now, before a long run, if ``path`` cannot be written (a missing folder, a directory)."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        raise CliError(f"{what} {path}: is a directory")
+    parent = target.parent
+    if not parent.is_dir():
+        raise CliError(f"{what} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise CliError(f"{what} {path}: folder {parent} is not writable")
+
+
+def usable_dir(path: str, what: str) -> None:
+    """Create ``path`` (with its parents) or fail with one line: a file in the way, no permission."""
+    from pathlib import Path
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CliError(f"{what} {path}: exists and is not a directory") from None
+    except OSError as exc:
+        raise CliError(f"{what} {path}: cannot create it: {exc.strerror or exc}") from None
 
 
 def add_json(p: argparse.ArgumentParser, what: str) -> None:
@@ -46,6 +109,17 @@ def add_sidecar_options(p: argparse.ArgumentParser, *, config_required: bool) ->
         "--http-port", default=None, type=_port, metavar="PORT",
         help="port of /healthz, /readyz and /metrics (0: any free port, 'off': none; default: [http] in the config, 9464 worker, 9465 classifier)",
     )  # fmt: skip
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range 0-65535")
+    return port
 
 
 def _port(text: str) -> int:
@@ -72,6 +146,22 @@ def setup_telemetry(role: str, args: argparse.Namespace, worker_id: str | None =
     from jetbatch.sidecar.otel import setup_telemetry as setup
 
     return setup(role, console=bool(getattr(args, "trace_console", False)), worker_id=worker_id, prometheus=prometheus)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM (``kill``, ``docker stop``, a CI timeout) ends the command as
+    Ctrl-C does, so what it started (an embedded nats-server, sidecar processes) is stopped on the
+    way out instead of left running without a parent."""
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> int:

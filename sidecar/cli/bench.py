@@ -9,18 +9,30 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import EXIT_FAILED, EXIT_OK, CliError, add_json, add_log_level, add_nats_url, add_prefix
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+    add_json,
+    add_log_level,
+    add_nats_url,
+    add_prefix,
+    positive_float,
+    positive_int,
+    sigterm_as_interrupt,
+    writable_file,
+)
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="load-test a deployment (or an embedded one) with the SDK")
     load = p.add_mutually_exclusive_group(required=True)
-    load.add_argument("--rate", type=float, metavar="RPS", help="open loop: requests per second (Poisson arrivals)")
-    load.add_argument("--concurrency", type=int, metavar="N", help="closed loop: N callers in parallel")
-    p.add_argument("--duration", type=float, default=10.0, metavar="S", help="seconds of load (default 10)")
+    load.add_argument("--rate", type=positive_float, metavar="RPS", help="open loop: requests per second (Poisson arrivals)")
+    load.add_argument("--concurrency", type=positive_int, metavar="N", help="closed loop: N callers in parallel")
+    p.add_argument("--duration", type=positive_float, default=10.0, metavar="S", help="seconds of load (default 10)")
     p.add_argument("--mix", default="m1=0.5,m2=0.5", help="model mix, e.g. m1=0.5,m2=0.3,auto=0.2 (auto: the classifier decides)")
     p.add_argument("--payload", default="bytes:256", help="bytes:N | tensor:DIM | examples (default bytes:256)")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-request timeout in seconds (default 30)")
+    p.add_argument("--timeout", type=positive_float, default=30.0, metavar="S", help="per-request timeout in seconds (default 30)")
     add_nats_url(p)
     p.add_argument("--config", default=None, metavar="FILE", help="config for the embedded deployment (default: sleep models for the mix)")
     add_prefix(p)
@@ -38,11 +50,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         mix = parse_mix(args.mix)
-        if args.concurrency is not None and args.concurrency < 1:
-            raise BenchError("--concurrency must be at least 1")
-        if args.rate is not None and args.rate <= 0:
-            raise BenchError("--rate must be positive")
+        if args.out:
+            writable_file(args.out, "--out")
         if args.plot:
+            writable_file(args.plot, "--plot")
             import matplotlib  # noqa: F401  - before the run, not after it
         url = args.nats_url or os.environ.get("NATS_URL")
         config = args.config
@@ -51,21 +62,22 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as exc:
         raise CliError(str(exc)) from None
     deployment = None
-    if url is None:
-        from jetbatch.sidecar.dev.deployment import Deployment
+    with sigterm_as_interrupt():
+        try:
+            if url is None:
+                from jetbatch.sidecar.dev.deployment import Deployment
 
-        deployment = Deployment(config, log_level=args.log_level).start()
-        url = deployment.url
-    try:
-        result = asyncio.run(
-            run_bench(
-                url, mix=mix, duration_s=args.duration, concurrency=args.concurrency, rate=args.rate,
-                payload=args.payload, timeout_s=args.timeout, prefix=args.prefix, progress=not args.json,
-            )
-        )  # fmt: skip
-    finally:
-        if deployment is not None:
-            deployment.stop()
+                deployment = Deployment(config, log_level=args.log_level).start()
+                url = deployment.url
+            result = asyncio.run(
+                run_bench(
+                    url, mix=mix, duration_s=args.duration, concurrency=args.concurrency, rate=args.rate,
+                    payload=args.payload, timeout_s=args.timeout, prefix=args.prefix, progress=not args.json,
+                )
+            )  # fmt: skip
+        finally:
+            if deployment is not None:
+                deployment.stop()
     summary = result.summary()
     if args.json:
         print(json.dumps(summary))

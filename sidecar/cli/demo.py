@@ -6,15 +6,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import add_log_level, add_nats_url
+from ._common import add_log_level, add_nats_url, non_negative_int, positive_int, sigterm_as_interrupt, usable_dir
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="embedded NATS + classifier + worker + a mixed workload, with a summary")
     add_nats_url(p)
     add_log_level(p)
-    p.add_argument("--requests", type=int, default=240, metavar="N", help="requests to send (default 240)")
-    p.add_argument("--concurrency", type=int, default=64, metavar="N", help="requests in flight at once (default 64)")
+    p.add_argument("--requests", type=non_negative_int, default=240, metavar="N", help="requests to send (default 240)")
+    p.add_argument("--concurrency", type=positive_int, default=64, metavar="N", help="requests in flight at once (default 64)")
     p.add_argument("--dir", default=None, metavar="DIR", help="where the example models are built (default: $JETBATCH_HOME/examples)")
     p.add_argument("--quiet", action="store_true", help="no per-batch lines, only the summary")
     p.set_defaults(run=run)
@@ -27,4 +27,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.dir is None:
         args.dir = default_dir()
-    return run_demo(args)
+    usable_dir(args.dir, "--dir")  # before NATS and the sidecars start
+    with sigterm_as_interrupt():
+        return run_demo(args)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ._common import add_log_level
+from ._common import add_log_level, usable_dir
 
 DEFAULT_DIR = ".jetbatch/examples"
 
@@ -29,7 +29,9 @@ def default_dir() -> str:
 def run(args: argparse.Namespace) -> int:
     from jetbatch.sidecar.dev.example_models import build_examples
 
-    ex = build_examples(Path(args.dir or default_dir()), force=args.force)
+    directory = args.dir or default_dir()
+    usable_dir(directory, "--dir")
+    ex = build_examples(Path(directory), force=args.force)
     print(f"built example models in {ex.directory}")
     print(f"  worker:     jetbatch worker --config {ex.models_toml} --nats-url nats://...")
     print(f"  classifier: jetbatch classifier --config {ex.classifier_toml} --nats-url nats://...")

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from ._common import EXIT_FAILED, EXIT_OK
+from ._common import EXIT_FAILED, EXIT_OK, CliError, port_number, positive_float
 
 
 def register(sub: Any) -> None:
@@ -18,10 +18,10 @@ def register(sub: Any) -> None:
         "probe", help="check a local sidecar's /readyz (exit 0 when ready): for HEALTHCHECK",
         description="GET /readyz (or /healthz with --live) on the first port that answers; exit 0 when it says 200.",
     )  # fmt: skip
-    p.add_argument("--port", type=int, action="append", metavar="PORT", help="port(s) to try, in order (default: 9464, then 9465)")
+    p.add_argument("--port", type=port_number, action="append", metavar="PORT", help="port(s) to try, in order (default: 9464, then 9465)")
     p.add_argument("--host", default="127.0.0.1", help="host of the sidecar (default: 127.0.0.1)")
     p.add_argument("--live", action="store_true", help="ask /healthz (alive) instead of /readyz (ready to serve)")
-    p.add_argument("--timeout", type=float, default=2.0, metavar="S", help="seconds per port (default: 2)")
+    p.add_argument("--timeout", type=positive_float, default=2.0, metavar="S", help="seconds per port (default: 2)")
     p.set_defaults(run=run)
 
 
@@ -30,8 +30,11 @@ def run(args: argparse.Namespace) -> int:
     last = "no port answered"
     # Straight to the local sidecar: an HTTP_PROXY in the container's environment must not apply.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    host = args.host.strip()
+    if not host or any(c in host for c in " /?#@\\") or not host.isprintable():
+        raise CliError(f"--host {args.host!r}: expected a host name or address")
     for port in args.port or [9464, 9465]:
-        url = f"http://{args.host}:{port}{path}"
+        url = f"http://{host}:{port}{path}"
         try:
             with opener.open(url, timeout=args.timeout) as r:
                 print(f"{url}: {r.status} {r.read().decode(errors='replace').strip()}")

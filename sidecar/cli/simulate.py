@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
-from ._common import CliError, add_json
+from ._common import CliError, add_json, writable_file
 
 
 def register(sub: Any) -> None:
@@ -24,12 +25,18 @@ def run(args: argparse.Namespace) -> int:
     from jetbatch.sidecar.simulator import WorkloadError, load_workload, plot, print_table, simulate_policies
 
     names = list(POLICIES) if args.policy == "all" else [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not names:
+        raise CliError(f"--policy: name at least one of {', '.join(POLICIES)}, or all")
     try:
         if args.plot:
+            writable_file(args.plot, "--plot")
             import matplotlib  # noqa: F401  - fail before the run, not after it
-        workload = load_workload(args.workload)
+        workload = load_workload(args.workload)  # its errors name the file
         results = simulate_policies(workload, names)
-    except (WorkloadError, ValueError) as exc:
+    except WorkloadError as exc:
+        text, source = str(exc), str(Path(args.workload))
+        raise CliError(text if text.startswith(f"{source}:") else f"{source}: {text}") from None
+    except ValueError as exc:  # an unknown policy name
         raise CliError(str(exc)) from None
     rows = [r.summary(workload) for r in results]
     if args.json:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import add_sidecar_options
+from ._common import add_sidecar_options, port_number
 
 
 def register(sub: Any) -> None:
@@ -22,7 +22,7 @@ def register(sub: Any) -> None:
     )  # fmt: skip
     add_sidecar_options(p, config_required=False)
     p.add_argument("--no-classifier", action="store_true", help="run only the worker")
-    p.add_argument("--port", type=int, default=4222, help="port of the embedded nats-server (default 4222; 0: any free port)")
+    p.add_argument("--port", type=port_number, default=4222, help="port of the embedded nats-server (default 4222; 0: any free port)")
     p.set_defaults(run=run)
 
 

@@ -206,6 +206,12 @@ class ExportHandler(ModuleHandler):
     format = "export"
 
     def _read(self) -> Any:
+        import zipfile
+
+        # A .pt2 is a zip archive. torch.export.load logs a multi-line traceback to stderr before
+        # it raises on anything else; say it in one line instead.
+        if not zipfile.is_zipfile(self.path):
+            raise HandlerError(f"model {self.name}: cannot load {self.path}: not a torch.export archive (.pt2 is a zip file)")
         program = torch.export.load(self.path)
         return program.module()
 

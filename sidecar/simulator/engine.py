@@ -38,7 +38,7 @@ from ..policy import (
     make_policy,
 )
 from .report import SimResult
-from .workloads import SimModel, Workload
+from .workloads import SimModel, Workload, WorkloadError
 
 __all__ = ["simulate", "simulate_policies"]
 
@@ -381,6 +381,10 @@ def simulate(workload: Workload, policy: Policy | str, *, max_events: int = 5_00
     if isinstance(policy, str):
         name = policy
         merged = {**workload.policy_options, **options}
+        try:
+            make_policy(name, **merged)  # the workload's [policy] options, checked before the run
+        except TypeError as exc:
+            raise WorkloadError(f"policy: {exc}") from None
 
         def make() -> Policy:
             return make_policy(name, **merged)

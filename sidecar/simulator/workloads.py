@@ -42,7 +42,10 @@ import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Annotated, Any, Literal, Sequence
+
+import msgspec
+from msgspec import Meta
 
 from ..errors import SidecarError
 from ..policy import Budget
@@ -109,7 +112,7 @@ def load_workload(path: str | Path) -> Workload:
     p = Path(path)
     try:
         text = p.read_text()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise WorkloadError(f"{p}: cannot read: {exc}") from None
     try:
         raw = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
@@ -119,11 +122,91 @@ def load_workload(path: str | Path) -> Workload:
         return build_workload(raw, base=p.parent)
     except WorkloadError as exc:
         raise WorkloadError(f"{p}: {exc}") from None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise WorkloadError(f"{p}: {exc!s}") from None
 
 
-def _model(name: str, m: dict[str, Any]) -> SimModel:
+# The file's schema: unknown keys, wrong types and out-of-range numbers are refused with the key.
+_NonNeg = Annotated[float, Meta(ge=0)]
+_Positive = Annotated[float, Meta(gt=0)]
+_Count = Annotated[int, Meta(ge=1)]
+
+
+class _Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    pass
+
+
+class _ModelSpec(_Spec):
+    load_cost_s: _NonNeg
+    batch_cost_s: _NonNeg = 0.005
+    item_cost_s: _NonNeg = 0.0001
+    max_batch_size: _Count = 16
+    max_wait_s: _Positive | None = None
+    memory_bytes: Annotated[int, Meta(ge=0)] = 1
+    max_delay_s: _NonNeg = 0.0
+    warm_load_cost_s: _NonNeg | None = None
+    deadline_s: _Positive | None = None
+    configured_load_cost_s: _NonNeg | None = None
+    configured_batch_cost_s: _NonNeg | None = None
+    configured_item_cost_s: _NonNeg | None = None
+
+
+class _BudgetSpec(_Spec):
+    max_models: _Count | None = None
+    max_bytes: _Count | None = None
+
+
+class _HostSpec(_Spec):
+    budget_bytes: Annotated[int, Meta(ge=0)] = 0
+    prefetch: bool = False
+
+
+class _NoiseSpec(_Spec):
+    cv: _NonNeg = 0.0
+    seed: int = 1
+
+
+class _WorkersSpec(_Spec):
+    count: Annotated[int, Meta(ge=1, le=1024)] = 1
+
+
+class _ArrivalsSpec(_Spec):
+    kind: Literal["burst", "poisson", "onoff", "trace"] = "burst"
+    per_model: Annotated[int, Meta(ge=0, le=1_000_000)] = 64
+    rate: _Positive | None = None
+    utilization: _Positive = 0.7
+    duration_s: Annotated[float, Meta(gt=0, le=7 * 86400)] = 60.0
+    mix: dict[str, _NonNeg] | None = None
+    zipf: _NonNeg | None = None
+    seed: int = 1
+    on_s: _Positive | None = None
+    off_s: _NonNeg | None = None
+    path: str | None = None
+
+
+class _WorkloadSpec(_Spec):
+    models: dict[str, Any]  # each checked by _model, so a message names the model
+    budget: _BudgetSpec | None = None
+    host: _HostSpec = _HostSpec()
+    noise: _NoiseSpec = _NoiseSpec()
+    workers: _WorkersSpec = _WorkersSpec()
+    policy: dict[str, Any] = {}
+    arrivals: _ArrivalsSpec = _ArrivalsSpec()
+
+
+def _convert(raw: Any, spec: type[Any], where: str) -> Any:
+    try:
+        return msgspec.convert(raw, spec, strict=True)
+    except msgspec.ValidationError as exc:
+        problem, sep, path = str(exc).rpartition(" - at `$")
+        if not sep:
+            problem, path = str(exc), ""
+        problem = problem.replace("Object contains unknown field", "unknown key").replace("Object missing required field", "missing required key")
+        key = ".".join(p for p in (where, path.rstrip("`").lstrip(".")) if p)
+        raise WorkloadError(f"{key}: {problem}" if key else problem) from None
+
+
+def _model(name: str, m: Any) -> SimModel:
+    if not isinstance(m, dict):
+        raise WorkloadError(f"models.{name}: expected a table, got {type(m).__name__}")
     m = dict(m)
     for old, new in _RENAMED.items():
         if old in m:
@@ -131,74 +214,73 @@ def _model(name: str, m: dict[str, Any]) -> SimModel:
                 _warned.add(old)
                 print(f"jetbatch: workload key {old!r} is deprecated; use {new!r}", file=sys.stderr)
             m.setdefault(new, m.pop(old))
-    known = {f for f in SimModel.__dataclass_fields__ if f != "name"}
-    unknown = set(m) - known
-    if unknown:
-        raise WorkloadError(f"models.{name}: unknown key {sorted(unknown)[0]!r}")
-    if "load_cost_s" not in m:
-        raise WorkloadError(f"models.{name}: missing required key 'load_cost_s'")
-
-    def num(key: str, cast: Any) -> Any:
-        try:
-            return cast(m[key])
-        except (TypeError, ValueError):
-            raise WorkloadError(f"models.{name}.{key}: expected a number, got {m[key]!r}") from None
-
-    values = {k: num(k, int if k in ("max_batch_size", "memory_bytes") else float) for k in m}
-    return SimModel(name=name, **values)
+    spec = _convert(m, _ModelSpec, f"models.{name}")
+    return SimModel(name=name, **msgspec.structs.asdict(spec))
 
 
-def build_workload(raw: dict[str, Any], base: Path = Path(".")) -> Workload:
-    if not raw.get("models"):
+def build_workload(raw: Any, base: Path = Path(".")) -> Workload:
+    """A :class:`Workload` from a decoded file (see the module docstring); :class:`WorkloadError`
+    names the key of anything missing, unknown or out of range."""
+    if not isinstance(raw, dict):
+        raise WorkloadError(f"expected a table of sections, got {type(raw).__name__}")
+    spec = _convert(raw, _WorkloadSpec, "")
+    if not spec.models:
         raise WorkloadError("models: at least one [models.<name>] table is needed")
-    models = {name: _model(name, m) for name, m in raw["models"].items()}
-    b = raw.get("budget", {})
-    budget = Budget(max_bytes=b.get("max_bytes"), max_models=b.get("max_models", 1 if "max_bytes" not in b else None))
-    host = raw.get("host", {})
-    noise = raw.get("noise", {})
-    arrivals, closed, horizon = _arrivals(raw.get("arrivals", {"kind": "burst"}), models, base)
+    models = {name: _model(name, m) for name, m in spec.models.items()}
+    b = spec.budget or _BudgetSpec()
+    budget = Budget(max_bytes=b.max_bytes, max_models=b.max_models if b.max_models is not None or b.max_bytes is not None else 1)
+    arrivals, closed, horizon = _arrivals(spec.arrivals, models, base)
     return Workload(
         models=models,
         arrivals=arrivals,
         budget=budget,
         closed=closed,
-        workers=int(raw.get("workers", {}).get("count", 1)),
-        host_budget_bytes=int(host.get("budget_bytes", 0)),
-        prefetch=bool(host.get("prefetch", False)),
-        noise_cv=float(noise.get("cv", 0.0)),
-        seed=int(noise.get("seed", 1)),
-        policy_options=dict(raw.get("policy", {})),
+        workers=spec.workers.count,
+        host_budget_bytes=spec.host.budget_bytes,
+        prefetch=spec.host.prefetch,
+        noise_cv=spec.noise.cv,
+        seed=spec.noise.seed,
+        policy_options=dict(spec.policy),
         horizon_s=horizon,
     )
 
 
-def _arrivals(arr: dict[str, Any], models: dict[str, SimModel], base: Path) -> tuple[tuple[tuple[float, str], ...], bool, float]:
-    kind = arr.get("kind", "burst")
+_MAX_ARRIVALS = 20_000_000  # a workload that would not fit in memory is a typo, not a simulation
+
+
+def _arrivals(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tuple[tuple[tuple[float, str], ...], bool, float]:
     names = list(models)
-    if kind == "burst":
-        per_model = int(arr.get("per_model", 64))
-        return tuple((0.0, names[k % len(names)]) for k in range(per_model * len(names))), True, 0.0
-    if kind in ("poisson", "onoff"):
-        rng = random.Random(int(arr.get("seed", 1)))
-        if "mix" in arr:
-            weights = [float(arr["mix"].get(n, 0.0)) for n in names]
-        elif "zipf" in arr:
-            weights = [1.0 / (k + 1) ** float(arr["zipf"]) for k in range(len(names))]
+    if arr.kind == "burst":
+        if arr.per_model * len(names) > _MAX_ARRIVALS:
+            raise WorkloadError(f"arrivals.per_model: {arr.per_model} × {len(names)} models is over {_MAX_ARRIVALS} requests")
+        return tuple((0.0, names[k % len(names)]) for k in range(arr.per_model * len(names))), True, 0.0
+    if arr.kind in ("poisson", "onoff"):
+        rng = random.Random(arr.seed)
+        if arr.mix is not None:
+            unknown = sorted(set(arr.mix) - set(names))
+            if unknown:
+                raise WorkloadError(f"arrivals.mix: unknown model {unknown[0]!r}")
+            weights = [arr.mix.get(n, 0.0) for n in names]
+        elif arr.zipf is not None:
+            weights = [1.0 / (k + 1) ** arr.zipf for k in range(len(names))]
         else:
             weights = [1.0] * len(names)
         total_w = sum(weights)
+        if total_w <= 0:
+            raise WorkloadError("arrivals.mix: at least one weight must be positive")
         weights = [w / total_w for w in weights]
-        rate = float(arr["rate"]) if "rate" in arr else float(arr.get("utilization", 0.7)) * capacity_rps(models, weights)
-        duration = float(arr.get("duration_s", 60.0))
-        on_s, off_s = float(arr.get("on_s", duration)), float(arr.get("off_s", 0.0))
-        if kind == "onoff" and (on_s <= 0 or off_s < 0):
-            raise WorkloadError("arrivals: onoff needs on_s > 0 and off_s >= 0")
-        duty = on_s / (on_s + off_s) if kind == "onoff" else 1.0
+        rate = arr.rate if arr.rate is not None else arr.utilization * capacity_rps(models, weights)
+        duration = arr.duration_s
+        if rate * duration > _MAX_ARRIVALS:
+            raise WorkloadError(f"arrivals: {rate:.0f} req/s for {duration:g} s is over {_MAX_ARRIVALS} requests")
+        on_s = arr.on_s if arr.on_s is not None else duration
+        off_s = arr.off_s if arr.off_s is not None else 0.0
+        duty = on_s / (on_s + off_s) if arr.kind == "onoff" else 1.0
         burst_rate = rate / duty  # the same mean rate, concentrated in the on periods
         t, out = 0.0, []
         while True:
             t += rng.expovariate(burst_rate)
-            if kind == "onoff":
+            if arr.kind == "onoff":
                 cycle = on_s + off_s
                 if t % cycle >= on_s:  # in an off period: skip to the next on period
                     t = (t // cycle + 1) * cycle
@@ -206,17 +288,28 @@ def _arrivals(arr: dict[str, Any], models: dict[str, SimModel], base: Path) -> t
                 break
             out.append((t, rng.choices(names, weights)[0]))
         return tuple(out), False, duration
-    if kind == "trace":
-        lines = (base / arr["path"]).read_text().splitlines()
-        out = []
-        for n, line in enumerate(lines, 1):
-            if line.strip():
-                rec = json.loads(line)
-                if rec["model"] not in models:
-                    raise WorkloadError(f"trace line {n}: unknown model {rec['model']!r}")
-                out.append((float(rec["t"]), str(rec["model"])))
-        return tuple(sorted(out)), False, 0.0
-    raise WorkloadError(f"arrivals.kind: expected burst, poisson, onoff or trace, got {kind!r}")
+    # trace
+    if not arr.path:
+        raise WorkloadError("arrivals.path: a trace needs the path of its file")
+    try:
+        lines = (base / arr.path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"arrivals.path: cannot read {arr.path}: {exc}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            t, model = float(rec["t"]), str(rec["model"])
+        except (ValueError, KeyError, TypeError):
+            raise WorkloadError(f"arrivals.path: line {n}: expected {{\"t\": seconds, \"model\": name}}") from None
+        if model not in models:
+            raise WorkloadError(f"arrivals.path: line {n}: unknown model {model!r}")
+        if not t >= 0 or t == float("inf"):
+            raise WorkloadError(f"arrivals.path: line {n}: t must be a finite number >= 0")
+        out.append((t, model))
+    return tuple(sorted(out)), False, 0.0
 
 
 def capacity_rps(models: dict[str, SimModel], weights: Sequence[float]) -> float:
