@@ -49,4 +49,6 @@ class PairNet(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if PairNet.fail:
             raise RuntimeError("the router network is broken")
+        if bool((x.abs() > 1000).any()):  # a value-dependent failure, as an embedding's out-of-range id
+            raise IndexError("index out of range in self")
         return self.linear(x)

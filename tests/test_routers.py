@@ -69,10 +69,38 @@ def test_a_configured_input_shape_is_checked_before_the_forward_pass() -> None:
 
 
 def test_a_router_failing_on_a_shape_it_took_before_is_the_router_s_fault() -> None:
-    """The service answers `internal` (and logs) when route() raises: a broken network must not
-    be passed off as every caller's bad input."""
+    """A broken network must not be passed off as every caller's bad input (bad_request ends
+    the message for good): it is `internal`, for this batch only."""
     r = router()
     assert [x.model for x in r.route([good(1.0)])] == ["m1"]
     PairNet.fail = True
-    with pytest.raises(RuntimeError, match="broken"):
-        r.route([good(1.0), good(-1.0)])
+    routes = r.route([good(1.0), good(-1.0)])
+    assert all(x.error is not None and x.error[0] is ErrorCode.INTERNAL for x in routes), routes
+    PairNet.fail = False
+    assert [x.model for x in r.route([good(1.0)])] == ["m1"]
+
+
+def test_a_router_that_never_worked_does_not_blame_the_inputs() -> None:
+    """After a restart nothing has been classified yet: a failing first batch (a transient
+    error, a broken network) is `internal`, not every caller's `bad_request`."""
+    PairNet.fail = True
+    routes = router().route([good(1.0), good(-1.0)])
+    assert all(x.error is not None and x.error[0] is ErrorCode.INTERNAL for x in routes), routes
+
+
+def test_an_input_that_fails_where_others_of_its_shape_pass_fails_alone() -> None:
+    """A value-dependent failure (an out-of-range id, here a huge value) in a batch of valid
+    inputs of the same shape: the pass is retried input by input, and only that one is refused."""
+    r = router()
+    items = [good(1.0 if i % 2 else -1.0) for i in range(7)]
+    items.insert(2, good(5000.0))
+    routes = r.route(items)
+    assert routes[2].error is not None and routes[2].error[0] is ErrorCode.BAD_REQUEST, routes[2]
+    assert [x.model for x in routes[:2] + routes[3:]] == ["m0", "m1", "m0", "m1", "m0", "m1", "m0"]
+
+
+def test_non_finite_inputs_are_refused() -> None:
+    nan = tensor_item(Tensor.from_torch(torch.tensor([float("nan"), 0.0])))
+    routes = router().route([nan, good(1.0)])
+    assert routes[0].error is not None and routes[0].error[0] is ErrorCode.BAD_REQUEST and "NaN" in routes[0].error[1]
+    assert routes[1].model == "m1"

@@ -4,6 +4,7 @@ Python callable."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -17,6 +18,8 @@ __all__ = ["CallableRouter", "Item", "Route", "Router", "RulesRouter", "TorchRou
 
 _FILE_FORMATS = ("export", "state_dict", "torchscript")
 _MAX_SHAPES_REMEMBERED = 64
+
+log = logging.getLogger("jetbatch.classifier")
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,12 @@ class Router:
 class TorchRouter(Router):
     """A classification network run on the whole batch in one forward pass.
 
-    Inputs are tensors: of ``input_shape`` when it is configured (others are answered
-    ``bad_request`` one by one); without it, each distinct shape in a batch gets its own forward
-    pass, and a shape the network has never taken that makes it fail is the input's fault
-    (``bad_request``), while a shape that worked before is the router's (``internal``). The argmax class (as a string index, or the network's
+    Inputs are finite tensors: of ``input_shape`` when it is configured (others are answered
+    ``bad_request`` one by one). Each distinct shape in a batch gets its own forward pass; a pass
+    that fails is retried input by input, and the inputs that fail where others of their shape
+    pass are ``bad_request``. A shape that fails whole is the input's fault if the network works
+    on other shapes and never took this one, and the router's (``internal``, logged) if it took
+    this shape before or has never worked at all. The argmax class (as a string index, or the network's
     label) maps to a model through ``labels``; below ``confidence_threshold`` the softmax top
     probability sends the request to ``fallback_model``.
     """
@@ -83,8 +88,6 @@ class TorchRouter(Router):
                 self.module.eval()
 
     def route(self, items: Sequence[Item]) -> list[Route]:
-        import torch
-
         routes: list[Route | None] = [None] * len(items)
         by_shape: dict[tuple[int, ...], list[tuple[int, Any]]] = {}
         for i, item in enumerate(items):
@@ -94,32 +97,63 @@ class TorchRouter(Router):
                 routes[i] = Route(None, (ErrorCode.BAD_REQUEST, str(exc)))
                 continue
             by_shape.setdefault(tuple(tensor.shape), []).append((i, tensor))
-        # One forward pass per input shape, so one producer's odd tensor cannot fail the others'.
+        # One forward pass per input shape, so one producer's odd tensor cannot fail the others';
+        # a pass that fails is retried input by input to find the one that made it fail.
+        failed: list[tuple[tuple[int, ...], list[int], BaseException]] = []
         for shape, group in by_shape.items():
-            batch = torch.stack([t for _, t in group]).to(self.cfg.device)
             try:
-                with torch.inference_mode():
-                    logits = self.module(batch)
-                if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(group):
-                    raise ValueError(f"expected logits of shape [{len(group)}, classes], got {_shape_of(logits)}")
-                probs = torch.softmax(logits.float(), dim=-1)
-                top_p, top_i = probs.max(dim=-1)
-            except Exception as exc:
-                if shape in self._shapes_ok:
-                    raise  # a shape that has worked before: the router itself is failing
-                # A shape the network has never taken (no input_shape configured): the input's fault.
-                for i, _ in group:
-                    routes[i] = Route(None, (ErrorCode.BAD_REQUEST, f"the router cannot take input shape {list(shape)}: {client_message(exc, 200)}"))
+                self._assign(routes, [i for i, _ in group], self._forward([t for _, t in group]), shape)
                 continue
-            if len(self._shapes_ok) < _MAX_SHAPES_REMEMBERED:
-                self._shapes_ok.add(shape)
-            for (i, _), p, k in zip(group, top_p.tolist(), top_i.tolist()):
-                if p < self.cfg.confidence_threshold and self.cfg.fallback_model:
-                    routes[i] = Route(self.cfg.fallback_model)
+            except Exception as exc:  # noqa: BLE001 - judged below: the input's fault or the router's
+                error: BaseException = exc
+            if len(group) > 1:
+                alone: list[int] = []
+                for i, t in group:
+                    try:
+                        self._assign(routes, [i], self._forward([t]), shape)
+                    except Exception as exc:  # noqa: BLE001
+                        alone.append(i)
+                        error = exc
+                if len(alone) < len(group):  # the network takes this shape: those inputs are bad
+                    for i in alone:
+                        routes[i] = Route(None, (ErrorCode.BAD_REQUEST, f"the router cannot classify this input: {client_message(error, 200)}"))
                     continue
-                model = self.cfg.labels.get(str(k))
-                routes[i] = Route(model) if model else Route(None, (ErrorCode.UNKNOWN_MODEL, f"class {k} maps to no model"))
+            failed.append((shape, [i for i, _ in group], error))
+        for shape, indices, error in failed:
+            if shape not in self._shapes_ok and self._shapes_ok:
+                # The network works on other shapes (now, or before) and never took this one.
+                message = f"the router cannot take input shape {list(shape)}: {client_message(error, 200)}"
+                for i in indices:
+                    routes[i] = Route(None, (ErrorCode.BAD_REQUEST, message))
+                continue
+            # It failed on a shape it took before, or has never worked at all: the router's fault.
+            log.error("router failed on %d input(s) of shape %s: %r", len(indices), list(shape), error)
+            for i in indices:
+                routes[i] = Route(None, (ErrorCode.INTERNAL, f"router failed: {client_message(error)}"))
         return [r or Route(None, (ErrorCode.INTERNAL, "unrouted")) for r in routes]
+
+    def _forward(self, tensors: list[Any]) -> list[tuple[float, int]]:
+        """The top class and its probability for each input (one forward pass); raises on any
+        failure, including logits that are not ``[inputs, classes]``."""
+        import torch
+
+        batch = torch.stack(tensors).to(self.cfg.device)
+        with torch.inference_mode():
+            logits = self.module(batch)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(tensors):
+            raise ValueError(f"expected logits of shape [{len(tensors)}, classes], got {_shape_of(logits)}")
+        top_p, top_i = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        return list(zip(top_p.tolist(), top_i.tolist()))
+
+    def _assign(self, routes: list[Route | None], indices: list[int], top: list[tuple[float, int]], shape: tuple[int, ...]) -> None:
+        if shape not in self._shapes_ok and len(self._shapes_ok) < _MAX_SHAPES_REMEMBERED:
+            self._shapes_ok.add(shape)
+        for i, (p, k) in zip(indices, top):
+            if p < self.cfg.confidence_threshold and self.cfg.fallback_model:
+                routes[i] = Route(self.cfg.fallback_model)
+                continue
+            model = self.cfg.labels.get(str(k))
+            routes[i] = Route(model) if model else Route(None, (ErrorCode.UNKNOWN_MODEL, f"class {k} maps to no model"))
 
     def _tensor(self, item: Item) -> Any:
         """The request's input as a float32 tensor of the configured shape; ProtocolError if not."""
@@ -132,9 +166,12 @@ class TorchRouter(Router):
         if expected is not None and list(value.shape) != list(expected):
             raise ProtocolError(f"the router expects input shape {list(expected)}, got {list(value.shape)}")
         try:
-            return value.to_torch().to(torch.float32)
+            tensor = value.to_torch().to(torch.float32)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # a shape torch cannot build
             raise ProtocolError(f"$.shape: {list(value.shape)[:8]} is not a tensor torch can build: {client_message(exc, 200)}") from None
+        if not bool(torch.isfinite(tensor).all()):
+            raise ProtocolError("$.data: the input holds NaN or infinity")  # its logits would pick a class at random
+        return tensor
 
 
 def _shape_of(value: Any) -> str:
