@@ -148,7 +148,11 @@ async def test_two_replicas_split_the_work(nats_url: str, prefix: str) -> None:
     assert one.stats["routed"] + two.stats["routed"] == 60
 
 
-async def test_crash_between_republish_and_ack_routes_each_request_once(nats_url: str, prefix: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("with_ids", [True, False], ids=["with-ids", "without-ids"])
+async def test_crash_between_republish_and_ack_routes_each_request_once(nats_url: str, prefix: str, tmp_path: Path, with_ids: bool) -> None:
+    """Without a Nats-Msg-Id of the producer's, the classifier's fallback id comes from the
+    ingress message's place in its stream, so the redelivery after the crash is deduplicated too
+    (a random fallback id made it a second copy)."""
     cfg_path = tmp_path / "classifier.toml"
     cfg_path.write_text(
         f'[nats]\nprefix = "{prefix}"\n[streams]\nack_wait_s = 1\n'
@@ -160,7 +164,8 @@ async def test_crash_between_republish_and_ack_routes_each_request_once(nats_url
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     for i in range(10):
-        await js.publish(cfg.subjects.ingress, f"p{i}".encode(), headers={Headers.MSG_ID: f"req-{i}-{uuid.uuid4().hex[:6]}"})
+        headers = {Headers.MSG_ID: f"req-{i}-{uuid.uuid4().hex[:6]}"} if with_ids else {"X-Request": str(i)}
+        await js.publish(cfg.subjects.ingress, f"p{i}".encode(), headers=headers)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_")}
     args = ["classifier", "--config", str(cfg_path), "--nats-url", nats_url]
     cmd = [sys.executable, "-m", "jetbatch", *args]

@@ -2,8 +2,10 @@
 
 It pulls ingress requests in batches (``max_batch_size`` / ``max_delay_ms``, the worker's window),
 decides each request's model with a router (a batched torch network, rules, or a callable), and
-republishes each request unchanged (payload and every header) to its model's queue. The
-republish carries ``Nats-Msg-Id`` = request id, so a retry after a crash is deduplicated by
+republishes each request to its model's queue with its payload and headers (except the
+producer's ``Jetbatch-Tenant`` and any ``Nats-*`` header: see ``_prepare``). The republish carries
+``Nats-Msg-Id`` = request id (for a request that came without one, an id derived from its place in
+the ingress stream, the same on every redelivery), so a retry after a crash is deduplicated by
 JetStream, and the ingress message is acked only after JetStream confirmed the republish.
 """
 
@@ -166,7 +168,7 @@ class Classifier:
     def _parse(self, msg: Msg) -> tuple[Item, RequestMeta]:
         headers = msg.headers or {}
         tenant = self.subjects.tenant_from_subject(msg.subject)
-        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=new_request_id)
+        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=lambda: _fallback_id(msg))
         item = Item(headers=headers, data=msg.data, content_type=meta.content_type)
         return item, meta
 
@@ -318,3 +320,14 @@ class Classifier:
             log.warning("republish of %s failed: %s", meta.request_id, exc.message)
             return (ErrorCode.INTERNAL, f"JetStream did not take the republish: {exc.message}")
         return None
+
+
+def _fallback_id(msg: Msg) -> str:
+    """An id for a request that came without a valid one: from its ingress stream sequence and
+    publish time, so a redelivery after a crash republishes under the same id (and JetStream
+    drops the repeat), where a random one would have the model run it twice."""
+    try:
+        meta = msg.metadata
+        return f"in{int(meta.sequence.stream)}-{int(meta.timestamp.timestamp() * 1e6)}"
+    except Exception:  # noqa: BLE001 - not a JetStream message (tests, a core publish)
+        return new_request_id()
