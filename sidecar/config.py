@@ -174,13 +174,14 @@ class WorkerConfig(_Base):
 
     def __post_init__(self) -> None:
         # Checked here, so a typo is named with its file before the worker connects anywhere.
-        from .policy.scheduling import make_policy
+        from .policy.scheduling import POLICIES, RETIRED_OPTIONS, make_policy
 
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         try:
-            make_policy(self.policy, **self.policy_options)
-        except ValueError as exc:
-            raise ValueError(f"policy: {exc}") from None
-        except TypeError as exc:
+            # Retired options are left for the worker to warn about, once, where it builds its policy.
+            make_policy(self.policy, **{k: v for k, v in self.policy_options.items() if k not in RETIRED_OPTIONS})
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"policy_options: {exc}") from None
 
 

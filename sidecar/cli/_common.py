@@ -32,10 +32,11 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def log_level(text: str) -> str:
-    """An argparse type: a logging level name, any case."""
+    """An argparse type: a logging level name, any case (WARN is WARNING, as logging has it)."""
     level = text.strip().upper()
+    level = "WARNING" if level == "WARN" else level
     if level not in _LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(_LOG_LEVELS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(_LOG_LEVELS)} (here or in $JETBATCH_LOG_LEVEL), got {text!r}")
     return level
 
 
@@ -123,15 +124,10 @@ def port_number(text: str) -> int:
 
 
 def _port(text: str) -> int:
+    """A port number, or 'off' (-1): no HTTP endpoints."""
     if text.strip().lower() == "off":
         return -1
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number or 'off', got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is out of range 0-65535")
-    return port
+    return port_number(text)
 
 
 def http_port(args: argparse.Namespace, configured: int | None) -> int | None:

@@ -17,6 +17,7 @@ from .types import Budget, Decision, Idle, Load, ModelState, Policy, SchedulerSt
 
 __all__ = [
     "POLICIES",
+    "RETIRED_OPTIONS",
     "BatchCost",
     "Budget",
     "CostAware",
@@ -39,14 +40,14 @@ __all__ = [
 POLICIES: tuple[str, ...] = ("cost-aware", "cost-aware-lru", "exhaustive", "fifo", "round-robin", "longest-backlog")
 
 # Options of the 0.2 cost-aware policy whose wait-bound rules the cycle-derived bound replaced.
-_RETIRED_OPTIONS = ("urgency", "hysteresis")
+RETIRED_OPTIONS = ("urgency", "hysteresis")
 _warned: set[str] = set()
 
 
 def make_policy(name: str, **options: Any) -> Policy:
     """Build a policy by name (see :data:`POLICIES`); options are the policy's keyword arguments."""
     if name in ("cost-aware", "cost-aware-lru"):
-        for old in _RETIRED_OPTIONS:
+        for old in RETIRED_OPTIONS:
             if options.pop(old, None) is not None and old not in _warned:
                 _warned.add(old)
                 print(f"jetbatch: policy option {old!r} is retired and ignored (see docs/scheduler.md)", file=sys.stderr)
