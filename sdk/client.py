@@ -47,6 +47,7 @@ from .protocol import (
 
 __all__ = ["Client", "Result"]
 
+_LAST_LOOK_S = 0.5  # the results-store lookup a timed-out request makes before RequestTimeout
 _PUBACK_WAIT_S = 5.0  # then the careful path retries (as nats-py's js.publish times out)
 
 
@@ -277,7 +278,15 @@ class Client:
             try:
                 msg = await _within(fut, timeout - (time.monotonic() - started))
             except TimeoutError:
-                raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
+                # One look in the results store before giving up: the live reply can miss us where
+                # the stored answer does not (this id already answered through another path, a
+                # reply lost in a reconnect the client did not notice).
+                try:
+                    msg = await asyncio.wait_for(self._stored_answer(rid), _LAST_LOOK_S)
+                except asyncio.TimeoutError:
+                    msg = None
+                if msg is None:
+                    raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
             result = self._to_result(msg, rid, time.monotonic() - started)
             status = "ok"
             return result
@@ -397,16 +406,24 @@ class Client:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _fetch_stored_result(self, rid: str) -> bool:
-        """Look the request's answer up in the results stream; resolve its future if found."""
+    async def _stored_answer(self, rid: str) -> Any | None:
+        """The request's answer from the results stream, or None: not stored (yet), no results
+        stream, or JetStream busy (the live reply may still come)."""
         try:
             raw = await self._js.get_msg(
                 self._subjects.results_stream, subject=self._subjects.result(rid, self._tenant), direct=True
             )
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError, ProtocolError):
-            return False  # not stored (yet), no results stream, or JetStream busy: the live reply may still come
+            return None
         if raw.data is None:
             raw.data = b""
+        return raw
+
+    async def _fetch_stored_result(self, rid: str) -> bool:
+        """Look the request's answer up in the results stream; resolve its future if found."""
+        raw = await self._stored_answer(rid)
+        if raw is None:
+            return False
         self._resolve(rid, raw)
         return True
 

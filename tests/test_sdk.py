@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from jetbatch import sdk
-from tests.helpers import make_config, running_worker, sleep_model, wait_until
+from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
 
 NO_TORCH = textwrap.dedent(
     """
@@ -239,3 +239,15 @@ async def test_an_unanswered_request_times_out_and_a_cancelled_caller_is_cancell
 async def _queued(js: object, stream: str) -> bool:
     info = await js.stream_info(stream)  # type: ignore[attr-defined]
     return info.state.messages >= 2
+
+
+@pytest.mark.anyio
+async def test_a_request_whose_live_reply_never_comes_reads_the_stored_answer(nats_url: str, prefix: str) -> None:
+    """An id names one request (docs/protocol.md). A second request under an answered id, sent
+    through the classifier, is dropped there as a duplicate and never answered live; before
+    RequestTimeout the SDK looks in the results store once and returns the id's answer."""
+    config = make_config(prefix, {"m1": sleep_model()}, classifier={"router": "rules", "default_model": "m1"})
+    async with running_worker(config, nats_url), running_classifier(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"first", model="m1", request_id="dup-1", timeout=20) == b"first"
+            assert await client.infer(b"second", request_id="dup-1", timeout=2) == b"first"
