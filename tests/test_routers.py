@@ -104,3 +104,17 @@ def test_non_finite_inputs_are_refused() -> None:
     routes = router().route([nan, good(1.0)])
     assert routes[0].error is not None and routes[0].error[0] is ErrorCode.BAD_REQUEST and "NaN" in routes[0].error[1]
     assert routes[1].model == "m1"
+
+
+def test_an_exported_router_knows_its_input_shape_from_the_first_request(examples_dir: Any) -> None:
+    """The example router is a torch.export program: its input shape is read from the program,
+    and it is warmed up at load, so the very first odd tensor after a start is the input's fault
+    (it was `internal`, with an ERROR line, until some batch had succeeded)."""
+    cfg = msgspec.convert({"router": "torch", "handler": "export", "path": str(examples_dir / "router.pt2"), "labels": {"0": "a", "1": "b", "2": "c"}}, ClassifierConfig)
+    r = TorchRouter(cfg)
+    r.load()
+    assert r.input_shape == (16,)
+    zero_d = tensor_item(Tensor.from_torch(torch.tensor(1.0)))
+    routes = r.route([zero_d, tensor_item(Tensor.from_torch(torch.zeros(16)))])
+    assert routes[0].error is not None and routes[0].error[0] is ErrorCode.BAD_REQUEST and "expects input shape [16], got []" in routes[0].error[1]
+    assert routes[1].model in ("a", "b", "c")

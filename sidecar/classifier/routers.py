@@ -12,6 +12,7 @@ from jetbatch.sdk.protocol import ContentType, ErrorCode, ProtocolError, decode_
 
 from ..config import ClassifierConfig, ConfigError
 from ..handlers import import_object, read_module
+from ..handlers.modules import export_input_spec
 from ..replies import client_message
 
 __all__ = ["CallableRouter", "Item", "Route", "Router", "RulesRouter", "TorchRouter", "make_router"]
@@ -56,8 +57,9 @@ class Router:
 class TorchRouter(Router):
     """A classification network run on the whole batch in one forward pass.
 
-    Inputs are finite tensors: of ``input_shape`` when it is configured (others are answered
-    ``bad_request`` one by one). Each distinct shape in a batch gets its own forward pass; a pass
+    Inputs are finite tensors: of ``input_shape`` when it is configured or an exported program
+    declares it (others are answered ``bad_request`` one by one; the network is warmed up on it at
+    load, so it is known to work). Each distinct shape in a batch gets its own forward pass; a pass
     that fails is retried input by input, and the inputs that fail where others of their shape
     pass are ``bad_request``. A shape that fails whole is the input's fault if the network works
     on other shapes and never took this one, and the router's (``internal``, logged) if it took
@@ -74,6 +76,8 @@ class TorchRouter(Router):
         self.cfg = cfg
         self.module: Any = None
         self._shapes_ok: set[tuple[int, ...]] = set()  # input shapes the network has taken
+        # One request's shape: configured, or read from an exported program's signature.
+        self.input_shape: tuple[int, ...] | None = tuple(cfg.input_shape) if cfg.input_shape is not None else None
 
     def load(self) -> None:
         if self.cfg.handler in _FILE_FORMATS:
@@ -86,6 +90,20 @@ class TorchRouter(Router):
             self.module = factory(self.cfg) if isinstance(factory, type) else factory
             if hasattr(self.module, "eval"):
                 self.module.eval()
+        if self.input_shape is None:
+            spec = export_input_spec(self.module)
+            if spec is not None and spec.shape is not None:
+                self.input_shape = spec.shape
+        if self.input_shape is not None:
+            # One pass on zeros: the network is then known to work, so the first odd input after a
+            # start is judged as the input's fault, not the router's.
+            import torch
+
+            try:
+                self._forward([torch.zeros(self.input_shape)])
+                self._shapes_ok.add(self.input_shape)
+            except Exception as exc:  # noqa: BLE001 - serving reports it per batch
+                log.warning("router warm-up on input shape %s failed: %r", list(self.input_shape), exc)
 
     def route(self, items: Sequence[Item]) -> list[Route]:
         routes: list[Route | None] = [None] * len(items)
@@ -162,7 +180,7 @@ class TorchRouter(Router):
         value = item.payload()
         if not hasattr(value, "to_torch"):
             raise ProtocolError(f"the torch router needs a tensor ({ContentType.TENSOR.value})")
-        expected = self.cfg.input_shape
+        expected = self.input_shape
         if expected is not None and list(value.shape) != list(expected):
             raise ProtocolError(f"the router expects input shape {list(expected)}, got {list(value.shape)}")
         try:
