@@ -52,3 +52,22 @@ class PairNet(torch.nn.Module):
         if bool((x.abs() > 1000).any()):  # a value-dependent failure, as an embedding's out-of-range id
             raise IndexError("index out of range in self")
         return self.linear(x)
+
+
+class SingleNet(PairNet):
+    """PairNet that takes one input at a time (exported or written for a batch of one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 1:
+            raise RuntimeError(f"expected a batch of 1, got {x.shape[0]}")
+        return super().forward(x)
+
+
+class InfNet(torch.nn.Module):
+    """Infinite logits for every input: softmax scores are NaN."""
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((x.shape[0], 2), float("inf"))

@@ -118,3 +118,33 @@ def test_an_exported_router_knows_its_input_shape_from_the_first_request(example
     routes = r.route([zero_d, tensor_item(Tensor.from_torch(torch.zeros(16)))])
     assert routes[0].error is not None and routes[0].error[0] is ErrorCode.BAD_REQUEST and "expects input shape [16], got []" in routes[0].error[1]
     assert routes[1].model in ("a", "b", "c")
+
+
+def test_a_torchscript_router_still_loads_without_an_input_shape(tmp_path: Any) -> None:
+    """Reading an input shape from a torch.export program must not touch other formats (a
+    TorchScript module's graph is another kind of object: the classifier could not start)."""
+    path = tmp_path / "router.pt"
+    torch.jit.script(PairNet().linear).save(str(path))  # the same two-class layer, scripted
+    cfg = msgspec.convert({"router": "torch", "handler": "torchscript", "path": str(path), "labels": LABELS}, ClassifierConfig)
+    r = TorchRouter(cfg)
+    r.load()
+    assert r.input_shape is None
+    assert [x.model for x in r.route([good(1.0), good(-1.0)])] == ["m1", "m0"]
+
+
+def test_a_network_for_one_input_at_a_time_is_run_that_way() -> None:
+    r = router(handler="tests.classifier_fixtures:SingleNet")
+    first = r.route([good(1.0), good(-1.0), good(1.0)])
+    assert [x.model for x in first] == ["m1", "m0", "m1"]
+    calls: list[int] = []
+    forward = r._forward
+    r._forward = lambda tensors: calls.append(len(tensors)) or forward(tensors)  # type: ignore[method-assign]
+    assert [x.model for x in r.route([good(-1.0), good(1.0)])] == ["m0", "m1"]
+    assert calls == [1, 1]  # learnt: no doomed batch pass first
+
+
+def test_non_finite_scores_take_the_fallback_or_are_internal() -> None:
+    with_fallback = router(handler="tests.classifier_fixtures:InfNet", fallback_model="m0", confidence_threshold=0.0)
+    assert [x.model for x in with_fallback.route([good(1.0)])] == ["m0"]
+    without = router(handler="tests.classifier_fixtures:InfNet").route([good(1.0)])
+    assert without[0].error is not None and without[0].error[0] is ErrorCode.INTERNAL

@@ -76,6 +76,7 @@ class TorchRouter(Router):
         self.cfg = cfg
         self.module: Any = None
         self._shapes_ok: set[tuple[int, ...]] = set()  # input shapes the network has taken
+        self._one_at_a_time = False  # the network fails on batches of more than one input
         # One request's shape: configured, or read from an exported program's signature.
         self.input_shape: tuple[int, ...] | None = tuple(cfg.input_shape) if cfg.input_shape is not None else None
 
@@ -90,7 +91,7 @@ class TorchRouter(Router):
             self.module = factory(self.cfg) if isinstance(factory, type) else factory
             if hasattr(self.module, "eval"):
                 self.module.eval()
-        if self.input_shape is None:
+        if self.input_shape is None and self.cfg.handler == "export":  # only a program declares it
             spec = export_input_spec(self.module)
             if spec is not None and spec.shape is not None:
                 self.input_shape = spec.shape
@@ -118,12 +119,17 @@ class TorchRouter(Router):
         # One forward pass per input shape, so one producer's odd tensor cannot fail the others';
         # a pass that fails is retried input by input to find the one that made it fail.
         failed: list[tuple[tuple[int, ...], list[int], BaseException]] = []
+        worked = False  # some pass succeeded in this batch: the network works now
         for shape, group in by_shape.items():
-            try:
-                self._assign(routes, [i for i, _ in group], self._forward([t for _, t in group]), shape)
-                continue
-            except Exception as exc:  # noqa: BLE001 - judged below: the input's fault or the router's
-                error: BaseException = exc
+            if self._one_at_a_time and len(group) > 1:
+                error = RuntimeError("the router takes one input at a time")
+            else:
+                try:
+                    self._assign(routes, [i for i, _ in group], self._forward([t for _, t in group]), shape)
+                    worked = True
+                    continue
+                except Exception as exc:  # noqa: BLE001 - judged below: the input's fault or the router's
+                    error = exc
             if len(group) > 1:
                 alone: list[int] = []
                 for i, t in group:
@@ -133,12 +139,19 @@ class TorchRouter(Router):
                         alone.append(i)
                         error = exc
                 if len(alone) < len(group):  # the network takes this shape: those inputs are bad
+                    worked = True
+                    if not alone and not self._one_at_a_time:
+                        # Each input passes alone and the batch does not: a network exported or
+                        # written for a batch of one. Run it that way from now on.
+                        self._one_at_a_time = True
+                        log.warning("the router network fails on batches but not on single inputs: running it one input at a time (export it with a dynamic batch dimension)")
                     for i in alone:
                         routes[i] = Route(None, (ErrorCode.BAD_REQUEST, f"the router cannot classify this input: {client_message(error, 200)}"))
                     continue
             failed.append((shape, [i for i, _ in group], error))
         for shape, indices, error in failed:
-            if shape not in self._shapes_ok and self._shapes_ok:
+            known = len(self._shapes_ok) < _MAX_SHAPES_REMEMBERED  # every shape it took is recorded
+            if shape not in self._shapes_ok and (worked or (self._shapes_ok and known)):
                 # The network works on other shapes (now, or before) and never took this one.
                 message = f"the router cannot take input shape {list(shape)}: {client_message(error, 200)}"
                 for i in indices:
@@ -167,9 +180,13 @@ class TorchRouter(Router):
         if shape not in self._shapes_ok and len(self._shapes_ok) < _MAX_SHAPES_REMEMBERED:
             self._shapes_ok.add(shape)
         for i, (p, k) in zip(indices, top):
-            if p < self.cfg.confidence_threshold and self.cfg.fallback_model:
-                routes[i] = Route(self.cfg.fallback_model)
-                continue
+            if not p >= self.cfg.confidence_threshold:  # also NaN: scores from infinite logits
+                if self.cfg.fallback_model:
+                    routes[i] = Route(self.cfg.fallback_model)
+                    continue
+                if p != p:
+                    routes[i] = Route(None, (ErrorCode.INTERNAL, "the router's scores for this input are not finite"))
+                    continue
             model = self.cfg.labels.get(str(k))
             routes[i] = Route(model) if model else Route(None, (ErrorCode.UNKNOWN_MODEL, f"class {k} maps to no model"))
 
