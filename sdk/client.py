@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Generator, Iterable, Mapping, Sequence
@@ -281,10 +282,12 @@ class Client:
                 # One look in the results store before giving up: the live reply can miss us where
                 # the stored answer does not (this id already answered through another path, a
                 # reply lost in a reconnect the client did not notice).
-                try:
-                    msg = await asyncio.wait_for(self._stored_answer(rid), _LAST_LOOK_S)
-                except asyncio.TimeoutError:
-                    msg = None
+                msg = None
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+                # that lands as the lookup finishes, and a cancelled caller must stay cancelled.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_LAST_LOOK_S):
+                        msg = await self._stored_answer(rid)
                 if msg is None:
                     raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
             result = self._to_result(msg, rid, time.monotonic() - started)

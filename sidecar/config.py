@@ -179,8 +179,10 @@ class WorkerConfig(_Base):
         if self.policy not in POLICIES:
             raise ValueError(f"policy: unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         try:
-            # Retired options are left for the worker to warn about, once, where it builds its policy.
-            make_policy(self.policy, **{k: v for k, v in self.policy_options.items() if k not in RETIRED_OPTIONS})
+            # cost-aware's retired options are left for the worker to warn about, once, where it
+            # builds its policy; any other policy refuses them here.
+            retired = RETIRED_OPTIONS if self.policy.startswith("cost-aware") else ()
+            make_policy(self.policy, **{k: v for k, v in self.policy_options.items() if k not in retired})
         except (TypeError, ValueError) as exc:
             raise ValueError(f"policy_options: {exc}") from None
 

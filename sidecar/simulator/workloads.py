@@ -178,7 +178,7 @@ class _ArrivalsSpec(_Spec):
     zipf: Annotated[float, Meta(ge=0, le=20)] | None = None
     seed: int = 1
     on_s: Annotated[float, Meta(ge=0.001)] | None = None
-    off_s: _NonNeg | None = None
+    off_s: Annotated[float, Meta(ge=0, le=1e6)] | None = None
     path: str | None = None
 
 
@@ -295,6 +295,8 @@ def _arrivals(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tu
             if t >= duration:
                 break
             out.append((t, rng.choices(names, weights)[0]))
+            if len(out) > _MAX_ARRIVALS:  # a burst rate the duty cycle made absurd
+                raise WorkloadError(f"arrivals: over {_MAX_ARRIVALS} requests (rate {rate:g}/s, on_s {on_s:g}, off_s {off_s:g})")
         return tuple(out), False, duration
     # trace
     if not arr.path:
