@@ -254,10 +254,20 @@ class Client:
                 request_id=rid,
             )
 
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
         if rid in self._pending:
             raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid)
+        if request_id is not None:
+            # A caller's own id is usually a retry: its answer may be stored already. JetStream
+            # forgets the ids of finished requests when the server restarts, so the PubAck alone
+            # would not say "duplicate" and the request would be computed again.
+            stored = None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_LAST_LOOK_S):
+                    stored = await self._stored_answer(rid)
+            if stored is not None:
+                return self._to_result(stored, rid, time.monotonic() - started)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
         self._pending[rid] = fut
         span = _telemetry.start_producer_span(subject, rid, model, hdrs, len(data))
         status = "error"

@@ -106,6 +106,10 @@ class RepliesConfig(_Base):
     # Store every answer in the results stream before acking the request, so a caller that
     # reconnects late or retries under the same request id still gets it.
     durable: bool = True
+    # How long a worker keeps trying to store an answer that was already sent live (the results
+    # stream down or electing) before it leaves the request for redelivery, which may compute it
+    # again. Keep it under streams.ack_wait_s (in-flight requests get in_progress meanwhile).
+    store_timeout_s: PositiveFloat = 20.0
     max_age_s: PositiveFloat = 300.0
     max_bytes: PositiveInt = 256 * MiB
 

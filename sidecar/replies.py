@@ -171,11 +171,15 @@ class Replier:
 
     async def _store_finish(self, futures: list[tuple[Answer, asyncio.Future[Any]]]) -> None:
         started = time.monotonic()
-        await settled([f for _, f in futures], _STORE_TIMEOUT_S)
+        await settled([f for _, f in futures], min(_STORE_TIMEOUT_S, self.config.store_timeout_s / 2))
         unanswered: list[Answer] = []
         for a, fut in futures:
             if fut.cancelled():
-                continue  # no PubAck within the bound: redelivered, and found stored or recomputed
+                # No PubAck yet: the server is down or restarting. The answer went out live, so it
+                # is stored again (same content) rather than left for a redelivery that computes
+                # it anew, maybe past its deadline, contradicting the reply already sent.
+                unanswered.append(a)
+                continue
             exc = fut.exception()
             if exc is None:
                 a.stored = True
@@ -184,10 +188,11 @@ class Replier:
             else:
                 log.warning("the results stream refused the answer of %s: %r", a.meta.request_id, exc)
         if unanswered:
-            # No stream answered: a leader election or a restart. Retried within the same bound,
-            # so an election of a few seconds delays these acks instead of redelivering (and
-            # recomputing) every request it caught, which other workers would also count as backlog.
-            deadline = started + _STORE_TIMEOUT_S
+            # No stream answered: a leader election or a restart. Retried within
+            # replies.store_timeout_s, so an outage of that long delays these acks instead of
+            # redelivering (and recomputing) every request it caught, which other workers would
+            # also count as backlog.
+            deadline = started + self.config.store_timeout_s
             await asyncio.gather(*(self._store_again(a, deadline) for a in unanswered))
 
     async def _store_again(self, answer: Answer, deadline: float) -> None:

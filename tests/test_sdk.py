@@ -243,11 +243,14 @@ async def _queued(js: object, stream: str) -> bool:
 
 @pytest.mark.anyio
 async def test_a_request_whose_live_reply_never_comes_reads_the_stored_answer(nats_url: str, prefix: str) -> None:
-    """An id names one request (docs/protocol.md). A second request under an answered id, sent
-    through the classifier, is dropped there as a duplicate and never answered live; before
-    RequestTimeout the SDK looks in the results store once and returns the id's answer."""
+    """An id names one request (docs/protocol.md). A caller's own id is looked up in the results
+    store first: a second request under an answered id, sent through the classifier (which would
+    drop it as a duplicate, never answered live), returns the id's answer. And a live reply that is
+    lost gets read from the store once before RequestTimeout."""
     config = make_config(prefix, {"m1": sleep_model()}, classifier={"router": "rules", "default_model": "m1"})
     async with running_worker(config, nats_url), running_classifier(config, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             assert await client.infer(b"first", model="m1", request_id="dup-1", timeout=20) == b"first"
             assert await client.infer(b"second", request_id="dup-1", timeout=2) == b"first"
+            client._resolve = lambda rid, msg: None  # type: ignore[method-assign]  # every live reply lost
+            assert await client.infer(b"lost live", model="m1", timeout=2) == b"lost live"
