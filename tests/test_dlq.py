@@ -68,3 +68,25 @@ async def test_list_show_replay_purge(nats_url: str, prefix: str) -> None:
 def test_dlq_without_the_stream_is_a_one_line_error(nats_url: str) -> None:
     proc = dlq(nats_url, f"none{uuid.uuid4().hex[:6]}", "list")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "no dead-letter stream" in proc.stderr
+
+
+async def test_replay_never_publishes_where_a_forged_letter_points(nats_url: str, prefix: str) -> None:
+    """A dead letter is data in a stream: one whose original-subject header aims at the JetStream
+    API must not make the operator's replay (run with admin credentials) delete the queues."""
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+        target = f"$JS.API.STREAM.DELETE.{subjects.models_stream}"
+        await js.publish(
+            subjects.dead_letter("worker"), b"{}",
+            headers={Headers.DLQ_SUBJECT: target, Headers.DLQ_REASON: "forged", Headers.REQUEST_ID: uuid.uuid4().hex},
+        )  # fmt: skip
+        replayed = dlq(nats_url, prefix, "replay", "--all")
+        assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+        assert "not a queue of this deployment" in replayed.stderr
+        await js.stream_info(subjects.models_stream)  # still there
+        assert (await js.stream_info(subjects.dead_letter_stream)).state.messages == 1  # kept for a look
+    finally:
+        await nc.close()

@@ -19,7 +19,7 @@ import nats.errors
 import nats.js.errors
 
 from jetbatch.sdk.connection import connect_nats
-from jetbatch.sdk.protocol import Headers, Subjects, forwardable_headers
+from jetbatch.sdk.protocol import Headers, ProtocolError, Subjects, forwardable_headers
 
 from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix
 
@@ -124,6 +124,11 @@ async def _run(args: argparse.Namespace) -> int:
             if not subject:
                 print(f"jetbatch dlq: dead letter {m.seq} has no original subject; skipped", file=sys.stderr)
                 continue
+            if not _replayable(subjects, subject):
+                # The header is data in a stream: never let it aim the operator's credentials
+                # anywhere but the deployment's own queues (a forged letter aimed at $JS.API...).
+                print(f"jetbatch dlq: dead letter {m.seq} names {subject[:80]!r}, not a queue of this deployment; skipped", file=sys.stderr)
+                continue
             try:
                 await js.publish(subject, m.data or b"", headers=h, timeout=5)
             except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
@@ -135,3 +140,17 @@ async def _run(args: argparse.Namespace) -> int:
         return 0 if replayed == len(chosen) else 1
     finally:
         await nc.close()
+
+
+def _replayable(subjects: Subjects, subject: str) -> bool:
+    """Whether a dead letter's original subject is one of the deployment's request queues: a
+    model queue, the ingress, or a tenant's ingress."""
+    if subject == subjects.ingress:
+        return True
+    try:
+        if subjects.tenant_from_subject(subject) is not None:
+            return subject == subjects.tenant_ingress(subjects.tenant_from_subject(subject) or "")
+        model = subjects.model_from_subject(subject)
+        return model is not None and subject == subjects.model(model)
+    except ProtocolError:
+        return False
