@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from ..errors import SidecarError
 
@@ -86,6 +87,7 @@ class EmbeddedNats:
         self.max_file_store = max_file_store
         self.cluster_port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_thread: threading.Thread | None = None
         self._log_lines: list[str] = []
 
     @property
@@ -124,7 +126,8 @@ class EmbeddedNats:
             start_new_session=True,  # Ctrl-C in a terminal goes to us; we stop the server ourselves
         )
         ready = threading.Event()
-        threading.Thread(target=self._read_log, args=(ready,), daemon=True, name="nats-server-log").start()
+        self._log_thread = threading.Thread(target=self._read_log, args=(ready,), daemon=True, name="nats-server-log")
+        self._log_thread.start()
         if not ready.wait(self.startup_timeout_s) or self._proc.poll() is not None:
             if self._proc.poll() is not None:
                 time.sleep(0.1)  # let the log reader catch the last lines
@@ -140,7 +143,13 @@ class EmbeddedNats:
 
     def _read_log(self, ready: threading.Event) -> None:
         assert self._proc is not None and self._proc.stderr is not None
-        for raw in self._proc.stderr:
+        try:
+            self._follow(self._proc.stderr, ready)
+        except (ValueError, OSError):
+            pass  # the pipe was closed under us (stop() after a kill): the server is gone anyway
+
+    def _follow(self, stderr: IO[bytes], ready: threading.Event) -> None:
+        for raw in stderr:
             line = raw.decode("utf-8", "replace").rstrip()
             if len(self._log_lines) < 2000:
                 self._log_lines.append(line)
@@ -172,6 +181,9 @@ class EmbeddedNats:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=timeout_s)
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=2)  # it ends at the pipe's EOF: close the pipe after it
+            self._log_thread = None
         if self._proc is not None and self._proc.stderr is not None:
             self._proc.stderr.close()
         self._proc = None
