@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scheduler_open import FAMILIES, workload  # noqa: E402
 
-from jetbatch.sidecar.policy.base import PolicyBase, best  # noqa: E402
-from jetbatch.sidecar.policy.types import Decision, Idle, Load, SchedulerState, Serve  # noqa: E402
+from jetbatch.sidecar.policy.base import best  # noqa: E402
+from jetbatch.sidecar.policy.baselines import Exhaustive  # noqa: E402
+from jetbatch.sidecar.policy.types import Decision, Idle, Load, ModelState, SchedulerState, Serve  # noqa: E402
 from jetbatch.sidecar.simulator import simulate  # noqa: E402
 from jetbatch.sidecar.simulator.workloads import Workload  # noqa: E402
 
@@ -82,8 +83,9 @@ def fluid_plan(w: Workload) -> tuple[float, dict[str, float]]:
     return best_wait, best_gaps
 
 
-class OracleTable(PolicyBase):
-    """Visits at planned gaps computed from the true rates (a yardstick, not a deployable policy)."""
+class OracleTable(Exhaustive):
+    """Exhaustive visits at planned gaps computed from the true rates (a yardstick, not a
+    deployable policy): only the choice of the next visit differs from ``exhaustive``."""
 
     name = "oracle-table"
 
@@ -99,13 +101,7 @@ class OracleTable(PolicyBase):
     def _overdue(self, name: str, now: float) -> float:
         return (now - self._left.get(name, -math.inf)) / self.gaps.get(name, math.inf)
 
-    def decide(self, state: SchedulerState, now: float) -> Decision:
-        waiting = [m for m in state.models.values() if m.backlog > 0]
-        if not waiting:
-            return Idle(now + self.idle_s)
-        current = state.models.get(state.current) if state.current else None
-        if current is not None and current.resident and current.backlog > 0:
-            return Serve(current.name, current.max_batch_size, "exhaustive")
+    def _next(self, state: SchedulerState, waiting: list[ModelState], current: ModelState | None, now: float) -> Decision:
         target = best(waiting, lambda m: (self._overdue(m.name, now), m.backlog))
         if self.patient > 0 and current is not None and current.resident and self._overdue(target.name, now) < self.patient:
             due = min(self._left.get(m.name, now) + self.patient * self.gaps.get(m.name, 0.0) for m in waiting)

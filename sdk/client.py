@@ -48,7 +48,7 @@ from .protocol import (
 
 __all__ = ["Client", "Result"]
 
-_LAST_LOOK_S = 0.5  # the results-store lookup a timed-out request makes before RequestTimeout
+_LAST_LOOK_S = 0.5  # bound of a results-store lookup made on the caller's time (_look_up)
 _PUBACK_WAIT_S = 5.0  # then the careful path retries (as nats-py's js.publish times out)
 
 
@@ -260,10 +260,7 @@ class Client:
             # A caller's own id is usually a retry: its answer may be stored already. JetStream
             # forgets the ids of finished requests when the server restarts, so the PubAck alone
             # would not say "duplicate" and the request would be computed again.
-            stored = None
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_LAST_LOOK_S):
-                    stored = await self._stored_answer(rid)
+            stored = await self._look_up(rid)
             if stored is not None:
                 return self._to_result(stored, rid, time.monotonic() - started)
         loop = asyncio.get_running_loop()
@@ -292,12 +289,7 @@ class Client:
                 # One look in the results store before giving up: the live reply can miss us where
                 # the stored answer does not (this id already answered through another path, a
                 # reply lost in a reconnect the client did not notice).
-                msg = None
-                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
-                # that lands as the lookup finishes, and a cancelled caller must stay cancelled.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_LAST_LOOK_S):
-                        msg = await self._stored_answer(rid)
+                msg = await self._look_up(rid)
                 if msg is None:
                     raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
             result = self._to_result(msg, rid, time.monotonic() - started)
@@ -431,6 +423,15 @@ class Client:
         if raw.data is None:
             raw.data = b""
         return raw
+
+    async def _look_up(self, rid: str) -> Any | None:
+        """:meth:`_stored_answer` within ``_LAST_LOOK_S`` (a lookup on the caller's own time)."""
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that lands
+        # as the lookup finishes, and a cancelled caller must stay cancelled.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_LAST_LOOK_S):
+                return await self._stored_answer(rid)
+        return None
 
     async def _fetch_stored_result(self, rid: str) -> bool:
         """Look the request's answer up in the results stream; resolve its future if found."""

@@ -36,6 +36,7 @@ __all__ = [
     "HttpConfig",
     "TelemetryConfig",
     "WorkerConfig",
+    "describe_validation_error",
     "load_config",
     "parse_config",
 ]
@@ -327,7 +328,7 @@ def parse_config(
         return msgspec.convert(raw, Config, strict=False)
     except msgspec.ValidationError as exc:
         where = f"{source} (or environment {', '.join(env_vars)})" if env_vars else source
-        raise ConfigError(f"{where}: {_describe(_name_dict_keys(exc, raw))}") from None
+        raise ConfigError(f"{where}: {describe_validation_error(_name_dict_keys(exc, raw))}") from None
 
 
 def _name_dict_keys(exc: msgspec.ValidationError, raw: dict[str, Any]) -> str:
@@ -346,12 +347,14 @@ def _name_dict_keys(exc: msgspec.ValidationError, raw: dict[str, Any]) -> str:
     return message
 
 
-def _describe(message: str) -> str:
-    # msgspec says "Expected `int`, got `str` - at `$.models.m1.max_batch_size`": put the key first.
+def describe_validation_error(message: str, where: str = "") -> str:
+    """A msgspec validation message with the key first: "Expected `int`, got `str` - at
+    `$.models.m1.max_batch_size`" becomes "models.m1.max_batch_size: Expected `int`, got `str`"
+    (``where``: the path of the value that was converted, when it was not the whole file)."""
     problem, sep, path = message.rpartition(" - at `$")
     if not sep:
         problem, path = message, ""
-    path = path.rstrip("`").lstrip(".")
+    path = ".".join(p for p in (where, path.rstrip("`").lstrip(".")) if p)
     problem = problem.replace("Object contains unknown field", "unknown key").replace(
         "Object missing required field", "missing required key"
     )

@@ -26,8 +26,7 @@ class BackLaterJetStream:
     async def publish(self, subject: str, data: bytes, timeout: float, headers: dict[str, str]) -> Any:
         if self.failures:
             self.failures -= 1
-            await asyncio.sleep(min(timeout, 0.05))
-            raise asyncio.TimeoutError
+            raise asyncio.TimeoutError  # no PubAck
         self.published.append(subject)
         return SimpleNamespace(stream="RESULTS", seq=1, duplicate=False)
 

@@ -147,10 +147,10 @@ def _replayable(subjects: Subjects, subject: str) -> bool:
     model queue, the ingress, or a tenant's ingress."""
     if subject == subjects.ingress:
         return True
+    tenant, model = subjects.tenant_from_subject(subject), subjects.model_from_subject(subject)
     try:
-        if subjects.tenant_from_subject(subject) is not None:
-            return subject == subjects.tenant_ingress(subjects.tenant_from_subject(subject) or "")
-        model = subjects.model_from_subject(subject)
+        if tenant is not None:
+            return subject == subjects.tenant_ingress(tenant)
         return model is not None and subject == subjects.model(model)
-    except ProtocolError:
+    except ProtocolError:  # not one token, or not a valid name
         return False

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import PolicyBase, best, oldest
-from .types import Decision, Idle, Load, SchedulerState, Serve
+from .types import Decision, Idle, Load, ModelState, SchedulerState, Serve
 
 __all__ = ["Exhaustive", "Fifo", "LongestBacklog", "RoundRobin"]
 
@@ -25,6 +25,10 @@ class Exhaustive(PolicyBase):
         current = state.models.get(state.current) if state.current else None
         if current is not None and current.resident and current.backlog > 0:
             return Serve(current.name, current.max_batch_size, "exhaustive")
+        return self._next(state, waiting, current, now)
+
+    def _next(self, state: SchedulerState, waiting: list[ModelState], current: ModelState | None, now: float) -> Decision:
+        """The visit after the resident queue ran empty: here the longest queue."""
         target = best(waiting, lambda m: (m.resident, m.backlog, -oldest(m, now)))
         return self._go(state, target, now, "longest-queue")
 

@@ -47,6 +47,7 @@ from typing import Annotated, Any, Literal, Sequence
 import msgspec
 from msgspec import Meta
 
+from ..config import describe_validation_error
 from ..errors import SidecarError
 from ..policy import Budget
 
@@ -197,12 +198,7 @@ def _convert(raw: Any, spec: type[Any], where: str) -> Any:
         # strict=False: 2e9 for an int, as the worker's config (a string "10" converts too).
         return msgspec.convert(raw, spec, strict=False)
     except msgspec.ValidationError as exc:
-        problem, sep, path = str(exc).rpartition(" - at `$")
-        if not sep:
-            problem, path = str(exc), ""
-        problem = problem.replace("Object contains unknown field", "unknown key").replace("Object missing required field", "missing required key")
-        key = ".".join(p for p in (where, path.rstrip("`").lstrip(".")) if p)
-        raise WorkloadError(f"{key}: {problem}" if key else problem) from None
+        raise WorkloadError(describe_validation_error(str(exc), where)) from None
 
 
 def _model(name: str, m: Any) -> SimModel:
