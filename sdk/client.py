@@ -46,7 +46,7 @@ from .protocol import (
     validate_token,
 )
 
-__all__ = ["Client", "Result"]
+__all__ = ["Client", "Result", "subject_matches"]
 
 _LAST_LOOK_S = 0.5  # bound of a results-store lookup made on the caller's time (_look_up)
 _PUBACK_WAIT_S = 5.0  # then the careful path retries (as nats-py's js.publish times out)
@@ -373,12 +373,20 @@ class Client:
             return None  # refused, or no PubAck in time
 
     async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError | None:
-        """Why no stream took the message: ``UnknownModel`` (the models stream exists but does not
-        list this model), ``StreamNotFound`` (no such stream), or None when JetStream did not
-        answer at all (transient: the caller retries)."""
-        stream = self._subjects.models_stream if model is not None else self._subjects.ingress_stream
+        """Why no stream took the message published to ``subject``.
+
+        The stream that should hold it (the models stream for ``<prefix>.model.<name>``, the
+        ingress stream otherwise, a tenant's ``<prefix>.in.<tenant>`` included) is asked for its
+        configuration: ``StreamNotFound`` when it does not exist; ``UnknownModel`` when it is the
+        models stream and none of its subjects captures ``subject`` (nobody serves the model);
+        None (transient: the caller retries until its deadline) when JetStream did not answer,
+        or when the stream does capture ``subject``: then the publish found no responder only
+        because the stream was briefly unavailable (a leader election, a restart).
+        """
+        on_model_subject = self._subjects.model_from_subject(subject) is not None
+        stream = self._subjects.models_stream if on_model_subject else self._subjects.ingress_stream
         try:
-            await self._js.stream_info(stream)
+            info = await self._js.stream_info(stream)
         except nats.js.errors.NotFoundError:
             return StreamNotFound(
                 f"no JetStream stream captures {subject}: start a jetbatch sidecar on this server first",
@@ -386,9 +394,12 @@ class Client:
             )
         except (nats.js.errors.APIError, nats.errors.Error, asyncio.TimeoutError):
             return None
-        if model is not None:
+        patterns = info.config.subjects or []
+        if any(subject_matches(pattern, subject) for pattern in patterns):
+            return None  # the stream takes this subject: it was unavailable, not missing
+        if on_model_subject:
             return UnknownModel(f"no model named {model!r} is served", request_id=rid)
-        return None
+        return None  # the ingress stream does not take it: no definite answer, retry until the deadline
 
     def _on_reply_sync(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
@@ -471,6 +482,26 @@ class Client:
         except ProtocolError as exc:
             raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
         return Result(request_id=rid, output=output, batch=batch_info_from_headers(headers), latency_s=latency_s)
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether the NATS subject filter ``pattern`` captures the literal ``subject``.
+
+    Both are ``.``-separated tokens. In ``pattern``, a token ``*`` matches exactly one token and a
+    last token ``>`` matches one or more trailing tokens; any other token (``a*`` included) matches
+    only itself. A ``>`` that is not the last token makes the pattern invalid: it matches nothing.
+
+    >>> subject_matches("jb.model.*", "jb.model.m1"), subject_matches("jb.>", "jb")
+    (True, False)
+    """
+    want = pattern.split(".")
+    have = subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return i == len(want) - 1 and len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
 
 
 async def _within(fut: asyncio.Future[Any], timeout_s: float) -> Any:

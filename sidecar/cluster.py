@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import msgspec
 import nats.errors
@@ -25,9 +25,13 @@ from nats.js.api import StorageType
 
 from jetbatch.sdk.protocol import SidecarReport, Subjects
 
+from .errors import TRANSPORT_ERRORS
 from .streams import ensure_key_value
 
-__all__ = ["ClusterView"]
+__all__ = ["CLAIM_PREFIX", "ClusterView"]
+
+# Keys of the workers' bucket that are load claims, not adverts.
+CLAIM_PREFIX = "claim."
 
 log = logging.getLogger("jetbatch.cluster")
 
@@ -89,7 +93,7 @@ class ClusterView:
                 continue
             if entry is None:  # end of the initial values
                 continue
-            if entry.key.startswith("claim."):
+            if entry.key.startswith(CLAIM_PREFIX):
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 self._peers.pop(entry.key, None)
@@ -114,34 +118,59 @@ class ClusterView:
 
     @staticmethod
     def _claim_key(model: str) -> str:
-        return f"claim.{model}"
+        return f"{CLAIM_PREFIX}{model}"
 
-    async def claim(self, model: str) -> bool:
-        """Atomically claim the load of ``model`` (a key-value create: exactly one of several
-        workers deciding at once wins, whatever the propagation delay of adverts). False when
-        another worker is loading it now. A claim expires with the bucket's TTL if its holder dies."""
+    async def claim(self, models: Iterable[str]) -> bool | None:
+        """Atomically claim every model a placement change touches: the one to load and the
+        ones to evict. Each claim is a key-value create, which exactly one of several workers
+        wins; they are taken in name order and all given back if one is lost, so two changes
+        that share a model cannot both go ahead. Two workers swapping models (A: m1 → m2, B: m2 →
+        m1) both need m1 and m2: one stands back. True: all claimed; False: another worker holds
+        one; None: the bucket did not answer (the caller decides what is safe without it). A
+        claim expires with the bucket's TTL if its holder dies."""
         if self._kv is None:
             return True
-        try:
-            await self._kv.create(self._claim_key(model), self.worker_id.encode())  # type: ignore[attr-defined]
-            return True
-        except nats.js.errors.KeyWrongLastSequenceError:
+        taken: list[str] = []
+        for model in sorted(set(models)):
             try:
-                entry = await self._kv.get(self._claim_key(model))  # type: ignore[attr-defined]
-                return bool(entry.value == self.worker_id.encode())
-            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+                await self._kv.create(self._claim_key(model), self.worker_id.encode())  # type: ignore[attr-defined]
+                taken.append(model)
+                continue
+            except nats.js.errors.KeyWrongLastSequenceError:
+                try:
+                    entry = await self._kv.get(self._claim_key(model))  # type: ignore[attr-defined]
+                    mine = entry.value == self.worker_id.encode()
+                except TRANSPORT_ERRORS:
+                    mine = False
+                if mine:
+                    taken.append(model)
+                    continue
+                await self.release(taken)
                 return False
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
-            log.debug("load claim for %s failed: %r", model, exc)
-            return True  # the bucket is unreachable: do not let coordination block serving
+            except TRANSPORT_ERRORS as exc:
+                log.debug("load claim for %s failed: %r", model, exc)
+                self.note_trouble()
+                await self.release(taken)
+                return None
+        return True
 
-    async def release(self, model: str) -> None:
+    async def release(self, models: Iterable[str]) -> None:
         if self._kv is None:
             return
-        try:
-            await self._kv.delete(self._claim_key(model))  # type: ignore[attr-defined]
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
-            pass  # the TTL clears it
+        for model in models:
+            try:
+                await self._kv.delete(self._claim_key(model))  # type: ignore[attr-defined]
+            except TRANSPORT_ERRORS:
+                pass  # the TTL clears it
+
+    def held_by_peers(self, now: float | None = None) -> set[str]:
+        """Models a live peer has on its device or is loading (as last heard)."""
+        held: set[str] = set()
+        for adv in self.peers(now).values():
+            held.update(adv.resident)
+            if adv.loading:
+                held.add(adv.loading)
+        return held
 
     async def withdraw(self) -> None:
         """Remove this worker's advert (graceful stop) so peers react at once."""

@@ -134,6 +134,11 @@ class StreamsConfig(_Base):
     max_deliver: PositiveInt = 5
     max_ack_pending: PositiveInt = 1024
     dlq_max_age_s: PositiveFloat = 7 * 24 * 3600.0
+    # Per-model consumers: created when a worker first serves the model and removed by the server
+    # after `consumer_idle_s` without pulls ("on-demand"), or all at startup and kept ("eager":
+    # what a KEDA trigger on every model's consumer lag needs). docs/scaleout.md has the costs.
+    consumers: Literal["on-demand", "eager"] = "on-demand"
+    consumer_idle_s: Annotated[float, Meta(ge=60)] = 600.0
 
 
 class ModelConfig(_Base):
@@ -168,7 +173,10 @@ class WorkerConfig(_Base):
     # None: a quarter of physical memory; 0: no warm tier.
     host_memory_budget_bytes: Annotated[int, Meta(ge=0)] | None = None
     startup_timeout_s: PositiveFloat = 60.0  # keep retrying stream setup while JetStream is slow or electing
-    poll_interval_ms: Annotated[float, Meta(ge=10)] = 250.0  # bounds JetStream info calls when idle
+    # How often the queues are counted (one stream-info call for all models) while work waits or
+    # runs; arrivals themselves are events (docs/scaleout.md).
+    poll_interval_ms: Annotated[float, Meta(ge=10)] = 250.0
+    idle_refresh_s: Annotated[float, Meta(ge=0.05)] = 1.0  # the same count while nothing waits
     prefetch_weights: bool = True  # read the next model's weights from disk while the current one runs
     drain_timeout_s: PositiveFloat = 20.0
     coordinate: bool = True  # advertise residency in the cluster KV bucket and respect other workers

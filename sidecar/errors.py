@@ -5,9 +5,18 @@ turns every one of them into one line and exit status 2."""
 
 from __future__ import annotations
 
+import asyncio
+
+import nats.errors
+import nats.js.errors
+
 from jetbatch.sdk.errors import JetbatchError
 
-__all__ = ["JetbatchError", "SidecarError"]
+__all__ = ["TRANSPORT_ERRORS", "JetbatchError", "SidecarError"]
+
+# What a call to NATS or JetStream raises when the server, the connection or an election is in
+# the way (not a bug of ours): the one tuple the sidecars catch such failures with.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError, TimeoutError)
 
 
 class SidecarError(JetbatchError):

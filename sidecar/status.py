@@ -18,6 +18,8 @@ from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import ProtocolError, ReplyPolicy, SidecarReport, Subjects
 
+from .cluster import CLAIM_PREFIX
+
 __all__ = ["StatusReport", "StatusService", "cluster_view", "collect_status", "serve_status"]
 
 
@@ -110,7 +112,7 @@ async def cluster_view(
         kv = await js.key_value(subjects.kv_bucket)
         now = time.time()
         for key in await kv.keys():
-            if key.startswith("claim."):
+            if key.startswith(CLAIM_PREFIX):
                 continue
             entry = await kv.get(key)
             if not entry.value:

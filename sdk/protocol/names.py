@@ -164,6 +164,21 @@ class Subjects:
             return subject[len(head) :]
         return None
 
+    def arrived(self, name: str) -> str:
+        """Where the models stream republishes the headers of each request it stored for ``name``
+        (no payload): the workers' event feed of arrivals."""
+        return f"{self.prefix}.arrived.{validate_model_name(name)}"
+
+    @property
+    def arrivals_wildcard(self) -> str:
+        return f"{self.prefix}.arrived.>"
+
+    def model_from_arrival(self, subject: str) -> str | None:
+        head = f"{self.prefix}.arrived."
+        if subject.startswith(head):
+            return subject[len(head) :]
+        return None
+
     def dead_letter(self, stage: str) -> str:
         return f"{self.prefix}.dlq.{stage}"
 

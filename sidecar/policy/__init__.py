@@ -5,6 +5,7 @@ passed in), so the live worker and the simulator drive the same code.
 - :mod:`.window`: when a gathered batch closes.
 - :mod:`.costs`: what loads (per memory tier), batches and memory cost, learned from measurements.
 - :mod:`.share`: which part of a queue shared with other workers is ours to chase.
+- :mod:`.visible`: which models a decision looks at (all of a few dozen; the active ones of thousands).
 """
 
 from .costs import BatchCost, CostEstimator, Tier
@@ -21,10 +22,12 @@ from .scheduling import (
     fits,
     make_policy,
 )
-from .share import effective_backlog
+from .share import MIN_JOIN_S, effective_backlog, join_horizon_s, shared_head
+from .visible import visible_models
 from .window import PROBE_AFTER_REFUSALS, BatchWindow, cannot_finish
 
 __all__ = [
+    "MIN_JOIN_S",
     "POLICIES",
     "PROBE_AFTER_REFUSALS",
     "BatchCost",
@@ -41,6 +44,9 @@ __all__ = [
     "Tier",
     "cannot_finish",
     "effective_backlog",
+    "join_horizon_s",
+    "shared_head",
     "fits",
     "make_policy",
+    "visible_models",
 ]

@@ -1,14 +1,46 @@
-"""The cluster share: which part of a shared queue is this worker's to chase. Pure."""
+"""The cluster share: which part of a shared queue is this worker's to chase. Pure.
+
+Three rules keep workers from fighting over models (docs/scaleout.md):
+
+- **Only what the peers cannot drain.** A queue other workers serve counts, for a worker that
+  does not hold the model, only for what they would not drain within the *join horizon*: our
+  load time, and never less than :data:`MIN_JOIN_S`. A peer that clears the queue within a second
+  needs no second replica; joining would cost a load and, later, the reload of whatever made room.
+  With cheap warm reloads (0.05 s) a horizon of one load time shrank the discount to a few
+  requests, and two workers herded onto one model while the other waited.
+- **A peer's queue is never overdue for us.** The serving peer visits it exhaustively and bounds
+  its wait; its age is no reason for this worker to drop its own work and load the model. The
+  part that is ours counts as fresh (age 0): it can still win a load when this worker has
+  nothing better to do, never as "overdue". Otherwise, after an outage, two workers each found
+  the other's model overdue and swapped in the same millisecond.
+- A model resident here keeps its full backlog and age: we share its queue with the other
+  replicas and serving it costs us no load.
+"""
 
 from __future__ import annotations
 
-__all__ = ["effective_backlog"]
+__all__ = ["MIN_JOIN_S", "effective_backlog", "join_horizon_s", "shared_head"]
+
+MIN_JOIN_S = 1.0
+
+
+def join_horizon_s(load_cost_s: float) -> float:
+    """How long the peers' drain counts against a queue before this worker would join it."""
+    return max(load_cost_s, MIN_JOIN_S)
 
 
 def effective_backlog(backlog: int, served_drain_rps: float, horizon_s: float, *, resident_here: bool) -> int:
     """Backlog left for this worker to justify a load: what the other replicas would not drain
-    within ``horizon_s`` (our load time). A model resident here keeps its full backlog: we share
-    its queue with the other replicas and serving it costs us no load."""
+    within ``horizon_s`` (see :func:`join_horizon_s`). A model resident here keeps its full
+    backlog: we share its queue with the other replicas and serving it costs us no load."""
     if resident_here or served_drain_rps <= 0:
         return backlog
     return max(0, int(backlog - served_drain_rps * horizon_s))
+
+
+def shared_head(oldest_enqueued_at: float | None, now: float, served_drain_rps: float, *, resident_here: bool) -> float | None:
+    """The enqueue time the policy sees for a queue's part that is ours: its own head, except
+    for a model peers serve and we do not hold, which counts as just arrived (never overdue)."""
+    if oldest_enqueued_at is None or resident_here or served_drain_rps <= 0:
+        return oldest_enqueued_at
+    return now

@@ -5,11 +5,12 @@
 - :mod:`.execution`: running a batch: checks, compute, answers, settling.
 - :mod:`.quarantine`: poison requests: evidence before a verdict.
 - :mod:`.residency`: load, evict, prefetch; the cold / warm / resident tiers.
-- :mod:`.backlog`: what waits in each model's queue.
+- :mod:`.queues`: what waits in each model's queue (arrival events, bulk reconciles).
+- :mod:`.slots`: one served model's state; one request in a batch.
 """
 
 from ..runtime import retry_startup
 from .loop import Worker
-from .parts import BatchReport
+from .slots import BatchReport
 
 __all__ = ["BatchReport", "Worker", "retry_startup"]

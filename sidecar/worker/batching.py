@@ -15,7 +15,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
-from .parts import Slot, enqueued_at, pending_after
+from .slots import Slot, enqueued_at, pending_after
 
 __all__ = ["Batcher"]
 
@@ -30,15 +30,25 @@ _TOP_UP_S = 0.002  # the shortest wait for requests the queue says are there
 
 
 class Batcher:
-    def __init__(self, stopping: anyio.Event, *, poll_interval_s: float, on_trouble: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        stopping: anyio.Event,
+        *,
+        poll_interval_s: float,
+        on_trouble: Callable[[], None] | None = None,
+        on_fetched: Callable[[Slot, int, int | None], None] | None = None,
+    ) -> None:
         self._stopping = stopping
         self.poll_interval_s = poll_interval_s
         self._on_trouble = on_trouble
+        # Told of every fetch that got messages (n, and what the consumer says is left): the
+        # queue view's count and head follow (sidecar/worker/queues.py).
+        self._on_fetched = on_fetched
         self.late_s = _INITIAL_LATE_S
 
     async def fetch(self, slot: Slot, n: int, timeout_s: float) -> list[Msg]:
         """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure."""
-        if timeout_s < 0.001 or n <= 0:
+        if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
         try:
             msgs: list[Msg] = await slot.psub.fetch(batch=n, timeout=timeout_s)
@@ -54,6 +64,12 @@ class Batcher:
                 self._on_trouble()
             await anyio.sleep(0.1)
             return []
+        if msgs:
+            pending = pending_after(msgs[-1])
+            if self._on_fetched is not None:
+                self._on_fetched(slot, len(msgs), pending)
+            else:
+                slot.backlog = max(0, slot.backlog - len(msgs)) if pending is None else pending
         return msgs
 
     async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None) -> list[Msg]:
@@ -86,7 +102,6 @@ class Batcher:
                 if not got:
                     break  # another worker of the shared queue took them
                 msgs.extend(got)
-                slot.backlog = pending_after(got[-1], slot.backlog - len(got))
                 continue
             # With a batch open, aim the fetch early by what fetches overrun, so it ends at the window.
             timeout_s = max(wait_s - early_s, 0.001) if msgs else max(wait_s, 0.001)
@@ -103,7 +118,6 @@ class Batcher:
                 now = time.time()
                 close_at = window.close_at(enqueued_at(got[0], now), now)
             msgs.extend(got)
-            slot.backlog = pending_after(got[-1], slot.backlog - len(got))
         return msgs
 
     async def gather_before(self, slot: Slot, max_items: int, before: float) -> list[Msg]:

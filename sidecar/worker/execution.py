@@ -25,7 +25,7 @@ from ..handlers import BadInput
 from ..policy import PROBE_AFTER_REFUSALS, CostEstimator, Policy, cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
-from .parts import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
+from .slots import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
 from .quarantine import Quarantine, Verdict
 
 __all__ = ["BatchRunner"]

@@ -1,9 +1,11 @@
 """The worker's I/O loop around the pure policy core.
 
-Each turn it refreshes what it knows of the per-model queues (worker/backlog.py), asks the
-scheduler for a decision (serve, load/evict, idle), and carries it out with its parts: batch
-assembly (worker/batching.py), batch execution and the reply path (worker/execution.py,
-replies.py), residency (worker/residency.py) and the cluster adverts (cluster.py).
+Each turn it asks the scheduler for a decision (serve, load/evict, idle) on what it knows of the
+per-model queues (worker/queues.py: arrival events, and one bulk count every poll interval while
+busy, every second while idle), and carries it out with its parts: batch assembly
+(worker/batching.py), batch execution and the reply path (worker/execution.py, replies.py),
+residency (worker/residency.py) and the cluster adverts and load claims (cluster.py). Idle, it
+sleeps until an arrival event, a timer the policy asked for, or the next count.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ from jetbatch.sdk.protocol import ErrorCode, SidecarReport, Subjects
 from ..cluster import ClusterView
 from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
-from ..policy import BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, effective_backlog, make_policy
+from ..errors import TRANSPORT_ERRORS
+from ..policy import BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, make_policy, visible_models
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
-from ..streams import ensure_model_consumer, ensure_streams, model_consumer_name
+from ..streams import StreamSetupError, ensure_model_consumer, ensure_model_consumers, ensure_streams, model_consumer_name
 from ..telemetry import WorkerTelemetry
-from .backlog import refresh_backlog
 from .batching import Batcher
 from .execution import BatchRunner
-from .parts import BatchReport, Slot
+from .slots import BatchReport, Slot
 from .quarantine import Quarantine
+from .queues import ArrivalFeed, QueueView
 from . import view
 from .residency import Residency, default_host_budget_bytes
 
@@ -102,12 +105,20 @@ class Worker:
         self._stopping = anyio.Event()
         self._ready = anyio.Event()
         self._current: str | None = None
-        self._last_refresh = -math.inf
+        self._next_refresh = -math.inf
+        self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
         self._in_flight_msgs: dict[int, Msg] = {}
         self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
-        self.batcher = Batcher(self._stopping, poll_interval_s=config.worker.poll_interval_ms / 1000.0, on_trouble=self._note_trouble)
+        self.queues = QueueView(self.slots)
+        self.arrivals = ArrivalFeed(nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up)
+        self.batcher = Batcher(
+            self._stopping,
+            poll_interval_s=config.worker.poll_interval_ms / 1000.0,
+            on_trouble=self._note_trouble,
+            on_fetched=self.queues.fetched,
+        )
         self.runner = BatchRunner(
             worker_id=self.worker_id,
             replier=self.replier,
@@ -149,6 +160,10 @@ class Worker:
     def _note_trouble(self) -> None:
         if self.cluster is not None:
             self.cluster.note_trouble()
+        self._next_refresh = -math.inf  # count again at once: events may have been lost
+
+    def _wake_up(self) -> None:
+        self._wake.set()
 
     def _check_models(self) -> None:
         """Report a model that cannot load (a missing file) now, in one line, not at its first request."""
@@ -169,6 +184,7 @@ class Worker:
     def stop(self) -> None:
         """Ask for a graceful stop; :meth:`run` returns once in-flight work is drained."""
         self._stopping.set()
+        self._wake.set()
 
     def problems(self) -> list[str]:
         """One line per model that cannot serve (readiness detail; /readyz)."""
@@ -176,12 +192,36 @@ class Worker:
 
     async def _setup(self) -> Any:
         await ensure_streams(self.js, self.subjects, self.config.streams, self.slots, self.config.replies)
-        for name, slot in self.slots.items():
-            await ensure_model_consumer(self.js, self.subjects, self.config.streams, name)
-            slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(name), stream=self.subjects.models_stream)
+        if self.config.streams.consumers == "eager":
+            await ensure_model_consumers(self.js, self.subjects, self.config.streams, self.slots)
+            now = time.time()
+            for slot in self.slots.values():
+                slot.consumer_ready_at = now
+        # Listen before the first count, so no arrival falls between the two.
+        if self.arrivals._sub is None:
+            await self.arrivals.start()
         await self.quarantine.start()
         if self.cluster is not None:
             await self.cluster.start()
+        await self._refresh(time.time())
+
+    async def _consumer(self, slot: Slot) -> bool:
+        """Make sure ``slot``'s shared consumer exists and this worker is bound to it (created on
+        demand; re-made after half its idle limit, in case the server removed it meanwhile)."""
+        streams = self.config.streams
+        now = time.time()
+        stale = streams.consumers == "on-demand" and (slot.consumer_ready_at is None or now - slot.consumer_ready_at > streams.consumer_idle_s / 2)
+        try:
+            if slot.consumer_ready_at is None or stale:
+                await ensure_model_consumer(self.js, self.subjects, streams, slot.name)
+                slot.consumer_ready_at = now
+            if slot.psub is None:
+                slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
+        except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
+            log.warning("consumer for %s not ready: %s", slot.name, exc)
+            self._note_trouble()
+            return False
+        return True
 
     async def run(self) -> None:
         """Set up streams and consumers (retrying while the cluster is slow or electing), then
@@ -220,6 +260,7 @@ class Worker:
                     await settle(msg, "nak")  # the next worker takes them
                 self._in_flight_msgs.clear()
                 await self.residency.unload_all()
+                await self.arrivals.stop()
                 for slot in self.slots.values():
                     if slot.psub is not None:
                         try:
@@ -230,62 +271,87 @@ class Worker:
     def report(self) -> SidecarReport:
         """What this worker reports: its status (the status subject, ``jetbatch status``) and its
         advert to its peers (the cluster bucket)."""
-        return view.build_report(self)
+        return view.build_report(
+            worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
+            costs=self.costs, budget=self.budget, in_flight=self._in_flight_by_model(), stats=self.stats,
+            started_at=self._started_at, valid_s=self.config.worker.peer_timeout_s,
+        )  # fmt: skip
 
     def _in_flight_by_model(self) -> dict[str, int]:
-        return view.in_flight_by_model(self)
+        out: dict[str, int] = {}
+        for m in self._in_flight_msgs.values():
+            name = self.subjects.model_from_subject(m.subject) or ""
+            out[name] = out.get(name, 0) + 1
+        return out
+
+    def _served(self) -> dict[str, float]:
+        return dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
 
     def _effective_backlog(self, slot: Slot, served: dict[str, float] | None = None) -> int:
-        return view.effective(self, slot, served)
+        served = self._served() if served is None else served
+        return view.effective(slot, served.get(slot.name, 0.0), self.residency.load_cost_s(slot))
 
-    def _state(self) -> SchedulerState:
-        return view.scheduler_state(self)
+    def _state(self, now: float) -> SchedulerState:
+        names = visible_models(
+            self.slots, now,
+            waiting=self.queues.waiting,
+            on_device=[n for n, s in self.slots.items() if s.resident],
+            warm=[n for n, s in self.slots.items() if s.tier == "warm"],
+            current=self._current,
+            last_used={n: s.last_used_at for n, s in self.slots.items() if s.last_used_at is not None},
+        )  # fmt: skip
+        return view.scheduler_state(
+            names, now, slots=self.slots, residency=self.residency, costs=self.costs,
+            served=self._served(), current=self._current, budget=self.budget,
+        )  # fmt: skip
+
+    async def _refresh(self, now: float) -> None:
+        """Count every queue (one call), then schedule the next count: every poll interval while
+        anything waits or runs, every ``idle_refresh_s`` otherwise (arrivals are events)."""
+        mine = self._in_flight_by_model()
+        not_ours = self.cluster.not_ours(now) if self.cluster is not None else {}
+        ok = await self.queues.refresh(self.js, self.subjects, now, mine=mine, not_ours=not_ours)
+        busy = bool(self.queues.waiting) or bool(self._in_flight_msgs)
+        poll_s = self.config.worker.poll_interval_ms / 1000.0
+        self._next_refresh = time.time() + (poll_s if busy else max(poll_s, self.config.worker.idle_refresh_s))
+        if not ok:
+            self._note_trouble()
+            self._next_refresh = time.time() + poll_s
 
     # --- the loop --------------------------------------------------------------------------
 
     async def _serve_loop(self, tg: anyio.abc.TaskGroup) -> None:
-        poll_s = self.config.worker.poll_interval_ms / 1000.0
         while not self._stopping.is_set():
             now = time.time()
-            busy = any(s.backlog > 0 for s in self.slots.values())
-            # Bounded polling: a few stream-info calls per second when idle, more while busy.
-            if now - self._last_refresh >= (poll_s / 5 if busy else poll_s):
-                self._last_refresh = now
-                mine = self._in_flight_by_model()
-                not_ours = self.cluster.not_ours(now) if self.cluster is not None else {}
-                if not await refresh_backlog(self.js, self.subjects, self.slots.values(), now, mine=mine, not_ours=not_ours):
-                    self._note_trouble()
-            decision = self.policy.decide(self._state(), now)
+            if now >= self._next_refresh:
+                await self._refresh(now)
+                now = time.time()
+            decision = self.policy.decide(self._state(now), now)
             if isinstance(decision, Serve):
                 slot = self.slots[decision.model]
                 if not slot.resident:
+                    # The policies serve only resident models; a custom one that does not gets the
+                    # load it implies, as the simulator gives it (docs/architecture.md).
                     log.warning("policy %s chose non-resident model %s; loading it", self.policy.name, slot.name)
                     await self._load(slot, (), reason="serve-non-resident")
                     continue
-                self.residency.prefetch(tg, exclude=slot.name, backlog_of=self._effective_backlog)
+                if not await self._consumer(slot):
+                    await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
+                    continue
+                self.residency.prefetch(tg, exclude=slot.name, backlog_of=self._effective_backlog, candidates=sorted(self.queues.waiting))
                 await self._serve(tg, slot, decision)
             elif isinstance(decision, Load):
                 await self._load(self.slots[decision.model], decision.evict, reason=decision.reason)
             else:
-                arrived = await self._idle(decision, poll_s)
-                if arrived is not None:
-                    slot, first = arrived
-                    await self._serve(tg, slot, Serve(slot.name, slot.config.max_batch_size, "arrival"), first)
+                await self._idle(decision)
 
-    async def _idle(self, decision: Idle, poll_s: float) -> tuple[Slot, list[Msg]] | None:
-        """Wait for work, never longer than the poll interval. Long-polls the most recently used
-        resident model's queue, so a request for it starts a batch at once; other models are seen
-        at the next backlog refresh."""
-        wait_s = max(0.0, min(decision.until - time.time(), poll_s))
-        resident = [s for s in self.slots.values() if s.resident]
-        with anyio.move_on_after(wait_s):
-            if resident and wait_s > 0.002:
-                slot = max(resident, key=lambda s: s.last_used_at or 0)
-                msgs = await self.batcher.fetch(slot, 1, wait_s)
-                if msgs:
-                    return slot, msgs
-            await self._stopping.wait()
-        return None
+    async def _idle(self, decision: Idle) -> None:
+        """Sleep until an arrival event, the time the policy asked for, or the next count."""
+        wait_s = min(decision.until, self._next_refresh) - time.time()
+        if wait_s > 0 and not self._wake.is_set():
+            with anyio.move_on_after(wait_s):
+                await self._wake.wait()
+        self._wake = anyio.Event()
 
     async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve, first: list[Msg] | None = None) -> None:
         # Pipelining: gather the next batch while the previous one computes, but never hold more
@@ -298,13 +364,9 @@ class Worker:
         else:
             msgs = await self.batcher.gather(slot, max_items, first)
         if not msgs:
-            if slot.stranded and time.time() >= slot.hold_until:
-                # Delivered to someone, unacked, not fetchable now: stop chasing them until all
-                # are due for redelivery (one ack wait), and tell peers not to chase them either.
-                slot.unfetchable = slot.stranded
-                slot.hold_until = time.time() + self.config.streams.ack_wait_s
-            slot.backlog = 0
-            slot.oldest_enqueued_at = None
+            # Counted but not fetchable now (delivered to someone, unacked): stop chasing them
+            # until all are due for redelivery (one ack wait), and tell peers not to either.
+            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
             return
         for m in msgs:
             self._in_flight_msgs[id(m)] = m
@@ -330,54 +392,74 @@ class Worker:
 
     # --- loads -----------------------------------------------------------------------------
 
-    async def _claim_load(self, slot: Slot) -> bool:
-        """Before paying a load, give peers that decided the same a moment to say so, and stand
-        back if one of them now covers this model's backlog (workers must not all chase one queue)."""
-        if self.cluster is None or not self.cluster.peers():
-            return True
+    async def _claim_load(self, slot: Slot, evict: tuple[str, ...]) -> list[str] | None:
+        """Before paying a load, give peers that decided the same a moment to say so, stand back
+        if one of them now covers this model's backlog (workers must not all chase one queue),
+        and claim every model the change touches (``cluster.claim``). Returns the claimed models
+        (release them after the load), or None to stand back."""
+        if self.cluster is None:
+            return []
+        held = self.cluster.held_by_peers()
+        if not held and not self.cluster.peers():
+            return []
         await anyio.sleep(self._rng.uniform(0.0, min(0.1, self.config.worker.heartbeat_s / 4)))
-        served = self.cluster.served_drain_rps().get(slot.name, 0.0)
-        if effective_backlog(slot.backlog, served, self.residency.load_cost_s(slot), resident_here=False) == 0:
-            return False
-        if not await self.cluster.claim(slot.name):
-            log.info("another worker is loading %s now: standing back", slot.name)
-            return False
+        held = self.cluster.held_by_peers()
+        if slot.name in held and not self.cluster.view_fresh():
+            # What the peers hold is as last heard before JetStream failed us: taking one of their
+            # models on that view is how two workers swapped back and forth after a lost node.
+            log.info("not loading %s: a peer held it when the view went stale", slot.name)
+            return None
+        if self._effective_backlog(slot) == 0:
+            return None
+        touched = [slot.name, *evict]
+        claimed = await self.cluster.claim(touched)
+        if claimed is False:
+            log.info("another worker is changing the placement of %s now: standing back", " or ".join(sorted(touched)))
+            return None
+        if claimed is None and slot.name in held:
+            return None  # no claim could be had: never take a peer's model without one
         self.residency.loading = slot.name
         await self.cluster.advertise(self.report())
-        return True
+        return touched if claimed else []
 
-    async def _load(self, slot: Slot, evict: Any, *, reason: str) -> None:
+    async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str) -> None:
         if log.isEnabledFor(logging.INFO):
             peers = self.cluster.peers() if self.cluster is not None else {}
             log.info(
-                "decided to load %s (%s): backlog %s; peers %s; view %s",
-                slot.name, reason, {s.name: (s.backlog, self._effective_backlog(s)) for s in self.slots.values()},
+                "decided to load %s (%s), evicting %s: backlog %s; peers %s; view %s",
+                slot.name, reason, list(evict) or "none",
+                {n: (self.slots[n].backlog, self._effective_backlog(self.slots[n])) for n in sorted(self.queues.waiting)[:20]},
                 {p: (a.resident, a.loading) for p, a in peers.items()},
                 "fresh" if self.cluster is None or self.cluster.view_fresh() else "stale (kept)",
             )  # fmt: skip
-        if not await self._claim_load(slot):
+        if not await self._consumer(slot):
+            await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
+            return
+        claimed = await self._claim_load(slot, tuple(evict))
+        if claimed is None:
             return
         share = self._effective_backlog(slot)  # what the peers would not drain: ours to serve
         try:
             if await self.residency.load(slot, evict, reason=reason, share=share):
                 self._current = slot.name
         finally:
+            self.residency.loading = None
             if self.cluster is not None:
                 await self.cluster.advertise(self.report())  # resident now: peers count our drain
-                await self.cluster.release(slot.name)
+                await self.cluster.release(claimed)
 
     async def _fail_queue(self, slot: Slot, message: str) -> None:
         """A model that cannot load: answer one batch of its waiting requests with model_failed so
         callers learn it now, instead of waiting for their timeouts."""
         msgs = await self.batcher.fetch(slot, slot.config.max_batch_size, 0.05)
         if not msgs:
+            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
             return
         now = time.time()
         requests = [self.runner.parse(m, now) for m in msgs]
         for r in requests:
             r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, message, model=slot.name)
         await self.runner._finish(slot, requests)
-        slot.backlog = max(0, slot.backlog - len(msgs))
 
     # --- state -----------------------------------------------------------------------------
 

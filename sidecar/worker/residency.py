@@ -15,7 +15,7 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import anyio
 import anyio.abc
@@ -23,7 +23,7 @@ import anyio.abc
 from ..handlers import HandlerError
 from ..policy import CostEstimator, Policy, Tier
 from ..telemetry import LoadRecord, WorkerTelemetry
-from .parts import Slot
+from .slots import Slot
 
 __all__ = ["Residency", "default_host_budget_bytes"]
 
@@ -207,15 +207,17 @@ class Residency:
                     log.warning("unloading %s failed: %r", slot.name, exc)
                 slot.tier = "cold"
 
-    def prefetch(self, tg: anyio.abc.TaskGroup, *, exclude: str, backlog_of: Callable[[Slot], int]) -> None:
+    def prefetch(
+        self, tg: anyio.abc.TaskGroup, *, exclude: str, backlog_of: Callable[[Slot], int], candidates: Iterable[str]
+    ) -> None:
         """Read the likely next model's weights into the warm tier while the device computes, so
-        a switch pays only the host-to-device copy. ``backlog_of``: the backlog that is ours to
-        serve (a model other workers already drain is not worth a read)."""
+        a switch pays only the host-to-device copy. ``candidates``: the models with requests
+        waiting; ``backlog_of``: the backlog that is ours to serve (a model other workers
+        already drain is not worth a read)."""
         if not self.prefetch_enabled or self.host_budget_bytes <= 0:
             return
-        waiting = [
-            (backlog_of(s), s) for s in self.slots.values() if s.tier == "cold" and s.name != exclude and s.broken is None
-        ]
+        cold = [self.slots[n] for n in candidates if n in self.slots]
+        waiting = [(backlog_of(s), s) for s in cold if s.tier == "cold" and s.name != exclude and s.broken is None]
         waiting = [(n, s) for n, s in waiting if n > 0]
         if not waiting:
             return

@@ -1,89 +1,109 @@
 """What the worker knows and says: the scheduler's view of the queues (with the cluster share
-applied) and the report it publishes (status and advert)."""
+applied) and the report it publishes (status and advert). Functions of what they are given:
+they read no other module's private state."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Collection, Mapping
 
 from jetbatch import __version__
 from jetbatch.sdk.protocol import SidecarReport
 
-from ..policy import ModelState, SchedulerState, effective_backlog
-from .parts import Slot
+from ..policy import Budget, CostEstimator, ModelState, SchedulerState, effective_backlog, join_horizon_s, shared_head
+from .queues import QueueView
+from .residency import Residency
+from .slots import Slot
 
-if TYPE_CHECKING:
-    from .loop import Worker
-
-__all__ = ["build_report", "effective", "in_flight_by_model", "scheduler_state"]
+__all__ = ["build_report", "effective", "scheduler_state"]
 
 
-def build_report(self: "Worker") -> SidecarReport:
-    """The worker's status and advert (one report)."""
+def build_report(
+    *,
+    worker_id: str,
+    slots: Mapping[str, Slot],
+    queues: QueueView,
+    residency: Residency,
+    costs: CostEstimator,
+    budget: Budget,
+    in_flight: Mapping[str, int],
+    stats: Mapping[str, int],
+    started_at: float,
+    valid_s: float,
+) -> SidecarReport:
+    """The worker's status and advert (one report). Per-model maps list only the models with
+    something to say (waiting, on the device, warm): with a thousand registered models the
+    advert every peer decodes every heartbeat stays small."""
     drain: dict[str, float] = {}
-    for s in self.slots.values():
-        if s.resident or s.name == self.residency.loading:
+    active = {s.name for s in slots.values() if s.tier != "cold" or s.name == residency.loading} | queues.waiting
+    for name in active:
+        s = slots[name]
+        if s.resident or s.name == residency.loading:
             n = s.config.max_batch_size
-            drain[s.name] = n / max(self.costs.batch_cost(s.name).seconds(n), 1e-6)
+            drain[s.name] = n / max(costs.batch_cost(s.name).seconds(n), 1e-6)
     return SidecarReport(
         role="worker",
-        id=self.worker_id,
+        id=worker_id,
         version=__version__,
-        models=list(self.slots),
-        resident=[s.name for s in self.slots.values() if s.resident],
-        warm=[s.name for s in self.slots.values() if s.tier == "warm"],
-        loading=self.residency.loading,
-        broken={s.name: s.broken for s in self.slots.values() if s.broken},
-        backlog={s.name: s.backlog for s in self.slots.values()},
-        in_flight=self._in_flight_by_model(),
-        unfetchable={s.name: s.unfetchable for s in self.slots.values() if s.unfetchable},
+        models=list(slots),
+        resident=[s.name for s in slots.values() if s.resident],
+        warm=[s.name for s in slots.values() if s.tier == "warm"],
+        loading=residency.loading,
+        broken={s.name: s.broken for s in slots.values() if s.broken},
+        backlog={name: slots[name].backlog for name in sorted(queues.waiting)},
+        in_flight=dict(in_flight),
+        unfetchable={s.name: s.unfetchable for s in slots.values() if s.unfetchable},
         drain_rps=drain,
-        load_cost_s={name: self.residency.load_cost_s(s) for name, s in self.slots.items()},
-        memory_bytes=sum(self.costs.memory_bytes(s.name) for s in self.slots.values() if s.resident),
-        memory_budget_bytes=self.budget.max_bytes,
-        host_memory_bytes=self.residency.host_used_bytes(),
-        host_memory_budget_bytes=self.residency.host_budget_bytes,
-        stats=dict(self.stats),
-        started_at=self._started_at,
+        load_cost_s={name: residency.load_cost_s(slots[name]) for name in sorted(active)},
+        memory_bytes=sum(costs.memory_bytes(s.name) for s in slots.values() if s.resident),
+        memory_budget_bytes=budget.max_bytes,
+        host_memory_bytes=residency.host_used_bytes(),
+        host_memory_budget_bytes=residency.host_budget_bytes,
+        stats=dict(stats),
+        started_at=started_at,
         updated_at=time.time(),
-        valid_s=self.config.worker.peer_timeout_s,
+        valid_s=valid_s,
     )
 
 
-def in_flight_by_model(self: "Worker") -> dict[str, int]:
-    out: dict[str, int] = {}
-    for m in self._in_flight_msgs.values():
-        name = self.subjects.model_from_subject(m.subject) or ""
-        out[name] = out.get(name, 0) + 1
-    return out
-
-
-def effective(self: "Worker", slot: Slot, served: dict[str, float] | None = None) -> int:
+def effective(slot: Slot, served_rps: float, load_cost_s: float) -> int:
     """Work other workers will drain before a load of ours would finish is not ours to chase."""
-    if served is None:
-        served = dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
-    return effective_backlog(slot.backlog, served.get(slot.name, 0.0), self.residency.load_cost_s(slot), resident_here=slot.resident)
+    return effective_backlog(slot.backlog, served_rps, join_horizon_s(load_cost_s), resident_here=slot.resident)
 
 
-def scheduler_state(self: "Worker") -> SchedulerState:
-    served = dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
+def scheduler_state(
+    names: Collection[str],
+    now: float,
+    *,
+    slots: Mapping[str, Slot],
+    residency: Residency,
+    costs: CostEstimator,
+    served: Mapping[str, float],
+    current: str | None,
+    budget: Budget,
+) -> SchedulerState:
+    """The policy's snapshot of ``names`` (see ``policy.visible_models``). A queue that peers
+    drain counts only for its part that is ours, and never as overdue (``policy.share``): a
+    peer's backlog, however old, is no reason for this worker to drop its work and load it."""
     models = {}
-    for name, slot in self.slots.items():
+    for name in names:
+        slot = slots[name]
         cfg = slot.config
-        load_cost_s = self.residency.load_cost_s(slot)
-        backlog = self._effective_backlog(slot, served)
+        load_cost_s = residency.load_cost_s(slot)
+        served_rps = served.get(name, 0.0)
+        backlog = effective(slot, served_rps, load_cost_s)
+        oldest = shared_head(slot.oldest_enqueued_at, now, served_rps, resident_here=slot.resident)
         models[name] = ModelState(
             name=name,
             backlog=backlog,
-            oldest_enqueued_at=slot.oldest_enqueued_at if backlog else None,
+            oldest_enqueued_at=oldest if backlog else None,
             earliest_deadline=slot.head_deadline if backlog else None,
             resident=slot.resident,
             load_cost_s=load_cost_s,
-            batch_cost=self.costs.batch_cost(name),
-            memory_bytes=self.costs.memory_bytes(name),
+            batch_cost=costs.batch_cost(name),
+            memory_bytes=costs.memory_bytes(name),
             max_batch_size=cfg.max_batch_size,
             max_wait_s=cfg.max_wait_ms / 1000.0 if cfg.max_wait_ms is not None else None,
             last_used_at=slot.last_used_at,
         )
-    return SchedulerState(models=models, current=self._current, budget=self.budget)
-
+    return SchedulerState(models=models, current=current, budget=budget)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,12 +72,19 @@ class Slot:
     last_used_at: float | None = None
     pending_load: LoadRecord | None = None  # reported under the first batch after the load
     broken: str | None = None  # why the model cannot load (a missing file), reported at startup
-    # Delivered-but-unacked messages nobody we know of holds: a dead worker's in-flight (due for
-    # redelivery within the ack wait) or messages whose ack was lost. Counted as backlog until a
-    # fetch comes back empty; then held back for one ack wait, by which all of them are due.
+    # Stored messages nobody we know of holds and this worker never saw arrive: a dead worker's
+    # in-flight (due for redelivery within the ack wait), or requests stored before we listened.
+    # Counted as backlog until a fetch comes back empty; then held back (``unfetchable``) for one
+    # ack wait, by which all of them are due, shrinking as they are acked (queues.py).
     stranded: int = 0
     unfetchable: int = 0
     hold_until: float = 0.0
+    # Enqueue times (and deadlines) of the newest waiting requests, oldest first, from the
+    # arrival events; older waiting requests' head, when read (None: not known). See queues.py.
+    known_times: deque[tuple[float, float | None]] = field(default_factory=deque)
+    unknown_head_at: float | None = None
+    unknown_head_deadline: float | None = None
+    consumer_ready_at: float | None = None  # when this worker last made sure the consumer exists
 
     @property
     def resident(self) -> bool:
@@ -104,8 +112,9 @@ def deliveries(msg: Msg) -> int:
         return 1
 
 
-def pending_after(msg: Msg, fallback: int) -> int:
+def pending_after(msg: Msg) -> int | None:
+    """What the consumer had left undelivered when it delivered ``msg`` (None: not JetStream)."""
     try:
         return int(msg.metadata.num_pending)
     except Exception:  # noqa: BLE001
-        return max(0, fallback)
+        return None
