@@ -19,9 +19,12 @@ Three rules keep workers from fighting over models (docs/scaleout.md):
 
 from __future__ import annotations
 
-__all__ = ["MIN_JOIN_S", "effective_backlog", "join_horizon_s", "shared_head"]
+__all__ = ["CLAIM_JITTER_MAX_S", "MIN_JOIN_S", "effective_backlog", "join_horizon_s", "shared_head"]
 
-MIN_JOIN_S = 1.0
+MIN_JOIN_S = 0.25
+# With peers, a worker waits up to this long (uniformly) before claiming a load, so that peers
+# that decided the same can say so first. The simulator charges its mean to every load.
+CLAIM_JITTER_MAX_S = 0.1
 
 
 def join_horizon_s(load_cost_s: float) -> float:

@@ -11,6 +11,11 @@ worker's load claim). Evicted models stay warm within the host budget; with pref
 model is read into the warm tier while the device computes. Requests past their deadline when
 their batch starts, or that the estimated batch time would carry past it, are not computed
 (``deadline_exceeded``), as in the live worker.
+
+The control plane costs what it costs live (``Workload.control``): each decision holds the worker
+for its CPU time (fixed, and per model the policy is shown: ``policy.visible_models``, the same
+rule as live), an arrival is known only ``arrival_delay_s`` after it is stored, and each load pays
+a fixed overhead (the consumer check; with peers, the claim and the jitter before it).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..policy import (
+    CLAIM_JITTER_MAX_S,
     BatchCost,
     BatchWindow,
     CostEstimator,
@@ -35,7 +41,10 @@ from ..policy import (
     Serve,
     cannot_finish,
     effective_backlog,
+    join_horizon_s,
     make_policy,
+    shared_head,
+    visible_models,
 )
 from .report import SimResult
 from .workloads import SimModel, Workload, WorkloadError
@@ -110,6 +119,8 @@ class _Sim:
         heapq.heappush(self.events, (at, self.seq, worker.index, kind))
 
     def admit(self, upto: float) -> None:
+        """Queue the arrivals a worker knows of by ``upto`` (stored ``arrival_delay_s`` earlier)."""
+        upto -= self.w.control.arrival_delay_s
         while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival][0] <= upto + 1e-12:
             at, model = self.arrivals[self.next_arrival]
             deadline = self.w.models[model].deadline_s
@@ -120,7 +131,10 @@ class _Sim:
             self.next_arrival += 1
 
     def next_arrival_at(self) -> float:
-        return self.arrivals[self.next_arrival][0] if self.next_arrival < len(self.arrivals) else math.inf
+        """When the next arrival becomes known to the workers."""
+        if self.next_arrival >= len(self.arrivals):
+            return math.inf
+        return self.arrivals[self.next_arrival][0] + self.w.control.arrival_delay_s
 
     def run(self) -> SimResult:
         if self.arrivals:
@@ -170,12 +184,13 @@ class _Sim:
             tier = "resident" if resident else ("warm" if name in worker.warm else "cold")
             load_cost = worker.costs.load_cost_s(name, "warm" if resident and self.w.host_budget_bytes else ("cold" if resident else tier))
             served = served_by.get(name, 0.0)
-            backlog = effective_backlog(len(self.queues[name]), served, load_cost, resident_here=resident)
+            backlog = effective_backlog(len(self.queues[name]), served, join_horizon_s(load_cost), resident_here=resident)
             q = self.queues[name]
+            head = shared_head(q[0].arrival if q else None, self.t, served, resident_here=resident)
             models[name] = ModelState(
                 name=name,
                 backlog=backlog,
-                oldest_enqueued_at=q[0].arrival if q and backlog else None,
+                oldest_enqueued_at=head if backlog else None,
                 resident=resident,
                 load_cost_s=load_cost,
                 batch_cost=worker.costs.batch_cost(name),
@@ -194,28 +209,23 @@ class _Sim:
         return SchedulerState(models=models, current=worker.current, budget=self.w.budget, arrival_order=order)
 
     def _visible(self, worker: _Worker) -> Any:
-        """The models a decision needs to see. All of them up to a few dozen (exactly what the
-        live worker shows its policy); beyond, the ones with requests waiting, on the device or in
-        the warm tier, or served by this worker recently (their demand still counts in the
-        policy's cycle estimate): an idle model among a thousand changes no decision."""
-        if len(self.w.models) <= 64:
-            return self.w.models
-        recent = self.t - 150.0  # five demand half-lives: what is older weighs under 1/32
-        names = set(self.nonempty)
-        names.update(worker.resident, worker.warm)
-        names.update(n for n, at in worker.last_used.items() if at >= recent)
-        if worker.current:
-            names.add(worker.current)
-        return sorted(names)
+        """The models a decision looks at: the live worker's rule (``policy.visible_models``)."""
+        return visible_models(
+            self.w.models, self.t,
+            waiting=self.nonempty, on_device=worker.resident, warm=worker.warm,
+            current=worker.current, last_used=worker.last_used,
+        )  # fmt: skip
 
     def step(self, worker: _Worker) -> None:
         state = self.state(worker)
         decision = worker.policy.decide(state, self.t)
+        # The decision's own CPU time delays what it starts, as it does live.
+        cost_s = self.w.control.decision_cost_s(len(state.models))
         if isinstance(decision, Serve):
-            self.serve(worker, decision)
+            self.serve(worker, decision, cost_s)
         elif isinstance(decision, Load):
             worker.load_share = state.models[decision.model].backlog  # the cluster share, as live
-            self.load(worker, decision)
+            self.load(worker, decision, cost_s)
         else:
             self.idle(worker, decision)
 
@@ -227,7 +237,7 @@ class _Sim:
             self.wake(worker, max(nxt, self.t))
         # else: nothing left to arrive and nothing queued: this worker is done
 
-    def serve(self, worker: _Worker, decision: Serve) -> None:
+    def serve(self, worker: _Worker, decision: Serve, cost_s: float = 0.0) -> None:
         m = self.w.models[decision.model]
         if decision.model not in worker.resident:
             raise RuntimeError(f"{worker.policy.name} served non-resident model {decision.model}")
@@ -248,7 +258,7 @@ class _Sim:
             batch.append(q.popleft())
         if not q:
             self.nonempty.discard(decision.model)
-        start = self.t
+        start = self.t + cost_s
         # The live worker's rule: the capped estimate, and no prediction once PROBE_AFTER_REFUSALS
         # batches in a row were refused whole on one.
         refusals = worker.refused_on_prediction.get(decision.model, 0)
@@ -286,7 +296,7 @@ class _Sim:
         self.result.latency_by_model.setdefault(r.model, []).append(end - r.arrival)
         self.result.completions.append((end, r.arrival))
 
-    def load(self, worker: _Worker, decision: Load) -> None:
+    def load(self, worker: _Worker, decision: Load, cost_s: float = 0.0) -> None:
         if any(p.loading == decision.model for p in self.workers if p is not worker):
             # Another worker holds the load claim: stand back until its load ends.
             self.wake(worker, max(p.busy_until for p in self.workers if p.loading == decision.model) + 1e-6)
@@ -304,12 +314,21 @@ class _Sim:
         tier = "warm" if decision.model in worker.warm else "cold"
         worker.warm.pop(decision.model, None)
         duration = self.noisy(m.load_s(tier))
-        self.result.load_log.append((self.t, self.t + duration, m.name))
+        start = self.t + cost_s + self._load_overhead_s()
+        self.result.load_log.append((start, start + duration, m.name))
         self.result.load_seconds += duration
         self.result.loads += 1
         worker.loading = decision.model
-        worker.busy_until = self.t + duration
-        self.wake(worker, self.t + duration, f"done:load:{decision.model}:{tier}:{duration}")
+        worker.busy_until = start + duration
+        self.wake(worker, start + duration, f"done:load:{decision.model}:{tier}:{duration}")
+
+    def _load_overhead_s(self) -> float:
+        """The control plane's part of a load: the consumer check, and with peers the mean of the
+        jitter before a claim (uniform up to 0.1 s, as live) and the claim's round trips."""
+        overhead = self.w.control.load_overhead_s
+        if len(self.workers) > 1:
+            overhead += CLAIM_JITTER_MAX_S / 2
+        return overhead
 
     def finish(self, worker: _Worker, kind: str) -> None:
         _, what, model, arg, duration_text = kind.split(":", 4)

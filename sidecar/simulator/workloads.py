@@ -12,6 +12,11 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     cv = 0.0                            # multiplicative noise on load and batch times
     seed = 1
     [policy]                            # options for the policies (their keyword arguments)
+    [control]                           # what the live worker's control plane costs (default: as measured)
+    decision_s = 0.0001                 # CPU seconds of one decision, plus
+    decision_per_model_s = 0.000004     # ... per model the policy looks at (policy/visible.py)
+    arrival_delay_s = 0.0005            # from a request's store to the worker knowing of it
+    load_overhead_s = 0.002             # per load: the consumer check, adverts and claims
     [models.m1]
     load_cost_s = 0.5                   # true seconds to load from disk (cold)
     warm_load_cost_s = 0.05             # true seconds to load from the warm tier
@@ -51,7 +56,7 @@ from ..config import describe_validation_error
 from ..errors import SidecarError
 from ..policy import Budget
 
-__all__ = ["SimModel", "Workload", "WorkloadError", "build_workload", "capacity_rps", "load_workload"]
+__all__ = ["Control", "SimModel", "Workload", "WorkloadError", "build_workload", "capacity_rps", "load_workload"]
 
 _RENAMED = {"load_s": "load_cost_s", "batch_fixed_s": "batch_cost_s", "batch_item_s": "item_cost_s"}
 _warned: set[str] = set()
@@ -89,6 +94,26 @@ class SimModel:
 
 
 @dataclass(frozen=True)
+class Control:
+    """What the live worker's control plane costs, so the simulated worker pays it too. The
+    defaults are the live worker's, measured by ``python -m bench.control_plane`` (figures in
+    docs/benchmarks.md): a decision's CPU (fixed, and per model shown to the policy), the delay
+    before an arrival is known (the stream's republished event), and the fixed part of a load
+    (the consumer check; with peers, the claim, the adverts and the jitter before a claim)."""
+
+    decision_s: float = 0.0001
+    decision_per_model_s: float = 0.000004
+    arrival_delay_s: float = 0.0005
+    load_overhead_s: float = 0.002
+
+    def decision_cost_s(self, models_shown: int) -> float:
+        return self.decision_s + self.decision_per_model_s * models_shown
+
+
+IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
 class Workload:
     models: dict[str, SimModel]
     arrivals: tuple[tuple[float, str], ...]  # (time, model), sorted by time
@@ -102,6 +127,7 @@ class Workload:
     seed: int = 1
     policy_options: dict[str, Any] = field(default_factory=dict)
     horizon_s: float = 0.0  # end of the arrival window (0: the last arrival)
+    control: Control = Control()
 
     @property
     def window_s(self) -> float:
@@ -183,6 +209,13 @@ class _ArrivalsSpec(_Spec):
     path: str | None = None
 
 
+class _ControlSpec(_Spec):
+    decision_s: Annotated[float, Meta(ge=0, le=10)] = Control.decision_s
+    decision_per_model_s: Annotated[float, Meta(ge=0, le=1)] = Control.decision_per_model_s
+    arrival_delay_s: Annotated[float, Meta(ge=0, le=60)] = Control.arrival_delay_s
+    load_overhead_s: Annotated[float, Meta(ge=0, le=60)] = Control.load_overhead_s
+
+
 class _WorkloadSpec(_Spec):
     models: dict[str, Any]  # each checked by _model, so a message names the model
     budget: _BudgetSpec | None = None
@@ -191,6 +224,7 @@ class _WorkloadSpec(_Spec):
     workers: _WorkersSpec = _WorkersSpec()
     policy: dict[str, Any] = {}
     arrivals: _ArrivalsSpec = _ArrivalsSpec()
+    control: _ControlSpec = _ControlSpec()
 
 
 def _convert(raw: Any, spec: type[Any], where: str) -> Any:
@@ -244,6 +278,7 @@ def build_workload(raw: Any, base: Path = Path(".")) -> Workload:
         seed=spec.noise.seed,
         policy_options=dict(spec.policy),
         horizon_s=horizon,
+        control=Control(**msgspec.structs.asdict(spec.control)),
     )
 
 

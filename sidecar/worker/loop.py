@@ -31,7 +31,7 @@ from ..cluster import ClusterView
 from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..errors import TRANSPORT_ERRORS
-from ..policy import BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, make_policy, visible_models
+from ..policy import CLAIM_JITTER_MAX_S, BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, make_policy, visible_models
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
@@ -402,7 +402,7 @@ class Worker:
         held = self.cluster.held_by_peers()
         if not held and not self.cluster.peers():
             return []
-        await anyio.sleep(self._rng.uniform(0.0, min(0.1, self.config.worker.heartbeat_s / 4)))
+        await anyio.sleep(self._rng.uniform(0.0, min(CLAIM_JITTER_MAX_S, self.config.worker.heartbeat_s / 4)))
         held = self.cluster.held_by_peers()
         if slot.name in held and not self.cluster.view_fresh():
             # What the peers hold is as last heard before JetStream failed us: taking one of their

@@ -32,8 +32,8 @@ def build_report(
     valid_s: float,
 ) -> SidecarReport:
     """The worker's status and advert (one report). Per-model maps list only the models with
-    something to say (waiting, on the device, warm): with a thousand registered models the
-    advert every peer decodes every heartbeat stays small."""
+    something to say (waiting, on the device, warm or loading): with a thousand registered
+    models the advert every peer decodes every heartbeat stays small."""
     drain: dict[str, float] = {}
     active = {s.name for s in slots.values() if s.tier != "cold" or s.name == residency.loading} | queues.waiting
     for name in active:
@@ -50,7 +50,7 @@ def build_report(
         warm=[s.name for s in slots.values() if s.tier == "warm"],
         loading=residency.loading,
         broken={s.name: s.broken for s in slots.values() if s.broken},
-        backlog={name: slots[name].backlog for name in sorted(queues.waiting)},
+        backlog={name: slots[name].backlog for name in sorted(active)},
         in_flight=dict(in_flight),
         unfetchable={s.name: s.unfetchable for s in slots.values() if s.unfetchable},
         drain_rps=drain,

@@ -1,0 +1,172 @@
+"""Many registered models on one worker: the live worker against its simulator on one trace.
+
+One worker process (`jetbatch worker`, the `sleep` handler: load and batch are sleeps of known
+length, so the device time is the workload's, not this machine's), one embedded nats-server,
+`--models N` registered models, Zipf(1.1) popularity and Poisson arrivals at `--rate` req/s for
+`--duration` s. The same arrivals are fed to the simulator (with the control plane's measured
+costs, ``Workload.control``) and, with ``--ideal``, to the simulator with a free control plane.
+Before the traffic, the idle CPU of the worker and of nats-server is read from /proc over
+`--idle-s` seconds, and the time from the worker's start to its readiness.
+
+    python -m bench.scale --models 200 --rate 40 --duration 60 [--json out.json] [--trace-out trace.json]
+
+``--trace-out`` writes the trace and costs in the format ``bench/vs_ray.py`` reads, so Ray
+Serve's multiplexing runs on the very same arrivals. Latency is measured from each request's
+scheduled send time (open loop) to its answer; percentiles are nearest-rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from jetbatch import sdk
+from jetbatch.sidecar.dev.deployment import Deployment
+from jetbatch.sidecar.simulator import simulate
+from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL, build_workload
+
+COSTS = {"load_cost_s": 0.05, "batch_cost_s": 0.002, "item_cost_s": 0.0002, "max_batch_size": 16, "max_delay_s": 0.005}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least ``q`` of the values at or below it."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def workload_raw(models: int, rate: float, duration_s: float, seed: int, slots: int) -> dict[str, Any]:
+    names = [f"m{i}" for i in range(models)]
+    # The worker's warm tier is the sleep handler's tenth of a load; the simulator's default is the same.
+    spec = {k: COSTS[k] for k in ("load_cost_s", "batch_cost_s", "item_cost_s", "max_batch_size", "max_delay_s")}
+    return {
+        "models": {n: dict(spec) for n in names},
+        "budget": {"max_models": slots},
+        "host": {"budget_bytes": 1 << 40, "prefetch": False},
+        "arrivals": {"kind": "poisson", "rate": rate, "duration_s": duration_s, "zipf": 1.1, "seed": seed},
+    }
+
+
+def write_config(directory: Path, prefix: str, models: int, slots: int) -> Path:
+    lines = [
+        f'[nats]\nprefix = "{prefix}"\n',
+        f"[worker]\nmax_resident_models = {slots}\nprefetch_weights = false\n",
+    ]
+    opts = f"options = {{ load_cost_s = {COSTS['load_cost_s']}, batch_cost_s = {COSTS['batch_cost_s']}, item_cost_s = {COSTS['item_cost_s']} }}"
+    for i in range(models):
+        lines.append(
+            f'[models.m{i}]\nhandler = "sleep"\nmax_batch_size = {COSTS["max_batch_size"]}\nmax_delay_ms = {COSTS["max_delay_s"] * 1000:g}\n'
+            f"load_cost_s = {COSTS['load_cost_s']}\nbatch_cost_s = {COSTS['batch_cost_s']}\nitem_cost_s = {COSTS['item_cost_s']}\n{opts}\n"
+        )
+    path = directory / "scale.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def replay(url: str, prefix: str, arrivals: tuple[tuple[float, str], ...], timeout_s: float) -> tuple[list[float], int, int]:
+    """Send each request at its trace time (open loop); latencies of the answered ones, and the
+    counts of timed-out and failed requests."""
+    latencies: list[float] = []
+    timed_out = failed = 0
+    async with sdk.Client.connect(url, prefix=prefix) as client:
+        start = time.monotonic() + 0.5
+
+        async def one(at: float, model: str) -> None:
+            nonlocal timed_out, failed
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            try:
+                await client.infer(b"x", model=model, timeout=timeout_s)
+                latencies.append(time.monotonic() - (start + at))
+            except sdk.RequestTimeout:
+                timed_out += 1
+            except sdk.JetbatchError:
+                failed += 1
+
+        await asyncio.gather(*(one(at, m) for at, m in arrivals))
+    return latencies, timed_out, failed
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    raw = workload_raw(args.models, args.rate, args.duration, args.seed, args.slots)
+    workload = build_workload(raw)
+    record: dict[str, Any] = {
+        "bench": "scale", "models": args.models, "rate": args.rate, "duration_s": args.duration,
+        "requests": len(workload.arrivals), "slots": args.slots, "seed": args.seed,
+    }  # fmt: skip
+    if args.trace_out:
+        Path(args.trace_out).write_text(json.dumps({
+            "models": list(workload.models), "arrivals": [[t, m] for t, m in workload.arrivals],
+            **{k: v for k, v in COSTS.items()}, "max_resident_models": args.slots, "timeout_s": args.timeout,
+        }))  # fmt: skip
+    sim = simulate(workload, "cost-aware")
+    record["simulated"] = {"p50_s": percentile(sim.latencies_s, 0.5), "p99_s": percentile(sim.latencies_s, 0.99), "loads": sim.loads}
+    if args.ideal:
+        from dataclasses import replace
+
+        ideal = simulate(replace(workload, control=IDEAL_CONTROL), "cost-aware")
+        record["simulated_ideal"] = {"p50_s": percentile(ideal.latencies_s, 0.5), "p99_s": percentile(ideal.latencies_s, 0.99), "loads": ideal.loads}
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = f"scale{os.getpid()}"
+        config = write_config(Path(tmp), prefix, args.models, args.slots)
+        started = time.monotonic()
+        with Deployment(config, classifier=False, store_dir=Path(tmp) / "store", http_port=-1) as dep:
+            record["ready_s"] = time.monotonic() - started
+            worker_pid = dep.procs["worker0"].pid
+            server_pid = dep.server.pid
+            time.sleep(2.0)  # let startup's last calls settle before reading idle CPU
+            w0, s0, t0 = cpu_s(worker_pid), cpu_s(server_pid), time.monotonic()
+            time.sleep(args.idle_s)
+            elapsed = time.monotonic() - t0
+            record["idle_cores"] = {"worker": (cpu_s(worker_pid) - w0) / elapsed, "nats_server": (cpu_s(server_pid) - s0) / elapsed}
+            w0, s0, t0 = cpu_s(worker_pid), cpu_s(server_pid), time.monotonic()
+            latencies, timed_out, failed = asyncio.run(replay(dep.url, prefix, workload.arrivals, args.timeout))
+            elapsed = time.monotonic() - t0
+            record["busy_cores"] = {"worker": (cpu_s(worker_pid) - w0) / elapsed, "nats_server": (cpu_s(server_pid) - s0) / elapsed}
+            record["live"] = {
+                "p50_s": percentile(latencies, 0.5), "p99_s": percentile(latencies, 0.99),
+                "answered": len(latencies), "timed_out": timed_out, "failed": failed,
+            }  # fmt: skip
+    live, simd = record["live"], record["simulated"]
+    record["live_over_sim"] = {"p50": live["p50_s"] / simd["p50_s"], "p99": live["p99_s"] / simd["p99_s"]}
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=40.0)
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--ideal", action="store_true", help="also simulate with a free control plane")
+    parser.add_argument("--json", help="append the record to this file (one JSON object per line)")
+    parser.add_argument("--trace-out", help="write the trace for bench/vs_ray.py")
+    args = parser.parse_args(argv)
+    record = run(args)
+    line = json.dumps(record)
+    print(line)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
