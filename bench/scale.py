@@ -78,6 +78,20 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def worker_stats(url: str, prefix: str) -> dict[str, int]:
+    """The worker's counters (its status report), including what its decisions cost."""
+    from jetbatch.sdk.connection import connect_nats
+    from jetbatch.sdk.protocol import Subjects
+    from jetbatch.sidecar.status import collect_status
+
+    nc = await connect_nats(url)
+    try:
+        reports = await collect_status(nc, Subjects(prefix), wait_s=1.0)
+    finally:
+        await nc.close()
+    return dict(next((r.stats for r in reports if r.role == "worker"), {}))
+
+
 async def replay(url: str, prefix: str, arrivals: tuple[tuple[float, str], ...], timeout_s: float) -> tuple[list[float], int, int]:
     """Send each request at its trace time (open loop); latencies of the answered ones, and the
     counts of timed-out and failed requests."""
@@ -141,6 +155,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "p50_s": percentile(latencies, 0.5), "p99_s": percentile(latencies, 0.99),
                 "answered": len(latencies), "timed_out": timed_out, "failed": failed,
             }  # fmt: skip
+            stats = asyncio.run(worker_stats(dep.url, prefix))
+    decisions = max(stats.get("decisions", 0), 1)
+    record["live"]["loads"] = stats.get("loads")
+    record["decision"] = {
+        "count": stats.get("decisions", 0),
+        "mean_s": stats.get("decision_us", 0) / 1e6 / decisions,
+        "models_shown_mean": stats.get("models_shown", 0) / decisions,
+    }  # fmt: skip
     live, simd = record["live"], record["simulated"]
     record["live_over_sim"] = {"p50": live["p50_s"] / simd["p50_s"], "p99": live["p99_s"] / simd["p99_s"]}
     return record

@@ -23,7 +23,7 @@ from .scheduling import (
     make_policy,
 )
 from .share import CLAIM_JITTER_MAX_S, MIN_JOIN_S, effective_backlog, join_horizon_s, shared_head
-from .visible import visible_models
+from .visible import RECENT_S, visible_models
 from .window import PROBE_AFTER_REFUSALS, BatchWindow, cannot_finish
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "MIN_JOIN_S",
     "POLICIES",
     "PROBE_AFTER_REFUSALS",
+    "RECENT_S",
     "BatchCost",
     "BatchWindow",
     "Budget",

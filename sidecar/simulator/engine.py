@@ -212,8 +212,8 @@ class _Sim:
         """The models a decision looks at: the live worker's rule (``policy.visible_models``)."""
         return visible_models(
             self.w.models, self.t,
-            waiting=self.nonempty, on_device=worker.resident, warm=worker.warm,
-            current=worker.current, last_used=worker.last_used,
+            waiting=self.nonempty, on_device=worker.resident,
+            current=worker.current, last_used=worker.last_used, demand=getattr(worker.policy, "demand", None),
         )  # fmt: skip
 
     def step(self, worker: _Worker) -> None:

@@ -31,7 +31,7 @@ from ..cluster import ClusterView
 from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..errors import TRANSPORT_ERRORS
-from ..policy import CLAIM_JITTER_MAX_S, BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, make_policy, visible_models
+from ..policy import CLAIM_JITTER_MAX_S, RECENT_S, BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, make_policy, visible_models
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
@@ -99,7 +99,7 @@ class Worker:
             )
         self._check_models()
         self.budget = Budget(max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models)
-        self.stats = {"batches": 0, "requests": 0, "loads": 0, "evictions": 0}
+        self.stats = {"batches": 0, "requests": 0, "loads": 0, "evictions": 0, "decisions": 0, "decision_us": 0, "models_shown": 0}
         self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
         self.telemetry.register_gauges(self.report)
         self._stopping = anyio.Event()
@@ -107,6 +107,7 @@ class Worker:
         self._current: str | None = None
         self._next_refresh = -math.inf
         self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
+        self._last_used: dict[str, float] = {}  # model -> when its last batch ran (recent ones only)
         self._in_flight_msgs: dict[int, Msg] = {}
         self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
@@ -295,10 +296,10 @@ class Worker:
         names = visible_models(
             self.slots, now,
             waiting=self.queues.waiting,
-            on_device=[n for n, s in self.slots.items() if s.resident],
-            warm=[n for n, s in self.slots.items() if s.tier == "warm"],
+            on_device=self.residency.resident_names(),
             current=self._current,
-            last_used={n: s.last_used_at for n, s in self.slots.items() if s.last_used_at is not None},
+            last_used=self._last_used,
+            demand=getattr(self.policy, "demand", None),
         )  # fmt: skip
         return view.scheduler_state(
             names, now, slots=self.slots, residency=self.residency, costs=self.costs,
@@ -311,6 +312,8 @@ class Worker:
         mine = self._in_flight_by_model()
         not_ours = self.cluster.not_ours(now) if self.cluster is not None else {}
         ok = await self.queues.refresh(self.js, self.subjects, now, mine=mine, not_ours=not_ours)
+        for name in [n for n, at in self._last_used.items() if at < now - RECENT_S]:
+            del self._last_used[name]
         busy = bool(self.queues.waiting) or bool(self._in_flight_msgs)
         poll_s = self.config.worker.poll_interval_ms / 1000.0
         self._next_refresh = time.time() + (poll_s if busy else max(poll_s, self.config.worker.idle_refresh_s))
@@ -326,7 +329,13 @@ class Worker:
             if now >= self._next_refresh:
                 await self._refresh(now)
                 now = time.time()
-            decision = self.policy.decide(self._state(now), now)
+            started = time.perf_counter()
+            state = self._state(now)
+            decision = self.policy.decide(state, now)
+            # What deciding costs (the simulator charges it too: Workload.control, bench/scale.py).
+            self.stats["decisions"] += 1
+            self.stats["decision_us"] += int((time.perf_counter() - started) * 1e6)
+            self.stats["models_shown"] += len(state.models)
             if isinstance(decision, Serve):
                 slot = self.slots[decision.model]
                 if not slot.resident:
@@ -389,6 +398,8 @@ class Worker:
             for m in msgs:
                 self._in_flight_msgs.pop(id(m), None)
             slot.in_flight -= 1
+            if slot.last_used_at is not None:
+                self._last_used[slot.name] = slot.last_used_at
 
     # --- loads -----------------------------------------------------------------------------
 

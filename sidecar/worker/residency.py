@@ -72,6 +72,9 @@ class Residency:
         self.on_load_failed = on_load_failed
         self.loading: str | None = None
         self._prefetching: set[str] = set()
+        # Models warm or resident: what the host-budget sums walk (not every registered model).
+        self._held: set[str] = {n for n, s in slots.items() if s.tier != "cold"}
+        self._host_used: int | None = None
 
     # --- what the scheduler is told ---------------------------------------------------------------
 
@@ -85,10 +88,25 @@ class Residency:
         return self.costs.load_cost_s(slot.name, slot.tier)
 
     def host_used_bytes(self) -> int:
-        cuda = getattr(self.device, "type", "cpu") == "cuda"
-        return sum(
-            s.handler.host_bytes() for s in self.slots.values() if s.tier == "warm" or (cuda and s.resident and s.handler.warm)
-        )
+        """Host bytes of the warm tier (remembered until a model changes tier: the decisions ask
+        for it once per resident model)."""
+        if self._host_used is None:
+            cuda = getattr(self.device, "type", "cpu") == "cuda"
+            held = (self.slots[n] for n in self._held)
+            self._host_used = sum(s.handler.host_bytes() for s in held if s.tier == "warm" or (cuda and s.resident and s.handler.warm))
+        return self._host_used
+
+    def resident_names(self) -> list[str]:
+        """The models on the device (a walk over the held models, not every registered one)."""
+        return sorted(n for n in self._held if self.slots[n].resident)
+
+    def _set_tier(self, slot: Slot, tier: Tier) -> None:
+        slot.tier = tier
+        self._host_used = None
+        if tier == "cold":
+            self._held.discard(slot.name)
+        else:
+            self._held.add(slot.name)
 
     # --- moves ----------------------------------------------------------------------------------
 
@@ -151,7 +169,7 @@ class Residency:
             with self.telemetry.child_span("model.load", **{"jetbatch.model": slot.name}) as span:
                 self.telemetry.mark_error(span, error)
             log.error("%s", message)
-            slot.tier = "warm" if slot.handler.warm else "cold"
+            self._set_tier(slot, "warm" if slot.handler.warm else "cold")
             await self.on_load_failed(slot, message)
             return False
         seconds = time.perf_counter() - started
@@ -159,7 +177,7 @@ class Residency:
         # around its load), else the allocator delta seen from here.
         memory = slot.handler.memory_bytes() or max(0, _device_bytes(self.device) - before)
         slot.pending_load = LoadRecord(slot.name, started_ns, time.time_ns(), memory, tuple(evict), unloads)
-        slot.tier = "resident"
+        self._set_tier(slot, "resident")
         slot.fresh_load = True
         self.costs.observe_load(slot.name, seconds, tier)
         self.costs.observe_memory(slot.name, memory)
@@ -189,7 +207,7 @@ class Residency:
             # Reference cycles can pin device memory until a collection; on the CPU the refcount
             # drop frees it, and a full collection would cost ~0.1 s per switch.
             await anyio.to_thread.run_sync(_collect, self.device)
-        victim.tier = "warm" if keep_warm and victim.handler.warm else "cold"
+        self._set_tier(victim, "warm" if keep_warm and victim.handler.warm else "cold")
         victim.pending_load = None
         victim.fresh_load = False
         self.policy.on_evicted(victim.name, time.time())
@@ -199,13 +217,13 @@ class Residency:
         return (victim.name, started_ns, time.time_ns(), memory)
 
     async def unload_all(self) -> None:
-        for slot in self.slots.values():
+        for slot in [self.slots[n] for n in sorted(self._held)]:
             if slot.resident or slot.tier == "warm":
                 try:
                     await anyio.to_thread.run_sync(slot.handler.unload)
                 except Exception as exc:  # noqa: BLE001 - shutting down: log and go on
                     log.warning("unloading %s failed: %r", slot.name, exc)
-                slot.tier = "cold"
+                self._set_tier(slot, "cold")
 
     def prefetch(
         self, tg: anyio.abc.TaskGroup, *, exclude: str, backlog_of: Callable[[Slot], int], candidates: Iterable[str]
@@ -230,8 +248,9 @@ class Residency:
             try:
                 self._make_host_room(self.costs.host_memory_bytes(nxt.name), keep=nxt)
                 await anyio.to_thread.run_sync(nxt.handler.read_weights)
+                self._host_used = None
                 if nxt.tier == "cold" and nxt.handler.warm:
-                    nxt.tier = "warm"
+                    self._set_tier(nxt, "warm")
                     self.costs.observe_host_memory(nxt.name, nxt.handler.host_bytes())
             except Exception as exc:  # noqa: BLE001 - the real load reports the error
                 log.debug("prefetch of %s failed: %r", nxt.name, exc)
@@ -255,21 +274,25 @@ class Residency:
         """Whether ``nbytes`` of ``slot`` fit the host budget once warm copies worth less go."""
         if self.host_budget_bytes <= 0 or nbytes > self.host_budget_bytes:
             return False
+        used = self.host_used_bytes() - (self._host_bytes(slot) if slot.tier == "warm" else 0)
+        if used + nbytes <= self.host_budget_bytes:
+            return True  # fits as it is: no warm copy need be weighed (the common case, and O(1) decisions)
         now = time.time()
         mine = self._value(slot, now)
-        used = self.host_used_bytes() - (self._host_bytes(slot) if slot.tier == "warm" else 0)
-        freeable = sum(self._host_bytes(s) for s in self.slots.values() if s.tier == "warm" and s is not slot and self._value(s, now) <= mine)
+        warm = (self.slots[n] for n in self._held)
+        freeable = sum(self._host_bytes(s) for s in warm if s.tier == "warm" and s is not slot and self._value(s, now) <= mine)
         return used - freeable + nbytes <= self.host_budget_bytes
 
     def _make_host_room(self, nbytes: int, *, keep: Slot) -> None:
         now = time.time()
         while self.host_used_bytes() - (self._host_bytes(keep) if keep.tier == "warm" else 0) + nbytes > self.host_budget_bytes:
-            warm = [s for s in self.slots.values() if s.tier == "warm" and s is not keep]
+            warm = [self.slots[n] for n in sorted(self._held) if self.slots[n].tier == "warm" and self.slots[n] is not keep]
             if not warm:
                 return
             victim = min(warm, key=lambda s: (self._value(s, now), s.name))
             victim.handler.drop_host_copy()
-            victim.tier = "cold"
+            self._host_used = None
+            self._set_tier(victim, "cold")
             log.info("dropped the warm copy of %s (host memory budget)", victim.name)
 
     def _enforce_host_budget(self, *, keep: Slot) -> None:
