@@ -111,3 +111,29 @@ def test_share_leaves_what_peers_would_not_drain_within_our_load() -> None:
 def test_share_is_between_zero_and_the_backlog(backlog: int, rps: float, horizon: float, resident: bool) -> None:
     share = effective_backlog(backlog, rps, horizon, resident_here=resident)
     assert 0 <= share <= backlog
+
+
+def test_visible_models_are_all_of_a_few_and_the_active_ones_of_thousands() -> None:
+    from jetbatch.sidecar.policy import visible_models
+
+    few = {f"m{i}": None for i in range(10)}
+    assert visible_models(few, 0.0, waiting=[], on_device=[], current=None, last_used={}) is few
+    many = {f"m{i}": None for i in range(1000)}
+    demand = {"m5": 3.0, "m6": 0.5}
+    shown = visible_models(
+        many, 1000.0, waiting=["m1"], on_device=["m2"], current="m3",
+        last_used={"m5": 990.0, "m6": 995.0, "m7": 10.0},
+        demand=lambda name, now: demand.get(name, 0.0),
+    )  # fmt: skip
+    # m6: used recently but its demand no longer counts; m7: used long ago.
+    assert list(shown) == ["m1", "m2", "m3", "m5"]
+
+
+def test_a_queue_peers_serve_is_never_overdue_for_a_worker_that_does_not_hold_it() -> None:
+    from jetbatch.sidecar.policy import join_horizon_s, shared_head
+
+    assert shared_head(10.0, 100.0, 50.0, resident_here=False) == 100.0  # age 0: not overdue
+    assert shared_head(10.0, 100.0, 50.0, resident_here=True) == 10.0  # ours: its true age
+    assert shared_head(10.0, 100.0, 0.0, resident_here=False) == 10.0  # nobody serves it
+    # Cheap warm reloads do not shrink the peers' drain to a few requests.
+    assert join_horizon_s(0.05) == 0.25 and join_horizon_s(2.0) == 2.0

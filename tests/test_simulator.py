@@ -72,3 +72,23 @@ def test_simulate_cli_errors_are_one_line(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "unknown policy" in out.stderr
+
+
+def test_the_simulated_worker_pays_the_control_plane() -> None:
+    from dataclasses import replace
+
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL, Control
+
+    raw = {
+        "models": {"m1": {"load_cost_s": 0.1, "batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 1}},
+        "arrivals": {"kind": "poisson", "rate": 5, "duration_s": 20, "seed": 3},
+    }
+    base = build_workload(raw)
+    ideal = simulate(replace(base, control=IDEAL_CONTROL), "cost-aware")
+    costly = simulate(replace(base, control=Control(decision_s=0.002, decision_per_model_s=0.0, arrival_delay_s=0.003, load_overhead_s=0.05)), "cost-aware")
+    # One load in both; every request pays the arrival delay and at least one decision more.
+    assert ideal.loads == costly.loads == 1
+    pairs = zip(sorted(ideal.latencies_s), sorted(costly.latencies_s))
+    assert all(c >= i + 0.003 + 0.002 - 1e-9 for i, c in pairs)
+    assert max(costly.latencies_s) >= max(ideal.latencies_s) + 0.05  # the load's overhead, once
+    assert build_workload({**raw, "control": {"decision_s": 0.0}}).control.decision_s == 0.0

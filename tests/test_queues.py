@@ -1,0 +1,154 @@
+"""The worker's view of its queues (sidecar/worker/queues.py): the counting rules by state, the
+arrival feed on hostile headers, and the event-driven backlog against a real nats-server,
+including a dead worker's stranded requests."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import nats
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jetbatch.sdk.protocol import Headers, Subjects
+from jetbatch.sidecar.config import StreamsConfig
+from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams, model_consumer_name
+from jetbatch.sidecar.worker.queues import ArrivalFeed, QueueView, parse_stream_timestamp
+from jetbatch.sidecar.worker.slots import Slot
+from tests.helpers import wait_until
+
+
+def _slot(name: str = "m1") -> Slot:
+    return Slot(name=name, config=SimpleNamespace(), handler=None, window=None)  # type: ignore[arg-type]
+
+
+def _view(*names: str) -> tuple[QueueView, dict[str, Slot]]:
+    slots = {n: _slot(n) for n in names}
+    return QueueView(slots), slots
+
+
+def test_arrivals_count_and_the_oldest_is_the_head() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    for at in (10.0, 11.0, 12.0):
+        view.arrived(s, at, None)
+    assert s.backlog == 3 and s.oldest_enqueued_at == 10.0 and view.waiting == {"m1"}
+    view.fetched(s, 2, pending=1)
+    assert s.backlog == 1 and s.oldest_enqueued_at == 12.0  # the head went with the fetch
+    view.fetched(s, 1, pending=0)
+    assert s.backlog == 0 and s.oldest_enqueued_at is None and view.waiting == set()
+
+
+def test_a_reconcile_sets_the_count_and_subtracts_what_workers_hold() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    for at in (1.0, 2.0, 3.0, 4.0):
+        view.arrived(s, at, None)
+    # 4 stored, 1 in flight here, 1 at a live peer: 2 are ours to chase, the newest two.
+    view.reconcile(s, 4, now=5.0, mine=1, not_ours=1)
+    assert s.backlog == 2 and s.oldest_enqueued_at == 3.0
+
+
+def test_stranded_requests_count_until_a_fetch_finds_them_gone_then_wait_one_ack_wait() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    # A dead worker left 3 delivered-unacked requests nobody advertises: they count as backlog.
+    view.reconcile(s, 3, now=0.0, mine=0, not_ours=0)
+    assert s.backlog == 3 and s.stranded == 3
+    view.found_empty(s, now=1.0, ack_wait_s=30.0)
+    assert s.backlog == 0 and s.unfetchable == 3
+    view.reconcile(s, 3, now=2.0, mine=0, not_ours=0)
+    assert s.backlog == 0  # held back: not fetchable until they are redelivered
+    # A new request is not masked by the held-back ones.
+    view.arrived(s, 3.0, None)
+    view.reconcile(s, 4, now=3.5, mine=0, not_ours=0)
+    assert s.backlog == 1 and s.oldest_enqueued_at == 3.0
+    # After one ack wait every stranded request is due again: all count.
+    view.reconcile(s, 4, now=31.5, mine=0, not_ours=0)
+    assert s.backlog == 4 and s.unfetchable == 0
+
+
+def test_held_back_requests_shrink_as_they_are_acked() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.reconcile(s, 5, now=0.0, mine=0, not_ours=0)
+    view.found_empty(s, now=0.0, ack_wait_s=30.0)
+    view.reconcile(s, 2, now=1.0, mine=0, not_ours=0)  # a peer acked 3 of them
+    assert s.unfetchable == 2 and s.backlog == 0
+
+
+def test_an_unknown_head_is_read_once() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.reconcile(s, 2, now=10.0, mine=0, not_ours=0)  # stored before we listened
+    assert view.needs_head(s)
+    view.set_unknown_head(s, 4.0, 99.0)
+    assert not view.needs_head(s) and s.oldest_enqueued_at == 4.0 and s.head_deadline == 99.0
+    view.arrived(s, 11.0, None)
+    assert s.oldest_enqueued_at == 4.0  # the older head stays the head
+
+
+@given(st.text(max_size=60))
+def test_a_forged_timestamp_never_raises(text: str) -> None:
+    at = parse_stream_timestamp(text)
+    assert at is None or isinstance(at, float)
+
+
+def test_stream_timestamps_parse_to_unix_seconds() -> None:
+    assert parse_stream_timestamp("1970-01-01T00:00:01.5Z") == 1.5
+    assert parse_stream_timestamp("2026-12-04T16:07:39.458084362Z") == pytest.approx(1796400459.458084362)
+    assert parse_stream_timestamp("2026-12-04T16:07:39Z") == 1796400459.0
+    assert parse_stream_timestamp("2026-12-04T16:07:39.x5Z") is None
+    assert parse_stream_timestamp("9" * 41 + "Z") is None
+
+
+def test_the_feed_ignores_unknown_models_and_reads_bad_headers_safely() -> None:
+    view, slots = _view("m1")
+    woken: list[int] = []
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: woken.append(1))
+    feed.note("p.arrived.ghost", {"Nats-Time-Stamp": "1970-01-01T00:00:01Z"}, now=5.0)
+    feed.note("q.arrived.m1", None, now=5.0)
+    assert slots["m1"].backlog == 0 and not woken
+    feed.note("p.arrived.m1", {"Nats-Time-Stamp": "garbage", Headers.DEADLINE: "not a number"}, now=5.0)
+    feed.note("p.arrived.m1", {"Nats-Time-Stamp": "1970-01-01T00:00:09Z"}, now=5.0)  # from the future: capped
+    assert slots["m1"].backlog == 2 and slots["m1"].oldest_enqueued_at == 5.0 and slots["m1"].head_deadline is None
+    assert len(woken) == 2
+
+
+async def _published(js: Any, subject: str, n: int) -> None:
+    for i in range(n):
+        await js.publish(subject, f"r{i}".encode())
+
+
+@pytest.mark.anyio
+async def test_the_backlog_comes_from_events_and_one_count_with_stranded_requests(nats_url: str, prefix: str) -> None:
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        cfg = StreamsConfig()
+        await ensure_streams(js, subjects, cfg, ["m1", "m2"])
+        view, slots = _view("m1", "m2")
+        feed = ArrivalFeed(nc, subjects, slots, view, on_arrival=lambda: None)
+        await feed.start()
+        await _published(js, subjects.model("m1"), 3)
+        # No consumer exists (they are made on demand): the stream's republished headers count.
+        await wait_until(lambda: slots["m1"].backlog == 3, timeout_s=10, what="three arrival events")
+        assert slots["m2"].backlog == 0 and view.waiting == {"m1"}
+        assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={})
+        assert slots["m1"].backlog == 3
+        # A worker that fetches two and dies without acking leaves them stranded: still backlog.
+        await ensure_model_consumer(js, subjects, cfg, "m1")
+        dead = await js.pull_subscribe_bind(durable=model_consumer_name("m1"), stream=subjects.models_stream)
+        assert len(await dead.fetch(2, timeout=5)) == 2
+        assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={})
+        assert slots["m1"].backlog == 3
+        # A live peer that advertises the two as in flight takes them off our backlog.
+        assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={"m1": 2})
+        assert slots["m1"].backlog == 1
+        await feed.stop()
+    finally:
+        await nc.close()
