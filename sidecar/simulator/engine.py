@@ -14,8 +14,9 @@ their batch starts, or that the estimated batch time would carry past it, are no
 
 The control plane costs what it costs live (``Workload.control``): each decision holds the worker
 for its CPU time (fixed, and per model the policy is shown: ``policy.visible_models``, the same
-rule as live), an arrival is known only ``arrival_delay_s`` after it is stored, and each load pays
-a fixed overhead (the consumer check; with peers, the claim and the jitter before it).
+rule as live), an arrival is known only ``arrival_delay_s`` after it is stored, each load pays a
+fixed overhead (the consumer check; with peers, the claim and the jitter before it), and each
+batch its fetch before compute and the storing and sending of its answers after it.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ class _Sim:
             batch.append(q.popleft())
         if not q:
             self.nonempty.discard(decision.model)
-        start = self.t + cost_s
+        start = self.t + cost_s + self.w.control.batch_overhead_s
         # The live worker's rule: the capped estimate, and no prediction once PROBE_AFTER_REFUSALS
         # batches in a row were refused whole on one.
         refusals = worker.refused_on_prediction.get(decision.model, 0)
@@ -275,8 +276,9 @@ class _Sim:
         self.maybe_prefetch(worker, decision.model)
         duration = self.noisy(m.batch_s(len(live)))
         end = start + duration
+        answered = end + self.w.control.answer_s  # the caller has it once stored and sent
         for r in live:
-            self._served(r, start, end)
+            self._served(r, start, answered)
             if m.max_wait_s is not None and start - r.arrival > m.max_wait_s + m.load_cost_s + m.batch_s(m.max_batch_size) + 1e-9:
                 self.result.late_beyond_bound += 1
         self.result.batches.append((start, end, m.name, len(live), m.name in worker.fresh))

@@ -13,10 +13,12 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     seed = 1
     [policy]                            # options for the policies (their keyword arguments)
     [control]                           # what the live worker's control plane costs (default: as measured)
-    decision_s = 0.0001                 # CPU seconds of one decision, plus
-    decision_per_model_s = 0.000004     # ... per model the policy looks at (policy/visible.py)
+    decision_s = 0.00025                # CPU seconds of one decision, plus
+    decision_per_model_s = 0.0000075    # ... per model the policy looks at (policy/visible.py)
     arrival_delay_s = 0.0005            # from a request's store to the worker knowing of it
-    load_overhead_s = 0.002             # per load: the consumer check, adverts and claims
+    load_overhead_s = 0.003             # per load: the consumer check, adverts and claims
+    batch_overhead_s = 0.001            # per batch, before compute: the fetch and the thread hop
+    answer_s = 0.0013                   # per batch, after compute: store the answers, reply (off the device)
     [models.m1]
     load_cost_s = 0.5                   # true seconds to load from disk (cold)
     warm_load_cost_s = 0.05             # true seconds to load from the warm tier
@@ -96,21 +98,25 @@ class SimModel:
 @dataclass(frozen=True)
 class Control:
     """What the live worker's control plane costs, so the simulated worker pays it too. The
-    defaults are the live worker's, measured by ``python -m bench.control_plane`` (figures in
-    docs/benchmarks.md): a decision's CPU (fixed, and per model shown to the policy), the delay
+    defaults are the live worker's, measured by ``python -m bench.control_plane`` and
+    ``python -m bench.scale`` on the 2-core development VM (docs/benchmarks.md): a decision's CPU (fixed, and per model shown to the policy), the delay
     before an arrival is known (the stream's republished event), and the fixed part of a load
-    (the consumer check; with peers, the claim, the adverts and the jitter before a claim)."""
+    (the consumer check; with peers, the claim, the adverts and the jitter before a claim), and
+    a batch's fixed I/O: the fetch before compute (it holds the worker), and storing and sending
+    the answers after it (they do not hold the device, but the caller waits for them)."""
 
-    decision_s: float = 0.0001
-    decision_per_model_s: float = 0.000004
+    decision_s: float = 0.00025
+    decision_per_model_s: float = 0.0000075
     arrival_delay_s: float = 0.0005
-    load_overhead_s: float = 0.002
+    load_overhead_s: float = 0.003
+    batch_overhead_s: float = 0.001
+    answer_s: float = 0.0013
 
     def decision_cost_s(self, models_shown: int) -> float:
         return self.decision_s + self.decision_per_model_s * models_shown
 
 
-IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0)
+IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,8 @@ class _ControlSpec(_Spec):
     decision_per_model_s: Annotated[float, Meta(ge=0, le=1)] = Control.decision_per_model_s
     arrival_delay_s: Annotated[float, Meta(ge=0, le=60)] = Control.arrival_delay_s
     load_overhead_s: Annotated[float, Meta(ge=0, le=60)] = Control.load_overhead_s
+    batch_overhead_s: Annotated[float, Meta(ge=0, le=60)] = Control.batch_overhead_s
+    answer_s: Annotated[float, Meta(ge=0, le=60)] = Control.answer_s
 
 
 class _WorkloadSpec(_Spec):

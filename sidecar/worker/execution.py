@@ -46,6 +46,7 @@ class BatchRunner:
         reply_policy: ReplyPolicy,
         max_deliver: int,
         stats: dict[str, int],
+        device_lock: anyio.Lock,
         on_batch: Callable[[BatchReport], None] | None = None,
     ) -> None:
         # The id travels inside the ``Jetbatch-Batch`` header, whose fields ``;`` and ``=`` separate.
@@ -58,6 +59,9 @@ class BatchRunner:
         self.reply_policy = reply_policy
         self.max_deliver = max_deliver
         self.stats = stats
+        # Held only while the model computes: storing and sending answers is I/O, and holding the
+        # device through it kept the next batch (or a load) waiting on the network.
+        self.device_lock = device_lock
         self.on_batch = on_batch
         self._rng = random.Random()
 
@@ -96,7 +100,12 @@ class BatchRunner:
             return 0.0
         return self.costs.deadline_estimate_s(slot.name, n)
 
-    async def run(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
+    async def run(
+        self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str, *, release_model: Callable[[], None] = lambda: None
+    ) -> None:
+        """Check, compute, answer and settle one batch. ``release_model`` is called once the model
+        is no longer needed (after the last forward pass, before the answers' I/O), so that an
+        eviction waits for the device work only."""
         batch_id = uuid.uuid4().hex[:16]
         now = time.time()
         requests = [self.parse(m, now) for m in msgs]
@@ -158,12 +167,15 @@ class BatchRunner:
             if fresh:
                 self.costs.observe_batch(slot.name, len(fresh), compute_s)
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
+            if not suspects:
+                release_model()
             await self._finish(slot, rejected + expired + fresh)
             # A random order: a worker killed from outside soon after it starts must not find the
             # same innocent running every time (stream order would put it first after each restart).
             self._rng.shuffle(suspects)
             for r in suspects:
                 await self._run_suspect(slot, r, extra)
+            release_model()
             errors = [r for r in requests if r.answer is not None and r.answer.error is not None]
             if errors:
                 span.set_attribute("jetbatch.batch.errors", len(errors))
@@ -212,7 +224,8 @@ class BatchRunner:
         """Run the batch; if the handler raises, bisect so good requests are still served and only
         the failing ones get ``model_failed``."""
         try:
-            results = await anyio.to_thread.run_sync(slot.handler.predict, [r.value for r in requests])
+            async with self.device_lock:
+                results = await anyio.to_thread.run_sync(slot.handler.predict, [r.value for r in requests])
             if len(results) != len(requests):
                 raise RuntimeError(f"handler returned {len(results)} outputs for {len(requests)} inputs")
         except Exception as exc:  # noqa: BLE001 - handler code is user code

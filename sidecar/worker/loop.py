@@ -130,6 +130,7 @@ class Worker:
             reply_policy=config.reply_policy,
             max_deliver=config.streams.max_deliver,
             stats=self.stats,
+            device_lock=self._device_lock,
             on_batch=on_batch,
         )
         host_budget = config.worker.host_memory_budget_bytes
@@ -245,8 +246,8 @@ class Worker:
                     # Let in-flight batches finish within the drain bound, then stop the heartbeat.
                     with anyio.move_on_after(self.config.worker.drain_timeout_s) as scope:
                         scope.shield = True
-                        while any(s.in_flight for s in self.slots.values()):
-                            await anyio.sleep(0.01)
+                        for slot in [s for s in self.slots.values() if s.in_flight]:
+                            await slot.wait_in_flight_at_most(0)
                     tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -365,8 +366,7 @@ class Worker:
     async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve, first: list[Msg] | None = None) -> None:
         # Pipelining: gather the next batch while the previous one computes, but never hold more
         # than one gathered batch beyond the ones the model may run at once.
-        while slot.in_flight > slot.config.max_concurrent_batches:
-            await anyio.sleep(0.005)
+        await slot.wait_in_flight_at_most(slot.config.max_concurrent_batches)
         max_items = max(1, min(decision.max_items, slot.config.max_batch_size))
         if decision.before is not None and not first:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
@@ -379,17 +379,24 @@ class Worker:
             return
         for m in msgs:
             self._in_flight_msgs[id(m)] = m
-        slot.in_flight += 1
+        slot.start_batch()
         loaded = slot.fresh_load
         slot.fresh_load = False
         self._current = slot.name
         tg.start_soon(self._run_batch, slot, msgs, loaded, decision.reason)
 
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
+        released = False
+
+        def release_model() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slot.end_computing()
+
         try:
             async with slot.limiter:
-                async with self._device_lock:
-                    await self.runner.run(slot, msgs, loaded, reason)
+                await self.runner.run(slot, msgs, loaded, reason, release_model=release_model)
         except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
             log.exception("batch of %s failed; its requests are redelivered", slot.name)
             for m in msgs:
@@ -397,7 +404,8 @@ class Worker:
         finally:
             for m in msgs:
                 self._in_flight_msgs.pop(id(m), None)
-            slot.in_flight -= 1
+            release_model()
+            slot.end_batch()
             if slot.last_used_at is not None:
                 self._last_used[slot.name] = slot.last_used_at
 
@@ -455,8 +463,9 @@ class Worker:
                 self._current = slot.name
         finally:
             self.residency.loading = None
-            if self.cluster is not None:
-                await self.cluster.advertise(self.report())  # resident now: peers count our drain
+            if self.cluster is not None and (claimed or self.cluster.peers()):
+                # Resident now: peers count our drain at once (alone, the heartbeat's advert does).
+                await self.cluster.advertise(self.report())
                 await self.cluster.release(claimed)
 
     async def _fail_queue(self, slot: Slot, message: str) -> None:

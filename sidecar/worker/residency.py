@@ -96,6 +96,10 @@ class Residency:
             self._host_used = sum(s.handler.host_bytes() for s in held if s.tier == "warm" or (cuda and s.resident and s.handler.warm))
         return self._host_used
 
+    def held_names(self) -> list[str]:
+        """The models warm or on the device."""
+        return sorted(self._held)
+
     def resident_names(self) -> list[str]:
         """The models on the device (a walk over the held models, not every registered one)."""
         return sorted(n for n in self._held if self.slots[n].resident)
@@ -126,8 +130,7 @@ class Residency:
         # Wait outside the device lock: the victims' in-flight batches need it to finish.
         for name in evict:
             victim = self.slots[name]
-            while victim.in_flight:
-                await anyio.sleep(0.005)
+            await victim.wait_model_free()
         self.loading = slot.name
         try:
             async with self.device_lock:

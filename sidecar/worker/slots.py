@@ -68,6 +68,12 @@ class Slot:
     head_deadline: float | None = None  # the oldest waiting request's deadline (Unix seconds)
     refused_on_prediction: int = 0  # batches in a row refused whole on their predicted time
     in_flight: int = 0
+    # Batches that may still run the model (an eviction waits for none; the answers' I/O after
+    # the last forward pass does not hold the model).
+    computing: int = 0
+    # Set (and replaced) each time one of this model's batches ends, or stops needing the model:
+    # what the pipelining gate and an eviction wait on, instead of polling.
+    batch_ended: anyio.Event = field(default_factory=anyio.Event)
     limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
     last_used_at: float | None = None
     pending_load: LoadRecord | None = None  # reported under the first batch after the load
@@ -89,6 +95,35 @@ class Slot:
     @property
     def resident(self) -> bool:
         return self.tier == "resident"
+
+    def start_batch(self) -> None:
+        self.in_flight += 1
+        self.computing += 1
+
+    def end_computing(self) -> None:
+        """One batch no longer needs the model (its last forward pass is done)."""
+        self.computing -= 1
+        self._wake()
+
+    def end_batch(self) -> None:
+        """One batch of this model is over (answered and settled)."""
+        self.in_flight -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        ended, self.batch_ended = self.batch_ended, anyio.Event()
+        ended.set()
+
+    async def wait_in_flight_at_most(self, n: int) -> None:
+        """Until at most ``n`` batches of this model are in flight. Batches end by themselves (a
+        batch is bounded by its requests' deadlines and the drain), so this needs no timer."""
+        while self.in_flight > n:
+            await self.batch_ended.wait()
+
+    async def wait_model_free(self) -> None:
+        """Until no batch may still run the model (before it is evicted)."""
+        while self.computing > 0:
+            await self.batch_ended.wait()
 
 
 def stream_seq(msg: Msg) -> int:

@@ -35,7 +35,7 @@ def build_report(
     something to say (waiting, on the device, warm or loading): with a thousand registered
     models the advert every peer decodes every heartbeat stays small."""
     drain: dict[str, float] = {}
-    active = {s.name for s in slots.values() if s.tier != "cold" or s.name == residency.loading} | queues.waiting
+    active = set(residency.held_names()) | queues.waiting | ({residency.loading} if residency.loading else set())
     for name in active:
         s = slots[name]
         if s.resident or s.name == residency.loading:
@@ -46,8 +46,8 @@ def build_report(
         id=worker_id,
         version=__version__,
         models=list(slots),
-        resident=[s.name for s in slots.values() if s.resident],
-        warm=[s.name for s in slots.values() if s.tier == "warm"],
+        resident=[n for n in sorted(active) if slots[n].resident],
+        warm=[n for n in sorted(active) if slots[n].tier == "warm"],
         loading=residency.loading,
         broken={s.name: s.broken for s in slots.values() if s.broken},
         backlog={name: slots[name].backlog for name in sorted(active)},

@@ -1,0 +1,111 @@
+"""What the live worker's control plane costs, stage by stage: the figures behind the simulator's
+``Workload.control`` defaults (sidecar/simulator/workloads.py).
+
+One worker in this process (the `sleep` handler), one embedded nats-server, ``--models`` models
+with Zipf(1.1) Poisson traffic (as bench/scale.py). Each stage of the worker is timed by wrapping
+its coroutine: the decision (from the worker's own counters), the load path around the model's
+own load, the fetch before a batch, the answers after it. The client runs in the same process,
+so absolute latencies are higher than bench/scale.py's; the per-stage costs are what matter.
+
+    python -m bench.control_plane --models 1000 --rate 20 --duration 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import anyio
+
+from bench.scale import percentile, replay, workload_raw, write_config
+from jetbatch.sidecar.config import load_config
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from jetbatch.sidecar.simulator.workloads import build_workload
+from jetbatch.sidecar.transport import connect
+from jetbatch.sidecar.worker import Worker
+from jetbatch.sidecar.worker import execution, loop, residency
+
+STAGES = [
+    (loop.Worker, "_load"),
+    (loop.Worker, "_consumer"),
+    (residency.Residency, "load"),
+    (residency.Residency, "_load_locked"),
+    (residency.Residency, "_evict"),
+    (loop.Worker, "_serve"),
+    (execution.BatchRunner, "_finish"),
+    (loop.Worker, "_refresh"),
+]
+
+
+def _timed(times: dict[str, list[float]], cls: type, name: str) -> Callable[[], None]:
+    original = getattr(cls, name)
+
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            times[name].append(time.perf_counter() - started)
+
+    setattr(cls, name, wrapper)
+    return lambda: setattr(cls, name, original)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    undo = [_timed(times, cls, name) for cls, name in STAGES]
+    workload = build_workload(workload_raw(args.models, args.rate, args.duration, args.seed, args.slots))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            config = load_config(write_config(Path(tmp), "cp", args.models, args.slots))
+            with EmbeddedNats(store_dir=Path(tmp) / "store") as server:
+
+                async def main() -> dict[str, int]:
+                    nc = await connect(config.nats, server.url)
+                    worker = Worker(config, nc)
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(worker.run)
+                        await worker.ready.wait()
+                        await replay(server.url, "cp", workload.arrivals, 60.0)
+                        worker.stop()
+                    await nc.close()
+                    return dict(worker.stats)
+
+                stats = asyncio.run(main())
+    finally:
+        for restore in undo:
+            restore()
+    stages = {name: {"n": len(v), "mean_ms": 1000 * sum(v) / len(v), "p50_ms": 1000 * percentile(v, 0.5)} for name, v in times.items() if v}
+    decisions = max(stats.get("decisions", 0), 1)
+    return {
+        "bench": "control_plane", "models": args.models, "rate": args.rate, "duration_s": args.duration,
+        "decision_mean_ms": stats.get("decision_us", 0) / 1000 / decisions,
+        "models_shown_mean": stats.get("models_shown", 0) / decisions,
+        "stages": stages,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=int, default=1000)
+    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    record = run(args)
+    print(json.dumps(record))
+    for name, s in record["stages"].items():
+        print(f"{name:14s} n={s['n']:5d}  mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f} ms")
+    print(f"decision: {record['decision_mean_ms']:.3f} ms with {record['models_shown_mean']:.1f} models shown")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
