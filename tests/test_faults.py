@@ -198,7 +198,8 @@ async def test_two_poisons_in_one_fetch_both_end_in_the_dlq_and_nothing_sticks(n
         )
     finally:
         await anyio.to_thread.run_sync(dep.stop)
-    assert restarts == 5  # the shared batch, then each poison twice on its own: max_deliver crashes each
+    # The shared batch, the suspects' group (no evidence yet), then each poison twice on its own.
+    assert restarts == 6
     import json
 
     rows = [json.loads(line) for line in proc.stdout.decode().splitlines()]

@@ -3,8 +3,9 @@
 Per batch: requests with invalid headers get ``bad_request`` (or, when their reply subject was
 refused, a dead letter and no publish at all); expired ones get ``deadline_exceeded`` without
 compute; first-time requests run as one batch (bisected if the handler raises, so only the
-failing ones get ``model_failed``); redelivered ones (suspects) then run one at a time under the
-quarantine's evidence rule (worker/quarantine.py). Every answer is stored and sent before its
+failing ones get ``model_failed``); redelivered ones (suspects) then run in the groups the
+quarantine's evidence allows: together without evidence, alone after a crash
+(worker/quarantine.py). Every answer is stored and sent before its
 message is acked (replies.py).
 """
 
@@ -26,7 +27,7 @@ from ..policy import PROBE_AFTER_REFUSALS, CostEstimator, Policy, cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
 from .slots import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
-from .quarantine import Quarantine, Verdict
+from .quarantine import Evidence, Quarantine, Verdict, groups
 
 __all__ = ["BatchRunner"]
 
@@ -170,11 +171,7 @@ class BatchRunner:
             if not suspects:
                 release_model()
             await self._finish(slot, rejected + expired + fresh)
-            # A random order: a worker killed from outside soon after it starts must not find the
-            # same innocent running every time (stream order would put it first after each restart).
-            self._rng.shuffle(suspects)
-            for r in suspects:
-                await self._run_suspect(slot, r, extra)
+            await self._run_suspects(slot, suspects, extra)
             release_model()
             errors = [r for r in requests if r.answer is not None and r.answer.error is not None]
             if errors:
@@ -246,37 +243,56 @@ class BatchRunner:
             except Exception as exc:  # noqa: BLE001
                 r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, f"cannot encode output: {client_message(exc)}", extra(r))
 
-    async def _run_suspect(self, slot: Slot, r: Request, extra: Callable[[Request], dict[str, str]]) -> None:
-        """A redelivered request: answered from the results store if an earlier delivery was
-        computed, convicted on evidence, given up on after too many deliveries, or run alone."""
-        stored = await self.replier.stored_answer(r.meta)
-        if stored is not None:
-            r.answer = stored
+    async def _run_suspects(self, slot: Slot, suspects: list[Request], extra: Callable[[Request], dict[str, str]]) -> None:
+        """Redelivered requests: answered from the results store if an earlier delivery was
+        computed, convicted on evidence, given up on after too many deliveries, or run in the
+        groups their evidence allows (``quarantine.groups``)."""
+        if not suspects:
+            return
+        to_run: list[tuple[Request, Evidence]] = []
+        for r in sorted(suspects, key=lambda r: r.seq):
+            stored = await self.replier.stored_answer(r.meta)
+            if stored is not None:
+                r.answer = stored
+                await self._finish(slot, [r])
+                await self.quarantine.clear(slot.name, r.seq)
+                continue
+            evidence = await self.quarantine.evidence(slot.name, r.seq)
+            verdict = self.quarantine.verdict(r.deliveries, evidence.alone_crashes)
+            if verdict is Verdict.RUN_ALONE:
+                to_run.append((r, evidence))
+                continue
+            if verdict is Verdict.CULPRIT:
+                reason = f"request crashed the worker {evidence.alone_crashes + 1} times (the last {evidence.alone_crashes} while running alone)"
+            else:
+                reason = f"request was delivered {r.deliveries} times without completing (workers died while it was in flight)"
+            log.warning("model %s: request %s: %s", slot.name, r.meta.request_id, reason)
+            r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, reason, extra(r))
+            await self.replier.dead_letter(r.msg, reason, "worker")
             await self._finish(slot, [r])
             await self.quarantine.clear(slot.name, r.seq)
-            return
-        crashes = await self.quarantine.crashes(slot.name, r.seq)
-        verdict = self.quarantine.verdict(r.deliveries, crashes)
-        if verdict is Verdict.RUN_ALONE:
-            self._decode(slot, [r], extra)
-            if r.answer is None:
+        plan = groups([(r.seq, ev) for r, ev in to_run])
+        # Weakest evidence first, so innocents complete before a likely poison kills the process
+        # again; a random order among equals, so a worker killed from outside soon after it
+        # starts does not find the same group running every time.
+        self._rng.shuffle(plan)
+        plan.sort(key=lambda g: _suspicion(to_run[g[0]][1]))
+        for indices in plan:
+            group = [to_run[i] for i in indices]
+            members = [r for r, _ in group]
+            self._decode(slot, members, extra)
+            runnable = [(r, ev) for r, ev in group if r.answer is None]
+            if runnable:
                 # The evidence window is the model's own code: recorded just before it runs,
                 # cleared as soon as it returns.
-                await self.quarantine.begin(slot.name, r.seq, crashes)
-                with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": 1, "jetbatch.redelivered": True}):
-                    await self._predict_isolating(slot, [r], extra)
-                await self.quarantine.clear(slot.name, r.seq)
-            await self._finish(slot, [r])
-            return
-        if verdict is Verdict.CULPRIT:
-            reason = f"request crashed the worker {crashes + 1} times (the last {crashes} while running alone)"
-        else:
-            reason = f"request was delivered {r.deliveries} times without completing (workers died while it was in flight)"
-        log.warning("model %s: request %s: %s", slot.name, r.meta.request_id, reason)
-        r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, reason, extra(r))
-        await self.replier.dead_letter(r.msg, reason, "worker")
-        await self._finish(slot, [r])
-        await self.quarantine.clear(slot.name, r.seq)
+                for r, ev in runnable:
+                    await self.quarantine.begin(slot.name, r.seq, ev, len(runnable))
+                attrs = {"jetbatch.model": slot.name, "jetbatch.batch.size": len(runnable), "jetbatch.redelivered": True}
+                with self.telemetry.child_span("infer", **attrs):
+                    await self._predict_isolating(slot, [r for r, _ in runnable], extra)
+                for r, _ in runnable:
+                    await self.quarantine.clear(slot.name, r.seq)
+            await self._finish(slot, members)
 
     async def _finish(self, slot: Slot, requests: list[Request]) -> None:
         """Store and send the answers of ``requests``, then settle each message."""
@@ -310,6 +326,14 @@ class BatchRunner:
                 await settle(r.msg, "nak", delay_s=1.0)  # redelivered; its next delivery finds it stored or recomputes
         for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
             self.telemetry.requests.add(count, {"jetbatch.model": slot.name, "jetbatch.status": outcome})
+
+
+def _suspicion(evidence: Evidence) -> tuple[int, int]:
+    """How strongly a group's evidence points at it: none, then a crash in a group, then alone
+    crashes (the more, the later)."""
+    if evidence.crashed_in_group is None:
+        return (0, 0)
+    return (1 if evidence.alone_crashes == 0 else 2, evidence.alone_crashes)
 
 
 def _with_problem(meta: Any, problem: str) -> Any:
