@@ -1,7 +1,8 @@
 """Many registered models on one worker: the live worker against its simulator on one trace.
 
 One worker process (`jetbatch worker`, the `sleep` handler: load and batch are sleeps of known
-length, so the device time is the workload's, not this machine's), one embedded nats-server,
+length, so the device time is the workload's, not this machine's) or `--workers N`, one embedded
+nats-server or `--cluster` (3 nodes, streams with 3 replicas),
 `--models N` registered models, Zipf(1.1) popularity and Poisson arrivals at `--rate` req/s for
 `--duration` s. The same arrivals are fed to the simulator (with the control plane's measured
 costs, ``Workload.control``) and, with ``--ideal``, to the simulator with a free control plane.
@@ -9,6 +10,7 @@ Before the traffic, the idle CPU of the worker and of nats-server is read from /
 `--idle-s` seconds, and the time from the worker's start to its readiness.
 
     python -m bench.scale --models 200 --rate 40 --duration 60 [--json out.json] [--trace-out trace.json]
+    python -m bench.scale --models 1000 --rate 20 --workers 4 --cluster
 
 ``--trace-out`` writes the trace and costs in the format ``bench/vs_ray.py`` reads, so Ray
 Serve's multiplexing runs on the very same arrivals. Latency is measured from each request's
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -30,6 +33,7 @@ from typing import Any
 
 from jetbatch import sdk
 from jetbatch.sidecar.dev.deployment import Deployment
+from jetbatch.sidecar.dev.natsserver import NatsCluster
 from jetbatch.sidecar.simulator import simulate
 from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL, build_workload
 
@@ -44,21 +48,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def workload_raw(models: int, rate: float, duration_s: float, seed: int, slots: int) -> dict[str, Any]:
+def workload_raw(models: int, rate: float, duration_s: float, seed: int, slots: int, workers: int = 1) -> dict[str, Any]:
     names = [f"m{i}" for i in range(models)]
     # The worker's warm tier is the sleep handler's tenth of a load; the simulator's default is the same.
     spec = {k: COSTS[k] for k in ("load_cost_s", "batch_cost_s", "item_cost_s", "max_batch_size", "max_delay_s")}
     return {
         "models": {n: dict(spec) for n in names},
         "budget": {"max_models": slots},
+        "workers": {"count": workers},
         "host": {"budget_bytes": 1 << 40, "prefetch": False},
         "arrivals": {"kind": "poisson", "rate": rate, "duration_s": duration_s, "zipf": 1.1, "seed": seed},
     }
 
 
-def write_config(directory: Path, prefix: str, models: int, slots: int) -> Path:
+def write_config(directory: Path, prefix: str, models: int, slots: int, replicas: int = 1) -> Path:
     lines = [
         f'[nats]\nprefix = "{prefix}"\n',
+        f"[streams]\nreplicas = {replicas}\n",
         f"[worker]\nmax_resident_models = {slots}\nprefetch_weights = false\n",
     ]
     opts = f"options = {{ load_cost_s = {COSTS['load_cost_s']}, batch_cost_s = {COSTS['batch_cost_s']}, item_cost_s = {COSTS['item_cost_s']} }}"
@@ -79,7 +85,7 @@ def cpu_s(pid: int) -> float:
 
 
 async def worker_stats(url: str, prefix: str) -> dict[str, int]:
-    """The worker's counters (its status report), including what its decisions cost."""
+    """The workers' counters (their status reports, summed), including what decisions cost."""
     from jetbatch.sdk.connection import connect_nats
     from jetbatch.sdk.protocol import Subjects
     from jetbatch.sidecar.status import collect_status
@@ -89,7 +95,12 @@ async def worker_stats(url: str, prefix: str) -> dict[str, int]:
         reports = await collect_status(nc, Subjects(prefix), wait_s=1.0)
     finally:
         await nc.close()
-    return dict(next((r.stats for r in reports if r.role == "worker"), {}))
+    total: dict[str, int] = {}
+    for r in reports:
+        if r.role == "worker":
+            for k, v in r.stats.items():
+                total[k] = total.get(k, 0) + v
+    return total
 
 
 async def replay(url: str, prefix: str, arrivals: tuple[tuple[float, str], ...], timeout_s: float) -> tuple[list[float], int, int]:
@@ -116,11 +127,12 @@ async def replay(url: str, prefix: str, arrivals: tuple[tuple[float, str], ...],
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    raw = workload_raw(args.models, args.rate, args.duration, args.seed, args.slots)
+    raw = workload_raw(args.models, args.rate, args.duration, args.seed, args.slots, args.workers)
     workload = build_workload(raw)
     record: dict[str, Any] = {
         "bench": "scale", "models": args.models, "rate": args.rate, "duration_s": args.duration,
         "requests": len(workload.arrivals), "slots": args.slots, "seed": args.seed,
+        "workers": args.workers, "cluster": args.cluster,
     }  # fmt: skip
     if args.trace_out:
         Path(args.trace_out).write_text(json.dumps({
@@ -134,28 +146,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ideal = simulate(replace(workload, control=IDEAL_CONTROL), "cost-aware")
         record["simulated_ideal"] = {"p50_s": percentile(ideal.latencies_s, 0.5), "p99_s": percentile(ideal.latencies_s, 0.99), "loads": ideal.loads}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         prefix = f"scale{os.getpid()}"
-        config = write_config(Path(tmp), prefix, args.models, args.slots)
+        cluster = stack.enter_context(NatsCluster(3, base_dir=Path(tmp) / "cluster")) if args.cluster else None
+        config = write_config(Path(tmp), prefix, args.models, args.slots, replicas=3 if cluster else 1)
         started = time.monotonic()
-        with Deployment(config, classifier=False, store_dir=Path(tmp) / "store", http_port=-1) as dep:
-            record["ready_s"] = time.monotonic() - started
-            worker_pid = dep.procs["worker0"].pid
-            server_pid = dep.server.pid
-            time.sleep(2.0)  # let startup's last calls settle before reading idle CPU
-            w0, s0, t0 = cpu_s(worker_pid), cpu_s(server_pid), time.monotonic()
-            time.sleep(args.idle_s)
-            elapsed = time.monotonic() - t0
-            record["idle_cores"] = {"worker": (cpu_s(worker_pid) - w0) / elapsed, "nats_server": (cpu_s(server_pid) - s0) / elapsed}
-            w0, s0, t0 = cpu_s(worker_pid), cpu_s(server_pid), time.monotonic()
-            latencies, timed_out, failed = asyncio.run(replay(dep.url, prefix, workload.arrivals, args.timeout))
-            elapsed = time.monotonic() - t0
-            record["busy_cores"] = {"worker": (cpu_s(worker_pid) - w0) / elapsed, "nats_server": (cpu_s(server_pid) - s0) / elapsed}
-            record["live"] = {
-                "p50_s": percentile(latencies, 0.5), "p99_s": percentile(latencies, 0.99),
-                "answered": len(latencies), "timed_out": timed_out, "failed": failed,
-            }  # fmt: skip
-            stats = asyncio.run(worker_stats(dep.url, prefix))
+        dep = stack.enter_context(Deployment(
+            config, classifier=False, store_dir=Path(tmp) / "store", http_port=-1, workers=args.workers,
+            nats_url=cluster.url if cluster else None,
+        ))  # fmt: skip
+        record["ready_s"] = time.monotonic() - started
+        workers = [p.pid for name, p in dep.procs.items() if name.startswith("worker")]
+        servers = [n.pid for n in cluster.nodes] if cluster else [dep.server.pid]
+
+        def cores() -> dict[str, float]:
+            return {"workers": sum(cpu_s(p) for p in workers), "nats_servers": sum(cpu_s(p) for p in servers)}
+
+        time.sleep(2.0)  # let startup's last calls settle before reading idle CPU
+        c0, t0 = cores(), time.monotonic()
+        time.sleep(args.idle_s)
+        elapsed = time.monotonic() - t0
+        record["idle_cores"] = {k: (v - c0[k]) / elapsed for k, v in cores().items()}
+        c0, t0 = cores(), time.monotonic()
+        latencies, timed_out, failed = asyncio.run(replay(dep.url, prefix, workload.arrivals, args.timeout))
+        elapsed = time.monotonic() - t0
+        record["busy_cores"] = {k: (v - c0[k]) / elapsed for k, v in cores().items()}
+        record["live"] = {
+            "p50_s": percentile(latencies, 0.5), "p99_s": percentile(latencies, 0.99),
+            "answered": len(latencies), "timed_out": timed_out, "failed": failed,
+        }  # fmt: skip
+        stats = asyncio.run(worker_stats(dep.url, prefix))
     decisions = max(stats.get("decisions", 0), 1)
     record["live"]["loads"] = stats.get("loads")
     record["decision"] = {
@@ -174,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=40.0)
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--cluster", action="store_true", help="a 3-node cluster, streams with 3 replicas")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--idle-s", type=float, default=10.0)
