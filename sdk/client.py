@@ -36,6 +36,7 @@ from .protocol import (
     ProtocolError,
     Status,
     Subjects,
+    subject_matches,
     batch_info_from_headers,
     deadline_header,
     decode_error,
@@ -46,7 +47,7 @@ from .protocol import (
     validate_token,
 )
 
-__all__ = ["Client", "Result", "subject_matches"]
+__all__ = ["Client", "Result"]
 
 _LAST_LOOK_S = 0.5  # bound of a results-store lookup made on the caller's time (_look_up)
 _PUBACK_WAIT_S = 5.0  # then the careful path retries (as nats-py's js.publish times out)
@@ -482,26 +483,6 @@ class Client:
         except ProtocolError as exc:
             raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
         return Result(request_id=rid, output=output, batch=batch_info_from_headers(headers), latency_s=latency_s)
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """Whether the NATS subject filter ``pattern`` captures the literal ``subject``.
-
-    Both are ``.``-separated tokens. In ``pattern``, a token ``*`` matches exactly one token and a
-    last token ``>`` matches one or more trailing tokens; any other token (``a*`` included) matches
-    only itself. A ``>`` that is not the last token makes the pattern invalid: it matches nothing.
-
-    >>> subject_matches("jb.model.*", "jb.model.m1"), subject_matches("jb.>", "jb")
-    (True, False)
-    """
-    want = pattern.split(".")
-    have = subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return i == len(want) - 1 and len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
 
 
 async def _within(fut: asyncio.Future[Any], timeout_s: float) -> Any:

@@ -28,9 +28,11 @@ from nats.aio.msg import Msg
 from .errors import BadRequest, ConnectionFailed, JetbatchError, Overloaded, PayloadTooLarge, RequestTimeout
 from .protocol import JS_MSG_TOO_BIG, JS_STREAM_FULL
 
-__all__ = ["PUBLISH_ATTEMPTS", "PubAcks", "PublishRefused", "publish_with_retries", "settled"]
+__all__ = ["PubAcks", "PublishRefused", "publish_with_retries", "settled"]
 
-PUBLISH_ATTEMPTS = 6
+# The longest pause between two attempts: a leader election or a server restart lasts seconds,
+# and the caller's deadline, not a count of attempts, bounds how long we keep trying.
+_MAX_BACKOFF_S = 1.0
 
 
 async def publish_with_retries(
@@ -42,12 +44,15 @@ async def publish_with_retries(
     deadline: float,
     request_id: str = "",
     no_stream: Callable[[], Awaitable[JetbatchError | None]] | None = None,
-    attempts: int = PUBLISH_ATTEMPTS,
 ) -> Any:
     """Publish until JetStream acknowledges (the PubAck is returned) or ``deadline`` (monotonic
-    seconds) passes; raises a typed :class:`JetbatchError` otherwise."""
+    seconds) passes; raises a typed :class:`JetbatchError` otherwise. Transient failures (no
+    stream answered during an election, no PubAck, a reconnect) are retried with a backoff capped
+    at one second until the deadline."""
     last: Exception | None = None
-    for attempt in range(attempts):
+    attempt = -1
+    while True:
+        attempt += 1
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
@@ -60,7 +65,7 @@ async def publish_with_retries(
             if definite is not None:
                 raise definite from exc
             last = exc  # JetStream did not answer (a leader election, a restart): retry
-            await asyncio.sleep(min(0.1 * 2**attempt, max(deadline - time.monotonic(), 0)))
+            await asyncio.sleep(min(0.1 * 2 ** min(attempt, 4), _MAX_BACKOFF_S, max(deadline - time.monotonic(), 0)))
         except nats.js.errors.APIError as exc:
             if exc.err_code in JS_STREAM_FULL:
                 raise Overloaded(f"queue {subject} is full: {exc.description}", request_id=request_id) from exc
@@ -73,10 +78,10 @@ async def publish_with_retries(
             raise BadRequest(f"invalid header name: {exc}", request_id=request_id) from exc
         except (nats.errors.OutboundBufferLimitError, nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
             last = exc  # reconnecting, or no PubAck: retry, dedupe makes it safe
-            await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
+            await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), _MAX_BACKOFF_S, max(deadline - time.monotonic(), 0)))
         except nats.errors.Error as exc:
             last = exc
-            await asyncio.sleep(min(0.05 * 2**attempt, max(deadline - time.monotonic(), 0)))
+            await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), _MAX_BACKOFF_S, max(deadline - time.monotonic(), 0)))
     raise RequestTimeout(f"JetStream did not acknowledge the request ({last!r})" if last else "JetStream did not acknowledge the request in time", request_id=request_id)
 
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jetbatch import sdk
-from jetbatch.sdk.client import subject_matches
+from jetbatch.sdk.protocol import subject_matches
 from jetbatch.sdk.protocol import Headers, Subjects
 
 # --- the subject matcher -----------------------------------------------------------------------

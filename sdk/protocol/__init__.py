@@ -19,6 +19,7 @@ from .names import (
     ProtocolError,
     Status,
     Subjects,
+    subject_matches,
     validate_model_name,
     validate_token,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "message_bytes",
     "new_request_id",
     "parse_request_headers",
+    "subject_matches",
     "validate_model_name",
     "validate_token",
 ]

@@ -224,6 +224,26 @@ class Subjects:
 
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether the NATS subject filter ``pattern`` captures the literal ``subject``.
+
+    Both are ``.``-separated tokens. In ``pattern``, a token ``*`` matches exactly one token and a
+    last token ``>`` matches one or more trailing tokens; any other token (``a*`` included) matches
+    only itself. A ``>`` that is not the last token makes the pattern invalid: it matches nothing.
+
+    >>> subject_matches("jb.model.*", "jb.model.m1"), subject_matches("jb.>", "jb")
+    (True, False)
+    """
+    want = pattern.split(".")
+    have = subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return i == len(want) - 1 and len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
 # JetStream API error codes that clients and sidecars must turn into typed errors.
 JS_STREAM_FULL: frozenset[int] = frozenset({10077, 10078, 10047, 10048})  # max msgs / bytes / resources
 JS_MSG_TOO_BIG: frozenset[int] = frozenset({10054})

@@ -35,6 +35,7 @@ from jetbatch.sdk.protocol import (
     RequestMeta,
     SidecarReport,
     Subjects,
+    subject_matches,
     forwardable_headers,
     message_bytes,
     new_request_id,
@@ -299,9 +300,11 @@ class Classifier:
 
         async def no_stream() -> JetbatchError | None:
             try:
-                await self.js.stream_info(self.subjects.models_stream)
+                info = await self.js.stream_info(self.subjects.models_stream)
             except (nats.js.errors.Error, nats.errors.Error, asyncio.TimeoutError):
                 return None  # JetStream unavailable: retry, dedupe makes it safe
+            if any(subject_matches(pattern, subject) for pattern in info.config.subjects or []):
+                return None  # the stream takes this model: no responder was an election, not "unknown"
             return UnknownModel(f"no model named {model!r} is served")
 
         try:
