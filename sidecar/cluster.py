@@ -112,7 +112,7 @@ class ClusterView:
             return
         try:
             await self._kv.put(self.worker_id, _encoder.encode(advert))  # type: ignore[attr-defined]
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             log.debug("advert failed: %r", exc)
             self.note_trouble()
 
@@ -178,7 +178,7 @@ class ClusterView:
             return
         try:
             await self._kv.delete(self.worker_id)  # type: ignore[attr-defined]
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+        except TRANSPORT_ERRORS:
             pass
 
     async def stop(self) -> None:

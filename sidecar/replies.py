@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -36,6 +35,7 @@ from jetbatch.sdk.protocol import (
 from jetbatch.sdk.errors import JetbatchError
 from jetbatch.sdk.publishing import PublishRefused, PubAcks, publish_with_retries, settled
 
+from .errors import TRANSPORT_ERRORS
 from .config import RepliesConfig
 
 __all__ = ["Answer", "Replier", "client_message"]
@@ -128,7 +128,7 @@ class Replier:
             await self._send(a)
         try:
             await self.out.flush(timeout=5)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             log.warning("flush after replies failed: %r", exc)
         if stores:
             await self._store_finish(stores)
@@ -145,7 +145,7 @@ class Replier:
         try:
             await self.out.publish(answer.meta.reply_to, answer.body, headers=answer.headers)
             answer.sent = True
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             # Reconnecting with a full buffer, or closed: the stored copy still answers.
             log.warning("reply to %s failed: %r", answer.meta.request_id, exc)
 
@@ -211,7 +211,7 @@ class Replier:
             raw = await self._js.get_msg(
                 self.subjects.results_stream, subject=self.subjects.result(meta.request_id, meta.tenant), direct=True
             )
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+        except TRANSPORT_ERRORS:
             return None
         headers = dict(raw.headers or {})
         code = headers.get(Headers.ERROR_CODE)
@@ -247,7 +247,7 @@ class Replier:
         try:
             await js.publish(self.subjects.dead_letter(stage), data, headers=headers, timeout=5)
             return True
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             log.warning("dead-lettering %s failed: %r", original.get(Headers.MSG_ID), exc)
             return False
 
@@ -266,7 +266,7 @@ async def settle(msg: Msg, action: str, *, delay_s: float | None = None) -> bool
             return True
         except nats.errors.MsgAlreadyAckdError:
             return True
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             if attempt == _SETTLE_ATTEMPTS - 1:
                 log.warning("%s of a message failed: %r", action, exc)
                 return False

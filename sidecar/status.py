@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import ProtocolError, ReplyPolicy, SidecarReport, Subjects
 
+from .errors import TRANSPORT_ERRORS
 from .cluster import CLAIM_PREFIX
 
 __all__ = ["StatusReport", "StatusService", "cluster_view", "collect_status", "serve_status"]
@@ -131,6 +132,6 @@ async def cluster_view(
             model = subjects.model_from_subject(subject)
             if model:
                 backlog[model] = count
-    except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+    except TRANSPORT_ERRORS:
         pass
     return holders, backlog

@@ -43,6 +43,7 @@ from jetbatch.sdk.protocol import (
 )
 from jetbatch.sdk.publishing import PubAcks, publish_with_retries, settled
 
+from ..errors import TRANSPORT_ERRORS
 from ..config import Config, ConfigError
 from ..policy import BatchWindow
 from ..replies import Answer, Replier, client_message, settle
@@ -233,7 +234,7 @@ class Classifier:
             subject, headers = prepared
             try:
                 fut: asyncio.Future[Any] | None = await self._pubacks.publish(subject, msg.data, headers)
-            except (nats.errors.Error, asyncio.TimeoutError):
+            except TRANSPORT_ERRORS:
                 fut = None  # reconnecting with a full buffer, or closed: the careful path decides
             sent.append((msg, meta, route, subject, headers, fut))
         await settled([fut for *_, fut in sent if fut is not None], _REPUBLISH_ACK_TIMEOUT_S)
@@ -301,7 +302,7 @@ class Classifier:
         async def no_stream() -> JetbatchError | None:
             try:
                 info = await self.js.stream_info(self.subjects.models_stream)
-            except (nats.js.errors.Error, nats.errors.Error, asyncio.TimeoutError):
+            except TRANSPORT_ERRORS:
                 return None  # JetStream unavailable: retry, dedupe makes it safe
             if any(subject_matches(pattern, subject) for pattern in info.config.subjects or []):
                 return None  # the stream takes this model: no responder was an election, not "unknown"

@@ -15,12 +15,12 @@ import json
 import sys
 from typing import Any
 
-import nats.errors
 import nats.js.errors
 
 from jetbatch.sdk.connection import connect_nats
 from jetbatch.sdk.protocol import Headers, ProtocolError, Subjects, forwardable_headers
 
+from ..errors import TRANSPORT_ERRORS
 from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix
 
 
@@ -131,7 +131,7 @@ async def _run(args: argparse.Namespace) -> int:
                 continue
             try:
                 await js.publish(subject, m.data or b"", headers=h, timeout=5)
-            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+            except TRANSPORT_ERRORS as exc:
                 print(f"jetbatch dlq: replay of {m.seq} to {subject} failed: {exc!r}", file=sys.stderr)
                 continue
             await js.delete_msg(subjects.dead_letter_stream, m.seq)

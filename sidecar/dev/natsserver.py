@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from ..errors import TRANSPORT_ERRORS
 from ..errors import SidecarError
 
 __all__ = ["EmbeddedNats", "NatsCluster", "NatsServerError", "NatsServerNotFound", "find_nats_server"]
@@ -305,7 +306,7 @@ class NatsCluster:
                         await js.add_stream(name="JETBATCH_PROBE", subjects=["jetbatch-probe"], num_replicas=len(self.nodes))
                         await js.delete_stream("JETBATCH_PROBE")
                         return
-                    except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+                    except TRANSPORT_ERRORS as exc:
                         if time.monotonic() > deadline:
                             tails = "\n".join(f"--- {n.name} ---\n" + "\n".join(n.log[-5:]) for n in self.nodes)
                             raise RuntimeError(f"JetStream cluster not ready after {timeout_s:.0f}s: {exc!r}\n{tails}") from None

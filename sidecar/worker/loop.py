@@ -21,7 +21,6 @@ from typing import Any, Callable, TypeVar
 import anyio
 import anyio.abc
 import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -498,5 +497,5 @@ class Worker:
             for msg in list(self._in_flight_msgs.values()):
                 try:
                     await msg.in_progress()
-                except (nats.errors.Error, TimeoutError):
+                except TRANSPORT_ERRORS:
                     pass

@@ -28,19 +28,18 @@ that hit it unacked would stay in the work queue forever, unanswered, counted as
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
 
 from jetbatch.sdk.protocol import Subjects
 
+from ..errors import TRANSPORT_ERRORS
 from ..streams import ensure_key_value
 
 __all__ = ["Evidence", "Quarantine", "Verdict", "give_up_after", "groups"]
@@ -135,7 +134,7 @@ class Quarantine:
             entry = await self._kv.get(self._key(model, seq))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return Evidence()
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             log.warning("reading poison evidence for %s/%s failed: %r", model, seq, exc)
             return Evidence()
         return Evidence.decode(entry.value)
@@ -153,7 +152,7 @@ class Quarantine:
             return
         try:
             await self._kv.put(self._key(model, seq), evidence.encode(group_size))
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+        except TRANSPORT_ERRORS as exc:
             log.warning("recording the run of %s/%s failed: %r", model, seq, exc)
 
     async def clear(self, model: str, seq: int) -> None:
@@ -162,5 +161,5 @@ class Quarantine:
             return
         try:
             await self._kv.purge(self._key(model, seq))
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+        except TRANSPORT_ERRORS:
             pass  # the bucket's TTL forgets it
