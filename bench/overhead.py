@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jetbatch import sdk  # noqa: E402
 from jetbatch.sidecar.config import Config  # noqa: E402
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
+from jetbatch.sidecar.percentiles import percentile  # noqa: E402
 from jetbatch.sidecar.transport import connect  # noqa: E402
 from jetbatch.sidecar.worker import Worker  # noqa: E402
 
@@ -53,8 +54,7 @@ async def profiled(kind: str, coro: Awaitable[T]) -> T:
 
 
 def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+    return percentile(values, q / 100)
 
 
 async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple[float, list[float]]:

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import sys
 import tempfile
@@ -34,18 +33,11 @@ from typing import Any
 from jetbatch import sdk
 from jetbatch.sidecar.dev.deployment import Deployment
 from jetbatch.sidecar.dev.natsserver import NatsCluster
+from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.simulator import simulate
 from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL, build_workload
 
 COSTS = {"load_cost_s": 0.05, "batch_cost_s": 0.002, "item_cost_s": 0.0002, "max_batch_size": 16, "max_delay_s": 0.005}
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest rank: the smallest value with at least ``q`` of the values at or below it."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def workload_raw(models: int, rate: float, duration_s: float, seed: int, slots: int, workers: int = 1) -> dict[str, Any]:
@@ -61,10 +53,10 @@ def workload_raw(models: int, rate: float, duration_s: float, seed: int, slots: 
     }
 
 
-def write_config(directory: Path, prefix: str, models: int, slots: int, replicas: int = 1) -> Path:
+def write_config(directory: Path, prefix: str, models: int, slots: int, replicas: int = 1, consumers: str = "on-demand") -> Path:
     lines = [
         f'[nats]\nprefix = "{prefix}"\n',
-        f"[streams]\nreplicas = {replicas}\n",
+        f'[streams]\nreplicas = {replicas}\nconsumers = "{consumers}"\n',
         f"[worker]\nmax_resident_models = {slots}\nprefetch_weights = false\n",
     ]
     opts = f"options = {{ load_cost_s = {COSTS['load_cost_s']}, batch_cost_s = {COSTS['batch_cost_s']}, item_cost_s = {COSTS['item_cost_s']} }}"
@@ -128,11 +120,15 @@ async def replay(url: str, prefix: str, arrivals: tuple[tuple[float, str], ...],
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     raw = workload_raw(args.models, args.rate, args.duration, args.seed, args.slots, args.workers)
+    if args.consumers == "eager" or args.consumer_create_s is not None:
+        # What the simulated workers pay for a model's first load: nothing when the consumers
+        # were all made at startup, else the cost given.
+        raw["control"] = {"consumer_create_s": 0.0 if args.consumers == "eager" else args.consumer_create_s}
     workload = build_workload(raw)
     record: dict[str, Any] = {
         "bench": "scale", "models": args.models, "rate": args.rate, "duration_s": args.duration,
         "requests": len(workload.arrivals), "slots": args.slots, "seed": args.seed,
-        "workers": args.workers, "cluster": args.cluster,
+        "workers": args.workers, "cluster": args.cluster, "consumers": args.consumers,
     }  # fmt: skip
     if args.trace_out:
         Path(args.trace_out).write_text(json.dumps({
@@ -149,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         prefix = f"scale{os.getpid()}"
         cluster = stack.enter_context(NatsCluster(3, base_dir=Path(tmp) / "cluster")) if args.cluster else None
-        config = write_config(Path(tmp), prefix, args.models, args.slots, replicas=3 if cluster else 1)
+        config = write_config(Path(tmp), prefix, args.models, args.slots, replicas=3 if cluster else 1, consumers=args.consumers)
         started = time.monotonic()
         dep = stack.enter_context(Deployment(
             config, classifier=False, store_dir=Path(tmp) / "store", http_port=-1, workers=args.workers,
@@ -196,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--cluster", action="store_true", help="a 3-node cluster, streams with 3 replicas")
+    parser.add_argument("--consumers", choices=["on-demand", "eager"], default="on-demand")
+    parser.add_argument("--consumer-create-s", type=float, default=None, help="the simulator's cost of making a consumer (default: the workload's)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--idle-s", type=float, default=10.0)

@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from jetbatch.sidecar.percentiles import percentile  # noqa: E402
+
 PROCESSOR = """
 import asyncio, os
 from dynamic_batcher import BatchProcessor
@@ -48,8 +50,7 @@ def free_port() -> int:
 
 
 def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] * 1000
+    return percentile(values, q / 100) * 1000
 
 
 async def drive(send: object, n: int, concurrency: int) -> dict[str, float]:

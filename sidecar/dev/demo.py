@@ -18,6 +18,8 @@ from typing import Any
 from jetbatch import sdk
 from jetbatch.sdk.protocol import Tensor
 
+from ..percentiles import percentile
+
 from .deployment import Deployment
 from .example_models import build_examples, sample_inputs
 
@@ -25,11 +27,7 @@ __all__ = ["run_demo"]
 
 
 def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    return percentile(values, q / 100)
 
 
 class _BatchPrinter:

@@ -23,6 +23,8 @@ from typing import Any
 from jetbatch import sdk
 from jetbatch.sdk.protocol import Tensor, validate_model_name
 
+from ..percentiles import percentile
+
 from ..errors import SidecarError
 
 __all__ = ["BenchError", "BenchResult", "parse_mix", "plot_timeline", "print_table", "run_bench", "sleep_config"]
@@ -69,10 +71,8 @@ class BenchResult:
     elapsed_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        lat = sorted(self.latencies_s)
-
         def pct(q: float) -> float:
-            return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] * 1000 if lat else float("nan")
+            return percentile(self.latencies_s, q / 100) * 1000
 
         return {
             "sent": self.sent,

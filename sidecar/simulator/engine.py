@@ -95,6 +95,7 @@ class _Sim:
         self.t = 0.0
         self.served_ids: set[int] = set()
         self.nonempty: set[str] = set()  # models with requests queued
+        self.consumers: dict[str, float] = {}  # model -> when its shared consumer was last used
 
     def _worker(self, index: int, policy: Policy) -> _Worker:
         costs = CostEstimator()
@@ -277,6 +278,7 @@ class _Sim:
         duration = self.noisy(m.batch_s(len(live)))
         end = start + duration
         answered = end + self.w.control.answer_s  # the caller has it once stored and sent
+        self.consumers[m.name] = start
         for r in live:
             self._served(r, start, answered)
             if m.max_wait_s is not None and start - r.arrival > m.max_wait_s + m.load_cost_s + m.batch_s(m.max_batch_size) + 1e-9:
@@ -317,6 +319,10 @@ class _Sim:
         worker.warm.pop(decision.model, None)
         duration = self.noisy(m.load_s(tier))
         start = self.t + cost_s + self._load_overhead_s()
+        last = self.consumers.get(decision.model)
+        if last is None or self.t - last > self.w.control.consumer_idle_s:
+            start += self.w.control.consumer_create_s  # made by the first load, shared by every worker (as live)
+        self.consumers[decision.model] = start
         self.result.load_log.append((start, start + duration, m.name))
         self.result.load_seconds += duration
         self.result.loads += 1

@@ -10,14 +10,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .workloads import Workload
 
+from ..percentiles import percentile
+
 __all__ = ["SimResult", "lower_bound", "plot", "print_table"]
 
 
 def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+    return percentile(values, q / 100)
 
 
 @dataclass

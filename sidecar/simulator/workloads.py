@@ -19,6 +19,8 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     load_overhead_s = 0.003             # per load: the consumer check, adverts and claims
     batch_overhead_s = 0.001            # per batch, before compute: the fetch and the thread hop
     answer_s = 0.0013                   # per batch, after compute: store the answers, reply (off the device)
+    consumer_create_s = 0.002           # a model's first load (consumers on demand): make its consumer
+    consumer_idle_s = 600.0             # ... again after this long unused (streams.consumer_idle_s)
     [models.m1]
     load_cost_s = 0.5                   # true seconds to load from disk (cold)
     warm_load_cost_s = 0.05             # true seconds to load from the warm tier
@@ -111,12 +113,17 @@ class Control:
     load_overhead_s: float = 0.003
     batch_overhead_s: float = 0.001
     answer_s: float = 0.0013
+    # The first load of a model whose consumer does not exist yet (streams.consumers =
+    # "on-demand") makes it: about 2 ms on one server, 10-70 ms on a 3-node cluster where each
+    # consumer is a Raft group (bench/consumers.py). 0 for "eager" consumers.
+    consumer_create_s: float = 0.002
+    consumer_idle_s: float = 600.0  # the server removes a consumer nobody pulled from this long
 
     def decision_cost_s(self, models_shown: int) -> float:
         return self.decision_s + self.decision_per_model_s * models_shown
 
 
-IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0)
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,8 @@ class _ControlSpec(_Spec):
     load_overhead_s: Annotated[float, Meta(ge=0, le=60)] = Control.load_overhead_s
     batch_overhead_s: Annotated[float, Meta(ge=0, le=60)] = Control.batch_overhead_s
     answer_s: Annotated[float, Meta(ge=0, le=60)] = Control.answer_s
+    consumer_create_s: Annotated[float, Meta(ge=0, le=60)] = Control.consumer_create_s
+    consumer_idle_s: Annotated[float, Meta(ge=60)] = Control.consumer_idle_s
 
 
 class _WorkloadSpec(_Spec):
