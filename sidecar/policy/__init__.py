@@ -22,12 +22,11 @@ from .scheduling import (
     fits,
     make_policy,
 )
-from .share import CLAIM_JITTER_MAX_S, MIN_JOIN_S, effective_backlog, join_horizon_s, shared_head
+from .share import MIN_JOIN_S, effective_backlog, join_horizon_s, shared_head
 from .visible import RECENT_S, visible_models
 from .window import PROBE_AFTER_REFUSALS, BatchWindow, cannot_finish
 
 __all__ = [
-    "CLAIM_JITTER_MAX_S",
     "MIN_JOIN_S",
     "POLICIES",
     "PROBE_AFTER_REFUSALS",

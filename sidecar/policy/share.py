@@ -4,8 +4,8 @@ Three rules keep workers from fighting over models (docs/scaleout.md):
 
 - **Only what the peers cannot drain.** A queue other workers serve counts, for a worker that
   does not hold the model, only for what they would not drain within the *join horizon*: our
-  load time, and never less than :data:`MIN_JOIN_S`. A peer that clears the queue within a second
-  needs no second replica; joining would cost a load and, later, the reload of whatever made room.
+  load time, and never less than :data:`MIN_JOIN_S`. A peer that clears the queue within a quarter
+  second needs no second replica; joining would cost a load and, later, the reload of whatever made room.
   With cheap warm reloads (0.05 s) a horizon of one load time shrank the discount to a few
   requests, and two workers herded onto one model while the other waited.
 - **A peer's queue is never overdue for us.** The serving peer visits it exhaustively and bounds
@@ -19,12 +19,9 @@ Three rules keep workers from fighting over models (docs/scaleout.md):
 
 from __future__ import annotations
 
-__all__ = ["CLAIM_JITTER_MAX_S", "MIN_JOIN_S", "effective_backlog", "join_horizon_s", "shared_head"]
+__all__ = ["MIN_JOIN_S", "effective_backlog", "join_horizon_s", "shared_head"]
 
 MIN_JOIN_S = 0.25
-# With peers, a worker waits up to this long (uniformly) before claiming a load, so that peers
-# that decided the same can say so first. The simulator charges its mean to every load.
-CLAIM_JITTER_MAX_S = 0.1
 
 
 def join_horizon_s(load_cost_s: float) -> float:

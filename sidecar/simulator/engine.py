@@ -15,7 +15,7 @@ their batch starts, or that the estimated batch time would carry past it, are no
 The control plane costs what it costs live (``Workload.control``): each decision holds the worker
 for its CPU time (fixed, and per model the policy is shown: ``policy.visible_models``, the same
 rule as live), an arrival is known only ``arrival_delay_s`` after it is stored, each load pays a
-fixed overhead (the consumer check; with peers, the claim and the jitter before it), and each
+fixed overhead (the consumer check; with peers, the claims, adverts and release), and each
 batch its fetch before compute and the storing and sending of its answers after it.
 """
 
@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..policy import (
-    CLAIM_JITTER_MAX_S,
     BatchCost,
     BatchWindow,
     CostEstimator,
@@ -331,11 +330,11 @@ class _Sim:
         self.wake(worker, start + duration, f"done:load:{decision.model}:{tier}:{duration}")
 
     def _load_overhead_s(self) -> float:
-        """The control plane's part of a load: the consumer check, and with peers the mean of the
-        jitter before a claim (uniform up to 0.1 s, as live) and the claim's round trips."""
+        """The control plane's part of a load: the consumer check, and with peers the claims,
+        the adverts and the release (key-value round trips)."""
         overhead = self.w.control.load_overhead_s
         if len(self.workers) > 1:
-            overhead += CLAIM_JITTER_MAX_S / 2
+            overhead += self.w.control.claim_s
         return overhead
 
     def finish(self, worker: _Worker, kind: str) -> None:

@@ -21,6 +21,7 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     answer_s = 0.0013                   # per batch, after compute: store the answers, reply (off the device)
     consumer_create_s = 0.002           # a model's first load (consumers on demand): make its consumer
     consumer_idle_s = 600.0             # ... again after this long unused (streams.consumer_idle_s)
+    claim_s = 0.005                     # per load with peers: the claims, adverts and release
     [models.m1]
     load_cost_s = 0.5                   # true seconds to load from disk (cold)
     warm_load_cost_s = 0.05             # true seconds to load from the warm tier
@@ -103,7 +104,7 @@ class Control:
     defaults are the live worker's, measured by ``python -m bench.control_plane`` and
     ``python -m bench.scale`` on the 2-core development VM (docs/benchmarks.md): a decision's CPU (fixed, and per model shown to the policy), the delay
     before an arrival is known (the stream's republished event), and the fixed part of a load
-    (the consumer check; with peers, the claim, the adverts and the jitter before a claim), and
+    (the consumer check; with peers, the claims, the adverts and the release), and
     a batch's fixed I/O: the fetch before compute (it holds the worker), and storing and sending
     the answers after it (they do not hold the device, but the caller waits for them)."""
 
@@ -118,12 +119,14 @@ class Control:
     # consumer is a Raft group (bench/consumers.py). 0 for "eager" consumers.
     consumer_create_s: float = 0.002
     consumer_idle_s: float = 600.0  # the server removes a consumer nobody pulled from this long
+    # With peers, a load also claims its models, advertises and releases: key-value round trips.
+    claim_s: float = 0.005
 
     def decision_cost_s(self, models_shown: int) -> float:
         return self.decision_s + self.decision_per_model_s * models_shown
 
 
-IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0)
+IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ class _ControlSpec(_Spec):
     answer_s: Annotated[float, Meta(ge=0, le=60)] = Control.answer_s
     consumer_create_s: Annotated[float, Meta(ge=0, le=60)] = Control.consumer_create_s
     consumer_idle_s: Annotated[float, Meta(ge=60)] = Control.consumer_idle_s
+    claim_s: Annotated[float, Meta(ge=0, le=60)] = Control.claim_s
 
 
 class _WorkloadSpec(_Spec):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import socket
 import time
 from typing import Any, Callable, TypeVar
@@ -30,7 +29,7 @@ from ..cluster import ClusterView
 from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..errors import TRANSPORT_ERRORS
-from ..policy import CLAIM_JITTER_MAX_S, RECENT_S, BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, make_policy, visible_models
+from ..policy import RECENT_S, BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, make_policy, visible_models
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
@@ -156,7 +155,6 @@ class Worker:
                 peer_timeout_s=config.worker.peer_timeout_s,
             )  # fmt: skip
         self._started_at = time.time()
-        self._rng = random.Random()  # private: the global one belongs to the application
 
     def _note_trouble(self) -> None:
         if self.cluster is not None:
@@ -210,18 +208,19 @@ class Worker:
         """Make sure ``slot``'s shared consumer exists and this worker is bound to it (created on
         demand; re-made after half its idle limit, in case the server removed it meanwhile)."""
         streams = self.config.streams
-        now = time.time()
-        stale = streams.consumers == "on-demand" and (slot.consumer_ready_at is None or now - slot.consumer_ready_at > streams.consumer_idle_s / 2)
-        try:
-            if slot.consumer_ready_at is None or stale:
-                await ensure_model_consumer(self.js, self.subjects, streams, slot.name)
-                slot.consumer_ready_at = now
-            if slot.psub is None:
-                slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
-        except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
-            log.warning("consumer for %s not ready: %s", slot.name, exc)
-            self._note_trouble()
-            return False
+        async with slot.consumer_lock:
+            now = time.time()
+            stale = streams.consumers == "on-demand" and (slot.consumer_ready_at is None or now - slot.consumer_ready_at > streams.consumer_idle_s / 2)
+            try:
+                if slot.consumer_ready_at is None or stale:
+                    await ensure_model_consumer(self.js, self.subjects, streams, slot.name)
+                    slot.consumer_ready_at = now
+                if slot.psub is None:
+                    slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
+            except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
+                log.warning("consumer for %s not ready: %s", slot.name, exc)
+                self._note_trouble()
+                return False
         return True
 
     async def run(self) -> None:
@@ -411,17 +410,15 @@ class Worker:
     # --- loads -----------------------------------------------------------------------------
 
     async def _claim_load(self, slot: Slot, evict: tuple[str, ...]) -> list[str] | None:
-        """Before paying a load, give peers that decided the same a moment to say so, stand back
-        if one of them now covers this model's backlog (workers must not all chase one queue),
-        and claim every model the change touches (``cluster.claim``). Returns the claimed models
-        (release them after the load), or None to stand back."""
+        """Before paying a load, claim every model the change touches (``cluster.claim``: two
+        workers never change the same models' placement at once), then check again that no peer
+        now covers this model's backlog (workers must not all chase one queue). Returns the
+        claimed models (release them after the load), or None to stand back."""
         if self.cluster is None:
             return []
         held = self.cluster.held_by_peers()
         if not held and not self.cluster.peers():
             return []
-        await anyio.sleep(self._rng.uniform(0.0, min(CLAIM_JITTER_MAX_S, self.config.worker.heartbeat_s / 4)))
-        held = self.cluster.held_by_peers()
         if slot.name in held and not self.cluster.view_fresh():
             # What the peers hold is as last heard before JetStream failed us: taking one of their
             # models on that view is how two workers swapped back and forth after a lost node.
@@ -436,6 +433,11 @@ class Worker:
             return None
         if claimed is None and slot.name in held:
             return None  # no claim could be had: never take a peer's model without one
+        if claimed and self._effective_backlog(slot) == 0:
+            # A peer that loaded it just before our claim has said so by now: its advert precedes
+            # its release in the bucket, and our claim follows the release.
+            await self.cluster.release(touched)
+            return None
         self.residency.loading = slot.name
         await self.cluster.advertise(self.report())
         return touched if claimed else []
@@ -450,15 +452,17 @@ class Worker:
                 {p: (a.resident, a.loading) for p, a in peers.items()},
                 "fresh" if self.cluster is None or self.cluster.view_fresh() else "stale (kept)",
             )  # fmt: skip
-        if not await self._consumer(slot):
-            await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
-            return
         claimed = await self._claim_load(slot, tuple(evict))
         if claimed is None:
             return
         share = self._effective_backlog(slot)  # what the peers would not drain: ours to serve
         try:
-            if await self.residency.load(slot, evict, reason=reason, share=share):
+            async with anyio.create_task_group() as tg:
+                # The model's consumer is made while the model loads: on a replicated stream it is
+                # a Raft group, tens of milliseconds that need not add to the load.
+                tg.start_soon(self._consumer, slot)
+                loaded = await self.residency.load(slot, evict, reason=reason, share=share)
+            if loaded:
                 self._current = slot.name
         finally:
             self.residency.loading = None
@@ -470,6 +474,8 @@ class Worker:
     async def _fail_queue(self, slot: Slot, message: str) -> None:
         """A model that cannot load: answer one batch of its waiting requests with model_failed so
         callers learn it now, instead of waiting for their timeouts."""
+        if not await self._consumer(slot):
+            return
         msgs = await self.batcher.fetch(slot, slot.config.max_batch_size, 0.05)
         if not msgs:
             self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)

@@ -91,6 +91,7 @@ class Slot:
     unknown_head_at: float | None = None
     unknown_head_deadline: float | None = None
     consumer_ready_at: float | None = None  # when this worker last made sure the consumer exists
+    consumer_lock: anyio.Lock = field(default_factory=anyio.Lock)  # one creation at a time
 
     @property
     def resident(self) -> bool:
