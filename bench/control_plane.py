@@ -8,6 +8,7 @@ own load, the fetch before a batch, the answers after it. The client runs in the
 so absolute latencies are higher than bench/scale.py's; the per-stage costs are what matter.
 
     python -m bench.control_plane --models 1000 --rate 20 --duration 20
+    python -m bench.control_plane --models 1000 --rate 20 --duration 30 --workers 4 --cluster
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import anyio
+import msgspec
 
 from bench.scale import percentile, replay, workload_raw, write_config
 from jetbatch.sidecar.config import load_config
-from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats, NatsCluster
 from jetbatch.sidecar.simulator.workloads import build_workload
 from jetbatch.sidecar.transport import connect
 from jetbatch.sidecar.worker import Worker
+from jetbatch.sidecar import cluster
 from jetbatch.sidecar.worker import execution, loop, residency
 
 STAGES = [
@@ -40,6 +43,10 @@ STAGES = [
     (loop.Worker, "_serve"),
     (execution.BatchRunner, "_finish"),
     (loop.Worker, "_refresh"),
+    (loop.Worker, "_claim_load"),
+    (cluster.ClusterView, "claim"),
+    (cluster.ClusterView, "advertise"),
+    (cluster.ClusterView, "release"),
 ]
 
 
@@ -60,22 +67,34 @@ def _timed(times: dict[str, list[float]], cls: type, name: str) -> Callable[[], 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = collections.defaultdict(list)
     undo = [_timed(times, cls, name) for cls, name in STAGES]
-    workload = build_workload(workload_raw(args.models, args.rate, args.duration, args.seed, args.slots))
+    workload = build_workload(workload_raw(args.models, args.rate, args.duration, args.seed, args.slots, args.workers))
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            config = load_config(write_config(Path(tmp), "cp", args.models, args.slots))
-            with EmbeddedNats(store_dir=Path(tmp) / "store") as server:
+            config = load_config(write_config(Path(tmp), "cp", args.models, args.slots, replicas=3 if args.cluster else 1))
+            server: Any = NatsCluster(3, base_dir=Path(tmp) / "cluster") if args.cluster else EmbeddedNats(store_dir=Path(tmp) / "store")
+            with server:
 
                 async def main() -> dict[str, int]:
-                    nc = await connect(config.nats, server.url)
-                    worker = Worker(config, nc)
+                    workers, conns = [], []
                     async with anyio.create_task_group() as tg:
-                        tg.start_soon(worker.run)
-                        await worker.ready.wait()
+                        for i in range(args.workers):
+                            nc = await connect(config.nats, server.url)
+                            own = msgspec.structs.replace(config, worker=msgspec.structs.replace(config.worker, id=f"cp{i}"))
+                            workers.append(Worker(own, nc))
+                            conns.append(nc)
+                            tg.start_soon(workers[-1].run)
+                        for worker in workers:
+                            await worker.ready.wait()
                         await replay(server.url, "cp", workload.arrivals, 60.0)
-                        worker.stop()
-                    await nc.close()
-                    return dict(worker.stats)
+                        for worker in workers:
+                            worker.stop()
+                    for nc in conns:
+                        await nc.close()
+                    total: dict[str, int] = {}
+                    for worker in workers:
+                        for k, v in worker.stats.items():
+                            total[k] = total.get(k, 0) + v
+                    return total
 
                 stats = asyncio.run(main())
     finally:
@@ -85,6 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decisions = max(stats.get("decisions", 0), 1)
     return {
         "bench": "control_plane", "models": args.models, "rate": args.rate, "duration_s": args.duration,
+        "workers": args.workers, "cluster": args.cluster, "loads": stats.get("loads", 0),
         "decision_mean_ms": stats.get("decision_us", 0) / 1000 / decisions,
         "models_shown_mean": stats.get("models_shown", 0) / decisions,
         "stages": stages,
@@ -98,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--cluster", action="store_true", help="a 3-node cluster, streams with 3 replicas")
     args = parser.parse_args(argv)
     record = run(args)
     print(json.dumps(record))

@@ -14,8 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jetbatch import sdk
-from jetbatch.sdk.protocol import subject_matches
-from jetbatch.sdk.protocol import Headers, Subjects
+from jetbatch.sdk.protocol import Headers, Subjects, subject_matches
 
 # --- the subject matcher -----------------------------------------------------------------------
 

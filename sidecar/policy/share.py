@@ -4,7 +4,9 @@ Three rules keep workers from fighting over models (docs/scaleout.md):
 
 - **Only what the peers cannot drain.** A queue other workers serve counts, for a worker that
   does not hold the model, only for what they would not drain within the *join horizon*: our
-  load time, and never less than :data:`MIN_JOIN_S`. A peer that clears the queue within a quarter
+  load time, and never less than :data:`MIN_JOIN_S`; and only when that is at least one batch
+  (a failover test saw a worker make warm excursions onto a stalled peer's model for a
+  remainder of one request, two loads each). A peer that clears the queue within a quarter
   second needs no second replica; joining would cost a load and, later, the reload of whatever made room.
   With cheap warm reloads (0.05 s) a horizon of one load time shrank the discount to a few
   requests, and two workers herded onto one model while the other waited.
@@ -29,13 +31,17 @@ def join_horizon_s(load_cost_s: float) -> float:
     return max(load_cost_s, MIN_JOIN_S)
 
 
-def effective_backlog(backlog: int, served_drain_rps: float, horizon_s: float, *, resident_here: bool) -> int:
+def effective_backlog(backlog: int, served_drain_rps: float, horizon_s: float, *, resident_here: bool, min_share: int = 1) -> int:
     """Backlog left for this worker to justify a load: what the other replicas would not drain
-    within ``horizon_s`` (see :func:`join_horizon_s`). A model resident here keeps its full
-    backlog: we share its queue with the other replicas and serving it costs us no load."""
+    within ``horizon_s`` (see :func:`join_horizon_s`), and nothing unless that is at least
+    ``min_share`` requests (the model's batch: joining a replica for less than one batch of work
+    costs a load now and a reload of ours later, to save one batch time). A model resident here
+    keeps its full backlog: we share its queue with the other replicas and serving it costs us
+    no load."""
     if resident_here or served_drain_rps <= 0:
         return backlog
-    return max(0, int(backlog - served_drain_rps * horizon_s))
+    left = int(backlog - served_drain_rps * horizon_s)
+    return left if left >= max(min_share, 1) else 0
 
 
 def shared_head(oldest_enqueued_at: float | None, now: float, served_drain_rps: float, *, resident_here: bool) -> float | None:

@@ -185,7 +185,9 @@ class _Sim:
             tier = "resident" if resident else ("warm" if name in worker.warm else "cold")
             load_cost = worker.costs.load_cost_s(name, "warm" if resident and self.w.host_budget_bytes else ("cold" if resident else tier))
             served = served_by.get(name, 0.0)
-            backlog = effective_backlog(len(self.queues[name]), served, join_horizon_s(load_cost), resident_here=resident)
+            backlog = effective_backlog(
+                len(self.queues[name]), served, join_horizon_s(load_cost), resident_here=resident, min_share=m.max_batch_size
+            )
             q = self.queues[name]
             head = shared_head(q[0].arrival if q else None, self.t, served, resident_here=resident)
             models[name] = ModelState(
@@ -330,11 +332,11 @@ class _Sim:
         self.wake(worker, start + duration, f"done:load:{decision.model}:{tier}:{duration}")
 
     def _load_overhead_s(self) -> float:
-        """The control plane's part of a load: the consumer check, and with peers the claims,
-        the adverts and the release (key-value round trips)."""
-        overhead = self.w.control.load_overhead_s
+        """The control plane's part of a load: the consumer check, the claims and their release
+        (key-value round trips), and with peers the adverts before and after."""
+        overhead = self.w.control.load_overhead_s + self.w.control.claim_s
         if len(self.workers) > 1:
-            overhead += self.w.control.claim_s
+            overhead += self.w.control.advert_s
         return overhead
 
     def finish(self, worker: _Worker, kind: str) -> None:

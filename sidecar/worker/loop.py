@@ -416,9 +416,9 @@ class Worker:
         claimed models (release them after the load), or None to stand back."""
         if self.cluster is None:
             return []
+        # Claimed even with no peer in view: a peer that started a moment ago is not in it yet
+        # (the failover bench saw two workers load the same first model at startup).
         held = self.cluster.held_by_peers()
-        if not held and not self.cluster.peers():
-            return []
         if slot.name in held and not self.cluster.view_fresh():
             # What the peers hold is as last heard before JetStream failed us: taking one of their
             # models on that view is how two workers swapped back and forth after a lost node.
@@ -439,7 +439,8 @@ class Worker:
             await self.cluster.release(touched)
             return None
         self.residency.loading = slot.name
-        await self.cluster.advertise(self.report())
+        if self.cluster.peers():
+            await self.cluster.advertise(self.report())  # peers count our drain from now on
         return touched if claimed else []
 
     async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str) -> None:
@@ -454,6 +455,9 @@ class Worker:
             )  # fmt: skip
         claimed = await self._claim_load(slot, tuple(evict))
         if claimed is None:
+            # Standing back: look again after an arrival or a poll interval, not at once (the
+            # same decision would be refused again, thousands of times a second).
+            await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
             return
         share = self._effective_backlog(slot)  # what the peers would not drain: ours to serve
         try:
@@ -466,9 +470,10 @@ class Worker:
                 self._current = slot.name
         finally:
             self.residency.loading = None
-            if self.cluster is not None and (claimed or self.cluster.peers()):
-                # Resident now: peers count our drain at once (alone, the heartbeat's advert does).
-                await self.cluster.advertise(self.report())
+            if self.cluster is not None:
+                if self.cluster.peers():
+                    # Resident now: peers count our drain at once (alone, the heartbeat's advert does).
+                    await self.cluster.advertise(self.report())
                 await self.cluster.release(claimed)
 
     async def _fail_queue(self, slot: Slot, message: str) -> None:

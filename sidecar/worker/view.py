@@ -68,7 +68,9 @@ def build_report(
 
 def effective(slot: Slot, served_rps: float, load_cost_s: float) -> int:
     """Work other workers will drain before a load of ours would finish is not ours to chase."""
-    return effective_backlog(slot.backlog, served_rps, join_horizon_s(load_cost_s), resident_here=slot.resident)
+    return effective_backlog(
+        slot.backlog, served_rps, join_horizon_s(load_cost_s), resident_here=slot.resident, min_share=slot.config.max_batch_size
+    )
 
 
 def scheduler_state(
