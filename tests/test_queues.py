@@ -80,6 +80,17 @@ def test_held_back_requests_shrink_as_they_are_acked() -> None:
     assert s.unfetchable == 2 and s.backlog == 0
 
 
+def test_arrivals_after_a_hold_are_never_masked_by_it() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.reconcile(s, 5, now=0.0, mine=0, not_ours=0)
+    view.found_empty(s, now=0.0, ack_wait_s=30.0)  # 5 held back (a peer had them, unadvertised)
+    view.arrived(s, 1.0, None)
+    view.arrived(s, 1.5, None)
+    view.reconcile(s, 2, now=2.0, mine=0, not_ours=0)  # the peer acked its 5; two new ones wait
+    assert s.backlog == 2 and s.unfetchable == 0 and s.oldest_enqueued_at == 1.0
+
+
 def test_an_unknown_head_is_read_once() -> None:
     view, slots = _view("m1")
     s = slots["m1"]

@@ -106,8 +106,9 @@ class QueueView:
         slot.stranded = max(0, available - len(slot.known_times))  # an upper bound: arrivals not seen
         if now >= slot.hold_until:
             slot.unfetchable = 0
-        # Held-back messages leave the count as they are acked or redelivered to someone.
-        slot.unfetchable = min(slot.unfetchable, available)
+        # Held-back messages leave the count as they are acked or redelivered to someone; the
+        # arrivals seen since the hold are never among them (found_empty forgot the older ones).
+        slot.unfetchable = min(slot.unfetchable, max(0, available - len(slot.known_times)))
         self._count(slot, available - slot.unfetchable)
 
     def needs_head(self, slot: Slot) -> bool:
