@@ -197,8 +197,7 @@ class Worker:
             for slot in self.slots.values():
                 slot.consumer_ready_at = now
         # Listen before the first count, so no arrival falls between the two.
-        if self.arrivals._sub is None:
-            await self.arrivals.start()
+        await self.arrivals.start()
         await self.quarantine.start()
         if self.cluster is not None:
             await self.cluster.start()

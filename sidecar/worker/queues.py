@@ -210,7 +210,9 @@ class ArrivalFeed:
         self.seen = 0
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(self._subjects.arrivals_wildcard, cb=self._on_msg, pending_msgs_limit=1_000_000)
+        """Subscribe (once: a retried startup calls it again)."""
+        if self._sub is None:
+            self._sub = await self._nc.subscribe(self._subjects.arrivals_wildcard, cb=self._on_msg, pending_msgs_limit=1_000_000)
 
     async def stop(self) -> None:
         if self._sub is not None:
