@@ -332,12 +332,9 @@ class _Sim:
         self.wake(worker, start + duration, f"done:load:{decision.model}:{tier}:{duration}")
 
     def _load_overhead_s(self) -> float:
-        """The control plane's part of a load: the consumer check, the claims and their release
-        (key-value round trips), and with peers the adverts before and after."""
-        overhead = self.w.control.load_overhead_s + self.w.control.claim_s
-        if len(self.workers) > 1:
-            overhead += self.w.control.advert_s
-        return overhead
+        """The control plane's part of a load: the consumer check, the claims and their release,
+        and the adverts before and after (key-value round trips)."""
+        return self.w.control.load_overhead_s + self.w.control.claim_s + self.w.control.advert_s
 
     def finish(self, worker: _Worker, kind: str) -> None:
         _, what, model, arg, duration_text = kind.split(":", 4)

@@ -337,8 +337,8 @@ class Worker:
             if isinstance(decision, Serve):
                 slot = self.slots[decision.model]
                 if not slot.resident:
-                    # The policies serve only resident models; a custom one that does not gets the
-                    # load it implies, as the simulator gives it (docs/architecture.md).
+                    # The built-in policies serve only resident models; a custom one that does not
+                    # gets the load it implies here (the simulator refuses such a policy outright).
                     log.warning("policy %s chose non-resident model %s; loading it", self.policy.name, slot.name)
                     await self._load(slot, (), reason="serve-non-resident")
                     continue
@@ -360,15 +360,15 @@ class Worker:
                 await self._wake.wait()
         self._wake = anyio.Event()
 
-    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve, first: list[Msg] | None = None) -> None:
+    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve) -> None:
         # Pipelining: gather the next batch while the previous one computes, but never hold more
         # than one gathered batch beyond the ones the model may run at once.
         await slot.wait_in_flight_at_most(slot.config.max_concurrent_batches)
         max_items = max(1, min(decision.max_items, slot.config.max_batch_size))
-        if decision.before is not None and not first:
+        if decision.before is not None:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
         else:
-            msgs = await self.batcher.gather(slot, max_items, first)
+            msgs = await self.batcher.gather(slot, max_items)
         if not msgs:
             # Counted but not fetchable now (delivered to someone, unacked): stop chasing them
             # until all are due for redelivery (one ack wait), and tell peers not to either.
@@ -438,8 +438,7 @@ class Worker:
             await self.cluster.release(touched)
             return None
         self.residency.loading = slot.name
-        if self.cluster.peers():
-            await self.cluster.advertise(self.report())  # peers count our drain from now on
+        await self.cluster.advertise(self.report())  # peers count our drain from now on
         return touched if claimed else []
 
     async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str) -> None:
@@ -454,9 +453,14 @@ class Worker:
             )  # fmt: skip
         claimed = await self._claim_load(slot, tuple(evict))
         if claimed is None:
-            # Standing back: look again after an arrival or a poll interval, not at once (the
-            # same decision would be refused again, thousands of times a second).
-            await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
+            # Standing back: decide again once the placement changed (the claim's holder
+            # advertises, or gives the claim back) or after a poll interval, not at the next
+            # arrival: the same decision would be refused again, a hundred times a second.
+            poll_s = self.config.worker.poll_interval_ms / 1000.0
+            if self.cluster is not None:
+                await self.cluster.wait_for_change(poll_s)
+            else:
+                await self._idle(Idle(time.time() + poll_s))
             return
         share = self._effective_backlog(slot)  # what the peers would not drain: ours to serve
         try:
@@ -470,9 +474,9 @@ class Worker:
         finally:
             self.residency.loading = None
             if self.cluster is not None:
-                if self.cluster.peers():
-                    # Resident now: peers count our drain at once (alone, the heartbeat's advert does).
-                    await self.cluster.advertise(self.report())
+                # Resident now: peers count our drain at once, before the claim is given back
+                # (a peer that starts just now and does not know us yet reads it first).
+                await self.cluster.advertise(self.report())
                 await self.cluster.release(claimed)
 
     async def _fail_queue(self, slot: Slot, message: str) -> None:
