@@ -71,6 +71,18 @@ def test_stranded_requests_count_until_a_fetch_finds_them_gone_then_wait_one_ack
     assert s.backlog == 4 and s.unfetchable == 0
 
 
+def test_a_hold_ends_one_ack_wait_after_the_requests_were_first_seen_stranded() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.reconcile(s, 1, now=0.0, mine=0, not_ours=0)  # a lost ack: stranded from t = 0
+    view.found_empty(s, now=20.0, ack_wait_s=30.0)
+    assert s.hold_until == 30.0  # due again by then, not at 20 + 30
+    view.reconcile(s, 1, now=30.5, mine=0, not_ours=0)
+    assert s.backlog == 1
+    view.found_empty(s, now=30.6, ack_wait_s=30.0)  # not redelivered yet: look again soon
+    assert s.hold_until == pytest.approx(31.6)
+
+
 def test_held_back_requests_shrink_as_they_are_acked() -> None:
     view, slots = _view("m1")
     s = slots["m1"]

@@ -85,6 +85,7 @@ class Slot:
     stranded: int = 0
     unfetchable: int = 0
     hold_until: float = 0.0
+    stranded_since: float | None = None  # when the count first showed stranded messages
     # Enqueue times (and deadlines) of the newest waiting requests, oldest first, from the
     # arrival events; older waiting requests' head, when read (None: not known). See queues.py.
     known_times: deque[tuple[float, float | None]] = field(default_factory=deque)
