@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
@@ -61,7 +60,7 @@ class ClusterView:
         self._trouble_at = -1e18  # when we last saw JetStream fail (a fetch, a put, a stream info)
         self._kv: object | None = None
         self._watcher: object | None = None
-        self._changed = anyio.Event()  # set (and replaced) on every update the watch sees
+
 
     @property
     def ttl_s(self) -> float:
@@ -95,8 +94,6 @@ class ClusterView:
                 continue
             if entry is None:  # end of the initial values
                 continue
-            changed, self._changed = self._changed, anyio.Event()
-            changed.set()
             if entry.key.startswith(CLAIM_PREFIX):
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
@@ -191,11 +188,6 @@ class ClusterView:
                 await self._watcher.stop()  # type: ignore[attr-defined]
             except Exception:  # noqa: BLE001
                 pass
-
-    async def wait_for_change(self, timeout_s: float) -> None:
-        """Until the bucket changes (an advert, a claim taken or given back), at most ``timeout_s``."""
-        with anyio.move_on_after(timeout_s):
-            await self._changed.wait()
 
     def note_trouble(self, now: float | None = None) -> None:
         """JetStream just failed us (a fetch, a put): peers silent now are likely in the same

@@ -137,3 +137,12 @@ def test_a_queue_peers_serve_is_never_overdue_for_a_worker_that_does_not_hold_it
     assert shared_head(10.0, 100.0, 0.0, resident_here=False) == 10.0  # nobody serves it
     # Cheap warm reloads do not shrink the peers' drain to a few requests.
     assert join_horizon_s(0.05) == 0.25 and join_horizon_s(2.0) == 2.0
+
+
+def test_a_queue_counted_as_fully_served_is_never_ours_to_join() -> None:
+    import math
+
+    assert effective_backlog(10_000, math.inf, 0.25, resident_here=False, min_share=16) == 0
+    assert effective_backlog(10_000, math.inf, 0.25, resident_here=True, min_share=16) == 10_000
+    assert effective_backlog(100, 100.0, 0.25, resident_here=False, min_share=16) == 75
+    assert effective_backlog(40, 100.0, 0.25, resident_here=False, min_share=16) == 0  # 15 left: under a batch

@@ -40,8 +40,8 @@ def effective_backlog(backlog: int, served_drain_rps: float, horizon_s: float, *
     no load."""
     if resident_here or served_drain_rps <= 0:
         return backlog
-    left = int(backlog - served_drain_rps * horizon_s)
-    return left if left >= max(min_share, 1) else 0
+    left = backlog - served_drain_rps * horizon_s  # a float: the rate may be infinite (fully served)
+    return int(left) if left >= max(min_share, 1) else 0
 
 
 def shared_head(oldest_enqueued_at: float | None, now: float, served_drain_rps: float, *, resident_here: bool) -> float | None:

@@ -106,6 +106,7 @@ class Worker:
         self._next_refresh = -math.inf
         self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
         self._last_used: dict[str, float] = {}  # model -> when its last batch ran (recent ones only)
+        self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
         self._in_flight_msgs: dict[int, Msg] = {}
         self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
@@ -284,7 +285,24 @@ class Worker:
         return out
 
     def _served(self) -> dict[str, float]:
-        return dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
+        """Per model, what peers drain (their adverts), and models a peer is claiming now counted
+        as fully served until its advert says more (see :meth:`_stand_back`)."""
+        served = dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
+        if self._standing_back:
+            now = time.time()
+            for name, until in list(self._standing_back.items()):
+                if until <= now:
+                    del self._standing_back[name]
+                else:
+                    served[name] = math.inf
+        return served
+
+    def _stand_back(self, model: str) -> None:
+        """Leave ``model`` to the peer that holds its claim (or held it when the view went stale)
+        for one heartbeat: the next decisions count its backlog as served, so this worker goes on
+        with its own work at once instead of deciding the same refused load again and again (the
+        failover bench saw thousands a second) or sleeping while its own queues wait."""
+        self._standing_back[model] = time.time() + self.config.worker.heartbeat_s
 
     def _effective_backlog(self, slot: Slot, served: dict[str, float] | None = None) -> int:
         served = self._served() if served is None else served
@@ -422,6 +440,7 @@ class Worker:
             # What the peers hold is as last heard before JetStream failed us: taking one of their
             # models on that view is how two workers swapped back and forth after a lost node.
             log.info("not loading %s: a peer held it when the view went stale", slot.name)
+            self._stand_back(slot.name)
             return None
         if self._effective_backlog(slot) == 0:
             return None
@@ -429,8 +448,10 @@ class Worker:
         claimed = await self.cluster.claim(touched)
         if claimed is False:
             log.info("another worker is changing the placement of %s now: standing back", " or ".join(sorted(touched)))
+            self._stand_back(slot.name)
             return None
         if claimed is None and slot.name in held:
+            self._stand_back(slot.name)
             return None  # no claim could be had: never take a peer's model without one
         if claimed and self._effective_backlog(slot) == 0:
             # A peer that loaded it just before our claim has said so by now: its advert precedes
@@ -453,14 +474,6 @@ class Worker:
             )  # fmt: skip
         claimed = await self._claim_load(slot, tuple(evict))
         if claimed is None:
-            # Standing back: decide again once the placement changed (the claim's holder
-            # advertises, or gives the claim back) or after a poll interval, not at the next
-            # arrival: the same decision would be refused again, a hundred times a second.
-            poll_s = self.config.worker.poll_interval_ms / 1000.0
-            if self.cluster is not None:
-                await self.cluster.wait_for_change(poll_s)
-            else:
-                await self._idle(Idle(time.time() + poll_s))
             return
         share = self._effective_backlog(slot)  # what the peers would not drain: ours to serve
         try:
