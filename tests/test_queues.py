@@ -75,12 +75,23 @@ def test_a_hold_ends_one_ack_wait_after_the_requests_were_first_seen_stranded() 
     view, slots = _view("m1")
     s = slots["m1"]
     view.reconcile(s, 1, now=0.0, mine=0, not_ours=0)  # a lost ack: stranded from t = 0
-    view.found_empty(s, now=20.0, ack_wait_s=30.0)
+    view.found_empty(s, now=20.0, ack_wait_s=30.0)  # found by a fetch for another model's load
     assert s.hold_until == 30.0  # due again by then, not at 20 + 30
     view.reconcile(s, 1, now=30.5, mine=0, not_ours=0)
     assert s.backlog == 1
     view.found_empty(s, now=30.6, ack_wait_s=30.0)  # not redelivered yet: look again soon
     assert s.hold_until == pytest.approx(31.6)
+
+
+def test_a_resident_models_stranded_requests_are_looked_for_every_second() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    s.tier = "resident"  # a fetch costs no load: look again soon, the redelivery may be due now
+    view.reconcile(s, 1, now=0.0, mine=0, not_ours=0)
+    view.found_empty(s, now=5.0, ack_wait_s=30.0)
+    assert s.hold_until == pytest.approx(6.0) and s.backlog == 0
+    view.reconcile(s, 1, now=6.5, mine=0, not_ours=0)
+    assert s.backlog == 1
 
 
 def test_held_back_requests_shrink_as_they_are_acked() -> None:
