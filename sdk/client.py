@@ -462,16 +462,18 @@ class Client:
             delay_s = min(delay_s * 2, 1.0)
 
     async def _watch_reconnects(self) -> None:
-        """After a reconnect, the live replies sent while we were away are gone: fetch the stored
-        answers of every request still waiting. (Our inbox subscription is re-sent before this
-        runs, so an answer stored later arrives live.)"""
+        """After a reconnect, the live replies sent while we were away are gone: look for the
+        stored answer of every request still waiting, until it is found or its live reply comes
+        (a backoff up to a second). One look is not enough: right after a node is lost the results
+        stream may be electing its leader and not answer, and an answer stored and sent while we
+        reconnected then reached nobody (the failover bench saw one wait out its whole timeout)."""
         while not self._closed:
             await asyncio.sleep(0.1)
             reconnects = self._nc.stats.get("reconnects", 0)
             if reconnects != self._reconnects_seen and self._nc.is_connected:
                 self._reconnects_seen = reconnects
                 for rid in list(self._pending):
-                    self._spawn(self._fetch_stored_result(rid))
+                    self._spawn(self._poll_stored_result(rid))
 
     def _to_result(self, msg: Any, rid: str, latency_s: float) -> Result:
         headers = msg.headers or {}

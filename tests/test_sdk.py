@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import anyio
 import pytest
 
 from jetbatch import sdk
@@ -254,3 +255,33 @@ async def test_a_request_whose_live_reply_never_comes_reads_the_stored_answer(na
             assert await client.infer(b"second", request_id="dup-1", timeout=2) == b"first"
             client._resolve = lambda rid, msg: None  # type: ignore[method-assign]  # every live reply lost
             assert await client.infer(b"lost live", model="m1", timeout=2) == b"lost live"
+
+
+@pytest.mark.anyio
+async def test_after_a_reconnect_the_stored_answer_is_looked_for_until_found(nats_url: str, prefix: str) -> None:
+    """A node loss: the live reply went out while the client reconnected, and the results stream
+    did not answer the first looks (an election). The client keeps looking, so the caller gets
+    the answer in seconds, not at its timeout."""
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        pass  # the streams exist; nobody serves m1 now
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        call = asyncio.ensure_future(client.infer(b"x", model="m1", request_id="lost-live-1", timeout=60))
+        await wait_until(lambda: "lost-live-1" in client._pending, timeout_s=10, what="the request published")
+        # The answer is stored (as a worker stores it before replying); its live reply is gone.
+        js = client.nats.jetstream()
+        await js.publish(client.subjects.result("lost-live-1"), b"stored answer", headers={"Content-Type": "application/octet-stream"})
+        real = client._stored_answer
+        misses = {"n": 0}
+
+        async def electing(rid: str) -> object:
+            if misses["n"] < 3:  # the results stream does not answer the first looks
+                misses["n"] += 1
+                return None
+            return await real(rid)
+
+        client._stored_answer = electing  # type: ignore[method-assign]
+        client.nats.stats["reconnects"] += 1  # what nats-py counts when it reconnects
+        with anyio.fail_after(10):
+            assert await call == b"stored answer"
+        assert misses["n"] == 3
