@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jetbatch import sdk  # noqa: E402
+from jetbatch.sidecar.percentiles import percentile  # noqa: E402
 from jetbatch.sdk.connection import connect_nats  # noqa: E402
 from jetbatch.sdk.protocol import Subjects  # noqa: E402
 from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
@@ -98,11 +99,11 @@ async def traffic(cluster: NatsCluster, prefix: str, args: argparse.Namespace, r
         t0 = time.monotonic()
 
         async def one(i: int, model: str) -> None:
-            rec: dict[str, Any] = {"i": i, "model": model, "sent": time.monotonic() - t0, "outcome": None}
+            rec: dict[str, Any] = {"i": i, "model": model, "sent": time.monotonic() - t0, "outcome": None, "rid": f"r{i:06d}"}
             records.append(rec)
             payload = f"{model}-{i}".encode()
             try:
-                res = await client.infer_result(payload, model=model, timeout=60)
+                res = await client.infer_result(payload, model=model, timeout=60, request_id=rec["rid"])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - typed jetbatch errors, counted by class
@@ -157,6 +158,30 @@ async def traffic(cluster: NatsCluster, prefix: str, args: argparse.Namespace, r
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         out["elapsed_s"] = round(time.monotonic() - t0, 2)
+        # What became of each request still unanswered: its stored answer, and the queues' state.
+        lost = [r for r in records if r["outcome"] is None]
+        detail: list[dict[str, Any]] = []
+        for r in lost:
+            try:
+                raw = await js.get_msg(subjects.results_stream, subject=subjects.result(r["rid"]), direct=True)
+                stored = raw is not None
+            except Exception:  # noqa: BLE001 - not stored, or the store unavailable
+                stored = False
+            detail.append({"rid": r["rid"], "model": r["model"], "sent": round(r["sent"], 3), "answer_stored": stored})
+        try:
+            info = await js.stream_info(subjects.models_stream, subjects_filter=subjects.models_wildcard)
+            queued = dict(info.state.subjects or {})
+        except Exception as exc:  # noqa: BLE001
+            queued = {"error": repr(exc)}
+        consumers = {}
+        for m in MODELS:
+            try:
+                ci = await js.consumer_info(subjects.models_stream, f"model-{m}")
+                consumers[m] = {"pending": ci.num_pending, "ack_pending": ci.num_ack_pending, "redelivered": ci.num_redelivered}
+            except Exception as exc:  # noqa: BLE001
+                consumers[m] = repr(exc)[:80]
+        out["lost_detail"] = detail
+        out["queues_at_end"] = {"stored": queued, "consumers": consumers}
         after = await reports(nc, prefix, wait_s=1.0)
         out["placement_after"] = placement(after)
         out["loads"] = sum(r.stats.get("loads", 0) for r in after)
@@ -173,7 +198,7 @@ def summarize(run: int, scenario: str, raw: dict[str, Any]) -> dict[str, Any]:
     lat = sorted(r["latency_ms"] for r in records if r["outcome"] == "ok")
 
     def pct(p: float) -> float | None:
-        return round(lat[min(len(lat) - 1, int(p * len(lat)))], 1) if lat else None
+        return round(percentile(lat, p), 1) if lat else None
 
     # Loads seen by the callers: distinct batches whose reply says the model was loaded for it.
     loaded_batches = {(r["worker"], r["batch"]) for r in records if r.get("loaded")}
@@ -204,7 +229,7 @@ def summarize(run: int, scenario: str, raw: dict[str, Any]) -> dict[str, Any]:
         "placement_before": before,
         "placement_after": after_p,
         "served_after_kill": served_after,
-        **{k: raw[k] for k in ("victim", "victim_name", "models_leader", "kv_leader", "victim_led_models", "victim_led_kv", "kill_at_s", "kill_wall", "elapsed_s", "workers_reporting", "loads_per_worker") if k in raw},
+        **{k: raw[k] for k in ("victim", "victim_name", "models_leader", "kv_leader", "victim_led_models", "victim_led_kv", "kill_at_s", "kill_wall", "elapsed_s", "workers_reporting", "loads_per_worker", "lost_detail", "queues_at_end") if k in raw},
         "error_samples": sorted({f"{r['outcome']}: {r.get('message', '')}" for r in records if r["outcome"] not in ("ok", None)})[:5],
     }
 

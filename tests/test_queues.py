@@ -94,6 +94,19 @@ def test_a_resident_models_stranded_requests_are_looked_for_every_second() -> No
     assert s.backlog == 1
 
 
+def test_requests_no_consumer_will_deliver_are_held_back_until_they_are_gone() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    s.tier = "resident"
+    view.reconcile(s, 1, now=0.0, mine=0, not_ours=0)  # left behind in the stream after a leader loss
+    view.found_empty(s, now=1.0, ack_wait_s=30.0, unreachable=True)
+    view.reconcile(s, 1, now=1000.0, mine=0, not_ours=0)
+    assert s.backlog == 0  # never chased again
+    view.arrived(s, 1001.0, None)
+    view.reconcile(s, 2, now=1002.0, mine=0, not_ours=0)
+    assert s.backlog == 1  # a real arrival is not masked
+
+
 def test_held_back_requests_shrink_as_they_are_acked() -> None:
     view, slots = _view("m1")
     s = slots["m1"]

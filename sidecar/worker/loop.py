@@ -388,9 +388,10 @@ class Worker:
         else:
             msgs = await self.batcher.gather(slot, max_items)
         if not msgs:
-            # Counted but not fetchable now (delivered to someone, unacked): stop chasing them
-            # until all are due for redelivery (one ack wait), and tell peers not to either.
-            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
+            # Counted but not fetchable now (delivered to someone, unacked, or left behind in the
+            # stream): stop chasing them until they can be fetched, and tell peers not to either.
+            unreachable = slot.backlog > 0 and await self._consumer_is_empty(slot)
+            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
             return
         for m in msgs:
             self._in_flight_msgs[id(m)] = m
@@ -399,6 +400,15 @@ class Worker:
         slot.fresh_load = False
         self._current = slot.name
         tg.start_soon(self._run_batch, slot, msgs, loaded, decision.reason)
+
+    async def _consumer_is_empty(self, slot: Slot) -> bool:
+        """Whether the model's consumer has nothing to deliver and nothing awaiting an ack (one
+        call, made only when a fetch found nothing the count promised)."""
+        try:
+            info = await self.js.consumer_info(self.subjects.models_stream, model_consumer_name(slot.name))
+        except TRANSPORT_ERRORS:
+            return False
+        return not info.num_pending and not info.num_ack_pending
 
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
         released = False

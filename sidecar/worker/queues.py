@@ -28,6 +28,7 @@ tests drive the rules without a server.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Mapping
@@ -94,15 +95,23 @@ class QueueView:
         still undelivered (None: unknown). Stranded requests come back at the next reconcile."""
         self._count(slot, max(0, slot.backlog - n) if pending is None else pending)
 
-    def found_empty(self, slot: Slot, now: float, ack_wait_s: float) -> None:
+    def found_empty(self, slot: Slot, now: float, ack_wait_s: float, *, unreachable: bool = False) -> None:
         """A fetch came back empty although the backlog said otherwise: the rest is delivered
         elsewhere (a dead worker's, a delivery lost with a node, or a peer's not advertised yet)
         and comes back when JetStream redelivers it, at a time nobody tells us. For a model on
         this device a look costs one fetch: look again every :data:`RECHECK_S`, so a redelivery is
         served within a second of being due (holding for a whole ack wait after each empty fetch
         answered a request lost with a node 47 s late). For a model elsewhere a look costs a load:
-        hold it back until one ack wait after it was first seen stranded, when all of it is due."""
-        if slot.backlog > 0 and now >= slot.hold_until:
+        hold it back until one ack wait after it was first seen stranded, when all of it is due.
+
+        ``unreachable``: the consumer has nothing undelivered and nothing unacked, yet the stream
+        still stores these: left behind in the work queue after a stream leader was lost (seen
+        in the failover bench: acked, answered, never removed). Nobody will ever deliver them;
+        they are held back until the count says they are gone."""
+        if slot.backlog > 0 and unreachable:
+            slot.unfetchable = slot.backlog
+            slot.hold_until = math.inf
+        elif slot.backlog > 0 and now >= slot.hold_until:
             slot.unfetchable = slot.backlog
             if slot.resident:
                 slot.hold_until = now + RECHECK_S
