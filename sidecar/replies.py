@@ -202,6 +202,12 @@ class Replier:
             answer.stored = True
         except JetbatchError as exc:
             log.warning("storing the answer of %s failed: %s", answer.meta.request_id, exc.message)
+            return
+        # Whatever lost the first store's PubAck (a node gone with our connection) may have lost
+        # the live reply sent right behind it; a caller whose own connection never broke would
+        # then wait for it until its timeout (the failover bench saw that). Send it again: a
+        # second answer is dropped by the caller.
+        await self._send(answer)
 
     async def stored_answer(self, meta: RequestMeta) -> Answer | None:
         """The answer stored for this request id by an earlier delivery, if any."""

@@ -45,3 +45,24 @@ async def test_an_answer_without_a_pubAck_is_stored_again_not_left_to_be_recompu
     await replier._store_finish([(answer, never)])
     assert answer.stored and replier.safe(answer)
     assert js.published == [Subjects("t").result("r1")]
+
+
+async def test_an_answer_stored_again_is_sent_again() -> None:
+    """What lost the first store's PubAck (a node gone with the worker's connection) may have lost
+    the live reply sent right behind it; a caller whose own connection never broke would wait for
+    it until its timeout (the failover bench saw that). Once stored again, it is sent again."""
+    js = BackLaterJetStream(failures=1)
+    sent: list[tuple[str, bytes]] = []
+
+    async def publish(subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        sent.append((subject, body))
+
+    nc = SimpleNamespace(jetstream=lambda: js, max_payload=1 << 20, publish=publish)
+    config = msgspec.convert({"store_timeout_s": 2.0}, RepliesConfig)
+    replier = Replier(nc, Subjects("t"), config)  # type: ignore[arg-type]
+    meta = RequestMeta(request_id="r2", reply_to="_INBOX.c.r2", deadline=None, content_type=None, model="m1", tenant=None)
+    answer = Answer.ok(meta, b"out", ContentType.BYTES)
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    await replier._store_finish([(answer, never)])
+    assert answer.stored
+    assert sent == [("_INBOX.c.r2", b"out")]
