@@ -333,8 +333,9 @@ class _Sim:
 
     def _load_overhead_s(self) -> float:
         """The control plane's part of a load: the consumer check, the claims and their release,
-        and the adverts before and after (key-value round trips)."""
-        return self.w.control.load_overhead_s + self.w.control.claim_s + self.w.control.advert_s
+        and the advert after it (and before it, with peers): key-value round trips."""
+        adverts = 2 if len(self.workers) > 1 else 1  # before the load only when peers listen
+        return self.w.control.load_overhead_s + self.w.control.claim_s + adverts * self.w.control.advert_s
 
     def finish(self, worker: _Worker, kind: str) -> None:
         _, what, model, arg, duration_text = kind.split(":", 4)

@@ -22,7 +22,7 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     consumer_create_s = 0.002           # a model's first load (consumers on demand): make its consumer
     consumer_idle_s = 600.0             # ... again after this long unused (streams.consumer_idle_s)
     claim_s = 0.002                     # per load: claim the models it touches, release them
-    advert_s = 0.002                    # per load: advertise before and after
+    advert_s = 0.002                    # per advert of a load (after it; before it too with peers)
     [models.m1]
     load_cost_s = 0.5                   # true seconds to load from disk (cold)
     warm_load_cost_s = 0.05             # true seconds to load from the warm tier
@@ -120,8 +120,9 @@ class Control:
     # consumer is a Raft group (bench/consumers.py). 0 for "eager" consumers.
     consumer_create_s: float = 0.002
     consumer_idle_s: float = 600.0  # the server removes a consumer nobody pulled from this long
-    # A load claims its models and releases them, and advertises before and after (key-value
-    # round trips: about 1 ms each on one server, 4-20 ms on the loaded 3-node test cluster).
+    # A load claims its models and releases them, and advertises after it (and before it, with
+    # peers): key-value round trips, about 1 ms each on one server, 4-20 ms on the loaded 3-node
+    # test cluster (bench/control_plane.py).
     claim_s: float = 0.002
     advert_s: float = 0.002
 

@@ -469,7 +469,11 @@ class Worker:
             await self.cluster.release(touched)
             return None
         self.residency.loading = slot.name
-        await self.cluster.advertise(self.report())  # peers count our drain from now on
+        if self.cluster.peers():
+            # Peers count our drain from now on. With none in view there is nobody to tell: one
+            # that starts meanwhile finds our claim, and reads our advert after the load before
+            # the claim is given back.
+            await self.cluster.advertise(self.report())
         return touched if claimed else []
 
     async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str) -> None:
