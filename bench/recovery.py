@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.records import emit
 from jetbatch import sdk
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.dev.deployment import Deployment
@@ -111,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="append the record to this file")
     args = parser.parse_args(argv)
     record = asyncio.run(run(args))
-    line = json.dumps(record)
-    print(line)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(line + "\n")
+    emit(record, args.json)
     return 0
 
 

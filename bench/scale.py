@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.records import emit
 from jetbatch import sdk
 from jetbatch.sidecar.dev.deployment import Deployment
 from jetbatch.sidecar.dev.natsserver import NatsCluster
@@ -202,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-out", help="write the trace for bench/vs_ray.py")
     args = parser.parse_args(argv)
     record = run(args)
-    line = json.dumps(record)
-    print(line)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(line + "\n")
+    emit(record, args.json)
     return 0
 
 
