@@ -153,6 +153,12 @@ class _Election:
 _ROUTES = [(None, "m1"), (None, None), ("acme", "m1")]
 
 
+async def _both_streams(client: sdk.Client) -> None:
+    """The models stream (listing m1) and the ingress stream, as the sidecars make them."""
+    await _models_stream(client.nats.jetstream(), client.subjects, "m1")
+    await _ingress_stream(client.nats.jetstream(), client.subjects)
+
+
 def _subject(subjects: Subjects, tenant: str | None, model: str | None) -> str:
     if tenant is not None:
         return subjects.tenant_ingress(tenant)
@@ -165,10 +171,8 @@ async def test_no_responder_while_the_stream_captures_the_subject_is_retried_unt
     nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, tenant: str | None, model: str | None
 ) -> None:
     async with sdk.Client.connect(nats_url, prefix=prefix, tenant=tenant) as client:
-        nc, js, subjects = client.nats, client.nats.jetstream(), client.subjects
-        await _models_stream(js, subjects, "m1")
-        await _ingress_stream(js, subjects)
-        sub = await _echo(nc, _subject(subjects, tenant, model))
+        await _both_streams(client)
+        sub = await _echo(client.nats, _subject(client.subjects, tenant, model))
         election = _Election(client, monkeypatch, unanswered=3)
         try:
             assert await client.infer(b"through the election", model=model, timeout=10) == b"through the election"
@@ -184,8 +188,7 @@ async def test_no_responder_until_the_deadline_is_request_timeout_not_unknown_mo
     nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, tenant: str | None, model: str | None
 ) -> None:
     async with sdk.Client.connect(nats_url, prefix=prefix, tenant=tenant) as client:
-        await _models_stream(client.nats.jetstream(), client.subjects, "m1")
-        await _ingress_stream(client.nats.jetstream(), client.subjects)
+        await _both_streams(client)
         election = _Election(client, monkeypatch, unanswered=None)
         with pytest.raises(sdk.RequestTimeout, match="did not acknowledge"):
             await client.infer(b"never placed", model=model, timeout=1.0)
