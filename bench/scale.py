@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from jetbatch.sidecar.dev.deployment import Deployment
 from jetbatch.sidecar.dev.natsserver import NatsCluster
 from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.simulator import simulate
-from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL, build_workload
+from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL, Control, build_workload
 
 COSTS = {"load_cost_s": 0.05, "batch_cost_s": 0.002, "item_cost_s": 0.0002, "max_batch_size": 16, "max_delay_s": 0.005}
 
@@ -180,8 +181,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mean_s": stats.get("decision_us", 0) / 1e6 / decisions,
         "models_shown_mean": stats.get("models_shown", 0) / decisions,
     }  # fmt: skip
-    live, simd = record["live"], record["simulated"]
-    record["live_over_sim"] = {"p50": live["p50_s"] / simd["p50_s"], "p99": live["p99_s"] / simd["p99_s"]}
+    # The same trace, simulated with the control-plane costs this run's workers measured
+    # (Control.measured): the twin of this deployment, not of the one-server defaults.
+    from dataclasses import replace
+
+    record["control_measured"] = asdict(Control.measured(stats, workload.control))
+    measured = simulate(replace(workload, control=Control.measured(stats, workload.control)), "cost-aware")
+    record["simulated_measured"] = {"p50_s": percentile(measured.latencies_s, 0.5), "p99_s": percentile(measured.latencies_s, 0.99), "loads": measured.loads}
+    live = record["live"]
+    for key in ("simulated", "simulated_measured"):
+        simd = record[key]
+        record[f"live_over_{key}"] = {"p50": live["p50_s"] / simd["p50_s"], "p99": live["p99_s"] / simd["p99_s"], "loads": live["loads"] / max(simd["loads"], 1)}
     return record
 
 

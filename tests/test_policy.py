@@ -146,3 +146,34 @@ def test_a_queue_counted_as_fully_served_is_never_ours_to_join() -> None:
     assert effective_backlog(10_000, math.inf, 0.25, resident_here=True, min_share=16) == 10_000
     assert effective_backlog(100, 100.0, 0.25, resident_here=False, min_share=16) == 75
     assert effective_backlog(40, 100.0, 0.25, resident_here=False, min_share=16) == 0  # 15 left: under a batch
+
+
+# --- the first taker of a queue nobody holds ----------------------------------------------------
+
+_names = st.text(alphabet="abcdefghij0123456789-", min_size=1, max_size=12)
+
+
+@given(model=_names, workers=st.sets(_names, min_size=1, max_size=8), warm=st.sets(_names, max_size=8))
+def test_every_worker_agrees_on_one_first_taker(model: str, workers: set[str], warm: set[str]) -> None:
+    from jetbatch.sidecar.policy import first_taker_rank
+
+    def has_warm(w: str) -> bool:
+        return w in warm
+
+    ranks = sorted(first_taker_rank(model, w, workers, has_warm=has_warm) for w in workers)
+    # Each worker computes its rank alone, yet the ranks are exactly 0..n-1: one first taker.
+    assert ranks == list(range(len(workers)))
+    first = next(w for w in workers if first_taker_rank(model, w, workers, has_warm=has_warm) == 0)
+    if workers & warm:
+        assert first in warm  # a warm copy goes first: its reload is the cheap one
+
+
+def test_first_takers_spread_over_the_workers_and_later_ranks_wait_a_load_each() -> None:
+    from jetbatch.sidecar.policy import MIN_DEFER_STEP_S, deferred_until, first_taker_rank
+
+    workers = ["w0", "w1", "w2", "w3"]
+    firsts = [next(w for w in workers if first_taker_rank(f"m{i}", w, workers, has_warm=lambda _: False) == 0) for i in range(400)]
+    assert all(60 <= firsts.count(w) <= 140 for w in workers)  # about 100 each: no hot worker
+    assert deferred_until(0, 10.0, 0.5) == 10.0
+    assert deferred_until(2, 10.0, 0.5) == 11.0
+    assert deferred_until(1, 10.0, 0.001) == 10.0 + MIN_DEFER_STEP_S

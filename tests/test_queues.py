@@ -199,3 +199,83 @@ async def test_the_backlog_comes_from_events_and_one_count_with_stranded_request
         await feed.stop()
     finally:
         await nc.close()
+
+
+# --- the workers' take events -------------------------------------------------------------------
+
+
+def test_a_peers_take_leaves_the_backlog_at_once_and_counts_as_its_until_settled() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    for at in (10.0, 11.0, 12.0):
+        view.arrived(s, at, None)
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me")
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"+2", now=12.5)
+    assert s.backlog == 1 and s.oldest_enqueued_at == 12.0  # the oldest two went to the peer
+    # Until it settles them, a count that still stores them does not make them stranded.
+    assert view.peers_hold("m1", now=12.6) == 2
+    view.reconcile(s, 3, 12.6, mine=0, not_ours=view.peers_hold("m1", 12.6))
+    assert s.backlog == 1 and s.stranded == 0
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"-2", now=12.7)
+    assert view.peers_hold("m1", now=12.7) == 0
+    # An unsettled take counts only for peer_event_s: then the peer's advert tells.
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"+1", now=13.0)
+    assert view.peers_hold("m1", now=13.0 + view.peer_event_s + 0.1) == 0
+
+
+@pytest.mark.parametrize(
+    ("subject", "headers", "data"),
+    [
+        ("p.taken.m1", {"Jetbatch-Worker": "me"}, b"+1"),  # our own event: counted when fetched
+        ("p.taken.m1", None, b"+1"),  # no worker: not a worker's event
+        ("p.taken.m1", {"Jetbatch-Worker": "x" * 129}, b"+1"),
+        ("p.taken.ghost", {"Jetbatch-Worker": "peer"}, b"+1"),
+        ("q.taken.m1", {"Jetbatch-Worker": "peer"}, b"+1"),
+        ("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"+0"),
+        ("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"1"),
+        ("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"+1e3"),
+        ("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"+" + b"9" * 20),
+        ("p.taken.m1", {"Jetbatch-Worker": "peer"}, b""),
+    ],
+)
+def test_malformed_take_events_change_nothing(subject: str, headers: dict[str, str] | None, data: bytes) -> None:
+    view, slots = _view("m1")
+    view.arrived(slots["m1"], 10.0, None)
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me")
+    feed.note_taken(subject, headers, data, now=11.0)
+    assert slots["m1"].backlog == 1 and view.peers_hold("m1", 11.0) == 0
+
+
+@given(st.binary(max_size=40), st.text(max_size=200))
+def test_a_forged_take_event_never_raises_nor_counts_below_zero(data: bytes, peer: str) -> None:
+    view, slots = _view("m1")
+    view.arrived(slots["m1"], 10.0, None)
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me")
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": peer}, data, now=11.0)
+    assert slots["m1"].backlog in (0, 1) and view.peers_hold("m1", 11.0) >= 0
+
+
+@pytest.mark.anyio
+async def test_a_peers_fetch_reaches_the_other_workers_count_through_the_server(nats_url: str, prefix: str) -> None:
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+        mine, my_slots = _view("m1")
+        theirs, their_slots = _view("m1")
+        me = ArrivalFeed(nc, subjects, my_slots, mine, on_arrival=lambda: None, worker_id="w-me")
+        peer = ArrivalFeed(nc, subjects, their_slots, theirs, on_arrival=lambda: None, worker_id="w-peer")
+        await me.start()
+        await peer.start()
+        await _published(js, subjects.model("m1"), 3)
+        await wait_until(lambda: my_slots["m1"].backlog == 3 and their_slots["m1"].backlog == 3, timeout_s=10, what="arrivals")
+        await peer.took("m1", 2)  # the peer fetched two
+        await wait_until(lambda: my_slots["m1"].backlog == 1, timeout_s=10, what="the take event")
+        assert their_slots["m1"].backlog == 3  # a worker's own event is not counted twice
+        await peer.settled("m1", 2)
+        await wait_until(lambda: mine.peers_hold("m1", time.time()) == 0, timeout_s=10, what="the settle event")
+        await me.stop()
+        await peer.stop()
+    finally:
+        await nc.close()

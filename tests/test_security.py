@@ -90,8 +90,9 @@ def _server_config(tmp: Path) -> str:
         f"    {tenant('other')}\n"
         # The sidecars' main identities: JetStream API and acks, queues and dead letters, never a caller's inbox.
         f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>'], ['_INBOX.classifier.>', f'{PREFIX}.status', '$SRV.>'])}\n"
-        # The worker also listens to the models stream's republished arrivals (headers only).
-        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>'], ['_INBOX.worker.>', f'{PREFIX}.status', '$SRV.>', f'{PREFIX}.arrived.>'])}\n"
+        # The worker also listens to the models stream's republished arrivals (headers only),
+        # and tells its peers what it fetched and settled (jetbatch.taken.>).
+        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>', f'{PREFIX}.taken.>'], ['_INBOX.worker.>', f'{PREFIX}.status', '$SRV.>', f'{PREFIX}.arrived.>', f'{PREFIX}.taken.>'])}\n"
         # An operator: asks `jetbatch status` and `nats micro`, reads only its own inbox.
         f"    {user('operator', [f'{PREFIX}.status', '$SRV.>'], ['_INBOX.operator.>'])}\n"
         f"    {replies('classifier-replies')}\n"

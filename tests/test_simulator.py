@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jetbatch.sidecar.simulator import build_workload, load_workload, lower_bound, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,3 +94,44 @@ def test_the_simulated_worker_pays_the_control_plane() -> None:
     assert all(c >= i + 0.003 + 0.002 - 1e-9 for i, c in pairs)
     assert max(costly.latencies_s) >= max(ideal.latencies_s) + 0.05  # the load's overhead, once
     assert build_workload({**raw, "control": {"decision_s": 0.0}}).control.decision_s == 0.0
+
+
+def test_a_queue_nobody_holds_waits_for_its_first_taker_one_load_time_then_goes_to_the_next(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from jetbatch.sidecar.policy import first_taker_rank
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    workers = ["w0", "w1"]
+
+    def first(model: str) -> str:
+        return next(w for w in workers if first_taker_rank(model, w, workers, has_warm=lambda _: False) == 0)
+
+    # "big" and the small model share a first taker, which is busy loading "big" for 5 s when
+    # the small model's request arrives: the other worker leaves it alone for one load time
+    # (0.1 s), then loads it itself, instead of racing for it at once or waiting 5 s.
+    small = next(f"m{i}" for i in range(100) if first(f"m{i}") == first("big"))
+    spec = {"batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 1}
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(f'{{"t": 0.0, "model": "big"}}\n{{"t": 0.1, "model": "{small}"}}\n')
+    raw = {
+        "models": {"big": {**spec, "load_cost_s": 5.0}, small: {**spec, "load_cost_s": 0.1}},
+        "workers": {"count": 2},
+        "arrivals": {"kind": "trace", "path": str(trace)},
+    }
+    result = simulate(replace(build_workload(raw), control=IDEAL_CONTROL), "cost-aware")
+    starts = {model: start for start, _end, model in result.load_log}
+    assert result.loads == 2
+    assert starts["big"] == pytest.approx(0.0)
+    assert starts[small] == pytest.approx(0.2)  # arrived at 0.1, one load time left to the busy first taker
+
+
+def test_control_costs_measured_by_live_workers_replace_the_defaults() -> None:
+    from jetbatch.sidecar.simulator.workloads import Control
+
+    stats = {"claims": 4, "claim_us": 80_000, "adverts": 10, "advert_us": 30_000, "arrivals_seen": 2, "arrival_delay_us": 3_000,
+             "decisions": 10, "decision_us": 5_000, "models_shown": 100}  # fmt: skip
+    c = Control.measured(stats)
+    assert c.claim_s == pytest.approx(0.02) and c.advert_s == pytest.approx(0.003) and c.arrival_delay_s == pytest.approx(0.0015)
+    assert c.decision_s == pytest.approx(0.0005 - Control().decision_per_model_s * 10)
+    assert c.answer_s == Control().answer_s and c.consumer_create_s == Control().consumer_create_s  # no sample: the default

@@ -179,6 +179,22 @@ class Subjects:
             return subject[len(head) :]
         return None
 
+    def taken(self, name: str) -> str:
+        """Where workers tell each other they fetched (``+n``) or settled (``-n``) requests of
+        ``name``: the other half of the event feed, so a peer's backlog drops when one worker
+        takes the requests, not at the next count."""
+        return f"{self.prefix}.taken.{validate_model_name(name)}"
+
+    @property
+    def taken_wildcard(self) -> str:
+        return f"{self.prefix}.taken.>"
+
+    def model_from_taken(self, subject: str) -> str | None:
+        head = f"{self.prefix}.taken."
+        if subject.startswith(head):
+            return subject[len(head) :]
+        return None
+
     def dead_letter(self, stage: str) -> str:
         return f"{self.prefix}.dlq.{stage}"
 

@@ -22,11 +22,12 @@ from .scheduling import (
     fits,
     make_policy,
 )
-from .share import MIN_JOIN_S, effective_backlog, join_horizon_s, shared_head
+from .share import MIN_DEFER_STEP_S, MIN_JOIN_S, deferred_until, effective_backlog, first_taker_rank, join_horizon_s, shared_head
 from .visible import RECENT_S, visible_models
 from .window import PROBE_AFTER_REFUSALS, BatchWindow, cannot_finish
 
 __all__ = [
+    "MIN_DEFER_STEP_S",
     "MIN_JOIN_S",
     "POLICIES",
     "PROBE_AFTER_REFUSALS",
@@ -44,7 +45,9 @@ __all__ = [
     "Serve",
     "Tier",
     "cannot_finish",
+    "deferred_until",
     "effective_backlog",
+    "first_taker_rank",
     "join_horizon_s",
     "shared_head",
     "fits",

@@ -40,7 +40,9 @@ from ..policy import (
     PROBE_AFTER_REFUSALS,
     Serve,
     cannot_finish,
+    deferred_until,
     effective_backlog,
+    first_taker_rank,
     join_horizon_s,
     make_policy,
     shared_head,
@@ -75,6 +77,11 @@ class _Worker:
     last_used: dict[str, float] = field(default_factory=dict)
     load_share: int = 0  # the effective backlog that justified the load under way
     refused_on_prediction: dict[str, int] = field(default_factory=dict)
+    defer_wake: float = math.inf  # when the first queue left to a first-taking peer is ours too
+
+    @property
+    def id(self) -> str:
+        return f"w{self.index}"
 
 
 class _Sim:
@@ -179,6 +186,7 @@ class _Sim:
             for name in {*p.resident, *([p.loading] if p.loading else [])}:
                 served_by[name] = served_by.get(name, 0.0) + _drain_rps(p, name, self.w.models[name])
         models = {}
+        worker.defer_wake = math.inf
         for name in self._visible(worker):
             m = self.w.models[name]
             resident = name in worker.resident
@@ -189,6 +197,12 @@ class _Sim:
                 len(self.queues[name]), served, join_horizon_s(load_cost), resident_here=resident, min_share=m.max_batch_size
             )
             q = self.queues[name]
+            if q and not resident and name not in served_by and len(self.workers) > 1:
+                # Nobody holds it: left to its first taker for a while (the live worker's rule).
+                until = self._deferred_until(worker, name, q[0].arrival, load_cost)
+                if until > self.t:
+                    backlog = 0
+                    worker.defer_wake = min(worker.defer_wake, until)
             head = shared_head(q[0].arrival if q else None, self.t, served, resident_here=resident)
             models[name] = ModelState(
                 name=name,
@@ -210,6 +224,11 @@ class _Sim:
                 self.arrival_log.popleft()
             order = tuple(r.model for r in list(self.arrival_log)[:256] if r.id not in self.served_ids)
         return SchedulerState(models=models, current=worker.current, budget=self.w.budget, arrival_order=order)
+
+    def _deferred_until(self, worker: _Worker, name: str, head_at: float, load_cost_s: float) -> float:
+        by_id = {p.id: p for p in self.workers}
+        rank = first_taker_rank(name, worker.id, by_id, has_warm=lambda w: name in by_id[w].warm)
+        return deferred_until(rank, head_at, load_cost_s) if rank else -math.inf
 
     def _visible(self, worker: _Worker) -> Any:
         """The models a decision looks at: the live worker's rule (``policy.visible_models``)."""
@@ -235,7 +254,7 @@ class _Sim:
     def idle(self, worker: _Worker, decision: Idle) -> None:
         nxt = self.next_arrival_at()
         if any(self.queues.values()):
-            self.wake(worker, max(min(decision.until, nxt), self.t + 1e-6))
+            self.wake(worker, max(min(decision.until, nxt, worker.defer_wake), self.t + 1e-6))
         elif nxt < math.inf:
             self.wake(worker, max(nxt, self.t))
         # else: nothing left to arrive and nothing queued: this worker is done
@@ -321,15 +340,17 @@ class _Sim:
         duration = self.noisy(m.load_s(tier))
         start = self.t + cost_s + self._load_overhead_s()
         last = self.consumers.get(decision.model)
-        if last is None or self.t - last > self.w.control.consumer_idle_s:
-            start += self.w.control.consumer_create_s  # made by the first load, shared by every worker (as live)
+        # A model's consumer is made by its first load, while the model loads (as live), and
+        # shared by every worker; the server removes it after consumer_idle_s unused.
+        consumer_s = self.w.control.consumer_create_s if last is None or self.t - last > self.w.control.consumer_idle_s else 0.0
         self.consumers[decision.model] = start
         self.result.load_log.append((start, start + duration, m.name))
         self.result.load_seconds += duration
         self.result.loads += 1
         worker.loading = decision.model
-        worker.busy_until = start + duration
-        self.wake(worker, start + duration, f"done:load:{decision.model}:{tier}:{duration}")
+        ready = start + max(duration, consumer_s)
+        worker.busy_until = ready
+        self.wake(worker, ready, f"done:load:{decision.model}:{tier}:{duration}")
 
     def _load_overhead_s(self) -> float:
         """The control plane's part of a load: the consumer check, the claims and their release,

@@ -51,9 +51,9 @@ import json
 import random
 import sys
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Mapping, Sequence
 
 import msgspec
 from msgspec import Meta
@@ -128,6 +128,33 @@ class Control:
 
     def decision_cost_s(self, models_shown: int) -> float:
         return self.decision_s + self.decision_per_model_s * models_shown
+
+    @classmethod
+    def measured(cls, stats: Mapping[str, int], base: "Control | None" = None) -> "Control":
+        """The costs live workers measured on their deployment: their status counters
+        (``SidecarReport.stats``, summed over the workers; ``jetbatch status --json``). A cost
+        they have no sample of keeps ``base``'s (the defaults). So the simulator of a 3-node
+        cluster pays its claims and adverts at the cluster's round trips, not one server's."""
+        base = cls() if base is None else base
+
+        def mean_s(us_key: str, count_key: str, default: float) -> float:
+            n = stats.get(count_key, 0)
+            return stats.get(us_key, 0) / 1e6 / n if n > 0 else default
+
+        decision_s = base.decision_s
+        if stats.get("decisions", 0) > 0:
+            shown = stats.get("models_shown", 0) / stats["decisions"]
+            decision_s = max(0.0, mean_s("decision_us", "decisions", 0.0) - base.decision_per_model_s * shown)
+        return replace(
+            base,
+            decision_s=decision_s,
+            arrival_delay_s=mean_s("arrival_delay_us", "arrivals_seen", base.arrival_delay_s),
+            batch_overhead_s=mean_s("ready_fetch_us", "ready_fetches", base.batch_overhead_s),
+            answer_s=mean_s("answer_us", "answers", base.answer_s),
+            consumer_create_s=mean_s("consumer_us", "consumers_made", base.consumer_create_s),
+            claim_s=mean_s("claim_us", "claims", base.claim_s),
+            advert_s=mean_s("advert_us", "adverts", base.advert_s),
+        )
 
 
 IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0, 0.0, 0.0)

@@ -301,7 +301,10 @@ class BatchRunner:
         fresh_answers = [r.answer for r in requests if r.answer is not None and not r.answer.stored]
         stored_answers = [r.answer for r in requests if r.answer is not None and r.answer.stored]
         if fresh_answers:
+            started = time.perf_counter()
             await self.replier.deliver(fresh_answers)  # type: ignore[arg-type]
+            self.stats["answers"] += 1
+            self.stats["answer_us"] += int((time.perf_counter() - started) * 1e6)
         for a in stored_answers:
             if a is not None:
                 await self.replier.resend(a)

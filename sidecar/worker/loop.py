@@ -29,7 +29,10 @@ from ..cluster import ClusterView
 from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..errors import TRANSPORT_ERRORS
-from ..policy import RECENT_S, BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve, make_policy, visible_models
+from ..policy import (
+    RECENT_S, BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve,
+    deferred_until, first_taker_rank, make_policy, visible_models,
+)  # fmt: skip
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
@@ -97,7 +100,13 @@ class Worker:
             )
         self._check_models()
         self.budget = Budget(max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models)
-        self.stats = {"batches": 0, "requests": 0, "loads": 0, "evictions": 0, "decisions": 0, "decision_us": 0, "models_shown": 0}
+        # Counters, and what the control plane's steps cost here (sums, in µs): the scale bench
+        # reads them to tell the simulator this deployment's costs (Workload.control).
+        self.stats = {
+            "batches": 0, "requests": 0, "loads": 0, "evictions": 0, "decisions": 0, "decision_us": 0, "models_shown": 0,
+            "claims": 0, "claim_us": 0, "adverts": 0, "advert_us": 0, "consumers_made": 0, "consumer_us": 0,
+            "answers": 0, "answer_us": 0,
+        }  # fmt: skip
         self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
         self.telemetry.register_gauges(self.report)
         self._stopping = anyio.Event()
@@ -107,12 +116,14 @@ class Worker:
         self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
         self._last_used: dict[str, float] = {}  # model -> when its last batch ran (recent ones only)
         self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
+        self._defer_wake = math.inf  # when the first queue left to a first-taking peer is ours too
         self._in_flight_msgs: dict[int, Msg] = {}
         self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
-        self.queues = QueueView(self.slots)
-        self.arrivals = ArrivalFeed(nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up)
+        # A peer's take event counts until it settles, or for two heartbeats (its advert tells then).
+        self.queues = QueueView(self.slots, peer_event_s=2 * config.worker.heartbeat_s)
+        self.arrivals = ArrivalFeed(nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up, worker_id=self.worker_id)
         self.batcher = Batcher(
             self._stopping,
             poll_interval_s=config.worker.poll_interval_ms / 1000.0,
@@ -156,6 +167,16 @@ class Worker:
                 peer_timeout_s=config.worker.peer_timeout_s,
             )  # fmt: skip
         self._started_at = time.time()
+
+    async def _advertise(self) -> None:
+        assert self.cluster is not None
+        started = time.perf_counter()
+        await self.cluster.advertise(self.report())
+        self._count("adverts", "advert_us", started)
+
+    def _count(self, key: str, us_key: str, started: float) -> None:
+        self.stats[key] += 1
+        self.stats[us_key] += int((time.perf_counter() - started) * 1e6)
 
     def _note_trouble(self) -> None:
         if self.cluster is not None:
@@ -213,7 +234,9 @@ class Worker:
             stale = streams.consumers == "on-demand" and (slot.consumer_ready_at is None or now - slot.consumer_ready_at > streams.consumer_idle_s / 2)
             try:
                 if slot.consumer_ready_at is None or stale:
+                    started = time.perf_counter()
                     await ensure_model_consumer(self.js, self.subjects, streams, slot.name)
+                    self._count("consumers_made", "consumer_us", started)
                     slot.consumer_ready_at = now
                 if slot.psub is None:
                     slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
@@ -228,7 +251,7 @@ class Worker:
         serve until :meth:`stop` (or cancellation)."""
         await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=f"worker {self.worker_id}")
         if self.cluster is not None:
-            await self.cluster.advertise(self.report())
+            await self._advertise()
         status_sub = await serve_status(self.nc, self.subjects, self.report, self.config.reply_policy, out=self.replier.out)
         log.info("worker %s serving %s on %s", self.worker_id, ", ".join(self.slots), self.device)
         self._ready.set()
@@ -273,7 +296,11 @@ class Worker:
         advert to its peers (the cluster bucket)."""
         return view.build_report(
             worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
-            costs=self.costs, budget=self.budget, in_flight=self._in_flight_by_model(), stats=self.stats,
+            costs=self.costs, budget=self.budget, in_flight=self._in_flight_by_model(),
+            stats={
+                **self.stats, "arrivals_seen": self.arrivals.seen, "arrival_delay_us": self.arrivals.delay_us,
+                "ready_fetches": self.batcher.ready_fetches, "ready_fetch_us": self.batcher.ready_fetch_us,
+            },
             started_at=self._started_at, valid_s=self.config.worker.peer_timeout_s,
         )  # fmt: skip
 
@@ -317,10 +344,37 @@ class Worker:
             last_used=self._last_used,
             demand=getattr(self.policy, "demand", None),
         )  # fmt: skip
+        deferred = self._deferred(now)
+        self._defer_wake = min(deferred.values(), default=math.inf)
         return view.scheduler_state(
             names, now, slots=self.slots, residency=self.residency, costs=self.costs,
-            served=self._served(), current=self._current, budget=self.budget,
+            served=self._served(), current=self._current, budget=self.budget, deferred=deferred,
         )  # fmt: skip
+
+    def _deferred(self, now: float) -> dict[str, float]:
+        """Queues nobody holds whose first taker is a peer (``policy.first_taker_rank``), and
+        until when they are left to it; the simulator applies the same rule."""
+        if self.cluster is None or not self.queues.waiting:
+            return {}
+        peers = self.cluster.peers(now)
+        if not peers:
+            return {}
+        held = self.cluster.held_by_peers(now)
+        out: dict[str, float] = {}
+        for name in self.queues.waiting:
+            slot = self.slots[name]
+            if slot.resident or name in held or slot.oldest_enqueued_at is None:
+                continue
+            warm_here = slot.tier == "warm"
+            rank = first_taker_rank(
+                name, self.worker_id, peers,
+                has_warm=lambda w, name=name, warm_here=warm_here: warm_here if w == self.worker_id else name in peers[w].warm,
+            )  # fmt: skip
+            if rank:
+                until = deferred_until(rank, slot.oldest_enqueued_at, self.residency.load_cost_s(slot))
+                if until > now:
+                    out[name] = until
+        return out
 
     async def _refresh(self, now: float) -> None:
         """Count every queue (one call), then schedule the next count: every poll interval while
@@ -372,7 +426,7 @@ class Worker:
 
     async def _idle(self, decision: Idle) -> None:
         """Sleep until an arrival event, the time the policy asked for, or the next count."""
-        wait_s = min(decision.until, self._next_refresh) - time.time()
+        wait_s = min(decision.until, self._next_refresh, self._defer_wake) - time.time()
         if wait_s > 0 and not self._wake.is_set():
             with anyio.move_on_after(wait_s):
                 await self._wake.wait()
@@ -388,11 +442,10 @@ class Worker:
         else:
             msgs = await self.batcher.gather(slot, max_items)
         if not msgs:
-            # Counted but not fetchable now (delivered to someone, unacked, or left behind in the
-            # stream): stop chasing them until they can be fetched, and tell peers not to either.
-            unreachable = slot.backlog > 0 and await self._consumer_is_empty(slot)
-            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
+            await self._found_nothing(slot)
             return
+        slot.missed_fetch = False
+        await self.arrivals.took(slot.name, len(msgs))
         for m in msgs:
             self._in_flight_msgs[id(m)] = m
         slot.start_batch()
@@ -401,14 +454,25 @@ class Worker:
         self._current = slot.name
         tg.start_soon(self._run_batch, slot, msgs, loaded, decision.reason)
 
-    async def _consumer_is_empty(self, slot: Slot) -> bool:
-        """Whether the model's consumer has nothing to deliver and nothing awaiting an ack (one
-        call, made only when a fetch found nothing the count promised)."""
+    async def _found_nothing(self, slot: Slot) -> None:
+        """A fetch came back empty although the count said requests wait. One consumer-info call
+        tells why: still undelivered (the fetch was short, or a peer took only some): count
+        those and serve again; delivered to someone and unacked: stop chasing them until they can
+        be fetched, and tell peers not to either (``QueueView.found_empty``); neither, yet still
+        stored: left behind in the work queue, never to be delivered."""
+        if slot.backlog <= 0:
+            return
         try:
             info = await self.js.consumer_info(self.subjects.models_stream, model_consumer_name(slot.name))
         except TRANSPORT_ERRORS:
-            return False
-        return not info.num_pending and not info.num_ack_pending
+            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
+            return
+        if info.num_pending and not slot.missed_fetch:
+            slot.missed_fetch = True
+            self.queues.fetched(slot, 0, int(info.num_pending))
+            return
+        unreachable = not info.num_ack_pending
+        self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
 
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
         released = False
@@ -431,6 +495,8 @@ class Worker:
                 self._in_flight_msgs.pop(id(m), None)
             release_model()
             slot.end_batch()
+            with anyio.CancelScope(shield=True):
+                await self.arrivals.settled(slot.name, len(msgs))
             if slot.last_used_at is not None:
                 self._last_used[slot.name] = slot.last_used_at
 
@@ -455,7 +521,9 @@ class Worker:
         if self._effective_backlog(slot) == 0:
             return None
         touched = [slot.name, *evict]
+        started = time.perf_counter()
         claimed = await self.cluster.claim(touched)
+        self._count("claims", "claim_us", started)
         if claimed is False:
             log.info("another worker is changing the placement of %s now: standing back", " or ".join(sorted(touched)))
             self._stand_back(slot.name)
@@ -473,15 +541,15 @@ class Worker:
             # Peers count our drain from now on. With none in view there is nobody to tell: one
             # that starts meanwhile finds our claim, and reads our advert after the load before
             # the claim is given back.
-            await self.cluster.advertise(self.report())
+            await self._advertise()
         return touched if claimed else []
 
     async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str) -> None:
         if log.isEnabledFor(logging.INFO):
             peers = self.cluster.peers() if self.cluster is not None else {}
             log.info(
-                "decided to load %s (%s), evicting %s: backlog %s; peers %s; view %s",
-                slot.name, reason, list(evict) or "none",
+                "%s decided to load %s (%s), evicting %s: backlog %s; peers %s; view %s",
+                self.worker_id, slot.name, reason, list(evict) or "none",
                 {n: (self.slots[n].backlog, self._effective_backlog(self.slots[n])) for n in sorted(self.queues.waiting)[:20]},
                 {p: (a.resident, a.loading) for p, a in peers.items()},
                 "fresh" if self.cluster is None or self.cluster.view_fresh() else "stale (kept)",
@@ -503,8 +571,10 @@ class Worker:
             if self.cluster is not None:
                 # Resident now: peers count our drain at once, before the claim is given back
                 # (a peer that starts just now and does not know us yet reads it first).
-                await self.cluster.advertise(self.report())
+                await self._advertise()
+                started = time.perf_counter()
                 await self.cluster.release(claimed)
+                self.stats["claim_us"] += int((time.perf_counter() - started) * 1e6)  # a claim's cost includes its release
 
     async def _fail_queue(self, slot: Slot, message: str) -> None:
         """A model that cannot load: answer one batch of its waiting requests with model_failed so
@@ -515,11 +585,16 @@ class Worker:
         if not msgs:
             self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
             return
+        await self.arrivals.took(slot.name, len(msgs))
         now = time.time()
         requests = [self.runner.parse(m, now) for m in msgs]
         for r in requests:
             r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, message, model=slot.name)
-        await self.runner._finish(slot, requests)
+        try:
+            await self.runner._finish(slot, requests)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.arrivals.settled(slot.name, len(msgs))
 
     # --- state -----------------------------------------------------------------------------
 
@@ -527,7 +602,7 @@ class Worker:
         assert self.cluster is not None
         while True:
             await anyio.sleep(self.config.worker.heartbeat_s)
-            await self.cluster.advertise(self.report())
+            await self._advertise()
 
     async def _heartbeat_loop(self) -> None:
         """Tell JetStream that in-flight messages are still being worked on (long loads and long

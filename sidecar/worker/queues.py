@@ -51,6 +51,11 @@ MAX_KNOWN_TIMES = 4096
 MAX_HEAD_READS = 16
 # How soon a queue held back past its stranded requests' ack wait is tried again.
 RECHECK_S = 1.0
+# Limits on the take events (core messages any worker-permitted client can send: hostile input).
+MAX_PEER_HELD = 100_000
+_MAX_TAKE_CHARS = 8
+_MAX_PEER_ID_CHARS = 128
+WORKER_HEADER = "Jetbatch-Worker"
 _MAX_TIMESTAMP_CHARS = 40
 
 
@@ -71,11 +76,17 @@ def parse_stream_timestamp(text: str | None) -> float | None:
 
 
 class QueueView:
-    """The backlog and head of every served model's queue (fields of each :class:`Slot`)."""
+    """The backlog and head of every served model's queue (fields of each :class:`Slot`).
 
-    def __init__(self, slots: Mapping[str, Slot]) -> None:
+    ``peer_event_s``: how long a peer's take event counts its requests as the peer's (until it
+    settles them, or its advert, sent every heartbeat, says what it holds)."""
+
+    def __init__(self, slots: Mapping[str, Slot], *, peer_event_s: float = 2.0) -> None:
         self._slots = slots
         self.waiting: set[str] = {name for name, s in slots.items() if s.backlog > 0}
+        self.peer_event_s = peer_event_s
+        # model -> peer -> (requests it took and has not settled, when last told)
+        self._peer_held: dict[str, dict[str, tuple[int, float]]] = {}
 
     # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
 
@@ -94,6 +105,41 @@ class QueueView:
         """This worker took ``n`` requests from the head; ``pending``: what the consumer says is
         still undelivered (None: unknown). Stranded requests come back at the next reconcile."""
         self._count(slot, max(0, slot.backlog - n) if pending is None else pending)
+
+    def peer_took(self, slot: Slot, peer: str, n: int, now: float) -> None:
+        """A peer fetched ``n`` of the queue's requests (its take event): they leave this
+        worker's backlog now, the oldest first (a consumer delivers in order), instead of at the
+        next count; until the peer settles them they are the peer's, not stranded. Without it a
+        peer's served requests stayed in the count for up to a poll interval, and a worker loaded
+        a model for requests already answered (the 4-worker bench: more loads than batches)."""
+        held = self._peer_held.setdefault(slot.name, {})
+        count = held.get(peer, (0, now))[0]
+        held[peer] = (min(count + n, MAX_PEER_HELD), now)
+        self._count(slot, slot.backlog - n)
+
+    def peer_settled(self, name: str, peer: str, n: int, now: float) -> None:
+        """A peer answered (or gave back) ``n`` requests it took."""
+        held = self._peer_held.get(name)
+        if not held or peer not in held:
+            return
+        left = held[peer][0] - n
+        if left > 0:
+            held[peer] = (left, now)
+        else:
+            del held[peer]
+            if not held:
+                del self._peer_held[name]
+
+    def peers_hold(self, name: str, now: float) -> int:
+        """What peers said they took from ``name``'s queue and have not settled (recent events)."""
+        held = self._peer_held.get(name)
+        if not held:
+            return 0
+        for peer in [p for p, (_, at) in held.items() if now - at > self.peer_event_s]:
+            del held[peer]  # a lost settle event, or a peer gone: its advert or the ack wait tells
+        if not held:
+            del self._peer_held[name]
+        return sum(c for c, _ in held.values())
 
     def found_empty(self, slot: Slot, now: float, ack_wait_s: float, *, unreachable: bool = False) -> None:
         """A fetch came back empty although the backlog said otherwise: the rest is delivered
@@ -195,7 +241,8 @@ class QueueView:
         for name in set(counts) | self.waiting | {n for n, s in self._slots.items() if s.unfetchable}:
             slot = self._slots.get(name)
             if slot is not None:
-                self.reconcile(slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=not_ours.get(name, 0))
+                peers = max(not_ours.get(name, 0), self.peers_hold(name, now))  # adverts lag: events are newer
+                self.reconcile(slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=peers)
         reads = [s for s in (self._slots[n] for n in sorted(self.waiting)) if self.needs_head(s)][:MAX_HEAD_READS]
         for slot in reads:
             await self._read_head(js, subjects, slot, now)
@@ -220,31 +267,49 @@ class QueueView:
 
 
 class ArrivalFeed:
-    """The subscription to ``<prefix>.arrived.>``: each republished request counts into its
-    model's queue and wakes the worker. Hostile input never raises here: an unknown model, a
-    malformed timestamp or deadline is ignored or read as "now" / "no deadline"."""
+    """The event feed of the queues. ``<prefix>.arrived.>``: each republished request counts into
+    its model's queue and wakes the worker. ``<prefix>.taken.>``: the workers' own events, ``+n``
+    when one fetched n requests of a model and ``-n`` when it settled them (:meth:`took`,
+    :meth:`settled`), so its peers' counts follow at once. Hostile input never raises here: an
+    unknown model, a malformed timestamp, deadline or count is ignored or read as "now" / "no
+    deadline"; a forged take can hide requests from the count until the next reconcile (a
+    poll interval) at most."""
 
-    def __init__(self, nc: Any, subjects: Subjects, slots: Mapping[str, Slot], view: QueueView, on_arrival: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        nc: Any,
+        subjects: Subjects,
+        slots: Mapping[str, Slot],
+        view: QueueView,
+        on_arrival: Callable[[], None],
+        worker_id: str = "",
+    ) -> None:
         self._nc = nc
         self._subjects = subjects
         self._slots = slots
         self._view = view
         self._on_arrival = on_arrival
+        self._worker_id = worker_id
         self._sub: Any = None
+        self._taken_sub: Any = None
         self.seen = 0
+        self.delay_us = 0  # summed: from each request's store to its event here (the simulator's arrival_delay_s)
 
     async def start(self) -> None:
         """Subscribe (once: a retried startup calls it again)."""
         if self._sub is None:
             self._sub = await self._nc.subscribe(self._subjects.arrivals_wildcard, cb=self._on_msg, pending_msgs_limit=1_000_000)
+        if self._taken_sub is None:
+            self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except TRANSPORT_ERRORS + (ValueError,):
-                pass
-            self._sub = None
+        for sub in (self._sub, self._taken_sub):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except TRANSPORT_ERRORS + (ValueError,):
+                    pass
+        self._sub = self._taken_sub = None
 
     async def _on_msg(self, msg: Msg) -> None:
         self.note(msg.subject, msg.headers)
@@ -263,5 +328,44 @@ class ArrivalFeed:
             deadline = None
         self._view.arrived(slot, min(at, now) if at is not None else now, deadline)
         self.seen += 1
+        if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
+            self.delay_us += int((now - at) * 1e6)
         self._on_arrival()
 
+
+    async def took(self, name: str, n: int) -> None:
+        """Tell the peers this worker fetched ``n`` requests of ``name`` (best effort: a lost
+        event costs a peer one poll interval of a stale count, as before events)."""
+        await self._announce(name, f"+{n}")
+
+    async def settled(self, name: str, n: int) -> None:
+        """Tell the peers this worker settled (acked, nak'd or termed) ``n`` requests it took."""
+        await self._announce(name, f"-{n}")
+
+    async def _announce(self, name: str, text: str) -> None:
+        if self._nc is None or not self._worker_id:
+            return
+        try:
+            await self._nc.publish(self._subjects.taken(name), text.encode(), headers={WORKER_HEADER: self._worker_id})
+        except TRANSPORT_ERRORS + (ValueError,) as exc:
+            log.debug("take event for %s not sent: %r", name, exc)
+
+    async def _on_taken(self, msg: Msg) -> None:
+        self.note_taken(msg.subject, msg.headers, msg.data)
+
+    def note_taken(self, subject: str, headers: Mapping[str, str] | None, data: bytes, now: float | None = None) -> None:
+        """Apply one peer's take or settle event (the subscription's callback, callable from tests)."""
+        slot = self._slots.get(self._subjects.model_from_taken(subject) or "")
+        peer = (headers or {}).get(WORKER_HEADER, "")
+        if slot is None or not peer or len(peer) > _MAX_PEER_ID_CHARS or peer == self._worker_id:
+            return  # ours (counted when fetched), or not a worker's
+        if not 2 <= len(data) <= _MAX_TAKE_CHARS or data[:1] not in (b"+", b"-") or not data[1:].isdigit():
+            return
+        n = int(data[1:])
+        if not 0 < n <= MAX_PEER_HELD:
+            return
+        now = time.time() if now is None else now
+        if data[:1] == b"+":
+            self._view.peer_took(slot, peer, n, now)
+        else:
+            self._view.peer_settled(slot.name, peer, n, now)

@@ -85,6 +85,9 @@ class Slot:
     stranded: int = 0
     unfetchable: int = 0
     hold_until: float = 0.0
+    # The last fetch came back empty while the consumer said requests were undelivered: the next
+    # such miss holds them back like any other (a fetch that never delivers must not spin).
+    missed_fetch: bool = False
     stranded_since: float | None = None  # when the count first showed stranded messages
     # Enqueue times (and deadlines) of the newest waiting requests, oldest first, from the
     # arrival events; older waiting requests' head, when read (None: not known). See queues.py.

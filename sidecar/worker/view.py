@@ -83,17 +83,20 @@ def scheduler_state(
     served: Mapping[str, float],
     current: str | None,
     budget: Budget,
+    deferred: Collection[str] = (),
 ) -> SchedulerState:
     """The policy's snapshot of ``names`` (see ``policy.visible_models``). A queue that peers
     drain counts only for its part that is ours, and never as overdue (``policy.share``): a
-    peer's backlog, however old, is no reason for this worker to drop its work and load it."""
+    peer's backlog, however old, is no reason for this worker to drop its work and load it.
+    A ``deferred`` queue (nobody holds it; a peer is its first taker, ``policy.first_taker_rank``)
+    counts as empty for now."""
     models = {}
     for name in names:
         slot = slots[name]
         cfg = slot.config
         load_cost_s = residency.load_cost_s(slot)
         served_rps = served.get(name, 0.0)
-        backlog = effective(slot, served_rps, load_cost_s)
+        backlog = 0 if name in deferred else effective(slot, served_rps, load_cost_s)
         oldest = shared_head(slot.oldest_enqueued_at, now, served_rps, resident_here=slot.resident)
         models[name] = ModelState(
             name=name,
