@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.simulator import build_workload, load_workload, lower_bound, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,10 +129,37 @@ def test_a_queue_nobody_holds_waits_for_its_first_taker_one_load_time_then_goes_
 
 def test_control_costs_measured_by_live_workers_replace_the_defaults() -> None:
     from jetbatch.sidecar.simulator.workloads import Control
+    from jetbatch.sidecar.worker.counters import add_sample
 
-    stats = {"claims": 4, "claim_us": 80_000, "adverts": 10, "advert_us": 30_000, "arrivals_seen": 2, "arrival_delay_us": 3_000,
-             "decisions": 10, "decision_us": 5_000, "models_shown": 100}  # fmt: skip
+    stats = {"decisions": 10, "decision_us": 5_000, "models_shown": 100}
+    for seconds in (0.01, 0.03):  # mean 20 ms, spread 10 ms: cv 0.5
+        add_sample(stats, "claim", seconds)
+    for _ in range(3):
+        add_sample(stats, "advert", 0.003)
+    add_sample(stats, "arrival_delay", 0.0015)
     c = Control.measured(stats)
-    assert c.claim_s == pytest.approx(0.02) and c.advert_s == pytest.approx(0.003) and c.arrival_delay_s == pytest.approx(0.0015)
+    assert c.claim_s == pytest.approx(0.02) and c.cv["claim_s"] == pytest.approx(0.5, rel=1e-3)
+    assert c.advert_s == pytest.approx(0.003) and c.cv["advert_s"] == 0.0
+    assert c.arrival_delay_s == pytest.approx(0.0015) and "arrival_delay_s" not in c.cv
     assert c.decision_s == pytest.approx(0.0005 - Control().decision_per_model_s * 10)
     assert c.answer_s == Control().answer_s and c.consumer_create_s == Control().consumer_create_s  # no sample: the default
+
+
+def test_a_spread_of_the_control_costs_keeps_their_mean_and_widens_the_tail() -> None:
+    from dataclasses import replace
+
+    from jetbatch.sidecar.simulator.workloads import Control
+
+    raw = {
+        "models": {f"m{i}": {"load_cost_s": 0.01, "batch_cost_s": 0.001, "item_cost_s": 0.0, "max_batch_size": 4} for i in range(50)},
+        "budget": {"max_models": 1},
+        "arrivals": {"kind": "poisson", "rate": 20, "duration_s": 60, "zipf": 1.1, "seed": 2},
+    }
+    base = build_workload(raw)
+    flat = Control(consumer_create_s=0.05, claim_s=0.02)
+    fixed = simulate(replace(base, control=flat), "cost-aware")
+    spread = simulate(replace(base, control=replace(flat, cv={"consumer_create_s": 2.0, "claim_s": 2.0})), "cost-aware")
+    assert fixed.loads == pytest.approx(spread.loads, rel=0.1)
+    assert percentile(spread.latencies_s, 0.5) == pytest.approx(percentile(fixed.latencies_s, 0.5), rel=0.1)
+    assert percentile(spread.latencies_s, 0.99) > 1.5 * percentile(fixed.latencies_s, 0.99)
+    assert build_workload({**raw, "control": {"cv": {"claim_s": 1.0}}}).control.cv == {"claim_s": 1.0}

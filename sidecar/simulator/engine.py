@@ -89,6 +89,8 @@ class _Sim:
         self.w = workload
         self.max_events = max_events
         self.rng = random.Random(workload.seed)
+        # The control plane's spread draws from its own stream: the device noise stays as it was.
+        self.control_rng = random.Random(workload.seed + 7919)
         self.queues: dict[str, deque[_Request]] = {name: deque() for name in workload.models}
         self.windows = {name: BatchWindow(m.max_batch_size, m.max_delay_s) for name, m in workload.models.items()}
         self.arrivals = list(workload.arrivals)
@@ -280,7 +282,7 @@ class _Sim:
             batch.append(q.popleft())
         if not q:
             self.nonempty.discard(decision.model)
-        start = self.t + cost_s + self.w.control.batch_overhead_s
+        start = self.t + cost_s + self.control_s("batch_overhead_s")
         # The live worker's rule: the capped estimate, and no prediction once PROBE_AFTER_REFUSALS
         # batches in a row were refused whole on one.
         refusals = worker.refused_on_prediction.get(decision.model, 0)
@@ -297,7 +299,7 @@ class _Sim:
         self.maybe_prefetch(worker, decision.model)
         duration = self.noisy(m.batch_s(len(live)))
         end = start + duration
-        answered = end + self.w.control.answer_s  # the caller has it once stored and sent
+        answered = end + self.control_s("answer_s")  # the caller has it once stored and sent
         self.consumers[m.name] = start
         for r in live:
             self._served(r, start, answered)
@@ -342,7 +344,7 @@ class _Sim:
         last = self.consumers.get(decision.model)
         # A model's consumer is made by its first load, while the model loads (as live), and
         # shared by every worker; the server removes it after consumer_idle_s unused.
-        consumer_s = self.w.control.consumer_create_s if last is None or self.t - last > self.w.control.consumer_idle_s else 0.0
+        consumer_s = self.control_s("consumer_create_s") if last is None or self.t - last > self.w.control.consumer_idle_s else 0.0
         self.consumers[decision.model] = start
         self.result.load_log.append((start, start + duration, m.name))
         self.result.load_seconds += duration
@@ -356,7 +358,16 @@ class _Sim:
         """The control plane's part of a load: the consumer check, the claims and their release,
         and the advert after it (and before it, with peers): key-value round trips."""
         adverts = 2 if len(self.workers) > 1 else 1  # before the load only when peers listen
-        return self.w.control.load_overhead_s + self.w.control.claim_s + adverts * self.w.control.advert_s
+        return self.w.control.load_overhead_s + self.control_s("claim_s") + sum(self.control_s("advert_s") for _ in range(adverts))
+
+    def control_s(self, name: str) -> float:
+        """One draw of the control-plane cost ``name``: its mean, spread by ``Control.cv``."""
+        mean = float(getattr(self.w.control, name))
+        cv = self.w.control.cv.get(name, 0.0)
+        if cv <= 0 or mean <= 0:
+            return mean
+        sigma = math.sqrt(math.log(1 + cv * cv))
+        return mean * self.control_rng.lognormvariate(-sigma * sigma / 2, sigma)
 
     def finish(self, worker: _Worker, kind: str) -> None:
         _, what, model, arg, duration_text = kind.split(":", 4)

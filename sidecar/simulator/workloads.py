@@ -23,6 +23,8 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     consumer_idle_s = 600.0             # ... again after this long unused (streams.consumer_idle_s)
     claim_s = 0.002                     # per load: claim the models it touches, release them
     advert_s = 0.002                    # per advert of a load (after it; before it too with peers)
+    cv = { consumer_create_s = 1.0 }    # spread of a round trip (lognormal, mean kept): claim_s,
+                                        # advert_s, consumer_create_s, answer_s, batch_overhead_s
     [models.m1]
     load_cost_s = 0.5                   # true seconds to load from disk (cold)
     warm_load_cost_s = 0.05             # true seconds to load from the warm tier
@@ -48,6 +50,7 @@ deprecation line on stderr.
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import tomllib
@@ -125,6 +128,10 @@ class Control:
     # test cluster (bench/control_plane.py).
     claim_s: float = 0.002
     advert_s: float = 0.002
+    # The spread of the round trips above (coefficient of variation; each draw lognormal with
+    # the mean kept), by field name: a mean alone hid the tail of a loaded cluster, where making
+    # a consumer takes 10 to 200 ms (the simulator's p99 was 0.7x the live worker's).
+    cv: Mapping[str, float] = field(default_factory=dict)
 
     def decision_cost_s(self, models_shown: int) -> float:
         return self.decision_s + self.decision_per_model_s * models_shown
@@ -136,25 +143,34 @@ class Control:
         they have no sample of keeps ``base``'s (the defaults). So the simulator of a 3-node
         cluster pays its claims and adverts at the cluster's round trips, not one server's."""
         base = cls() if base is None else base
-
-        def mean_s(us_key: str, count_key: str, default: float) -> float:
-            n = stats.get(count_key, 0)
-            return stats.get(us_key, 0) / 1e6 / n if n > 0 else default
-
-        decision_s = base.decision_s
+        values: dict[str, Any] = {}
+        cv = dict(base.cv)
+        for step, name in MEASURED_STEPS.items():
+            n = stats.get(f"{step}_n", 0)
+            if n <= 0:
+                continue
+            mean_us = stats.get(f"{step}_us", 0) / n
+            values[name] = mean_us / 1e6
+            if name in SPREAD_FIELDS and mean_us > 0:
+                var = max(0.0, stats.get(f"{step}_us2", 0) / n - mean_us * mean_us)
+                cv[name] = min(math.sqrt(var) / mean_us, 10.0)
         if stats.get("decisions", 0) > 0:
             shown = stats.get("models_shown", 0) / stats["decisions"]
-            decision_s = max(0.0, mean_s("decision_us", "decisions", 0.0) - base.decision_per_model_s * shown)
-        return replace(
-            base,
-            decision_s=decision_s,
-            arrival_delay_s=mean_s("arrival_delay_us", "arrivals_seen", base.arrival_delay_s),
-            batch_overhead_s=mean_s("ready_fetch_us", "ready_fetches", base.batch_overhead_s),
-            answer_s=mean_s("answer_us", "answers", base.answer_s),
-            consumer_create_s=mean_s("consumer_us", "consumers_made", base.consumer_create_s),
-            claim_s=mean_s("claim_us", "claims", base.claim_s),
-            advert_s=mean_s("advert_us", "adverts", base.advert_s),
-        )
+            values["decision_s"] = max(0.0, stats.get("decision_us", 0) / 1e6 / stats["decisions"] - base.decision_per_model_s * shown)
+        return replace(base, cv=cv, **values)
+
+
+# The worker's counters (sidecar/worker/counters.py) -> the cost each one measures.
+MEASURED_STEPS = {
+    "claim": "claim_s",
+    "advert": "advert_s",
+    "consumer_create": "consumer_create_s",
+    "answer": "answer_s",
+    "ready_fetch": "batch_overhead_s",
+    "arrival_delay": "arrival_delay_s",
+}
+# The costs drawn with a spread (arrivals keep a fixed delay: they are admitted in time order).
+SPREAD_FIELDS = frozenset({"claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s"})
 
 
 IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0, 0.0, 0.0)
@@ -267,6 +283,7 @@ class _ControlSpec(_Spec):
     consumer_idle_s: Annotated[float, Meta(ge=60)] = Control.consumer_idle_s
     claim_s: Annotated[float, Meta(ge=0, le=60)] = Control.claim_s
     advert_s: Annotated[float, Meta(ge=0, le=60)] = Control.advert_s
+    cv: dict[Literal["claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s"], Annotated[float, Meta(ge=0, le=10)]] = {}
 
 
 class _WorkloadSpec(_Spec):

@@ -15,6 +15,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
+from .counters import add_sample
 from .slots import Slot, enqueued_at, pending_after
 
 __all__ = ["Batcher"]
@@ -42,6 +43,7 @@ class Batcher:
         poll_interval_s: float,
         on_trouble: Callable[[], None] | None = None,
         on_fetched: Callable[[Slot, int, int | None], None] | None = None,
+        stats: dict[str, int] | None = None,
     ) -> None:
         self._stopping = stopping
         self.poll_interval_s = poll_interval_s
@@ -50,10 +52,7 @@ class Batcher:
         # queue view's count and head follow (sidecar/worker/queues.py).
         self._on_fetched = on_fetched
         self.late_s = _INITIAL_LATE_S
-        # Fetches of requests stored before the fetch began: their time is the fetch's own round
-        # trip (the simulator's batch_overhead_s). Sums, read by the worker's status.
-        self.ready_fetches = 0
-        self.ready_fetch_us = 0
+        self._stats = {} if stats is None else stats
 
     async def fetch(self, slot: Slot, n: int, timeout_s: float) -> list[Msg]:
         """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure."""
@@ -76,8 +75,8 @@ class Batcher:
             return []
         if msgs:
             if enqueued_at(msgs[-1], started_at) < started_at:
-                self.ready_fetches += 1
-                self.ready_fetch_us += int((time.perf_counter() - started) * 1e6)
+                # Stored before the fetch began: its time is the fetch's own round trip.
+                add_sample(self._stats, "ready_fetch", time.perf_counter() - started)
             pending = pending_after(msgs[-1])
             if self._on_fetched is not None:
                 self._on_fetched(slot, len(msgs), pending)

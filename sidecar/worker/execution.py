@@ -26,6 +26,7 @@ from ..handlers import BadInput
 from ..policy import PROBE_AFTER_REFUSALS, CostEstimator, Policy, cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
+from .counters import add_sample
 from .slots import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
 from .quarantine import Evidence, Quarantine, Verdict, groups
 
@@ -303,8 +304,7 @@ class BatchRunner:
         if fresh_answers:
             started = time.perf_counter()
             await self.replier.deliver(fresh_answers)  # type: ignore[arg-type]
-            self.stats["answers"] += 1
-            self.stats["answer_us"] += int((time.perf_counter() - started) * 1e6)
+            add_sample(self.stats, "answer", time.perf_counter() - started)
         for a in stored_answers:
             if a is not None:
                 await self.replier.resend(a)

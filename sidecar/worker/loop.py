@@ -39,6 +39,7 @@ from ..runtime import retry_startup
 from ..streams import StreamSetupError, ensure_model_consumer, ensure_model_consumers, ensure_streams, model_consumer_name
 from ..telemetry import WorkerTelemetry
 from .batching import Batcher
+from .counters import add_sample
 from .execution import BatchRunner
 from .slots import BatchReport, Slot
 from .quarantine import Quarantine
@@ -100,13 +101,9 @@ class Worker:
             )
         self._check_models()
         self.budget = Budget(max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models)
-        # Counters, and what the control plane's steps cost here (sums, in µs): the scale bench
-        # reads them to tell the simulator this deployment's costs (Workload.control).
-        self.stats = {
-            "batches": 0, "requests": 0, "loads": 0, "evictions": 0, "decisions": 0, "decision_us": 0, "models_shown": 0,
-            "claims": 0, "claim_us": 0, "adverts": 0, "advert_us": 0, "consumers_made": 0, "consumer_us": 0,
-            "answers": 0, "answer_us": 0,
-        }  # fmt: skip
+        # Counters; what the control plane's steps cost here is added by worker/counters.py (the
+        # scale bench tells the simulator this deployment's costs from them: Control.measured).
+        self.stats = {"batches": 0, "requests": 0, "loads": 0, "evictions": 0, "decisions": 0, "decision_us": 0, "models_shown": 0}
         self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
         self.telemetry.register_gauges(self.report)
         self._stopping = anyio.Event()
@@ -116,6 +113,7 @@ class Worker:
         self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
         self._last_used: dict[str, float] = {}  # model -> when its last batch ran (recent ones only)
         self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
+        self._claim_s = 0.0  # how long the claim of the load under way took
         self._defer_wake = math.inf  # when the first queue left to a first-taking peer is ours too
         self._in_flight_msgs: dict[int, Msg] = {}
         self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
@@ -123,9 +121,12 @@ class Worker:
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
         # A peer's take event counts until it settles, or for two heartbeats (its advert tells then).
         self.queues = QueueView(self.slots, peer_event_s=2 * config.worker.heartbeat_s)
-        self.arrivals = ArrivalFeed(nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up, worker_id=self.worker_id)
+        self.arrivals = ArrivalFeed(
+            nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up, worker_id=self.worker_id, stats=self.stats,
+        )  # fmt: skip
         self.batcher = Batcher(
             self._stopping,
+            stats=self.stats,
             poll_interval_s=config.worker.poll_interval_ms / 1000.0,
             on_trouble=self._note_trouble,
             on_fetched=self.queues.fetched,
@@ -172,11 +173,7 @@ class Worker:
         assert self.cluster is not None
         started = time.perf_counter()
         await self.cluster.advertise(self.report())
-        self._count("adverts", "advert_us", started)
-
-    def _count(self, key: str, us_key: str, started: float) -> None:
-        self.stats[key] += 1
-        self.stats[us_key] += int((time.perf_counter() - started) * 1e6)
+        add_sample(self.stats, "advert", time.perf_counter() - started)
 
     def _note_trouble(self) -> None:
         if self.cluster is not None:
@@ -236,7 +233,7 @@ class Worker:
                 if slot.consumer_ready_at is None or stale:
                     started = time.perf_counter()
                     await ensure_model_consumer(self.js, self.subjects, streams, slot.name)
-                    self._count("consumers_made", "consumer_us", started)
+                    add_sample(self.stats, "consumer_create", time.perf_counter() - started)
                     slot.consumer_ready_at = now
                 if slot.psub is None:
                     slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
@@ -297,10 +294,7 @@ class Worker:
         return view.build_report(
             worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             costs=self.costs, budget=self.budget, in_flight=self._in_flight_by_model(),
-            stats={
-                **self.stats, "arrivals_seen": self.arrivals.seen, "arrival_delay_us": self.arrivals.delay_us,
-                "ready_fetches": self.batcher.ready_fetches, "ready_fetch_us": self.batcher.ready_fetch_us,
-            },
+            stats=self.stats,
             started_at=self._started_at, valid_s=self.config.worker.peer_timeout_s,
         )  # fmt: skip
 
@@ -523,18 +517,20 @@ class Worker:
         touched = [slot.name, *evict]
         started = time.perf_counter()
         claimed = await self.cluster.claim(touched)
-        self._count("claims", "claim_us", started)
+        self._claim_s = time.perf_counter() - started  # sampled with its release (worker/counters.py)
         if claimed is False:
             log.info("another worker is changing the placement of %s now: standing back", " or ".join(sorted(touched)))
             self._stand_back(slot.name)
+            add_sample(self.stats, "claim", self._claim_s)
             return None
         if claimed is None and slot.name in held:
             self._stand_back(slot.name)
+            add_sample(self.stats, "claim", self._claim_s)
             return None  # no claim could be had: never take a peer's model without one
         if claimed and self._effective_backlog(slot) == 0:
             # A peer that loaded it just before our claim has said so by now: its advert precedes
             # its release in the bucket, and our claim follows the release.
-            await self.cluster.release(touched)
+            await self._release(touched)
             return None
         self.residency.loading = slot.name
         if self.cluster.peers():
@@ -572,9 +568,14 @@ class Worker:
                 # Resident now: peers count our drain at once, before the claim is given back
                 # (a peer that starts just now and does not know us yet reads it first).
                 await self._advertise()
-                started = time.perf_counter()
-                await self.cluster.release(claimed)
-                self.stats["claim_us"] += int((time.perf_counter() - started) * 1e6)  # a claim's cost includes its release
+                await self._release(claimed)
+
+    async def _release(self, models: list[str]) -> None:
+        assert self.cluster is not None
+        started = time.perf_counter()
+        await self.cluster.release(models)
+        add_sample(self.stats, "claim", self._claim_s + time.perf_counter() - started)  # a claim's cost includes its release
+        self._claim_s = 0.0
 
     async def _fail_queue(self, slot: Slot, message: str) -> None:
         """A model that cannot load: answer one batch of its waiting requests with model_failed so

@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 from jetbatch.sdk.protocol import ProtocolError, Subjects, deadline_from_headers
 
 from ..errors import TRANSPORT_ERRORS
+from .counters import add_sample
 from .slots import Slot
 
 __all__ = ["ArrivalFeed", "QueueView", "parse_stream_timestamp"]
@@ -283,6 +284,7 @@ class ArrivalFeed:
         view: QueueView,
         on_arrival: Callable[[], None],
         worker_id: str = "",
+        stats: dict[str, int] | None = None,
     ) -> None:
         self._nc = nc
         self._subjects = subjects
@@ -293,7 +295,7 @@ class ArrivalFeed:
         self._sub: Any = None
         self._taken_sub: Any = None
         self.seen = 0
-        self.delay_us = 0  # summed: from each request's store to its event here (the simulator's arrival_delay_s)
+        self._stats = {} if stats is None else stats
 
     async def start(self) -> None:
         """Subscribe (once: a retried startup calls it again)."""
@@ -329,7 +331,7 @@ class ArrivalFeed:
         self._view.arrived(slot, min(at, now) if at is not None else now, deadline)
         self.seen += 1
         if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
-            self.delay_us += int((now - at) * 1e6)
+            add_sample(self._stats, "arrival_delay", now - at)
         self._on_arrival()
 
 

@@ -1,0 +1,29 @@
+"""The worker's cost counters: for each control-plane step (a claim, an advert, a consumer
+made, the answers of a batch, a fetch of requests already stored, an arrival's event), how often
+it ran and the sum and sum of squares of its durations in µs. They travel in the worker's status
+(``SidecarReport.stats``) as integers; ``simulator.Control.measured`` turns them into the mean
+and spread the simulated worker pays, so the simulator of a deployment knows its round trips."""
+
+from __future__ import annotations
+
+from typing import MutableMapping
+
+__all__ = ["STEPS", "add_sample"]
+
+# step -> what it times
+STEPS = {
+    "claim": "a placement change's key-value claims and their release",
+    "advert": "one advert put in the workers' bucket",
+    "consumer_create": "making a model's consumer (on demand, at its first load)",
+    "answer": "storing and sending one batch's answers",
+    "ready_fetch": "a fetch of requests stored before it began (its round trip)",
+    "arrival_delay": "from a request's store to its arrival event at the worker",
+}
+
+
+def add_sample(stats: MutableMapping[str, int], step: str, seconds: float) -> None:
+    """Count one ``step`` that took ``seconds``."""
+    us = max(0, int(seconds * 1e6))
+    stats[f"{step}_n"] = stats.get(f"{step}_n", 0) + 1
+    stats[f"{step}_us"] = stats.get(f"{step}_us", 0) + us
+    stats[f"{step}_us2"] = stats.get(f"{step}_us2", 0) + us * us
