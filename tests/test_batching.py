@@ -1,9 +1,9 @@
 """The batch window's timing against a queue whose fetches return late (worker/batching.py).
 
-A stand-in subscription plays the JetStream pull: it returns one queued message at once, then
-times out ``overrun`` after the timeout it was given, as fetches on a loaded host do. What is
-checked is the batcher's own arithmetic: it learns the overrun and aims its last fetch early, so
-a batch closes near ``max_delay`` instead of an overrun late.
+A stand-in subscription plays the JetStream pull on a fake clock: it returns one queued message
+at once, then times out ``overrun`` after the timeout it was given, as fetches on a loaded host
+do. What is checked is the batcher's own arithmetic, exactly: it learns the overrun and aims its
+last fetch early, so a batch closes near ``max_delay`` instead of an overrun late.
 """
 
 from __future__ import annotations
@@ -22,44 +22,79 @@ from jetbatch.sidecar.worker.batching import Batcher
 pytestmark = pytest.mark.anyio
 
 
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class LateQueue:
-    def __init__(self, overrun_s: float) -> None:
+    def __init__(self, clock: FakeClock, overrun_s: float, headers: dict[str, str] | None = None) -> None:
+        self.clock = clock
         self.overrun_s = overrun_s
+        self.headers = headers
         self.queued = 0
         self.timeouts: list[float] = []
 
     async def fetch(self, batch: int, timeout: float) -> list[Any]:
+        await anyio.sleep(0)
         if self.queued:
             self.queued -= 1
-            now = time.time()
-            return [SimpleNamespace(metadata=SimpleNamespace(timestamp=SimpleNamespace(timestamp=lambda: now), num_pending=0))]
+            now = self.clock()
+            metadata = SimpleNamespace(timestamp=SimpleNamespace(timestamp=lambda: now), num_pending=0)
+            return [SimpleNamespace(metadata=metadata, headers=self.headers)]
         self.timeouts.append(timeout)
-        await anyio.sleep(timeout + self.overrun_s)
+        self.clock.now += timeout + self.overrun_s
         raise nats.errors.TimeoutError
 
 
-def _slot(queue: LateQueue, max_delay_s: float) -> Any:
+def _slot(queue: Any, max_delay_s: float) -> Any:
     config = SimpleNamespace(max_concurrent_batches=1)
     return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, config=config, backlog=0)
 
 
 async def test_the_batcher_learns_how_late_fetches_return_and_closes_batches_near_max_delay() -> None:
-    queue = LateQueue(overrun_s=0.04)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25)
+    clock = FakeClock()
+    queue = LateQueue(clock, overrun_s=0.04)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock)
     slot = _slot(queue, max_delay_s=0.2)
     closes = []
     for _ in range(12):
         queue.queued = 1
-        started = time.monotonic()
+        started = clock()
         msgs = await batcher.gather(slot, 64)
-        closes.append(time.monotonic() - started)
+        closes.append(clock() - started)
         assert len(msgs) == 1
-    assert 0.03 <= batcher.late_s <= 0.05  # learnt: about the 40 ms overrun (capped at 50 ms)
-    # Aimed early by what it learnt, the last batches close near the 200 ms window (a loaded
-    # host's wake-ups allowed for), where the first one, aimed on time, closed the whole overrun late.
-    assert closes[0] >= 0.235
-    assert max(closes[-4:]) < 0.225
-    assert queue.timeouts[-1] < 0.2 - 0.03
+    assert 0.035 <= batcher.late_s <= 0.04  # learnt (a moving mean from 1 ms): the 40 ms overrun
+    # The first batch, aimed on time, closed the whole overrun late; aimed early by what it
+    # learnt, the last ones close at the 200 ms window, within what is left to learn.
+    assert closes[0] == pytest.approx(0.2 - 0.001 + 0.04)  # aimed 1 ms early (the initial guess), 40 ms late
+    assert all(a > b for a, b in zip(closes, closes[1:])), closes  # each closer to the window
+    assert 0.2 <= closes[-1] < 0.205, closes
+    assert queue.timeouts[-1] == pytest.approx(0.2 - batcher.late_s, abs=0.003)
+
+
+async def test_a_deadline_closes_the_window_early_enough_to_compute_in_time() -> None:
+    from jetbatch.sdk.protocol import Headers
+
+    clock = FakeClock()
+    due = clock() + 0.05
+    queue = LateQueue(clock, overrun_s=0.0, headers={Headers.DEADLINE: str(int(due * 1000))})
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock)
+    slot = _slot(queue, max_delay_s=0.2)
+    queue.queued = 1
+    msgs = await batcher.gather(slot, 64, compute_s=0.01)
+    # Closed by the deadline less the batch's 10 ms (aimed a fetch's lateness early), not at 200 ms.
+    assert len(msgs) == 1
+    assert due - 0.01 - 0.002 <= clock() <= due - 0.01
+    # A malformed deadline is no deadline: the window runs its full length.
+    queue.headers = {Headers.DEADLINE: "soon"}
+    queue.queued = 1
+    started = clock()
+    await batcher.gather(slot, 64, compute_s=0.01)
+    assert clock() - started >= 0.2 - 0.002
 
 
 class ShortQueue:

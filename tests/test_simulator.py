@@ -50,6 +50,23 @@ def test_requests_that_cannot_finish_in_time_are_not_computed() -> None:
     assert loose.deadline_exceeded == 0 and loose.completed > 0  # type: ignore[attr-defined]
 
 
+def test_a_deadline_closes_the_simulated_window_as_it_does_live() -> None:
+    from dataclasses import replace
+
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    def first_batch_start(deadline_s: float | None) -> float:
+        model = {"load_cost_s": 0.0, "batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 16, "max_delay_s": 1.0}
+        if deadline_s is not None:
+            model["deadline_s"] = deadline_s
+        raw = {"models": {"a": model}, "arrivals": {"kind": "burst", "per_model": 1}}
+        result = simulate(replace(build_workload(raw), control=IDEAL_CONTROL, resident_at_start=("a",)), "cost-aware")
+        return result.batches[0][0]
+
+    assert first_batch_start(None) == pytest.approx(1.0)  # the full window
+    assert first_batch_start(0.3) == pytest.approx(0.3 - 0.01)  # early enough to finish by the deadline
+
+
 def test_simulate_cli_table_json_and_plot(tmp_path: Path) -> None:
     workload = ROOT / "examples" / "workloads" / "burst.toml"
     out = subprocess.run(

@@ -13,11 +13,10 @@ Built in (the ``handler`` key of ``[models.<name>]``):
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from ..config import ModelConfig
-from .base import BadInput, Handler, HandlerError, resolve_device, tensor_bytes
+from .base import BadInput, Handler, HandlerError, import_object, resolve_device, tensor_bytes
 from .modules import ExportHandler, InputSpec, ModuleHandler, StateDictHandler, TorchScriptHandler, read_module
 from .simple import FunctionHandler, IdentityHandler, SleepHandler
 
@@ -56,7 +55,7 @@ def create_handler(name: str, config: ModelConfig) -> Handler:
     spec = config.handler
     cls: Any = BUILTIN_HANDLERS.get(spec)
     if cls is None:
-        cls = import_object(spec, what=f"model {name}: handler")
+        cls = import_object(spec, what=f"model {name}: handler", builtins=BUILTIN_HANDLERS)
         if not (isinstance(cls, type) and issubclass(cls, Handler)):
             raise HandlerError(f"model {name}: handler {spec!r} is not a subclass of sidecar.handlers.Handler")
     try:
@@ -65,20 +64,3 @@ def create_handler(name: str, config: ModelConfig) -> Handler:
         raise
     except Exception as exc:
         raise HandlerError(f"model {name}: handler {spec!r} failed to initialise: {exc}") from exc
-
-
-def import_object(spec: str, *, what: str) -> Any:
-    """Import ``package.module:attribute``."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise HandlerError(
-            f"{what} {spec!r} is neither a built-in ({', '.join(sorted(BUILTIN_HANDLERS))}) nor 'package.module:Name'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise HandlerError(f"{what} {spec!r}: cannot import {module_name}: {exc}") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise HandlerError(f"{what} {spec!r}: {module_name} has no attribute {attr!r}") from None

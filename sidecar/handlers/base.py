@@ -9,8 +9,9 @@ a worker thread so the event loop keeps acking and fetching.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -19,7 +20,7 @@ from jetbatch.sdk.protocol import ContentType, ProtocolError, Tensor, decode_pay
 from ..config import ModelConfig
 from ..errors import SidecarError
 
-__all__ = ["BadInput", "Handler", "HandlerError", "resolve_device", "tensor_bytes"]
+__all__ = ["BadInput", "Handler", "HandlerError", "import_object", "resolve_device", "tensor_bytes"]
 
 
 class HandlerError(SidecarError):
@@ -130,3 +131,21 @@ class Handler(ABC):
     def encode(self, output: Any) -> tuple[bytes, ContentType]:
         """Encode one output for the reply (tensors use the tensor encoding)."""
         return encode_payload(output)
+
+
+def import_object(spec: str, *, what: str, builtins: Iterable[str] = ()) -> Any:
+    """Import ``package.module:attribute`` (``builtins``: the names that need no import, listed
+    in the error)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        names = sorted(builtins)
+        alternative = f"neither a built-in ({', '.join(names)}) nor" if names else "not"
+        raise HandlerError(f"{what} {spec!r} is {alternative} 'package.module:Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HandlerError(f"{what} {spec!r}: cannot import {module_name}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise HandlerError(f"{what} {spec!r}: {module_name} has no attribute {attr!r}") from None

@@ -29,7 +29,7 @@ import torch
 from jetbatch.sdk.protocol import ContentType
 
 from ..config import ModelConfig
-from .base import BadInput, Handler, HandlerError, tensor_bytes
+from .base import BadInput, Handler, HandlerError, import_object, tensor_bytes
 
 __all__ = ["ExportHandler", "InputSpec", "ModuleHandler", "StateDictHandler", "TorchScriptHandler", "read_module"]
 
@@ -231,7 +231,6 @@ class StateDictHandler(ModuleHandler):
         super().__init__(name, config)
         if not config.module_class:
             raise HandlerError(f"model {name}: the state_dict handler needs `module_class` (package.module:Class)")
-        from . import import_object
 
         self.module_class = import_object(config.module_class, what=f"model {name}: module_class")
         if not isinstance(self.module_class, type) or not issubclass(self.module_class, torch.nn.Module):

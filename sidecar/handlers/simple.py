@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import ModelConfig
-from .base import Handler, HandlerError
+from .base import Handler, HandlerError, import_object
 
 __all__ = ["FunctionHandler", "IdentityHandler", "SleepHandler"]
 
@@ -105,14 +105,12 @@ class FunctionHandler(Handler):
         self._fn: Callable[[list[Any]], Any] | None = None
 
     def check(self) -> None:
-        from . import import_object
 
         fn = import_object(self.config.function or "", what=f"model {self.name}: function")
         if not callable(fn):
             raise HandlerError(f"model {self.name}: function {self.config.function!r} is not callable")
 
     def load(self, device: torch.device) -> None:
-        from . import import_object
 
         self._fn = import_object(self.config.function or "", what=f"model {self.name}: function")
         self.device = device

@@ -54,11 +54,10 @@ class CostEstimator:
         load_cost_s: float,
         batch_cost: BatchCost,
         memory_bytes: int = 0,
-        warm_load_cost_s: float | None = None,
     ) -> None:
+        """The configured costs, before any measurement (the warm tier's is a share of the cold
+        load until one is measured)."""
         self._load[(model, "cold")] = load_cost_s
-        if warm_load_cost_s is not None:
-            self._load[(model, "warm")] = warm_load_cost_s
         self._batch[model] = batch_cost
         self._memory[model] = memory_bytes
 
@@ -94,11 +93,6 @@ class CostEstimator:
         if tier == "warm":
             return self._load.get((model, "warm"), cold * WARM_SHARE_PRIOR)
         return cold
-
-    def fastest_batch_s(self, model: str) -> float | None:
-        """The shortest batch measured for ``model`` (None before the first): a lower bound that
-        one slow outlier (a warm-up, a noisy neighbour) cannot inflate."""
-        return self._fastest.get(model)
 
     def deadline_estimate_s(self, model: str, n: int) -> float:
         """The batch time a deadline check assumes: the estimate for ``n``, capped by the fastest

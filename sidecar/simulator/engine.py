@@ -270,8 +270,11 @@ class _Sim:
             self.wake(worker, max(self.next_arrival_at(), self.t + 1e-6) if self.next_arrival_at() < math.inf else self.t + 1e-3)
             return
         window = self.windows[decision.model]
-        close_at = window.close_at(q[0].arrival, self.t)
         limit = max(1, min(decision.max_items, m.max_batch_size))
+        # As live: the window closes early enough for the earliest deadline (the head's: deadlines
+        # are arrival + a per-model constant), given the batch's estimated time.
+        latest_start = q[0].deadline - worker.costs.deadline_estimate_s(decision.model, limit) if q[0].deadline is not None else None
+        close_at = window.close_at(q[0].arrival, q[0].arrival, latest_start)
         if not window.should_close(min(len(q), limit), close_at, self.t) and len(q) < limit:
             self.wake(worker, max(min(close_at, self.next_arrival_at()), self.t + 1e-9))  # the window is open
             return

@@ -15,6 +15,8 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
+from jetbatch.sdk.protocol import ProtocolError, deadline_from_headers
+
 from .counters import add_sample
 from .slots import Slot, enqueued_at, pending_after
 
@@ -44,7 +46,10 @@ class Batcher:
         on_trouble: Callable[[], None] | None = None,
         on_fetched: Callable[[Slot, int, int | None], None] | None = None,
         stats: dict[str, int] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock``: wall-clock seconds (the stream's timestamps are on the same scale); tests
+        pass a fake one."""
         self._stopping = stopping
         self.poll_interval_s = poll_interval_s
         self._on_trouble = on_trouble
@@ -52,13 +57,14 @@ class Batcher:
         # queue view's count and head follow (sidecar/worker/queues.py).
         self._on_fetched = on_fetched
         self.late_s = _INITIAL_LATE_S
+        self._clock = clock
         self._stats = {} if stats is None else stats
 
     async def fetch(self, slot: Slot, n: int, timeout_s: float) -> list[Msg]:
         """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure."""
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
-        started, started_at = time.perf_counter(), time.time()
+        started = self._clock()
         try:
             msgs: list[Msg] = await slot.psub.fetch(batch=n, timeout=timeout_s)
         except (nats.errors.TimeoutError, TimeoutError):
@@ -74,9 +80,9 @@ class Batcher:
             await anyio.sleep(0.1)
             return []
         if msgs:
-            if enqueued_at(msgs[-1], started_at) < started_at:
+            if enqueued_at(msgs[-1], started) < started:
                 # Stored before the fetch began: its time is the fetch's own round trip.
-                add_sample(self._stats, "ready_fetch", time.perf_counter() - started)
+                add_sample(self._stats, "ready_fetch", self._clock() - started)
             pending = pending_after(msgs[-1])
             if self._on_fetched is not None:
                 self._on_fetched(slot, len(msgs), pending)
@@ -84,21 +90,34 @@ class Batcher:
                 slot.backlog = max(0, slot.backlog - len(msgs)) if pending is None else pending
         return msgs
 
-    async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None) -> list[Msg]:
+    async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None, *, compute_s: float = 0.0) -> list[Msg]:
         """Pull until the window closes: ``max_items``, or ``max_delay`` after the first request
         of the batch was enqueued. While a batch of this model still runs, keep filling; once the
-        window has closed, still take what the queue reported waiting, up to ``max_items``."""
+        window has closed, still take what the queue reported waiting, up to ``max_items``.
+        The window also closes when the earliest deadline among the gathered requests leaves
+        only ``compute_s`` (the batch's estimated time): waiting longer would make it late."""
         window = slot.window
         msgs: list[Msg] = list(first or [])
         close_at: float | None = None
+        opened_at: float | None = None  # when the batch's first request was enqueued (or seen)
+        due: float | None = None  # the earliest deadline gathered
+
+        def reclose(got: list[Msg], now: float) -> None:
+            nonlocal close_at, opened_at, due
+            if opened_at is None:
+                opened_at = enqueued_at(msgs[0], now)
+            deadlines = [d for d in (_deadline(m) for m in got) if d is not None]
+            if deadlines and (due is None or min(deadlines) < due):
+                due = min(deadlines)
+            close_at = window.close_at(opened_at, opened_at, due - compute_s if due is not None else None)
+
         if msgs:
-            now = time.time()
-            close_at = window.close_at(enqueued_at(msgs[0], now), now)
+            reclose(msgs, self._clock())
         first_wait_s = min(self.poll_interval_s, 0.5)
         if slot.backlog > 0:
             first_wait_s = min(first_wait_s, max(_STORED_WAIT_S, 4 * self.late_s))
         while len(msgs) < max_items and not self._stopping.is_set():
-            now = time.time()
+            now = self._clock()
             busy = slot.in_flight >= slot.config.max_concurrent_batches
             wait_s = window.wait_s(len(msgs), close_at, now, device_busy=busy, idle_wait_s=first_wait_s)
             # Never aim earlier than half the window (one stall must not close every batch at
@@ -116,22 +135,21 @@ class Batcher:
                 if not got:
                     break  # another worker of the shared queue took them
                 msgs.extend(got)
+                reclose(got, self._clock())
                 continue
             # With a batch open, aim the fetch early by what fetches overrun, so it ends at the window.
             timeout_s = max(wait_s - early_s, 0.001) if msgs else max(wait_s, 0.001)
-            started = time.monotonic()
+            started = self._clock()
             got = await self.fetch(slot, max_items - len(msgs), timeout_s)
             if not got and msgs:
-                overrun = min(max(time.monotonic() - started - timeout_s, 0.0), _MAX_LATE_S)
+                overrun = min(max(self._clock() - started - timeout_s, 0.0), _MAX_LATE_S)
                 self.late_s += _LATE_WEIGHT * (overrun - self.late_s)
             if not got:
                 if not msgs:
                     break  # nothing came within the first wait: the queue is empty for now
                 continue
-            if close_at is None:
-                now = time.time()
-                close_at = window.close_at(enqueued_at(got[0], now), now)
             msgs.extend(got)
+            reclose(got, self._clock())
         return msgs
 
     async def gather_before(self, slot: Slot, max_items: int, before: float) -> list[Msg]:
@@ -142,7 +160,7 @@ class Batcher:
             got = await self.fetch(slot, 1, 0.05)
             if not got:
                 break
-            if enqueued_at(got[0], time.time()) >= before and msgs:
+            if enqueued_at(got[0], self._clock()) >= before and msgs:
                 try:
                     await got[0].nak()
                 except nats.errors.Error:
@@ -150,3 +168,11 @@ class Batcher:
                 break
             msgs.extend(got)
         return msgs
+
+
+def _deadline(msg: Msg) -> float | None:
+    """A request's deadline (None when absent or malformed: that request is refused anyway)."""
+    try:
+        return deadline_from_headers(msg.headers)
+    except (ProtocolError, AttributeError):
+        return None

@@ -434,7 +434,8 @@ class Worker:
         if decision.before is not None:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
         else:
-            msgs = await self.batcher.gather(slot, max_items)
+            # The window closes early enough for the earliest deadline gathered (window.py).
+            msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items))
         if not msgs:
             await self._found_nothing(slot)
             return
