@@ -57,6 +57,21 @@ class _Base(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tru
     pass
 
 
+DEFAULT_MAX_DELAY_S = 0.005
+
+
+def _seconds_from_ms(section: Any, key: str) -> None:
+    """``<key>_ms`` (the 0.2 spelling) sets ``<key>_s``; both set must agree."""
+    ms = getattr(section, f"{key}_ms")
+    if ms is None:
+        return
+    seconds = getattr(section, f"{key}_s")
+    default = DEFAULT_MAX_DELAY_S if key == "max_delay" else None
+    if seconds is not None and seconds != default and abs(seconds - ms / 1000.0) > 1e-9:
+        raise ValueError(f"{key}_s: {seconds} s and {key}_ms: {ms} ms disagree; keep {key}_s (the _ms spelling is retired)")
+    msgspec.structs.force_setattr(section, f"{key}_s", ms / 1000.0)
+
+
 class NatsIdentity(_Base):
     """Credentials of a second connection (see ``nats.reply_identity``)."""
 
@@ -150,7 +165,7 @@ class ModelConfig(_Base):
     module_kwargs: dict[str, Any] = {}  # state_dict: the class's constructor arguments
     function: str | None = None  # function: "package.module:function", called with a list of inputs
     max_batch_size: PositiveInt = 16
-    max_delay_ms: NonNegFloat = 5.0  # batching window, counted from the first request of the batch
+    max_delay_s: NonNegFloat = DEFAULT_MAX_DELAY_S  # batching window, counted from the first request of the batch
     max_concurrent_batches: PositiveInt = 1
     memory_bytes: Annotated[int, Meta(ge=0)] | None = None  # estimate until measured after load
     load_cost_s: NonNegFloat = 1.0  # estimate until measured
@@ -158,8 +173,15 @@ class ModelConfig(_Base):
     item_cost_s: NonNegFloat = 0.0005  # seconds per item, estimate until measured
     # Floor of the scheduler's wait bound; None: the bound follows the traffic (two natural cycles,
     # S / (1 - utilisation)). A bound below the cycle cannot be kept by reordering: docs/scheduler.md.
-    max_wait_ms: PositiveFloat | None = None
+    max_wait_s: PositiveFloat | None = None
     options: dict[str, Any] = {}  # handler-specific settings
+    # The keys of 0.2, in milliseconds: still read for one release (seconds are the boundary's unit).
+    max_delay_ms: NonNegFloat | None = None
+    max_wait_ms: PositiveFloat | None = None
+
+    def __post_init__(self) -> None:
+        _seconds_from_ms(self, "max_delay")
+        _seconds_from_ms(self, "max_wait")
 
 
 class WorkerConfig(_Base):
@@ -205,7 +227,8 @@ class ClassifierConfig(_Base):
 
     router: Literal["torch", "rules", "callable"] = "rules"
     max_batch_size: PositiveInt = 64
-    max_delay_ms: NonNegFloat = 5.0
+    max_delay_s: NonNegFloat = DEFAULT_MAX_DELAY_S
+    max_delay_ms: NonNegFloat | None = None  # the 0.2 key, still read for one release
     # torch router
     handler: str = "export"  # "export", "state_dict", "torchscript" (a file at `path`) or "package.module:Class"
     path: str | None = None
@@ -225,6 +248,7 @@ class ClassifierConfig(_Base):
     options: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
+        _seconds_from_ms(self, "max_delay")
         named = [("fallback_model", self.fallback_model), ("default_model", self.default_model)]
         named += [(f"labels.{label}", model) for label, model in self.labels.items()]
         named += [(f"rules[{n}].model", rule.get("model")) for n, rule in enumerate(self.rules) if isinstance(rule, dict)]

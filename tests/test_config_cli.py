@@ -29,6 +29,8 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
         ('[models."a.b"]\nhandler = "sleep"\n', "invalid model name 'a.b'"),
         ('[worker]\npoll_interval_ms = 1\n', "worker.poll_interval_ms: Expected `float` >= 10"),
         ("[models.m1\n", "invalid TOML"),
+        ('[models.m1]\nhandler = "sleep"\nmax_delay_s = 0.01\nmax_delay_ms = 20\n', "models.m1.max_delay_s: 0.01 s and max_delay_ms: 20.0 ms disagree"),
+        ('[models.m1]\nhandler = "sleep"\nmax_wait_s = -1\n', "models.m1.max_wait_s: Expected `float` > 0"),
         # Checked when the file is read, so the file is named before any connection is tried.
         ('[worker]\npolicy = "lifo"\n', "worker.policy: unknown policy 'lifo'"),
         ("[worker]\npolicy_options = { bogus = 1 }\n", "worker.policy_options: "),
@@ -45,6 +47,21 @@ def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: st
     assert message.startswith(str(path))
     assert expected in message
     assert "\n" not in message
+
+
+def test_seconds_at_the_boundary_and_the_milliseconds_of_0_2_as_aliases() -> None:
+    cfg = parse_config('[models.a]\nhandler = "sleep"\nmax_delay_s = 0.02\nmax_wait_s = 3\n[models.b]\nhandler = "sleep"\n'
+                       '[models.c]\nhandler = "sleep"\nmax_delay_ms = 20\nmax_wait_ms = 3000\n'
+                       '[classifier]\nmax_delay_ms = 7\n')  # fmt: skip
+    a, b, c = cfg.models["a"], cfg.models["b"], cfg.models["c"]
+    assert (a.max_delay_s, a.max_wait_s) == (0.02, 3.0)
+    assert (b.max_delay_s, b.max_wait_s) == (0.005, None)  # the defaults, as in workload files
+    assert (c.max_delay_s, c.max_wait_s) == (0.02, 3.0)
+    assert cfg.classifier is not None and cfg.classifier.max_delay_s == 0.007
+    from jetbatch.sidecar.simulator import build_workload
+
+    simulated = build_workload({"models": {"b": {"load_cost_s": 0.1, "batch_cost_s": 0.01, "item_cost_s": 0.0}}}).models["b"]
+    assert (simulated.max_delay_s, simulated.max_wait_s) == (b.max_delay_s, b.max_wait_s)  # one default, live and simulated
 
 
 def test_environment_overrides() -> None:

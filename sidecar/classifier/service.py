@@ -1,6 +1,6 @@
 """The classifier sidecar (the service): routes requests from ``<prefix>.in`` to ``<prefix>.model.<name>``.
 
-It pulls ingress requests in batches (``max_batch_size`` / ``max_delay_ms``, the worker's window),
+It pulls ingress requests in batches (``max_batch_size`` / ``max_delay_s``, the worker's window),
 decides each request's model with a router (a batched torch network, rules, or a callable), and
 republishes each request to its model's queue with its payload and headers (except the
 producer's ``Jetbatch-Tenant`` and any ``Nats-*`` header: see ``_prepare``). The republish carries
@@ -80,7 +80,7 @@ class Classifier:
         self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.reply_policy = config.reply_policy
-        self.window = BatchWindow(self.cfg.max_batch_size, self.cfg.max_delay_ms / 1000.0)
+        self.window = BatchWindow(self.cfg.max_batch_size, self.cfg.max_delay_s)
         self._stopping = anyio.Event()
         self._ready = anyio.Event()
         self._started_at = time.time()

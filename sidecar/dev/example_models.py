@@ -116,7 +116,7 @@ def build_examples(directory: str | Path, *, force: bool = False) -> ExampleSet:
     labels = "\n".join(f'"{i}" = "{name}"' for i, name in enumerate(EXAMPLE_MODELS))
     classifier = (
         '[classifier]\nrouter = "torch"\nhandler = "export"\npath = "router.pt2"\n'
-        f'max_batch_size = 64\nmax_delay_ms = 5\nconfidence_threshold = 0.5\nfallback_model = "{next(iter(EXAMPLE_MODELS))}"\n'
+        f'max_batch_size = 64\nmax_delay_s = 0.005\nconfidence_threshold = 0.5\nfallback_model = "{next(iter(EXAMPLE_MODELS))}"\n'
         f"\n[classifier.labels]\n{labels}\n"
     )
     worker = "[worker]\nmax_resident_models = 1\n\n"
@@ -130,5 +130,5 @@ def _model_toml(name: str, hidden: int, classes: int, fmt: str) -> str:
     lines = [f"[models.{name}]", f'handler = "{fmt}"', f'path = "{_model_file(name, fmt)}"']
     if fmt == "state_dict":
         lines += ['module_class = "jetbatch.sidecar.dev.example_models:ExampleMLP"', f"module_kwargs = {{ hidden = {hidden}, classes = {classes} }}", f"options = {{ input_shape = [{INPUT_DIM}] }}"]
-    lines += ["max_batch_size = 16", "max_delay_ms = 10", "load_cost_s = 0.05", "max_wait_ms = 1000", ""]
+    lines += ["max_batch_size = 16", "max_delay_s = 0.01", "load_cost_s = 0.05", "max_wait_s = 1.0", ""]
     return "\n".join(lines)

@@ -196,8 +196,8 @@ def sleep_config(mix: dict[str, float], directory: Path) -> Path:
         if name == "auto":
             raise BenchError("--mix auto=... needs a deployment with a classifier: pass --config (with a [classifier]) or --nats-url")
         lines.append(
-            f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 32\nmax_delay_ms = 5\nload_cost_s = 0.2\n'
-            f"max_wait_ms = 1000\noptions = {{ load_cost_s = 0.2, batch_cost_s = 0.005, item_cost_s = 0.0002 }}\n"
+            f'[models.{name}]\nhandler = "sleep"\nmax_batch_size = 32\nmax_delay_s = 0.005\nload_cost_s = 0.2\n'
+            f"max_wait_s = 1.0\noptions = {{ load_cost_s = 0.2, batch_cost_s = 0.005, item_cost_s = 0.0002 }}\n"
         )
     path = directory / "bench-models.toml"
     path.write_text("\n".join(lines))

@@ -31,7 +31,7 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     batch_cost_s = 0.005                # true fixed seconds per batch
     item_cost_s = 0.0001                # true seconds per request
     max_batch_size = 16
-    max_delay_s = 0.0                   # batch window
+    max_delay_s = 0.005                 # batch window (the worker's default too)
     max_wait_s = 10.0                   # floor of the wait bound (default: from the traffic)
     memory_bytes = 1
     deadline_s = 5.0                    # each request's deadline after its arrival (optional)
@@ -61,7 +61,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence
 import msgspec
 from msgspec import Meta
 
-from ..config import describe_validation_error
+from ..config import DEFAULT_MAX_DELAY_S, describe_validation_error
 from ..errors import SidecarError
 from ..policy import Budget
 
@@ -84,7 +84,7 @@ class SimModel:
     max_batch_size: int = 16
     max_wait_s: float | None = None  # None: the policy derives the bound from the traffic
     memory_bytes: int = 1
-    max_delay_s: float = 0.0
+    max_delay_s: float = DEFAULT_MAX_DELAY_S  # the worker's default (config.ModelConfig)
     warm_load_cost_s: float | None = None  # None: a tenth of the cold load
     deadline_s: float | None = None
     configured_load_cost_s: float | None = None
@@ -231,7 +231,7 @@ class _ModelSpec(_Spec):
     max_batch_size: _Count = 16
     max_wait_s: _NonNeg | None = None
     memory_bytes: Annotated[int, Meta(ge=0)] = 1
-    max_delay_s: _NonNeg = 0.0
+    max_delay_s: _NonNeg = DEFAULT_MAX_DELAY_S
     warm_load_cost_s: _NonNeg | None = None
     deadline_s: _Positive | None = None
     configured_load_cost_s: _NonNeg | None = None

@@ -90,7 +90,7 @@ class Worker:
                 name=name,
                 config=mcfg,
                 handler=handler,
-                window=BatchWindow(mcfg.max_batch_size, mcfg.max_delay_ms / 1000.0),
+                window=BatchWindow(mcfg.max_batch_size, mcfg.max_delay_s),
                 limiter=anyio.CapacityLimiter(mcfg.max_concurrent_batches),
             )
             self.costs.seed(

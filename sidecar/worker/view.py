@@ -108,7 +108,7 @@ def scheduler_state(
             batch_cost=costs.batch_cost(name),
             memory_bytes=costs.memory_bytes(name),
             max_batch_size=cfg.max_batch_size,
-            max_wait_s=cfg.max_wait_ms / 1000.0 if cfg.max_wait_ms is not None else None,
+            max_wait_s=cfg.max_wait_s,
             last_used_at=slot.last_used_at,
         )
     return SchedulerState(models=models, current=current, budget=budget)
