@@ -42,30 +42,46 @@ from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL, Control, build_w
 COSTS = {"load_cost_s": 0.05, "batch_cost_s": 0.002, "item_cost_s": 0.0002, "max_batch_size": 16, "max_delay_s": 0.005}
 
 
-def workload_raw(models: int, rate: float, duration_s: float, seed: int, slots: int, workers: int = 1) -> dict[str, Any]:
+def workload_raw(
+    models: int, rate: float, duration_s: float, seed: int, slots: int, workers: int = 1, *,
+    costs: dict[str, float] | None = None, zipf: float = 1.1, warm: bool = True, max_wait_s: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The simulator's workload of a run (``zipf`` 0: every model equally popular; ``warm``: a
+    host tier big enough for every model, as the worker's default is for these tiny models)."""
+    c = COSTS if costs is None else costs
     names = [f"m{i}" for i in range(models)]
     # The worker's warm tier is the sleep handler's tenth of a load; the simulator's default is the same.
-    spec = {k: COSTS[k] for k in ("load_cost_s", "batch_cost_s", "item_cost_s", "max_batch_size", "max_delay_s")}
+    spec: dict[str, Any] = {k: c[k] for k in ("load_cost_s", "batch_cost_s", "item_cost_s", "max_batch_size", "max_delay_s")}
+    if max_wait_s is not None:
+        spec["max_wait_s"] = max_wait_s
+    arrivals: dict[str, Any] = {"kind": "poisson", "rate": rate, "duration_s": duration_s, "seed": seed}
+    if zipf > 0:
+        arrivals["zipf"] = zipf
     return {
         "models": {n: dict(spec) for n in names},
         "budget": {"max_models": slots},
         "workers": {"count": workers},
-        "host": {"budget_bytes": 1 << 40, "prefetch": False},
-        "arrivals": {"kind": "poisson", "rate": rate, "duration_s": duration_s, "zipf": 1.1, "seed": seed},
+        "host": {"budget_bytes": 1 << 40 if warm else 0, "prefetch": False},
+        "arrivals": arrivals,
     }
 
 
-def write_config(directory: Path, prefix: str, models: int, slots: int, replicas: int = 1, consumers: str = "on-demand") -> Path:
+def write_config(
+    directory: Path, prefix: str, models: int, slots: int, replicas: int = 1, consumers: str = "on-demand", *,
+    costs: dict[str, float] | None = None, warm: bool = True, max_wait_s: float | None = None,
+) -> Path:  # fmt: skip
+    c = COSTS if costs is None else costs
     lines = [
         f'[nats]\nprefix = "{prefix}"\n',
         f'[streams]\nreplicas = {replicas}\nconsumers = "{consumers}"\n',
-        f"[worker]\nmax_resident_models = {slots}\nprefetch_weights = false\n",
+        f"[worker]\nmax_resident_models = {slots}\nprefetch_weights = false\n" + ("" if warm else "host_memory_budget_bytes = 0\n"),
     ]
-    opts = f"options = {{ load_cost_s = {COSTS['load_cost_s']}, batch_cost_s = {COSTS['batch_cost_s']}, item_cost_s = {COSTS['item_cost_s']} }}"
+    opts = f"options = {{ load_cost_s = {c['load_cost_s']}, batch_cost_s = {c['batch_cost_s']}, item_cost_s = {c['item_cost_s']} }}"
+    wait = f"max_wait_s = {max_wait_s}\n" if max_wait_s is not None else ""
     for i in range(models):
         lines.append(
-            f'[models.m{i}]\nhandler = "sleep"\nmax_batch_size = {COSTS["max_batch_size"]}\nmax_delay_ms = {COSTS["max_delay_s"] * 1000:g}\n'
-            f"load_cost_s = {COSTS['load_cost_s']}\nbatch_cost_s = {COSTS['batch_cost_s']}\nitem_cost_s = {COSTS['item_cost_s']}\n{opts}\n"
+            f'[models.m{i}]\nhandler = "sleep"\nmax_batch_size = {int(c["max_batch_size"])}\nmax_delay_s = {c["max_delay_s"]}\n{wait}'
+            f"load_cost_s = {c['load_cost_s']}\nbatch_cost_s = {c['batch_cost_s']}\nitem_cost_s = {c['item_cost_s']}\n{opts}\n"
         )
     path = directory / "scale.toml"
     path.write_text("\n".join(lines))
@@ -121,7 +137,9 @@ async def replay(url: str, prefix: str, arrivals: tuple[tuple[float, str], ...],
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    raw = workload_raw(args.models, args.rate, args.duration, args.seed, args.slots, args.workers)
+    costs = {**COSTS, **{k: getattr(args, k) for k in COSTS if getattr(args, k, None) is not None}}
+    shape = {"costs": costs, "warm": not args.no_warm, "max_wait_s": args.max_wait_s}
+    raw = workload_raw(args.models, args.rate, args.duration, args.seed, args.slots, args.workers, zipf=args.zipf, **shape)
     if args.consumers == "eager" or args.consumer_create_s is not None:
         # What the simulated workers pay for a model's first load: nothing when the consumers
         # were all made at startup, else the cost given.
@@ -129,13 +147,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = build_workload(raw)
     record: dict[str, Any] = {
         "bench": "scale", "models": args.models, "rate": args.rate, "duration_s": args.duration,
-        "requests": len(workload.arrivals), "slots": args.slots, "seed": args.seed,
+        "requests": len(workload.arrivals), "slots": args.slots, "seed": args.seed, "zipf": args.zipf, "costs": costs,
         "workers": args.workers, "cluster": args.cluster, "consumers": args.consumers,
     }  # fmt: skip
     if args.trace_out:
         Path(args.trace_out).write_text(json.dumps({
             "models": list(workload.models), "arrivals": [[t, m] for t, m in workload.arrivals],
-            **{k: v for k, v in COSTS.items()}, "max_resident_models": args.slots, "timeout_s": args.timeout,
+            **costs, "max_resident_models": args.slots, "timeout_s": args.timeout,
         }))  # fmt: skip
     sim = simulate(workload, "cost-aware")
     record["simulated"] = {"p50_s": percentile(sim.latencies_s, 0.5), "p99_s": percentile(sim.latencies_s, 0.99), "loads": sim.loads}
@@ -147,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         prefix = f"scale{os.getpid()}"
         cluster = stack.enter_context(NatsCluster(3, base_dir=Path(tmp) / "cluster")) if args.cluster else None
-        config = write_config(Path(tmp), prefix, args.models, args.slots, replicas=3 if cluster else 1, consumers=args.consumers)
+        config = write_config(Path(tmp), prefix, args.models, args.slots, replicas=3 if cluster else 1, consumers=args.consumers, **shape)
         started = time.monotonic()
         dep = stack.enter_context(Deployment(
             config, classifier=False, store_dir=Path(tmp) / "store", http_port=-1, workers=args.workers,
@@ -209,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--consumers", choices=["on-demand", "eager"], default="on-demand")
     parser.add_argument("--consumer-create-s", type=float, default=None, help="the simulator's cost of making a consumer (default: the workload's)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--zipf", type=float, default=1.1, help="popularity skew (0: every model alike)")
+    for key in ("load_cost_s", "batch_cost_s", "item_cost_s", "max_batch_size", "max_delay_s"):
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=float, default=None, help=f"default {COSTS[key]}")
+    parser.add_argument("--max-wait-s", type=float, default=None, help="the models' max_wait_s (default: from the traffic)")
+    parser.add_argument("--no-warm", action="store_true", help="no host tier: every load is cold")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--ideal", action="store_true", help="also simulate with a free control plane")

@@ -180,3 +180,24 @@ def test_a_spread_of_the_control_costs_keeps_their_mean_and_widens_the_tail() ->
     assert percentile(spread.latencies_s, 0.5) == pytest.approx(percentile(fixed.latencies_s, 0.5), rel=0.1)
     assert percentile(spread.latencies_s, 0.99) > 1.5 * percentile(fixed.latencies_s, 0.99)
     assert build_workload({**raw, "control": {"cv": {"claim_s": 1.0}}}).control.cv == {"claim_s": 1.0}
+
+
+def test_refused_requests_count_as_demand_in_the_simulator_as_they_do_live() -> None:
+    """The live worker tells the policy every batch it took, refused requests included
+    (execution.py: on_batch_done(len(requests))); the simulated worker does the same."""
+    from jetbatch.sidecar.policy import make_policy
+
+    policy = make_policy("cost-aware")
+    told: list[int] = []
+    original = policy.on_batch_done
+
+    def spy(model: str, size: int, now: float, device_s: float = 0.0) -> None:
+        told.append(size)
+        original(model, size, now, device_s)
+
+    policy.on_batch_done = spy  # type: ignore[method-assign]
+    raw = {"models": {"a": {"load_cost_s": 0.0, "batch_cost_s": 0.5, "item_cost_s": 0.0, "deadline_s": 0.3}},
+           "arrivals": {"kind": "poisson", "rate": 1.0, "duration_s": 20, "seed": 2}}  # fmt: skip
+    result = simulate(build_workload(raw), policy)
+    assert result.deadline_exceeded > 0
+    assert sum(told) == result.completed + result.deadline_exceeded  # every request taken was told

@@ -8,7 +8,7 @@ passed in), so the live worker and the simulator drive the same code.
 - :mod:`.visible`: which models a decision looks at (all of a few dozen; the active ones of thousands).
 """
 
-from .costs import BatchCost, CostEstimator, Tier
+from .costs import BatchCost, CostEstimator, Tier, warm_copy_value
 from .scheduling import (
     POLICIES,
     Budget,
@@ -22,7 +22,7 @@ from .scheduling import (
     fits,
     make_policy,
 )
-from .share import MIN_DEFER_STEP_S, MIN_JOIN_S, deferred_until, effective_backlog, first_taker_rank, join_horizon_s, shared_head
+from .share import MIN_DEFER_STEP_S, MIN_JOIN_S, deferred_until, drain_rps, effective_backlog, first_taker_rank, join_horizon_s, shared_head
 from .visible import RECENT_S, visible_models
 from .window import PROBE_AFTER_REFUSALS, BatchWindow, cannot_finish
 
@@ -46,6 +46,7 @@ __all__ = [
     "Tier",
     "cannot_finish",
     "deferred_until",
+    "drain_rps",
     "effective_backlog",
     "first_taker_rank",
     "join_horizon_s",
@@ -53,4 +54,5 @@ __all__ = [
     "fits",
     "make_policy",
     "visible_models",
+    "warm_copy_value",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["BatchCost", "CostEstimator", "Tier"]
+__all__ = ["BatchCost", "CostEstimator", "Tier", "warm_copy_value"]
 
 Tier = Literal["cold", "warm", "resident"]
 
@@ -110,3 +110,10 @@ class CostEstimator:
     def host_memory_bytes(self, model: str) -> int:
         """Host bytes of the model's warm copy (measured; the device size until then)."""
         return self._host_memory.get(model, self._memory.get(model, 0))
+
+
+def warm_copy_value(cold_load_cost_s: float, backlog: int, recent_demand: float) -> float:
+    """What keeping a model's weights in host memory is worth: the cold reload it saves times
+    its likely demand (its waiting requests and its recent, decayed ones). The warm copies worth
+    least go first when the host budget is full (live and simulated alike)."""
+    return cold_load_cost_s * (backlog + recent_demand)

@@ -31,11 +31,19 @@ from __future__ import annotations
 import hashlib
 from typing import Callable, Iterable
 
-__all__ = ["MIN_DEFER_STEP_S", "MIN_JOIN_S", "deferred_until", "effective_backlog", "first_taker_rank", "join_horizon_s", "shared_head"]
+from .costs import BatchCost
+
+__all__ = ["MIN_DEFER_STEP_S", "MIN_JOIN_S", "deferred_until", "drain_rps", "effective_backlog", "first_taker_rank", "join_horizon_s", "shared_head"]
 
 MIN_JOIN_S = 0.25
 # The least a worker ranked after another waits for it to take a queue nobody holds.
 MIN_DEFER_STEP_S = 0.05
+
+
+def drain_rps(batch_cost: BatchCost, max_batch_size: int) -> float:
+    """How many requests/s a worker holding a model drains: full batches back to back (what it
+    advertises, and what its peers discount)."""
+    return max_batch_size / max(batch_cost.seconds(max_batch_size), 1e-6)
 
 
 def join_horizon_s(load_cost_s: float) -> float:

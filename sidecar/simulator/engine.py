@@ -41,12 +41,14 @@ from ..policy import (
     Serve,
     cannot_finish,
     deferred_until,
+    drain_rps,
     effective_backlog,
     first_taker_rank,
     join_horizon_s,
     make_policy,
     shared_head,
     visible_models,
+    warm_copy_value,
 )
 from .report import SimResult
 from .workloads import SimModel, Workload, WorkloadError
@@ -297,6 +299,9 @@ class _Sim:
                 self.result.deadline_exceeded += 1
                 self._served(r, None, None)
         if not live:
+            # As live: a batch refused whole still counts as demand and as use of the model.
+            worker.last_used[decision.model] = self.t
+            worker.policy.on_batch_done(decision.model, len(batch), self.t, 0.0)
             self.wake(worker, self.t)
             return
         self.maybe_prefetch(worker, decision.model)
@@ -312,7 +317,7 @@ class _Sim:
         worker.fresh.discard(m.name)
         worker.current = m.name
         worker.busy_until = end
-        self.wake(worker, end, f"done:batch:{m.name}:{len(live)}:{duration}")
+        self.wake(worker, end, f"done:batch:{m.name}:{len(live)}/{len(batch)}:{duration}")
 
     def _served(self, r: _Request, start: float | None, end: float | None) -> None:
         self.served_ids.add(r.id)
@@ -376,10 +381,10 @@ class _Sim:
         _, what, model, arg, duration_text = kind.split(":", 4)
         duration = float(duration_text)
         if what == "batch":
-            n = int(arg)
+            computed, _, size = arg.partition("/")
             worker.last_used[model] = self.t
-            worker.costs.observe_batch(model, n, duration)
-            worker.policy.on_batch_done(model, n, self.t, duration)
+            worker.costs.observe_batch(model, int(computed), duration)  # what ran is what was measured
+            worker.policy.on_batch_done(model, int(size), self.t, duration)  # the refused count as demand, as live
         else:
             worker.loading = None
             worker.resident.append(model)
@@ -406,7 +411,8 @@ class _Sim:
 
         def value(name: str) -> float:
             recent = demand(name, self.t) if callable(demand) else 0.0
-            return self.w.models[name].load_cost_s * (len(self.queues[name]) + recent)
+            # The estimate, as live (the simulated worker does not know the true cost).
+            return warm_copy_value(worker.costs.load_cost_s(name, "cold"), len(self.queues[name]), recent)
 
         while sum(self.w.models[n].memory_bytes for n in worker.warm) + size > budget and worker.warm:
             del worker.warm[min(worker.warm, key=lambda n: (value(n), n))]
@@ -432,8 +438,7 @@ class _Sim:
 
 
 def _drain_rps(worker: _Worker, name: str, m: SimModel) -> float:
-    n = m.max_batch_size
-    return n / max(worker.costs.batch_cost(name).seconds(n), 1e-6)
+    return drain_rps(worker.costs.batch_cost(name), m.max_batch_size)
 
 
 def simulate(workload: Workload, policy: Policy | str, *, max_events: int = 5_000_000, **options: Any) -> SimResult:

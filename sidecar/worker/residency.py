@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 
 from ..handlers import HandlerError
-from ..policy import CostEstimator, Policy, Tier
+from ..policy import CostEstimator, Policy, Tier, warm_copy_value
 from ..telemetry import LoadRecord, WorkerTelemetry
 from .slots import Slot
 
@@ -271,7 +271,7 @@ class Residency:
         """What keeping ``slot`` warm is worth: its cold reload cost × its likely demand."""
         demand = getattr(self.policy, "demand", None)
         recent = demand(slot.name, now) if callable(demand) else 0.0
-        return self.costs.load_cost_s(slot.name, "cold") * (slot.backlog + recent)
+        return warm_copy_value(self.costs.load_cost_s(slot.name, "cold"), slot.backlog, recent)
 
     def _fits_host(self, slot: Slot, nbytes: int) -> bool:
         """Whether ``nbytes`` of ``slot`` fit the host budget once warm copies worth less go."""

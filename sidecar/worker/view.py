@@ -10,7 +10,7 @@ from typing import Collection, Mapping
 from jetbatch import __version__
 from jetbatch.sdk.protocol import SidecarReport
 
-from ..policy import Budget, CostEstimator, ModelState, SchedulerState, effective_backlog, join_horizon_s, shared_head
+from ..policy import Budget, CostEstimator, ModelState, SchedulerState, drain_rps, effective_backlog, join_horizon_s, shared_head
 from .queues import QueueView
 from .residency import Residency
 from .slots import Slot
@@ -39,8 +39,7 @@ def build_report(
     for name in active:
         s = slots[name]
         if s.resident or s.name == residency.loading:
-            n = s.config.max_batch_size
-            drain[s.name] = n / max(costs.batch_cost(s.name).seconds(n), 1e-6)
+            drain[s.name] = drain_rps(costs.batch_cost(s.name), s.config.max_batch_size)
     return SidecarReport(
         role="worker",
         id=worker_id,
