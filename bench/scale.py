@@ -156,7 +156,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **costs, "max_resident_models": args.slots, "timeout_s": args.timeout,
         }))  # fmt: skip
     sim = simulate(workload, "cost-aware")
-    record["simulated"] = {"p50_s": percentile(sim.latencies_s, 0.5), "p99_s": percentile(sim.latencies_s, 0.99), "loads": sim.loads}
+    record["simulated"] = {
+        "mean_s": sum(sim.latencies_s) / max(len(sim.latencies_s), 1),
+        "p50_s": percentile(sim.latencies_s, 0.5), "p99_s": percentile(sim.latencies_s, 0.99), "loads": sim.loads,
+    }  # fmt: skip
     if args.ideal:
         from dataclasses import replace
 
@@ -188,6 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = time.monotonic() - t0
         record["busy_cores"] = {k: (v - c0[k]) / elapsed for k, v in cores().items()}
         record["live"] = {
+            "mean_s": sum(latencies) / max(len(latencies), 1),
             "p50_s": percentile(latencies, 0.5), "p90_s": percentile(latencies, 0.9), "p99_s": percentile(latencies, 0.99),
             "answered": len(latencies), "timed_out": timed_out, "failed": failed,
         }  # fmt: skip
@@ -206,13 +210,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record["control_measured"] = asdict(Control.measured(stats, workload.control))
     measured = simulate(replace(workload, control=Control.measured(stats, workload.control)), "cost-aware")
     record["simulated_measured"] = {
+        "mean_s": sum(measured.latencies_s) / max(len(measured.latencies_s), 1),
         "p50_s": percentile(measured.latencies_s, 0.5), "p90_s": percentile(measured.latencies_s, 0.9),
         "p99_s": percentile(measured.latencies_s, 0.99), "loads": measured.loads,
     }  # fmt: skip
     live = record["live"]
     for key in ("simulated", "simulated_measured"):
         simd = record[key]
-        record[f"live_over_{key}"] = {"p50": live["p50_s"] / simd["p50_s"], "p99": live["p99_s"] / simd["p99_s"], "loads": live["loads"] / max(simd["loads"], 1)}
+        record[f"live_over_{key}"] = {
+            "mean": live["mean_s"] / simd["mean_s"], "p50": live["p50_s"] / simd["p50_s"], "p99": live["p99_s"] / simd["p99_s"],
+            "loads": live["loads"] / max(simd["loads"], 1),
+        }  # fmt: skip
     return record
 
 

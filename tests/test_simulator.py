@@ -201,3 +201,27 @@ def test_refused_requests_count_as_demand_in_the_simulator_as_they_do_live() -> 
     result = simulate(build_workload(raw), policy)
     assert result.deadline_exceeded > 0
     assert sum(told) == result.completed + result.deadline_exceeded  # every request taken was told
+
+
+def test_a_policy_that_serves_a_model_not_on_the_device_gets_the_load_it_implies_as_live() -> None:
+    from jetbatch.sidecar.policy import Idle, SchedulerState, Serve, make_policy
+
+    base = make_policy("exhaustive")
+
+    class ServesAnything:
+        """A custom policy that never loads: it serves whatever waits (the worker loads it)."""
+
+        name = "serves-anything"
+
+        def decide(self, state: SchedulerState, now: float) -> object:
+            waiting = [m for m in state.models.values() if m.backlog]
+            return Serve(waiting[0].name, max_items=16) if waiting else Idle(now + 1.0)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(base, name)  # the event hooks of a real policy
+
+    raw = {"models": {"a": {"load_cost_s": 0.1, "batch_cost_s": 0.01, "item_cost_s": 0.0}, "b": {"load_cost_s": 0.1, "batch_cost_s": 0.01, "item_cost_s": 0.0}},
+           "arrivals": {"kind": "burst", "per_model": 4}}  # fmt: skip
+    result = simulate(build_workload(raw), ServesAnything())  # type: ignore[arg-type]
+    assert result.completed == 8 and result.loads == 2
+    assert result.max_resident_seen == 2  # loaded without eviction past a one-model budget, as live

@@ -50,12 +50,13 @@ async def test_lone_request_waits_about_max_delay(nats_url: str, prefix: str) ->
     async with running_worker(config, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             await client.infer(b"warm", model="m1", timeout=10)
-            started = time.monotonic()
             result = await client.infer_result(b"alone", model="m1", timeout=10)
-            elapsed = time.monotonic() - started
     assert result.batch.batch_size == 1
-    # The batch window held it for about max_delay (200 ms); generous bounds on a shared machine.
-    assert 0.15 <= elapsed < 2.0
+    # The batch window held it for max_delay (200 ms) from its enqueue time, less at most the
+    # early aim of the last fetch (half the window, and never more than 50 ms: batching.py);
+    # the wait is the worker's own measure, in the reply. How close to 200 ms it closes is
+    # test_batching's, on a fake clock.
+    assert result.batch.queue_wait_ms >= 150
 
 
 async def test_garbled_payload_is_bad_request_and_worker_keeps_serving(nats_url: str, prefix: str) -> None:
@@ -116,11 +117,10 @@ async def test_request_that_cannot_finish_in_time_is_refused_before_compute(nats
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             assert await client.infer(b"in time", model="m1", timeout=5) == b"in time"
             due = str(int((time.time() + 0.6) * 1000))
-            started = time.monotonic()
-            # Refused on the prediction (the message says so), not because the deadline passed.
-            with pytest.raises(sdk.DeadlineExceeded, match="a batch takes about"):
+            # Refused on the prediction (the message says so: time left, against a batch's
+            # estimated time), so before compute and before the deadline passed.
+            with pytest.raises(sdk.DeadlineExceeded, match=r"s left, a batch takes about"):
                 await client.infer(b"too tight", model="m1", timeout=10, headers={Headers.DEADLINE: due})
-            assert time.monotonic() - started < 1.0  # sooner than its batch could have run
 
 
 async def test_handler_failure_isolates_poison_request(nats_url: str, prefix: str) -> None:

@@ -247,7 +247,12 @@ class _Sim:
         decision = worker.policy.decide(state, self.t)
         # The decision's own CPU time delays what it starts, as it does live.
         cost_s = self.w.control.decision_cost_s(len(state.models))
-        if isinstance(decision, Serve):
+        if isinstance(decision, Serve) and decision.model not in worker.resident:
+            # As live: a custom policy that serves a model not on the device gets the load it
+            # implies (no eviction: the worker does not guess what to give up).
+            worker.load_share = len(self.queues[decision.model])
+            self.load(worker, Load(decision.model, (), "serve-non-resident"), cost_s)
+        elif isinstance(decision, Serve):
             self.serve(worker, decision, cost_s)
         elif isinstance(decision, Load):
             worker.load_share = state.models[decision.model].backlog  # the cluster share, as live
@@ -265,8 +270,6 @@ class _Sim:
 
     def serve(self, worker: _Worker, decision: Serve, cost_s: float = 0.0) -> None:
         m = self.w.models[decision.model]
-        if decision.model not in worker.resident:
-            raise RuntimeError(f"{worker.policy.name} served non-resident model {decision.model}")
         q = self.queues[decision.model]
         if not q:
             self.wake(worker, max(self.next_arrival_at(), self.t + 1e-6) if self.next_arrival_at() < math.inf else self.t + 1e-3)

@@ -50,7 +50,11 @@ class BatchRunner:
         stats: dict[str, int],
         device_lock: anyio.Lock,
         on_batch: Callable[[BatchReport], None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock``: wall-clock seconds, the scale of deadlines and enqueue times (tests pass a
+        fake one); a batch's compute time is measured with the performance counter."""
+        self._clock = clock
         # The id travels inside the ``Jetbatch-Batch`` header, whose fields ``;`` and ``=`` separate.
         self.worker_id = worker_id.replace(";", "_").replace("=", "_")
         self.replier = replier
@@ -109,7 +113,7 @@ class BatchRunner:
         is no longer needed (after the last forward pass, before the answers' I/O), so that an
         eviction waits for the device work only."""
         batch_id = uuid.uuid4().hex[:16]
-        now = time.time()
+        now = self._clock()
         requests = [self.parse(m, now) for m in msgs]
         waits_ms = {id(r): max(0.0, (now - r.enqueued_at) * 1000.0) for r in requests}
         trace = [""]  # the batch span's trace id, once the span exists
@@ -187,8 +191,8 @@ class BatchRunner:
                     worst = (failed or errors)[0].answer
                     code = worst.error.value if worst is not None and worst.error is not None else "internal"
                     self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed", code)
-        slot.last_used_at = time.time()
-        self.policy.on_batch_done(slot.name, len(requests), time.time(), compute_s)
+        slot.last_used_at = self._clock()
+        self.policy.on_batch_done(slot.name, len(requests), self._clock(), compute_s)
         self.stats["batches"] += 1
         self.stats["requests"] += len(requests)
         if self.on_batch is not None:

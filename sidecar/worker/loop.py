@@ -404,7 +404,7 @@ class Worker:
                 slot = self.slots[decision.model]
                 if not slot.resident:
                     # The built-in policies serve only resident models; a custom one that does not
-                    # gets the load it implies here (the simulator refuses such a policy outright).
+                    # gets the load it implies, with no eviction (the simulator does the same).
                     log.warning("policy %s chose non-resident model %s; loading it", self.policy.name, slot.name)
                     await self._load(slot, (), reason="serve-non-resident")
                     continue
