@@ -110,3 +110,19 @@ def test_the_sdk_imports_nothing_of_the_sidecars() -> None:
     for name, deps in graph.items():
         if name.startswith("jetbatch.sdk"):
             assert not {d for d in deps if d.startswith("jetbatch.sidecar")}, name
+
+
+def test_only_the_driver_decides_and_feeds_the_estimator() -> None:
+    """The live worker and the simulator hand events to ``policy.Driver``; no module outside the
+    policy core calls a policy's decide or event hooks, or feeds the cost estimator itself."""
+    calls = ("decide", "on_batch_done", "on_loaded", "on_evicted", "observe_batch", "observe_load", "observe_memory", "observe_host_memory")
+    offenders = []
+    for name, (path, _) in _modules().items():
+        if not name.startswith("jetbatch.sidecar") or name.startswith("jetbatch.sidecar.policy"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls:
+                receiver = ast.unparse(node.func.value)
+                if not receiver.endswith("driver"):
+                    offenders.append(f"{name}: {receiver}.{node.func.attr}()")
+    assert offenders == []

@@ -1,6 +1,7 @@
 """The pure policy core: every decision the worker makes, with no I/O and no clock (time is
 passed in), so the live worker and the simulator drive the same code.
 
+- :mod:`.driver`: one worker's decisions and what each event counts (owns its policy and estimator).
 - :mod:`.scheduling`: which model to serve, load or evict next.
 - :mod:`.window`: when a gathered batch closes.
 - :mod:`.costs`: what loads (per memory tier), batches and memory cost, learned from measurements.
@@ -9,6 +10,7 @@ passed in), so the live worker and the simulator drive the same code.
 """
 
 from .costs import BatchCost, CostEstimator, Tier, warm_copy_value
+from .driver import Driver
 from .scheduling import (
     POLICIES,
     Budget,
@@ -37,6 +39,7 @@ __all__ = [
     "Budget",
     "CostEstimator",
     "Decision",
+    "Driver",
     "Idle",
     "Load",
     "ModelState",

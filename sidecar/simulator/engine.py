@@ -39,6 +39,7 @@ from ..policy import (
     SchedulerState,
     PROBE_AFTER_REFUSALS,
     Serve,
+    Driver,
     cannot_finish,
     deferred_until,
     drain_rps,
@@ -67,8 +68,7 @@ class _Request:
 @dataclass(eq=False)
 class _Worker:
     index: int
-    policy: Policy
-    costs: CostEstimator
+    driver: Driver  # its policy and estimator, fed the events the live worker feeds them
     resident: list[str] = field(default_factory=list)  # in load order
     warm: dict[str, float] = field(default_factory=dict)  # model -> when it became warm
     current: str | None = None
@@ -84,6 +84,14 @@ class _Worker:
     @property
     def id(self) -> str:
         return f"w{self.index}"
+
+    @property
+    def policy(self) -> Policy:
+        return self.driver.policy
+
+    @property
+    def costs(self) -> CostEstimator:
+        return self.driver.costs  # read: estimates, as the live worker reads them
 
 
 class _Sim:
@@ -119,7 +127,7 @@ class _Sim:
                 ),
                 memory_bytes=m.memory_bytes,
             )
-        worker = _Worker(index, policy, costs)
+        worker = _Worker(index, Driver(policy, costs))
         if index == 0:
             worker.resident = list(self.w.resident_at_start)
         return worker
@@ -239,12 +247,12 @@ class _Sim:
         return visible_models(
             self.w.models, self.t,
             waiting=self.nonempty, on_device=worker.resident,
-            current=worker.current, last_used=worker.last_used, demand=getattr(worker.policy, "demand", None),
+            current=worker.current, last_used=worker.last_used, demand=worker.driver.demand if worker.driver.has_demand else None,
         )  # fmt: skip
 
     def step(self, worker: _Worker) -> None:
         state = self.state(worker)
-        decision = worker.policy.decide(state, self.t)
+        decision = worker.driver.decide(state, self.t)
         # The decision's own CPU time delays what it starts, as it does live.
         cost_s = self.w.control.decision_cost_s(len(state.models))
         if isinstance(decision, Serve) and decision.model not in worker.resident:
@@ -304,7 +312,7 @@ class _Sim:
         if not live:
             # As live: a batch refused whole still counts as demand and as use of the model.
             worker.last_used[decision.model] = self.t
-            worker.policy.on_batch_done(decision.model, len(batch), self.t, 0.0)
+            worker.driver.batch_done(decision.model, taken=len(batch), computed=0, seconds=0.0, now=self.t)
             self.wake(worker, self.t)
             return
         self.maybe_prefetch(worker, decision.model)
@@ -343,7 +351,7 @@ class _Sim:
                 worker.resident.remove(victim)
                 worker.fresh.discard(victim)
                 self.keep_warm(worker, victim)
-                worker.policy.on_evicted(victim, self.t)
+                worker.driver.evicted(victim, self.t)
         m = self.w.models[decision.model]
         if decision.model in worker.resident:
             self.wake(worker, self.t)
@@ -386,17 +394,16 @@ class _Sim:
         if what == "batch":
             computed, _, size = arg.partition("/")
             worker.last_used[model] = self.t
-            worker.costs.observe_batch(model, int(computed), duration)  # what ran is what was measured
-            worker.policy.on_batch_done(model, int(size), self.t, duration)  # the refused count as demand, as live
+            worker.driver.batch_done(model, taken=int(size), computed=int(computed), seconds=duration, now=self.t)
         else:
             worker.loading = None
             worker.resident.append(model)
             worker.fresh.add(model)
             worker.current = model
-            worker.costs.observe_load(model, duration, arg)  # type: ignore[arg-type]
             self.result.max_resident_seen = max(self.result.max_resident_seen, len(worker.resident))
             self.result.max_bytes_seen = max(self.result.max_bytes_seen, sum(self.w.models[r].memory_bytes for r in worker.resident))
-            worker.policy.on_loaded(model, self.t, min(worker.load_share, len(self.queues[model])))
+            share = min(worker.load_share, len(self.queues[model]))
+            worker.driver.loaded(model, tier=arg, seconds=duration, now=self.t, share=share)  # type: ignore[arg-type]
         if worker.prefetching and worker.prefetching[1] <= self.t:
             self.keep_warm(worker, worker.prefetching[0])
             worker.prefetching = None
@@ -410,10 +417,8 @@ class _Sim:
         size = self.w.models[model].memory_bytes
         if budget <= 0 or size > budget:
             return
-        demand = getattr(worker.policy, "demand", None)
-
         def value(name: str) -> float:
-            recent = demand(name, self.t) if callable(demand) else 0.0
+            recent = worker.driver.demand(name, self.t)
             # The estimate, as live (the simulated worker does not know the true cost).
             return warm_copy_value(worker.costs.load_cost_s(name, "cold"), len(self.queues[name]), recent)
 

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from jetbatch.sdk.protocol import ErrorCode, Headers, ReplyPolicy, batch_header, new_request_id, parse_request_headers, validate_token
 
 from ..handlers import BadInput
-from ..policy import PROBE_AFTER_REFUSALS, CostEstimator, Policy, cannot_finish
+from ..policy import PROBE_AFTER_REFUSALS, Driver, cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
 from .counters import add_sample
@@ -43,8 +43,7 @@ class BatchRunner:
         replier: Replier,
         quarantine: Quarantine,
         telemetry: WorkerTelemetry,
-        costs: CostEstimator,
-        policy: Policy,
+        driver: Driver,
         reply_policy: ReplyPolicy,
         max_deliver: int,
         stats: dict[str, int],
@@ -60,8 +59,8 @@ class BatchRunner:
         self.replier = replier
         self.quarantine = quarantine
         self.telemetry = telemetry
-        self.costs = costs
-        self.policy = policy
+        self.driver = driver
+        self.costs = driver.costs  # read: the deadline estimates
         self.reply_policy = reply_policy
         self.max_deliver = max_deliver
         self.stats = stats
@@ -171,7 +170,6 @@ class BatchRunner:
                         await self._predict_isolating(slot, good, extra)
             compute_s = time.perf_counter() - started
             if fresh:
-                self.costs.observe_batch(slot.name, len(fresh), compute_s)
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
             if not suspects:
                 release_model()
@@ -192,7 +190,8 @@ class BatchRunner:
                     code = worst.error.value if worst is not None and worst.error is not None else "internal"
                     self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed", code)
         slot.last_used_at = self._clock()
-        self.policy.on_batch_done(slot.name, len(requests), self._clock(), compute_s)
+        # What ran teaches the estimator; every request taken counts as demand (policy/driver.py).
+        self.driver.batch_done(slot.name, taken=len(requests), computed=len(fresh), seconds=compute_s, now=self._clock())
         self.stats["batches"] += 1
         self.stats["requests"] += len(requests)
         if self.on_batch is not None:

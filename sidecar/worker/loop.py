@@ -30,7 +30,7 @@ from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..errors import TRANSPORT_ERRORS
 from ..policy import (
-    RECENT_S, BatchCost, BatchWindow, Budget, CostEstimator, Idle, Load, SchedulerState, Serve,
+    RECENT_S, BatchCost, BatchWindow, Budget, Driver, Idle, Load, SchedulerState, Serve,
     deferred_until, first_taker_rank, make_policy, visible_models,
 )  # fmt: skip
 from ..replies import Answer, Replier, settle
@@ -81,7 +81,10 @@ class Worker:
             self.policy = make_policy(config.worker.policy, **config.worker.policy_options)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"worker.policy: {exc}") from None
-        self.costs = CostEstimator()
+        # The driver owns the policy and the estimator: every event that feeds them and every
+        # decision goes through it, as in the simulator (policy/driver.py).
+        self.driver = Driver(self.policy)
+        self.costs = self.driver.costs
         self.slots: dict[str, Slot] = {}
         for name, mcfg in config.models.items():
             handler = create_handler(name, mcfg)
@@ -136,8 +139,7 @@ class Worker:
             replier=self.replier,
             quarantine=self.quarantine,
             telemetry=self.telemetry,
-            costs=self.costs,
-            policy=self.policy,
+            driver=self.driver,
             reply_policy=config.reply_policy,
             max_deliver=config.streams.max_deliver,
             stats=self.stats,
@@ -148,8 +150,7 @@ class Worker:
         self.residency = Residency(
             slots=self.slots,
             device=self.device,
-            costs=self.costs,
-            policy=self.policy,
+            driver=self.driver,
             telemetry=self.telemetry,
             device_lock=self._device_lock,
             host_budget_bytes=default_host_budget_bytes() if host_budget is None else host_budget,
@@ -336,7 +337,7 @@ class Worker:
             on_device=self.residency.resident_names(),
             current=self._current,
             last_used=self._last_used,
-            demand=getattr(self.policy, "demand", None),
+            demand=self.driver.demand if self.driver.has_demand else None,
         )  # fmt: skip
         deferred = self._deferred(now)
         self._defer_wake = min(deferred.values(), default=math.inf)
@@ -395,7 +396,7 @@ class Worker:
                 now = time.time()
             started = time.perf_counter()
             state = self._state(now)
-            decision = self.policy.decide(state, now)
+            decision = self.driver.decide(state, now)
             # What deciding costs (the simulator charges it too: Workload.control, bench/scale.py).
             self.stats["decisions"] += 1
             self.stats["decision_us"] += int((time.perf_counter() - started) * 1e6)

@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 
 from ..handlers import HandlerError
-from ..policy import CostEstimator, Policy, Tier, warm_copy_value
+from ..policy import Driver, Tier, warm_copy_value
 from ..telemetry import LoadRecord, WorkerTelemetry
 from .slots import Slot
 
@@ -51,8 +51,7 @@ class Residency:
         *,
         slots: dict[str, Slot],
         device: Any,
-        costs: CostEstimator,
-        policy: Policy,
+        driver: Driver,
         telemetry: WorkerTelemetry,
         device_lock: anyio.Lock,
         host_budget_bytes: int,
@@ -62,8 +61,8 @@ class Residency:
     ) -> None:
         self.slots = slots
         self.device = device
-        self.costs = costs
-        self.policy = policy
+        self.driver = driver
+        self.costs = driver.costs  # read: estimates of load costs and memory
         self.telemetry = telemetry
         self.device_lock = device_lock
         self.host_budget_bytes = host_budget_bytes
@@ -182,10 +181,10 @@ class Residency:
         slot.pending_load = LoadRecord(slot.name, started_ns, time.time_ns(), memory, tuple(evict), unloads)
         self._set_tier(slot, "resident")
         slot.fresh_load = True
-        self.costs.observe_load(slot.name, seconds, tier)
-        self.costs.observe_memory(slot.name, memory)
-        self.costs.observe_host_memory(slot.name, slot.handler.host_bytes())
-        self.policy.on_loaded(slot.name, time.time(), slot.backlog if share is None else min(share, slot.backlog))
+        self.driver.loaded(
+            slot.name, tier=tier, seconds=seconds, now=time.time(), share=slot.backlog if share is None else min(share, slot.backlog),
+            memory_bytes=memory, host_bytes=slot.handler.host_bytes(),
+        )  # fmt: skip
         self.stats["loads"] += 1
         attrs = {"jetbatch.model": slot.name, "jetbatch.model.tier": tier}
         self.telemetry.loads.add(1, attrs)
@@ -213,7 +212,7 @@ class Residency:
         self._set_tier(victim, "warm" if keep_warm and victim.handler.warm else "cold")
         victim.pending_load = None
         victim.fresh_load = False
-        self.policy.on_evicted(victim.name, time.time())
+        self.driver.evicted(victim.name, time.time())
         self.stats["evictions"] += 1
         self.telemetry.evictions.add(1, {"jetbatch.model": victim.name, "jetbatch.model.tier": victim.tier})
         self.telemetry.unload_duration.record(time.perf_counter() - started, {"jetbatch.model": victim.name})
@@ -254,7 +253,7 @@ class Residency:
                 self._host_used = None
                 if nxt.tier == "cold" and nxt.handler.warm:
                     self._set_tier(nxt, "warm")
-                    self.costs.observe_host_memory(nxt.name, nxt.handler.host_bytes())
+                    self.driver.warmed(nxt.name, nxt.handler.host_bytes())
             except Exception as exc:  # noqa: BLE001 - the real load reports the error
                 log.debug("prefetch of %s failed: %r", nxt.name, exc)
             finally:
@@ -269,8 +268,7 @@ class Residency:
 
     def _value(self, slot: Slot, now: float) -> float:
         """What keeping ``slot`` warm is worth: its cold reload cost × its likely demand."""
-        demand = getattr(self.policy, "demand", None)
-        recent = demand(slot.name, now) if callable(demand) else 0.0
+        recent = self.driver.demand(slot.name, now)
         return warm_copy_value(self.costs.load_cost_s(slot.name, "cold"), slot.backlog, recent)
 
     def _fits_host(self, slot: Slot, nbytes: int) -> bool:
