@@ -41,7 +41,7 @@ STAGES = [
     (residency.Residency, "_load_locked"),
     (residency.Residency, "_evict"),
     (loop.Worker, "_serve"),
-    (execution.BatchRunner, "_finish"),
+    (execution.BatchRunner, "finish"),
     (loop.Worker, "_refresh"),
     (loop.Worker, "_claim_load"),
     (cluster.ClusterView, "claim"),

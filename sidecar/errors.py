@@ -6,13 +6,15 @@ turns every one of them into one line and exit status 2."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
+from typing import Any
 
 import nats.errors
 import nats.js.errors
 
 from jetbatch.sdk.errors import JetbatchError
 
-__all__ = ["TRANSPORT_ERRORS", "JetbatchError", "SidecarError"]
+__all__ = ["TRANSPORT_ERRORS", "JetbatchError", "Pulled", "SidecarError", "pull"]
 
 # What a call to NATS or JetStream raises when the server, the connection or an election is in
 # the way (not a bug of ours): the one tuple the sidecars catch such failures with.
@@ -21,3 +23,25 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, nats.js.
 
 class SidecarError(JetbatchError):
     """Something a sidecar's operator can fix: configuration, a model file, the environment."""
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What one pull from a consumer gave: messages (none when the wait ran out), or why not."""
+
+    msgs: list[Any] = field(default_factory=list)
+    closed: bool = False  # the connection is closed for good: the sidecar stops
+    trouble: BaseException | None = None  # a reconnect or an election in the way: back off
+
+
+async def pull(psub: Any, n: int, timeout_s: float) -> Pulled:
+    """Fetch up to ``n`` messages within ``timeout_s``, the NATS errors mapped once for the
+    worker's batcher and the classifier: a pull never raises."""
+    try:
+        return Pulled(await psub.fetch(batch=n, timeout=timeout_s))
+    except (nats.errors.TimeoutError, asyncio.TimeoutError, TimeoutError):
+        return Pulled()
+    except nats.errors.ConnectionClosedError:
+        return Pulled(closed=True)
+    except TRANSPORT_ERRORS as exc:
+        return Pulled(trouble=exc)

@@ -153,19 +153,29 @@ def test_a_queue_counted_as_fully_served_is_never_ours_to_join() -> None:
 _names = st.text(alphabet="abcdefghij0123456789-", min_size=1, max_size=12)
 
 
-@given(model=_names, workers=st.sets(_names, min_size=1, max_size=8), warm=st.sets(_names, max_size=8))
-def test_every_worker_agrees_on_one_first_taker(model: str, workers: set[str], warm: set[str]) -> None:
+@given(model=_names, workers=st.sets(_names, min_size=1, max_size=8), warm=st.sets(_names, max_size=8), room=st.sets(_names, max_size=8))
+def test_every_worker_agrees_on_one_first_taker(model: str, workers: set[str], warm: set[str], room: set[str]) -> None:
     from jetbatch.sidecar.policy import first_taker_rank
 
-    def has_warm(w: str) -> bool:
-        return w in warm
+    def rank(w: str) -> int:
+        return first_taker_rank(model, w, workers, has_warm=lambda x: x in warm, has_room=lambda x: x in room)
 
-    ranks = sorted(first_taker_rank(model, w, workers, has_warm=has_warm) for w in workers)
     # Each worker computes its rank alone, yet the ranks are exactly 0..n-1: one first taker.
-    assert ranks == list(range(len(workers)))
-    first = next(w for w in workers if first_taker_rank(model, w, workers, has_warm=has_warm) == 0)
-    if workers & warm:
-        assert first in warm  # a warm copy goes first: its reload is the cheap one
+    assert sorted(rank(w) for w in workers) == list(range(len(workers)))
+    first = next(w for w in workers if rank(w) == 0)
+    if workers & room:
+        assert first in room  # a worker that evicts nothing goes first
+    elif workers & warm:
+        assert first in warm  # then a warm copy: its reload is the cheap one
+
+
+def test_room_counts_model_slots_and_bytes() -> None:
+    from jetbatch.sidecar.policy import Budget, has_room
+
+    assert has_room(Budget(max_models=2), resident=1, used_bytes=0, model_bytes=0)
+    assert not has_room(Budget(max_models=1), resident=1, used_bytes=0, model_bytes=0)
+    assert not has_room(Budget(max_bytes=100, max_models=None), resident=3, used_bytes=60, model_bytes=50)
+    assert has_room(Budget(max_bytes=100, max_models=None), resident=3, used_bytes=50, model_bytes=50)
 
 
 def test_first_takers_spread_over_the_workers_and_later_ranks_wait_a_load_each() -> None:

@@ -114,34 +114,46 @@ def test_the_simulated_worker_pays_the_control_plane() -> None:
     assert build_workload({**raw, "control": {"decision_s": 0.0}}).control.decision_s == 0.0
 
 
-def test_a_queue_nobody_holds_waits_for_its_first_taker_one_load_time_then_goes_to_the_next(tmp_path: Path) -> None:
+def _first_taker(model: str, workers: list[str]) -> str:
+    from jetbatch.sidecar.policy import first_taker_rank
+
+    return next(w for w in workers if first_taker_rank(model, w, workers, has_warm=lambda _: False) == 0)
+
+
+def _simulate_trace(tmp_path: Path, models: dict[str, dict[str, float]], events: list[tuple[float, str]], workers: int) -> object:
     from dataclasses import replace
 
-    from jetbatch.sidecar.policy import first_taker_rank
     from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
 
-    workers = ["w0", "w1"]
-
-    def first(model: str) -> str:
-        return next(w for w in workers if first_taker_rank(model, w, workers, has_warm=lambda _: False) == 0)
-
-    # "big" and the small model share a first taker, which is busy loading "big" for 5 s when
-    # the small model's request arrives: the other worker leaves it alone for one load time
-    # (0.1 s), then loads it itself, instead of racing for it at once or waiting 5 s.
-    small = next(f"m{i}" for i in range(100) if first(f"m{i}") == first("big"))
-    spec = {"batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 1}
     trace = tmp_path / "trace.jsonl"
-    trace.write_text(f'{{"t": 0.0, "model": "big"}}\n{{"t": 0.1, "model": "{small}"}}\n')
-    raw = {
-        "models": {"big": {**spec, "load_cost_s": 5.0}, small: {**spec, "load_cost_s": 0.1}},
-        "workers": {"count": 2},
-        "arrivals": {"kind": "trace", "path": str(trace)},
-    }
-    result = simulate(replace(build_workload(raw), control=IDEAL_CONTROL), "cost-aware")
-    starts = {model: start for start, _end, model in result.load_log}
-    assert result.loads == 2
-    assert starts["big"] == pytest.approx(0.0)
-    assert starts[small] == pytest.approx(0.2)  # arrived at 0.1, one load time left to the busy first taker
+    trace.write_text("".join(json.dumps({"t": t, "model": m}) + "\n" for t, m in events))
+    raw = {"models": models, "workers": {"count": workers}, "arrivals": {"kind": "trace", "path": str(trace)}}
+    return simulate(replace(build_workload(raw), control=IDEAL_CONTROL), "cost-aware")
+
+
+def test_a_queue_nobody_holds_goes_first_to_a_worker_with_room(tmp_path: Path) -> None:
+    """The first taker of "big" loads it for 5 s; a request for a model whose hash would pick the
+    same worker goes at once to the other, idle one (it evicts nothing), not after a wait."""
+    small = next(f"m{i}" for i in range(100) if _first_taker(f"m{i}", ["w0", "w1"]) == _first_taker("big", ["w0", "w1"]))
+    spec = {"batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 1}
+    result = _simulate_trace(tmp_path, {"big": {**spec, "load_cost_s": 5.0}, small: {**spec, "load_cost_s": 0.1}}, [(0.0, "big"), (0.1, small)], 2)
+    starts = {model: start for start, _end, model in result.load_log}  # type: ignore[attr-defined]
+    assert result.loads == 2  # type: ignore[attr-defined]
+    assert starts["big"] == pytest.approx(0.0) and starts[small] == pytest.approx(0.1)
+
+
+def test_with_no_room_anywhere_a_queue_waits_one_load_time_for_its_busy_first_taker(tmp_path: Path) -> None:
+    """Two workers with one slot each hold "a" and "b". A model nobody holds arrives while its
+    first taker computes a 1 s batch: the other worker leaves it alone for one load time (0.1 s),
+    then evicts its own model for it, instead of racing the first taker at once or waiting 1 s."""
+    workers = ["w0", "w1"]
+    holder_of_a = _first_taker("a", workers)  # both free at t=0: a goes to its hash-first worker, b to the other
+    q = next(f"q{i}" for i in range(100) if _first_taker(f"q{i}", workers) == holder_of_a)
+    spec = {"batch_cost_s": 1.0, "item_cost_s": 0.0, "max_batch_size": 1, "load_cost_s": 0.1}
+    result = _simulate_trace(tmp_path, {"a": spec, "b": spec, q: spec}, [(0.0, "a"), (0.01, "b"), (1.95, "a"), (2.0, q)], 2)
+    starts = {model: start for start, _end, model in result.load_log}  # type: ignore[attr-defined]
+    assert result.loads == 3  # type: ignore[attr-defined]
+    assert starts[q] == pytest.approx(2.0 + 0.1)
 
 
 def test_control_costs_measured_by_live_workers_replace_the_defaults() -> None:

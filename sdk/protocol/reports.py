@@ -24,6 +24,7 @@ class SidecarReport(msgspec.Struct, frozen=True, kw_only=True):
     load_cost_s: dict[str, float] = {}  # estimated cost to (re)load each model from its tier
     memory_bytes: int = 0  # device bytes of the resident models (measured)
     memory_budget_bytes: int | None = None
+    max_resident_models: int | None = None  # the device's model slots (None: bounded by bytes only)
     host_memory_bytes: int = 0  # host bytes of the warm tier
     host_memory_budget_bytes: int | None = None
     stats: dict[str, int] = {}

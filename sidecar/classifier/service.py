@@ -19,8 +19,6 @@ import time
 from typing import Any
 
 import anyio
-import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -43,7 +41,7 @@ from jetbatch.sdk.protocol import (
 )
 from jetbatch.sdk.publishing import PubAcks, publish_with_retries, settled
 
-from ..errors import TRANSPORT_ERRORS
+from ..errors import TRANSPORT_ERRORS, pull
 from ..config import Config, ConfigError
 from ..policy import BatchWindow
 from ..replies import Answer, Replier, client_message, settle
@@ -126,7 +124,7 @@ class Classifier:
                 try:
                     await status.unsubscribe()
                     await psub.unsubscribe()
-                except (nats.errors.Error, ValueError):
+                except TRANSPORT_ERRORS + (ValueError,):
                     pass
 
     async def _handle_and_release(self, msgs: list[Msg], limiter: anyio.Semaphore) -> None:
@@ -147,16 +145,16 @@ class Classifier:
             wait_s = self.window.wait_s(len(msgs), close_at, now, idle_wait_s=0.25)
             if msgs and wait_s <= 0.0005:
                 break
-            try:
-                got = await psub.fetch(batch=self.cfg.max_batch_size - len(msgs), timeout=max(wait_s, 0.001))
-            except (nats.errors.TimeoutError, TimeoutError):
-                break
-            except nats.errors.ConnectionClosedError:
+            pulled = await pull(psub, self.cfg.max_batch_size - len(msgs), max(wait_s, 0.001))
+            if pulled.closed:
                 self._stopping.set()
                 break
-            except (nats.errors.Error, nats.js.errors.Error) as exc:
-                log.warning("fetch failed: %r", exc)
+            if pulled.trouble is not None:
+                log.warning("fetch failed: %r", pulled.trouble)
                 await anyio.sleep(0.1)
+                break
+            got = pulled.msgs
+            if not got:
                 break
             if close_at is None:
                 # The classifier's window runs from the first fetch (its requests have not waited

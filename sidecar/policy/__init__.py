@@ -24,7 +24,7 @@ from .scheduling import (
     fits,
     make_policy,
 )
-from .share import MIN_DEFER_STEP_S, MIN_JOIN_S, deferred_until, drain_rps, effective_backlog, first_taker_rank, join_horizon_s, shared_head
+from .share import MIN_DEFER_STEP_S, MIN_JOIN_S, deferred_until, drain_rps, effective_backlog, first_taker_rank, has_room, join_horizon_s, shared_head
 from .visible import RECENT_S, visible_models
 from .window import PROBE_AFTER_REFUSALS, BatchWindow, cannot_finish
 
@@ -52,6 +52,7 @@ __all__ = [
     "drain_rps",
     "effective_backlog",
     "first_taker_rank",
+    "has_room",
     "join_horizon_s",
     "shared_head",
     "fits",

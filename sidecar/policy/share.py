@@ -18,9 +18,11 @@ Three rules keep workers from fighting over models (docs/scaleout.md):
 - A model resident here keeps its full backlog and age: we share its queue with the other
   replicas and serving it costs us no load.
 - **A queue nobody holds has one first taker.** Every worker ranks the live workers the same way
-  for each model (:func:`first_taker_rank`: a warm copy first, then a hash of the model and the
-  worker, rendezvous hashing) and leaves the queue to the ones ranked before it for one load time
-  each (:func:`deferred_until`). Without it an arrival for such a model woke every idle worker,
+  for each model (:func:`first_taker_rank`: a worker with room for it first, one that need evict
+  nothing; then a warm copy; then a hash of the model and the worker, rendezvous hashing) and
+  leaves the queue to the ones ranked before it for one load time each (:func:`deferred_until`).
+  Room comes first: a busy first taker would swap its own model out for the queue while an idle
+  worker waited its turn (three workers on three models ended with one holding nothing). Without it an arrival for such a model woke every idle worker,
   all decided to load it, and all but one paid a lost claim's round trip (the 4-worker cluster
   bench: 1017 claims for 561 loads); with it the warm copy is reused instead of a cold load
   elsewhere. A first taker that is busy or has better work only delays the queue by its step.
@@ -32,8 +34,9 @@ import hashlib
 from typing import Callable, Iterable
 
 from .costs import BatchCost
+from .types import Budget
 
-__all__ = ["MIN_DEFER_STEP_S", "MIN_JOIN_S", "deferred_until", "drain_rps", "effective_backlog", "first_taker_rank", "join_horizon_s", "shared_head"]
+__all__ = ["MIN_DEFER_STEP_S", "MIN_JOIN_S", "deferred_until", "drain_rps", "effective_backlog", "first_taker_rank", "has_room", "join_horizon_s", "shared_head"]
 
 MIN_JOIN_S = 0.25
 # The least a worker ranked after another waits for it to take a queue nobody holds.
@@ -77,15 +80,26 @@ def _score(model: str, worker: str) -> bytes:
     return hashlib.blake2b(f"{model}\0{worker}".encode(), digest_size=8).digest()
 
 
-def first_taker_rank(model: str, me: str, peers: Iterable[str], *, has_warm: Callable[[str], bool]) -> int:
+def first_taker_rank(
+    model: str, me: str, peers: Iterable[str], *, has_warm: Callable[[str], bool], has_room: Callable[[str], bool] = lambda _: False
+) -> int:
     """How many workers come before ``me`` to load ``model``, which none of them holds: workers
-    with a warm copy (``has_warm(worker)``) first, then by a hash of model and worker, so every
-    worker computes the same order and each model has one first taker."""
-    def key(worker: str) -> tuple[bool, bytes]:
-        return (not has_warm(worker), _score(model, worker))
+    with room for it (``has_room(worker)``: it would evict nothing) first, then those with a warm
+    copy (``has_warm(worker)``), then by a hash of model and worker, so every worker computes the
+    same order and each model has one first taker."""
+    def key(worker: str) -> tuple[bool, bool, bytes]:
+        return (not has_room(worker), not has_warm(worker), _score(model, worker))
 
     mine = key(me)
     return sum(1 for p in set(peers) if p != me and key(p) < mine)
+
+
+def has_room(budget: Budget, resident: int, used_bytes: int, model_bytes: int) -> bool:
+    """Whether a worker with ``resident`` models (``used_bytes`` on the device) can load one of
+    ``model_bytes`` more without evicting any, within ``budget``."""
+    if budget.max_models is not None and resident + 1 > budget.max_models:
+        return False
+    return budget.max_bytes is None or used_bytes + model_bytes <= budget.max_bytes
 
 
 def deferred_until(rank: int, head_enqueued_at: float, load_cost_s: float) -> float:

@@ -45,6 +45,7 @@ from ..policy import (
     drain_rps,
     effective_backlog,
     first_taker_rank,
+    has_room,
     join_horizon_s,
     make_policy,
     shared_head,
@@ -239,7 +240,14 @@ class _Sim:
 
     def _deferred_until(self, worker: _Worker, name: str, head_at: float, load_cost_s: float) -> float:
         by_id = {p.id: p for p in self.workers}
-        rank = first_taker_rank(name, worker.id, by_id, has_warm=lambda w: name in by_id[w].warm)
+        size = self.w.models[name].memory_bytes
+
+        def room(w: str) -> bool:
+            p = by_id[w]
+            used = sum(self.w.models[r].memory_bytes for r in p.resident)
+            return has_room(self.w.budget, len(p.resident) + (1 if p.loading else 0), used, size)
+
+        rank = first_taker_rank(name, worker.id, by_id, has_warm=lambda w: name in by_id[w].warm, has_room=room)
         return deferred_until(rank, head_at, load_cost_s) if rank else -math.inf
 
     def _visible(self, worker: _Worker) -> Any:

@@ -11,12 +11,11 @@ import time
 from typing import Callable
 
 import anyio
-import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import ProtocolError, deadline_from_headers
 
+from ..errors import TRANSPORT_ERRORS, pull
 from .counters import add_sample
 from .slots import Slot, enqueued_at, pending_after
 
@@ -65,20 +64,18 @@ class Batcher:
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
         started = self._clock()
-        try:
-            msgs: list[Msg] = await slot.psub.fetch(batch=n, timeout=timeout_s)
-        except (nats.errors.TimeoutError, TimeoutError):
-            return []
-        except nats.errors.ConnectionClosedError:
+        pulled = await pull(slot.psub, n, timeout_s)
+        if pulled.closed:
             self._stopping.set()
             return []
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
+        if pulled.trouble is not None:
             # Typically a reconnect in progress: back off so the loop does not spin meanwhile.
-            log.warning("fetch for %s failed: %r", slot.name, exc)
+            log.warning("fetch for %s failed: %r", slot.name, pulled.trouble)
             if self._on_trouble is not None:
                 self._on_trouble()
             await anyio.sleep(0.1)
             return []
+        msgs: list[Msg] = pulled.msgs
         if msgs:
             if enqueued_at(msgs[-1], started) < started:
                 # Stored before the fetch began: its time is the fetch's own round trip.
@@ -163,7 +160,7 @@ class Batcher:
             if enqueued_at(got[0], self._clock()) >= before and msgs:
                 try:
                     await got[0].nak()
-                except nats.errors.Error:
+                except TRANSPORT_ERRORS:
                     pass  # redelivered after its ack wait instead
                 break
             msgs.extend(got)

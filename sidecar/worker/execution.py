@@ -173,7 +173,7 @@ class BatchRunner:
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
             if not suspects:
                 release_model()
-            await self._finish(slot, rejected + expired + fresh)
+            await self.finish(slot, rejected + expired + fresh)
             await self._run_suspects(slot, suspects, extra)
             release_model()
             errors = [r for r in requests if r.answer is not None and r.answer.error is not None]
@@ -258,7 +258,7 @@ class BatchRunner:
             stored = await self.replier.stored_answer(r.meta)
             if stored is not None:
                 r.answer = stored
-                await self._finish(slot, [r])
+                await self.finish(slot, [r])
                 await self.quarantine.clear(slot.name, r.seq)
                 continue
             evidence = await self.quarantine.evidence(slot.name, r.seq)
@@ -273,7 +273,7 @@ class BatchRunner:
             log.warning("model %s: request %s: %s", slot.name, r.meta.request_id, reason)
             r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, reason, extra(r))
             await self.replier.dead_letter(r.msg, reason, "worker")
-            await self._finish(slot, [r])
+            await self.finish(slot, [r])
             await self.quarantine.clear(slot.name, r.seq)
         plan = groups([(r.seq, ev) for r, ev in to_run])
         # Weakest evidence first, so innocents complete before a likely poison kills the process
@@ -296,9 +296,9 @@ class BatchRunner:
                     await self._predict_isolating(slot, [r for r, _ in runnable], extra)
                 for r, _ in runnable:
                     await self.quarantine.clear(slot.name, r.seq)
-            await self._finish(slot, members)
+            await self.finish(slot, members)
 
-    async def _finish(self, slot: Slot, requests: list[Request]) -> None:
+    async def finish(self, slot: Slot, requests: list[Request]) -> None:
         """Store and send the answers of ``requests``, then settle each message."""
         if not requests:
             return

@@ -19,7 +19,6 @@ from typing import Any, Callable, TypeVar
 
 import anyio
 import anyio.abc
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -31,7 +30,7 @@ from ..handlers import HandlerError, create_handler, resolve_device
 from ..errors import TRANSPORT_ERRORS
 from ..policy import (
     RECENT_S, BatchCost, BatchWindow, Budget, Driver, Idle, Load, SchedulerState, Serve,
-    deferred_until, first_taker_rank, make_policy, visible_models,
+    deferred_until, first_taker_rank, has_room, make_policy, visible_models,
 )  # fmt: skip
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
@@ -272,7 +271,7 @@ class Worker:
             with anyio.CancelScope(shield=True):
                 try:
                     await status_sub.unsubscribe()
-                except (nats.errors.Error, ValueError):
+                except TRANSPORT_ERRORS + (ValueError,):
                     pass
                 if self.cluster is not None:
                     await self.cluster.withdraw()
@@ -286,7 +285,7 @@ class Worker:
                     if slot.psub is not None:
                         try:
                             await slot.psub.unsubscribe()
-                        except (nats.errors.Error, ValueError):
+                        except TRANSPORT_ERRORS + (ValueError,):
                             pass
 
     def report(self) -> SidecarReport:
@@ -356,13 +355,24 @@ class Worker:
             return {}
         held = self.cluster.held_by_peers(now)
         out: dict[str, float] = {}
+        mine = self.residency.resident_names()
+        used = sum(self.costs.memory_bytes(n) for n in mine)
         for name in self.queues.waiting:
             slot = self.slots[name]
             if slot.resident or name in held or slot.oldest_enqueued_at is None:
                 continue
             warm_here = slot.tier == "warm"
+            size = self.costs.memory_bytes(name)
+
+            def room(w: str, size: int = size) -> bool:
+                if w == self.worker_id:
+                    return has_room(self.budget, len(mine), used, size)
+                adv = peers[w]
+                budget = Budget(max_bytes=adv.memory_budget_bytes, max_models=adv.max_resident_models)
+                return has_room(budget, len(adv.resident) + (1 if adv.loading else 0), adv.memory_bytes, size)
+
             rank = first_taker_rank(
-                name, self.worker_id, peers,
+                name, self.worker_id, peers, has_room=room,
                 has_warm=lambda w, name=name, warm_here=warm_here: warm_here if w == self.worker_id else name in peers[w].warm,
             )  # fmt: skip
             if rank:
@@ -594,7 +604,7 @@ class Worker:
         for r in requests:
             r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, message, model=slot.name)
         try:
-            await self.runner._finish(slot, requests)
+            await self.runner.finish(slot, requests)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.arrivals.settled(slot.name, len(msgs))

@@ -56,6 +56,7 @@ def build_report(
         load_cost_s={name: residency.load_cost_s(slots[name]) for name in sorted(active)},
         memory_bytes=sum(costs.memory_bytes(s.name) for s in slots.values() if s.resident),
         memory_budget_bytes=budget.max_bytes,
+        max_resident_models=budget.max_models,
         host_memory_bytes=residency.host_used_bytes(),
         host_memory_budget_bytes=residency.host_budget_bytes,
         stats=dict(stats),
