@@ -10,7 +10,7 @@ passed in), so the live worker and the simulator drive the same code.
 """
 
 from .costs import BatchCost, CostEstimator, Tier, warm_copy_value
-from .driver import Driver
+from .driver import Driver, QueueFacts, reload_tier
 from .scheduling import (
     POLICIES,
     Budget,
@@ -43,6 +43,7 @@ __all__ = [
     "Idle",
     "Load",
     "ModelState",
+    "QueueFacts",
     "Policy",
     "SchedulerState",
     "Serve",
@@ -57,6 +58,7 @@ __all__ = [
     "shared_head",
     "fits",
     "make_policy",
+    "reload_tier",
     "visible_models",
     "warm_copy_value",
 ]

@@ -16,10 +16,42 @@ so an event counts the same live and simulated:
 
 from __future__ import annotations
 
-from .costs import CostEstimator, Tier
-from .scheduling import Decision, Policy, SchedulerState
+from dataclasses import dataclass
+from typing import Iterable
 
-__all__ = ["Driver"]
+from .costs import CostEstimator, Tier
+from .scheduling import Budget, Decision, ModelState, Policy, SchedulerState
+from .share import effective_backlog, join_horizon_s, shared_head
+
+__all__ = ["Driver", "QueueFacts", "reload_tier"]
+
+
+@dataclass(frozen=True)
+class QueueFacts:
+    """What one worker knows of one model at a decision: its queue (the live worker from arrival
+    and take events and the bulk count, the simulator from its own queues), where its copy is,
+    and what its peers do with it. The driver turns facts into the policy's ``ModelState`` by
+    one rule for both."""
+
+    name: str
+    waiting: int  # requests in the queue, as this worker counts them
+    head_enqueued_at: float | None  # the oldest one's enqueue time
+    head_deadline: float | None  # the earliest deadline among them (the head's, usually)
+    tier: Tier  # where this worker's copy is
+    reload_fits_host: bool  # evicted now, its weights would stay in host memory (a warm reload)
+    max_batch_size: int
+    max_wait_s: float | None = None
+    last_used_at: float | None = None
+    served_rps: float = 0.0  # what the peers that hold it drain
+    deferred: bool = False  # nobody holds it and a peer is its first taker, for now
+
+
+def reload_tier(tier: Tier, reload_fits_host: bool) -> Tier:
+    """The tier a load of the model would come from: its own, or for a resident model the one it
+    would be reloaded from if it were evicted now (what evicting it costs)."""
+    if tier == "resident":
+        return "warm" if reload_fits_host else "cold"
+    return tier
 
 
 class Driver:
@@ -32,6 +64,38 @@ class Driver:
     @property
     def name(self) -> str:
         return self.policy.name
+
+    def model_state(self, facts: QueueFacts, now: float) -> ModelState:
+        """The policy's view of one model: its load cost by tier, the part of its queue that is
+        this worker's (the cluster share, ``policy.share``; nothing while a peer is its first
+        taker), its head's age (a queue peers serve is never overdue for us)."""
+        resident = facts.tier == "resident"
+        load_cost_s = self.costs.load_cost_s(facts.name, reload_tier(facts.tier, facts.reload_fits_host))
+        backlog = 0
+        if not facts.deferred:
+            horizon_s = join_horizon_s(load_cost_s)
+            backlog = effective_backlog(facts.waiting, facts.served_rps, horizon_s, resident_here=resident, min_share=facts.max_batch_size)
+        head = shared_head(facts.head_enqueued_at, now, facts.served_rps, resident_here=resident)
+        return ModelState(
+            name=facts.name,
+            backlog=backlog,
+            oldest_enqueued_at=head if backlog else None,
+            earliest_deadline=facts.head_deadline if backlog else None,
+            resident=resident,
+            load_cost_s=load_cost_s,
+            batch_cost=self.costs.batch_cost(facts.name),
+            memory_bytes=self.costs.memory_bytes(facts.name),
+            max_batch_size=facts.max_batch_size,
+            max_wait_s=facts.max_wait_s,
+            last_used_at=facts.last_used_at,
+        )
+
+    def state(
+        self, facts: Iterable[QueueFacts], now: float, *, current: str | None, budget: Budget, arrival_order: tuple[str, ...] | None = None
+    ) -> SchedulerState:
+        """The snapshot the policy decides on (the models ``policy.visible_models`` chose)."""
+        models = {f.name: self.model_state(f, now) for f in facts}
+        return SchedulerState(models=models, current=current, budget=budget, arrival_order=arrival_order)
 
     def decide(self, state: SchedulerState, now: float) -> Decision:
         """The next decision (``decide()`` of the policy changes nothing)."""

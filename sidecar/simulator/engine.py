@@ -34,21 +34,19 @@ from ..policy import (
     CostEstimator,
     Idle,
     Load,
-    ModelState,
     Policy,
     SchedulerState,
     PROBE_AFTER_REFUSALS,
     Serve,
     Driver,
+    QueueFacts,
+    Tier,
     cannot_finish,
     deferred_until,
     drain_rps,
-    effective_backlog,
     first_taker_rank,
     has_room,
-    join_horizon_s,
     make_policy,
-    shared_head,
     visible_models,
     warm_copy_value,
 )
@@ -198,45 +196,44 @@ class _Sim:
                 continue
             for name in {*p.resident, *([p.loading] if p.loading else [])}:
                 served_by[name] = served_by.get(name, 0.0) + _drain_rps(p, name, self.w.models[name])
-        models = {}
+        facts = []
         worker.defer_wake = math.inf
         for name in self._visible(worker):
             m = self.w.models[name]
-            resident = name in worker.resident
-            tier = "resident" if resident else ("warm" if name in worker.warm else "cold")
-            load_cost = worker.costs.load_cost_s(name, "warm" if resident and self.w.host_budget_bytes else ("cold" if resident else tier))
-            served = served_by.get(name, 0.0)
-            backlog = effective_backlog(
-                len(self.queues[name]), served, join_horizon_s(load_cost), resident_here=resident, min_share=m.max_batch_size
-            )
             q = self.queues[name]
+            resident = name in worker.resident
+            tier: Tier = "resident" if resident else ("warm" if name in worker.warm else "cold")
+            deferred = False
             if q and not resident and name not in served_by and len(self.workers) > 1:
                 # Nobody holds it: left to its first taker for a while (the live worker's rule).
-                until = self._deferred_until(worker, name, q[0].arrival, load_cost)
+                until = self._deferred_until(worker, name, q[0].arrival, worker.costs.load_cost_s(name, tier))
                 if until > self.t:
-                    backlog = 0
+                    deferred = True
                     worker.defer_wake = min(worker.defer_wake, until)
-            head = shared_head(q[0].arrival if q else None, self.t, served, resident_here=resident)
-            models[name] = ModelState(
+            facts.append(QueueFacts(
                 name=name,
-                backlog=backlog,
-                oldest_enqueued_at=head if backlog else None,
-                resident=resident,
-                load_cost_s=load_cost,
-                batch_cost=worker.costs.batch_cost(name),
-                memory_bytes=worker.costs.memory_bytes(name),
+                waiting=len(q),
+                head_enqueued_at=q[0].arrival if q else None,
+                # Deadlines are arrival + a per-model constant, so the queue's head has the earliest.
+                head_deadline=q[0].deadline if q else None,
+                tier=tier,
+                reload_fits_host=resident and self._fits_host(name),  # keep_warm's rule
                 max_batch_size=m.max_batch_size,
                 max_wait_s=m.max_wait_s,
-                # Deadlines are arrival + a per-model constant, so the queue's head has the earliest.
-                earliest_deadline=q[0].deadline if q and backlog else None,
                 last_used_at=worker.last_used.get(name),
-            )
+                served_rps=served_by.get(name, 0.0),
+                deferred=deferred,
+            ))  # fmt: skip
         order = None
         if worker.policy.name == "fifo":
             while self.arrival_log and self.arrival_log[0].id in self.served_ids:
                 self.arrival_log.popleft()
             order = tuple(r.model for r in list(self.arrival_log)[:256] if r.id not in self.served_ids)
-        return SchedulerState(models=models, current=worker.current, budget=self.w.budget, arrival_order=order)
+        return worker.driver.state(facts, self.t, current=worker.current, budget=self.w.budget, arrival_order=order)
+
+    def _fits_host(self, name: str) -> bool:
+        """Whether the host tier would keep ``name`` evicted (``keep_warm`` drops others for it)."""
+        return 0 < self.w.host_budget_bytes and self.w.models[name].memory_bytes <= self.w.host_budget_bytes
 
     def _deferred_until(self, worker: _Worker, name: str, head_at: float, load_cost_s: float) -> float:
         by_id = {p.id: p for p in self.workers}

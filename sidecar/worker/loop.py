@@ -341,7 +341,7 @@ class Worker:
         deferred = self._deferred(now)
         self._defer_wake = min(deferred.values(), default=math.inf)
         return view.scheduler_state(
-            names, now, slots=self.slots, residency=self.residency, costs=self.costs,
+            names, now, driver=self.driver, slots=self.slots, residency=self.residency,
             served=self._served(), current=self._current, budget=self.budget, deferred=deferred,
         )  # fmt: skip
 

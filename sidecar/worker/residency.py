@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 
 from ..handlers import HandlerError
-from ..policy import Driver, Tier, warm_copy_value
+from ..policy import Driver, Tier, reload_tier, warm_copy_value
 from ..telemetry import LoadRecord, WorkerTelemetry
 from .slots import Slot
 
@@ -77,14 +77,16 @@ class Residency:
 
     # --- what the scheduler is told ---------------------------------------------------------------
 
+    def reload_fits_host(self, slot: Slot) -> bool:
+        """For a resident model: whether, evicted now, the host tier would keep its weights (a
+        warm reload). Asked only of resident models: the sums walk only warm ones."""
+        return slot.resident and self._fits_host(slot, self._host_bytes(slot))
+
     def load_cost_s(self, slot: Slot) -> float:
         """For a model not on the device: the cost of loading it from its tier. For a resident
-        one: the cost of loading it back if it were evicted now (warm if the host tier would
-        keep it), which is what evicting it would cost."""
-        if slot.resident:
-            tier: Tier = "warm" if self._fits_host(slot, self._host_bytes(slot)) else "cold"
-            return self.costs.load_cost_s(slot.name, tier)
-        return self.costs.load_cost_s(slot.name, slot.tier)
+        one: the cost of loading it back if it were evicted now, which is what evicting it
+        would cost (``policy.reload_tier``, the simulator's rule too)."""
+        return self.costs.load_cost_s(slot.name, reload_tier(slot.tier, self.reload_fits_host(slot)))
 
     def host_used_bytes(self) -> int:
         """Host bytes of the warm tier (remembered until a model changes tier: the decisions ask

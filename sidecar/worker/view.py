@@ -10,7 +10,7 @@ from typing import Collection, Mapping
 from jetbatch import __version__
 from jetbatch.sdk.protocol import SidecarReport
 
-from ..policy import Budget, CostEstimator, ModelState, SchedulerState, drain_rps, effective_backlog, join_horizon_s, shared_head
+from ..policy import Budget, CostEstimator, Driver, QueueFacts, SchedulerState, drain_rps, effective_backlog, join_horizon_s
 from .queues import QueueView
 from .residency import Residency
 from .slots import Slot
@@ -77,38 +77,32 @@ def scheduler_state(
     names: Collection[str],
     now: float,
     *,
+    driver: Driver,
     slots: Mapping[str, Slot],
     residency: Residency,
-    costs: CostEstimator,
     served: Mapping[str, float],
     current: str | None,
     budget: Budget,
     deferred: Collection[str] = (),
 ) -> SchedulerState:
-    """The policy's snapshot of ``names`` (see ``policy.visible_models``). A queue that peers
-    drain counts only for its part that is ours, and never as overdue (``policy.share``): a
-    peer's backlog, however old, is no reason for this worker to drop its work and load it.
-    A ``deferred`` queue (nobody holds it; a peer is its first taker, ``policy.first_taker_rank``)
-    counts as empty for now."""
-    models = {}
-    for name in names:
-        slot = slots[name]
-        cfg = slot.config
-        load_cost_s = residency.load_cost_s(slot)
-        served_rps = served.get(name, 0.0)
-        backlog = 0 if name in deferred else effective(slot, served_rps, load_cost_s)
-        oldest = shared_head(slot.oldest_enqueued_at, now, served_rps, resident_here=slot.resident)
-        models[name] = ModelState(
+    """The policy's snapshot of ``names`` (see ``policy.visible_models``): the live worker's
+    facts of each queue, turned into the policy's view by the driver's one rule (a queue peers
+    drain counts only for its part that is ours and is never overdue; a ``deferred`` queue, left
+    to a peer's first take, counts as empty for now)."""
+    facts = (
+        QueueFacts(
             name=name,
-            backlog=backlog,
-            oldest_enqueued_at=oldest if backlog else None,
-            earliest_deadline=slot.head_deadline if backlog else None,
-            resident=slot.resident,
-            load_cost_s=load_cost_s,
-            batch_cost=costs.batch_cost(name),
-            memory_bytes=costs.memory_bytes(name),
-            max_batch_size=cfg.max_batch_size,
-            max_wait_s=cfg.max_wait_s,
-            last_used_at=slot.last_used_at,
+            waiting=slots[name].backlog,
+            head_enqueued_at=slots[name].oldest_enqueued_at,
+            head_deadline=slots[name].head_deadline,
+            tier=slots[name].tier,
+            reload_fits_host=residency.reload_fits_host(slots[name]),
+            max_batch_size=slots[name].config.max_batch_size,
+            max_wait_s=slots[name].config.max_wait_s,
+            last_used_at=slots[name].last_used_at,
+            served_rps=served.get(name, 0.0),
+            deferred=name in deferred,
         )
-    return SchedulerState(models=models, current=current, budget=budget)
+        for name in names
+    )
+    return driver.state(facts, now, current=current, budget=budget)
