@@ -1,6 +1,7 @@
 """A discrete-event simulator of workers serving shared model queues, driving exactly the policy
-core the live worker drives: the scheduling policy, the batch window, the cost estimator and the
-cluster share (``sidecar/policy``).
+core the live worker drives: each worker's ``policy.Driver`` (its policy and cost estimator, the
+events that feed them, the state it decides on), the batch window and the cluster share and
+first-taker rules (``sidecar/policy``).
 
 Each simulated worker has its own policy instance and its own :class:`CostEstimator`, seeded with
 the *configured* costs and fed the *true* (optionally noisy) load and batch times it observes, as

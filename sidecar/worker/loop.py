@@ -1,11 +1,13 @@
 """The worker's I/O loop around the pure policy core.
 
-Each turn it asks the scheduler for a decision (serve, load/evict, idle) on what it knows of the
-per-model queues (worker/queues.py: arrival events, and one bulk count every poll interval while
-busy, every second while idle), and carries it out with its parts: batch assembly
-(worker/batching.py), batch execution and the reply path (worker/execution.py, replies.py),
-residency (worker/residency.py) and the cluster adverts and load claims (cluster.py). Idle, it
-sleeps until an arrival event, a timer the policy asked for, or the next count.
+Each turn it hands the driver (``policy.Driver``) what it knows of the per-model queues
+(worker/queues.py: arrival events, its peers' take events, and one bulk count every poll interval
+while busy, every second while idle) and asks for a decision (serve, load/evict, idle), and
+carries it out with its parts: batch assembly (worker/batching.py), batch execution and the reply
+path (worker/execution.py, replies.py), residency (worker/residency.py) and the cluster adverts
+and load claims (cluster.py); their events go back to the driver. Idle, it sleeps until an
+arrival event, a timer the policy asked for, a queue left to a peer's first take coming due, or
+the next count.
 """
 
 from __future__ import annotations
