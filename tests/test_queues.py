@@ -4,9 +4,10 @@ including a dead worker's stranded requests."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, AsyncIterator
 
 import nats
 import pytest
@@ -170,14 +171,23 @@ async def _published(js: Any, subject: str, n: int) -> None:
         await js.publish(subject, f"r{i}".encode())
 
 
-@pytest.mark.anyio
-async def test_the_backlog_comes_from_events_and_one_count_with_stranded_requests(nats_url: str, prefix: str) -> None:
+@contextlib.asynccontextmanager
+async def _streams(nats_url: str, prefix: str, models: list[str]) -> AsyncIterator[tuple[Any, Any, Subjects]]:
+    """A connection, its JetStream context and the subjects of ``prefix``, with the streams made."""
     subjects = Subjects(prefix)
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
+        await ensure_streams(js, subjects, StreamsConfig(), models)
+        yield nc, js, subjects
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_the_backlog_comes_from_events_and_one_count_with_stranded_requests(nats_url: str, prefix: str) -> None:
+    async with _streams(nats_url, prefix, ["m1", "m2"]) as (nc, js, subjects):
         cfg = StreamsConfig()
-        await ensure_streams(js, subjects, cfg, ["m1", "m2"])
         view, slots = _view("m1", "m2")
         feed = ArrivalFeed(nc, subjects, slots, view, on_arrival=lambda: None)
         await feed.start()
@@ -197,8 +207,6 @@ async def test_the_backlog_comes_from_events_and_one_count_with_stranded_request
         assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={"m1": 2})
         assert slots["m1"].backlog == 1
         await feed.stop()
-    finally:
-        await nc.close()
 
 
 # --- the workers' take events -------------------------------------------------------------------
@@ -257,11 +265,7 @@ def test_a_forged_take_event_never_raises_nor_counts_below_zero(data: bytes, pee
 
 @pytest.mark.anyio
 async def test_a_peers_fetch_reaches_the_other_workers_count_through_the_server(nats_url: str, prefix: str) -> None:
-    subjects = Subjects(prefix)
-    nc = await nats.connect(nats_url)
-    try:
-        js = nc.jetstream()
-        await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+    async with _streams(nats_url, prefix, ["m1"]) as (nc, js, subjects):
         mine, my_slots = _view("m1")
         theirs, their_slots = _view("m1")
         me = ArrivalFeed(nc, subjects, my_slots, mine, on_arrival=lambda: None, worker_id="w-me")
@@ -277,5 +281,3 @@ async def test_a_peers_fetch_reaches_the_other_workers_count_through_the_server(
         await wait_until(lambda: mine.peers_hold("m1", time.time()) == 0, timeout_s=10, what="the settle event")
         await me.stop()
         await peer.stop()
-    finally:
-        await nc.close()

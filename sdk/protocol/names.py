@@ -159,10 +159,7 @@ class Subjects:
         return f"{self.prefix}.model.>"
 
     def model_from_subject(self, subject: str) -> str | None:
-        head = f"{self.prefix}.model."
-        if subject.startswith(head):
-            return subject[len(head) :]
-        return None
+        return self._model_after("model", subject)
 
     def arrived(self, name: str) -> str:
         """Where the models stream republishes the headers of each request it stored for ``name``
@@ -174,10 +171,7 @@ class Subjects:
         return f"{self.prefix}.arrived.>"
 
     def model_from_arrival(self, subject: str) -> str | None:
-        head = f"{self.prefix}.arrived."
-        if subject.startswith(head):
-            return subject[len(head) :]
-        return None
+        return self._model_after("arrived", subject)
 
     def taken(self, name: str) -> str:
         """Where workers tell each other they fetched (``+n``) or settled (``-n``) requests of
@@ -190,10 +184,12 @@ class Subjects:
         return f"{self.prefix}.taken.>"
 
     def model_from_taken(self, subject: str) -> str | None:
-        head = f"{self.prefix}.taken."
-        if subject.startswith(head):
-            return subject[len(head) :]
-        return None
+        return self._model_after("taken", subject)
+
+    def _model_after(self, kind: str, subject: str) -> str | None:
+        """The model token of ``<prefix>.<kind>.<model>`` (None for any other subject)."""
+        head = f"{self.prefix}.{kind}."
+        return subject[len(head) :] if subject.startswith(head) else None
 
     def dead_letter(self, stage: str) -> str:
         return f"{self.prefix}.dlq.{stage}"

@@ -73,8 +73,7 @@ class Driver:
         load_cost_s = self.costs.load_cost_s(facts.name, reload_tier(facts.tier, facts.reload_fits_host))
         backlog = 0
         if not facts.deferred:
-            horizon_s = join_horizon_s(load_cost_s)
-            backlog = effective_backlog(facts.waiting, facts.served_rps, horizon_s, resident_here=resident, min_share=facts.max_batch_size)
+            backlog = self.share(facts.waiting, facts.served_rps, load_cost_s, resident=resident, max_batch_size=facts.max_batch_size)
         head = shared_head(facts.head_enqueued_at, now, facts.served_rps, resident_here=resident)
         return ModelState(
             name=facts.name,
@@ -89,6 +88,12 @@ class Driver:
             max_wait_s=facts.max_wait_s,
             last_used_at=facts.last_used_at,
         )
+
+    @staticmethod
+    def share(waiting: int, served_rps: float, load_cost_s: float, *, resident: bool, max_batch_size: int) -> int:
+        """The part of a queue that is this worker's to chase: what the peers holding it would not
+        drain within the join horizon of our load, and at least a batch (``policy.share``)."""
+        return effective_backlog(waiting, served_rps, join_horizon_s(load_cost_s), resident_here=resident, min_share=max_batch_size)
 
     def state(
         self, facts: Iterable[QueueFacts], now: float, *, current: str | None, budget: Budget, arrival_order: tuple[str, ...] | None = None

@@ -107,6 +107,7 @@ class _Sim:
         self.next_arrival = 0
         self.arrival_log: deque[_Request] = deque()
         self.workers = [self._worker(i, make()) for i in range(max(1, workload.workers))]
+        self.by_id = {w.id: w for w in self.workers}
         self.result = SimResult(policy=self.workers[0].policy.name)
         self.events: list[tuple[float, int, int, str]] = []
         self.seq = 0
@@ -199,6 +200,7 @@ class _Sim:
                 served_by[name] = served_by.get(name, 0.0) + _drain_rps(p, name, self.w.models[name])
         facts = []
         worker.defer_wake = math.inf
+        slots: dict[str, tuple[int, int]] | None = None  # made when a queue nobody holds needs it
         for name in self._visible(worker):
             m = self.w.models[name]
             q = self.queues[name]
@@ -207,7 +209,12 @@ class _Sim:
             deferred = False
             if q and not resident and name not in served_by and len(self.workers) > 1:
                 # Nobody holds it: left to its first taker for a while (the live worker's rule).
-                until = self._deferred_until(worker, name, q[0].arrival, worker.costs.load_cost_s(name, tier))
+                if slots is None:
+                    slots = {
+                        p.id: (len(p.resident) + (1 if p.loading else 0), sum(self.w.models[r].memory_bytes for r in p.resident))
+                        for p in self.workers
+                    }
+                until = self._deferred_until(worker, name, q[0].arrival, worker.costs.load_cost_s(name, tier), slots)
                 if until > self.t:
                     deferred = True
                     worker.defer_wake = min(worker.defer_wake, until)
@@ -236,14 +243,14 @@ class _Sim:
         """Whether the host tier would keep ``name`` evicted (``keep_warm`` drops others for it)."""
         return 0 < self.w.host_budget_bytes and self.w.models[name].memory_bytes <= self.w.host_budget_bytes
 
-    def _deferred_until(self, worker: _Worker, name: str, head_at: float, load_cost_s: float) -> float:
-        by_id = {p.id: p for p in self.workers}
+    def _deferred_until(self, worker: _Worker, name: str, head_at: float, load_cost_s: float, slots: dict[str, tuple[int, int]]) -> float:
+        """``slots``: per worker id, its models on the device (loading counted) and their bytes,
+        made once per decision."""
         size = self.w.models[name].memory_bytes
+        by_id = self.by_id
 
         def room(w: str) -> bool:
-            p = by_id[w]
-            used = sum(self.w.models[r].memory_bytes for r in p.resident)
-            return has_room(self.w.budget, len(p.resident) + (1 if p.loading else 0), used, size)
+            return has_room(self.w.budget, slots[w][0], slots[w][1], size)
 
         rank = first_taker_rank(name, worker.id, by_id, has_warm=lambda w: name in by_id[w].warm, has_room=room)
         return deferred_until(rank, head_at, load_cost_s) if rank else -math.inf

@@ -329,7 +329,9 @@ class Worker:
 
     def _effective_backlog(self, slot: Slot, served: dict[str, float] | None = None) -> int:
         served = self._served() if served is None else served
-        return view.effective(slot, served.get(slot.name, 0.0), self.residency.load_cost_s(slot))
+        return self.driver.share(
+            slot.backlog, served.get(slot.name, 0.0), self.residency.load_cost_s(slot), resident=slot.resident, max_batch_size=slot.config.max_batch_size,
+        )  # fmt: skip
 
     def _state(self, now: float) -> SchedulerState:
         names = visible_models(

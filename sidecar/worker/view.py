@@ -10,12 +10,12 @@ from typing import Collection, Mapping
 from jetbatch import __version__
 from jetbatch.sdk.protocol import SidecarReport
 
-from ..policy import Budget, CostEstimator, Driver, QueueFacts, SchedulerState, drain_rps, effective_backlog, join_horizon_s
+from ..policy import Budget, CostEstimator, Driver, QueueFacts, SchedulerState, drain_rps
 from .queues import QueueView
 from .residency import Residency
 from .slots import Slot
 
-__all__ = ["build_report", "effective", "scheduler_state"]
+__all__ = ["build_report", "scheduler_state"]
 
 
 def build_report(
@@ -63,13 +63,6 @@ def build_report(
         started_at=started_at,
         updated_at=time.time(),
         valid_s=valid_s,
-    )
-
-
-def effective(slot: Slot, served_rps: float, load_cost_s: float) -> int:
-    """Work other workers will drain before a load of ours would finish is not ours to chase."""
-    return effective_backlog(
-        slot.backlog, served_rps, join_horizon_s(load_cost_s), resident_here=slot.resident, min_share=slot.config.max_batch_size
     )
 
 
