@@ -5,32 +5,29 @@ Both sides start from N messages already queued on an ingress stream and stop wh
 the model stream; the raw side does the least that job needs (fetch a batch, publish each with
 its headers and await the PubAcks concurrently, ack each). Run:
 
-    python bench/classifier_throughput.py [--messages 5000] [--batch 64] [--rounds 3]
+    python -m bench.classifier_throughput [--messages 5000] [--batch 64] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 
+from bench import harness
 import anyio
 import msgspec
 import nats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jetbatch.sdk.protocol import Headers, Tensor, encode_payload  # noqa: E402
-from jetbatch.sidecar.classifier import Classifier  # noqa: E402
-from jetbatch.sidecar.config import Config  # noqa: E402
-from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
-from jetbatch.sidecar.streams import ensure_classifier_streams, ensure_streams  # noqa: E402
-from jetbatch.sidecar.transport import connect  # noqa: E402
+from jetbatch.sdk.protocol import Headers, Tensor, encode_payload
+from jetbatch.sidecar.classifier import Classifier
+from jetbatch.sidecar.config import Config
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from jetbatch.sidecar.streams import ensure_classifier_streams, ensure_streams
+from jetbatch.sidecar.transport import connect
 
 
 async def queue(js: nats.js.JetStreamContext, subject: str, n: int, body: bytes, ctype: str) -> None:
@@ -134,5 +131,6 @@ if __name__ == "__main__":
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    out = asyncio.run(main(parser.parse_args()))
-    print(json.dumps(out, indent=2))
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
+    args = parser.parse_args()
+    harness.emit(asyncio.run(main(args)), args.json)

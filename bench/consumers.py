@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true", help="memory-backed consumers")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         if args.cluster:
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             urls, pids, replicas = [server.url], [server.pid], 1
         record = asyncio.run(measure(urls, [p for p in pids if p is not None], args, replicas))
     record.update({"bench": "consumers", "models": args.models, "cluster": args.cluster, "memory": args.memory, "concurrency": args.concurrency})
-    print(json.dumps(record))
+    harness.emit(record, args.json)
     return 0
 
 

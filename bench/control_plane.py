@@ -16,21 +16,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
+import contextlib
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import anyio
+from bench import harness
 import msgspec
 
 from bench.scale import percentile, replay, workload_raw, write_config
 from jetbatch.sidecar.config import load_config
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats, NatsCluster
 from jetbatch.sidecar.simulator.workloads import build_workload
-from jetbatch.sidecar.transport import connect
-from jetbatch.sidecar.worker import Worker
 from jetbatch.sidecar import cluster
 from jetbatch.sidecar.worker import execution, loop, residency
 
@@ -75,21 +73,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with server:
 
                 async def main() -> dict[str, int]:
-                    workers, conns = [], []
-                    async with anyio.create_task_group() as tg:
-                        for i in range(args.workers):
-                            nc = await connect(config.nats, server.url)
-                            own = msgspec.structs.replace(config, worker=msgspec.structs.replace(config.worker, id=f"cp{i}"))
-                            workers.append(Worker(own, nc))
-                            conns.append(nc)
-                            tg.start_soon(workers[-1].run)
-                        for worker in workers:
-                            await worker.ready.wait()
+                    async with contextlib.AsyncExitStack() as stack:
+                        workers = [
+                            await stack.enter_async_context(harness.in_process(msgspec.structs.replace(config, worker=msgspec.structs.replace(config.worker, id=f"cp{i}")), server.url))
+                            for i in range(args.workers)
+                        ]  # fmt: skip
                         await replay(server.url, "cp", workload.arrivals, 60.0)
-                        for worker in workers:
-                            worker.stop()
-                    for nc in conns:
-                        await nc.close()
                     total: dict[str, int] = {}
                     for worker in workers:
                         for k, v in worker.stats.items():
@@ -120,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--cluster", action="store_true", help="a 3-node cluster, streams with 3 replicas")
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
     args = parser.parse_args(argv)
     record = run(args)
-    print(json.dumps(record))
+    harness.emit(record, args.json)
     for name, s in record["stages"].items():
         print(f"{name:14s} n={s['n']:5d}  mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f} ms")
     print(f"decision: {record['decision_mean_ms']:.3f} ms with {record['models_shown_mean']:.1f} models shown")

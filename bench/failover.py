@@ -27,22 +27,20 @@ import json
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jetbatch import sdk  # noqa: E402
-from jetbatch.sidecar.percentiles import percentile  # noqa: E402
-from jetbatch.sdk.connection import connect_nats  # noqa: E402
-from jetbatch.sdk.protocol import Subjects  # noqa: E402
-from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
-from jetbatch.sidecar.dev.natsserver import NatsCluster  # noqa: E402
-from jetbatch.sidecar.status import collect_status  # noqa: E402
+from jetbatch import sdk
+from jetbatch.sidecar.percentiles import percentile
+from jetbatch.sdk.connection import connect_nats
+from jetbatch.sdk.protocol import Subjects
+from jetbatch.sidecar.dev.deployment import Deployment
+from jetbatch.sidecar.dev.natsserver import NatsCluster
+from jetbatch.sidecar.status import collect_status
 
 MODELS = ("m1", "m2")
 LOAD_COST_S = 0.5

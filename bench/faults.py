@@ -10,26 +10,24 @@ the SDK; a supervisor that restarts a dead worker at once. Scenarios (each in on
 (the SDK returns one; this listens on the inbox beside it). "Lost": no answer within the call's
 timeout. Run:
 
-    python bench/faults.py [--rate 200] [--duration 30] [--scenario kill restart]
+    python -m bench.faults [--rate 200] [--duration 30] [--scenario kill restart]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jetbatch import sdk  # noqa: E402
-from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
-from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
+from bench import harness
+from jetbatch import sdk
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from jetbatch.sidecar.dev.deployment import Deployment
 
 
 def write_config(directory: Path, prefix: str, max_deliver: int) -> Path:
@@ -125,5 +123,6 @@ if __name__ == "__main__":
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--scenario", nargs="+", default=["kill", "restart"], choices=["kill", "restart"])
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
     ns = parser.parse_args()
-    print(json.dumps(asyncio.run(main(ns)), indent=2))
+    harness.emit(asyncio.run(main(ns)), ns.json)

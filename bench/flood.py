@@ -5,26 +5,24 @@ requests published as fast as JetStream takes them, 10x what it serves in the sa
 queue is JetStream's (on disk); the worker holds at most one running and one gathered batch, so
 its memory should not grow with the flood. Run:
 
-    python bench/flood.py [--seconds 5]
+    python -m bench.flood [--seconds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import nats  # noqa: E402
+from bench import harness
+import nats
 
-from jetbatch.sdk.protocol import Headers  # noqa: E402
-from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
+from jetbatch.sdk.protocol import Headers
+from jetbatch.sidecar.dev.deployment import Deployment
 
 
 def rss_kib(pid: int, field: str) -> int:
@@ -57,6 +55,7 @@ async def flood(url: str, prefix: str, seconds: float, rate: float) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
     args = parser.parse_args()
     capacity = 16 / 0.05
     prefix = f"fl{uuid.uuid4().hex[:6]}"
@@ -73,10 +72,10 @@ def main() -> None:
             sent = asyncio.run(flood(dep.url, prefix, args.seconds, 10 * capacity))
             time.sleep(1.0)  # keep serving the backlog a little: the peak is recorded by the kernel
             peak = rss_kib(pid, "VmHWM")
-    print(json.dumps({
+    harness.emit({
         "capacity_rps": capacity, "offered_rps": sent / args.seconds, "offered_over_capacity": sent / args.seconds / capacity,
         "idle_rss_mib": round(idle / 1024, 1), "peak_rss_mib": round(peak / 1024, 1), "peak_over_idle": round(peak / idle, 3),
-    }, indent=2))  # fmt: skip
+    }, args.json)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,27 +4,25 @@ warm (its weights already in host memory: the worker's warm tier) and resident (
 On a CUDA device it also measures host-to-device bandwidth from pinned and pageable memory, and
 how much of the pinned bandwidth a warm reload reaches. Run:
 
-    python bench/model_loading.py [--rounds 5] [--hidden 4096] [--device auto|cpu|cuda]
+    python -m bench.model_loading [--rounds 5] [--hidden 4096] [--device auto|cpu|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jetbatch.sidecar.config import ModelConfig  # noqa: E402
-from jetbatch.sidecar.handlers import create_handler, resolve_device  # noqa: E402
+from jetbatch.sidecar.config import ModelConfig
+from jetbatch.sidecar.handlers import create_handler, resolve_device
 
 
 class Big(torch.nn.Module):
@@ -131,6 +129,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
     args = parser.parse_args()
     device = resolve_device(args.device)
     report: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
@@ -144,7 +143,7 @@ def main() -> None:
         report["host_to_device"] = bw
         for name in ("export", "state_dict (safetensors)", "state_dict (torch.save)", "torchscript"):
             report[name]["warm_share_of_pinned_bandwidth"] = report[name]["warm_gb_per_s"] / bw["pinned_gb_per_s"]
-    print(json.dumps(report, indent=2))
+    harness.emit(report, args.json)
 
 
 if __name__ == "__main__":

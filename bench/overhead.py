@@ -4,7 +4,7 @@ Both run in one process against one embedded nats-server, with the same payloads
 number of requests and the same producer concurrency; the raw side is the least a JetStream
 request/reply needs (no scheduling, no handler thread, no batching window). Run:
 
-    python bench/overhead.py [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier] [--compare-durable]
+    python -m bench.overhead [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier] [--compare-durable]
                              [--uvloop] [--profile out.pstats [--profile-only raw|jetbatch|classified]]
 """
 
@@ -12,26 +12,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Awaitable, TypeVar
 
-import anyio
-import msgspec
 import nats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from jetbatch import sdk  # noqa: E402
-from jetbatch.sidecar.config import Config  # noqa: E402
-from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
-from jetbatch.sidecar.percentiles import percentile  # noqa: E402
-from jetbatch.sidecar.transport import connect  # noqa: E402
-from jetbatch.sidecar.worker import Worker  # noqa: E402
+from bench import harness
+from jetbatch import sdk
+from jetbatch.sidecar.config import Config
+from jetbatch.sidecar.percentiles import percentile
 
 
 T = TypeVar("T")
@@ -111,108 +102,43 @@ async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple
     return n / elapsed, latencies
 
 
+def _config(tag: str, max_batch: int, max_delay_ms: float = 2.0, **sections: Any) -> Config:
+    return harness.config(
+        {
+            "worker": {"poll_interval_ms": POLL_MS, "policy": POLICY},
+            "models": {"ident": {"handler": "identity", "max_batch_size": max_batch, "max_delay_ms": max_delay_ms}},
+            **sections,
+        },
+        tag=tag,
+    )
+
+
 async def jetbatch_round(
     url: str, n: int, concurrency: int, payload: bytes, max_batch: int, *, durable: bool = True
 ) -> tuple[float, list[float], float]:
-    prefix = f"jb{uuid.uuid4().hex[:6]}"
-    config = msgspec.convert(
-        {
-            "nats": {"prefix": prefix},
-            "replies": {"durable": durable},
-            "worker": {"poll_interval_ms": POLL_MS, "policy": POLICY},
-            "models": {"ident": {"handler": "identity", "max_batch_size": max_batch, "max_delay_ms": 2}},
-        },
-        Config,
-    )
-    nc = await connect(config.nats, url)
-    worker = Worker(config, nc)
-    latencies: list[float] = []
-    sizes: list[int] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker.run)
-        await worker.ready.wait()
-        async with sdk.Client.connect(url, prefix=prefix) as client:
-            await client.infer(payload, model="ident", timeout=30)  # load before timing
-            gate = asyncio.Semaphore(concurrency)
-
-            async def one() -> None:
-                async with gate:
-                    r = await client.infer_result(payload, model="ident", timeout=30)
-                    latencies.append(r.latency_s)
-                    sizes.append(r.batch.batch_size)
-
-            started = time.perf_counter()
-            await asyncio.gather(*(one() for _ in range(n)))
-            elapsed = time.perf_counter() - started
-        worker.stop()
-    await nc.close()
-    return n / elapsed, latencies, statistics.mean(sizes)
+    cfg = _config("jb", max_batch, replies={"durable": durable})
+    async with harness.in_process(cfg, url), sdk.Client.connect(url, prefix=cfg.nats.prefix) as client:
+        await client.infer(payload, model="ident", timeout=30)  # load before timing
+        run = await harness.gather(lambda: client.infer_result(payload, model="ident", timeout=30), n, concurrency)
+    return run.rate, [r.latency_s for r in run.results], statistics.mean(r.batch.batch_size for r in run.results)
 
 
 async def classified_round(url: str, n: int, concurrency: int, payload: bytes, max_batch: int) -> tuple[float, list[float]]:
     """SDK → classifier (rules router) → worker → reply: requests without a model."""
-    from jetbatch.sidecar.classifier import Classifier
-
-    prefix = f"jc{uuid.uuid4().hex[:6]}"
-    config = msgspec.convert(
-        {
-            "nats": {"prefix": prefix},
-            "worker": {"poll_interval_ms": POLL_MS, "policy": POLICY},
-            "models": {"ident": {"handler": "identity", "max_batch_size": max_batch, "max_delay_ms": 2}},
-            "classifier": {"router": "rules", "default_model": "ident", "max_batch_size": max_batch, "max_delay_ms": 2},
-        },
-        Config,
-    )
-    nc = await connect(config.nats, url)
-    nc2 = await connect(config.nats, url)
-    worker = Worker(config, nc)
-    classifier = Classifier(config, nc2)
-    latencies: list[float] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker.run)
-        tg.start_soon(classifier.run)
-        await worker.ready.wait()
-        await classifier.ready.wait()
-        async with sdk.Client.connect(url, prefix=prefix) as client:
-            await client.infer(payload, timeout=30)
-            gate = asyncio.Semaphore(concurrency)
-
-            async def one() -> None:
-                async with gate:
-                    r = await client.infer_result(payload, timeout=30)
-                    latencies.append(r.latency_s)
-
-            started = time.perf_counter()
-            await asyncio.gather(*(one() for _ in range(n)))
-            elapsed = time.perf_counter() - started
-        worker.stop()
-        classifier.stop()
-    await nc.close()
-    await nc2.close()
-    return n / elapsed, latencies
+    cfg = _config("jc", max_batch, classifier={"router": "rules", "default_model": "ident", "max_batch_size": max_batch, "max_delay_ms": 2})
+    async with harness.in_process(cfg, url, classifier=True), sdk.Client.connect(url, prefix=cfg.nats.prefix) as client:
+        await client.infer(payload, timeout=30)
+        run = await harness.gather(lambda: client.infer_result(payload, timeout=30), n, concurrency)
+    return run.rate, [r.latency_s for r in run.results]
 
 
 async def lone_request_overhead(url: str, max_delay_ms: float, rounds: int = 20) -> float:
     """Median latency of a lone request minus its batching window (ms)."""
-    prefix = f"jl{uuid.uuid4().hex[:6]}"
-    config = msgspec.convert(
-        {"nats": {"prefix": prefix}, "worker": {"policy": POLICY}, "models": {"ident": {"handler": "identity", "max_batch_size": 16, "max_delay_ms": max_delay_ms}}},
-        Config,
-    )
-    nc = await connect(config.nats, url)
-    worker = Worker(config, nc)
-    lat: list[float] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker.run)
-        await worker.ready.wait()
-        async with sdk.Client.connect(url, prefix=prefix) as client:
-            await client.infer(b"x", model="ident", timeout=30)
-            for _ in range(rounds):
-                r = await client.infer_result(b"x", model="ident", timeout=30)
-                lat.append(r.latency_s)
-        worker.stop()
-    await nc.close()
-    return statistics.median(lat) * 1000 - max_delay_ms
+    cfg = _config("jl", 16, max_delay_ms)
+    async with harness.in_process(cfg, url), sdk.Client.connect(url, prefix=cfg.nats.prefix) as client:
+        await client.infer(b"x", model="ident", timeout=30)
+        run = await harness.gather(lambda: client.infer_result(b"x", model="ident", timeout=30), rounds, 1)
+    return statistics.median(r.latency_s for r in run.results) * 1000 - max_delay_ms
 
 
 async def main(args: argparse.Namespace) -> dict[str, object]:
@@ -224,7 +150,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     raw_lat: list[float] = []
     jb_lat: list[float] = []
     batch_means: list[float] = []
-    with EmbeddedNats() as server:
+    with harness.server() as server:
         for _ in range(args.rounds):
             # Alternate the order so neither side always runs on a warmer machine.
             raw_rps, rl = await profiled("raw", raw_round(server.url, args.requests, args.concurrency, payload))
@@ -309,6 +235,4 @@ if __name__ == "__main__":
     if PROFILER is not None:
         PROFILER.disable()
         PROFILER.dump_stats(ns.profile)
-    print(json.dumps(out, indent=2))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(out, indent=2))
+    harness.emit(out, ns.json)

@@ -6,7 +6,7 @@ tensor encoding makes, in one run on one embedded nats-server.
 3. Decode cost of the tensor encoding against a copying decode (bytes(...) + torch.tensor), and
    a check that the decoded torch tensor points into the received message. Run:
 
-    python bench/payload_scaling.py [--requests 600]
+    python -m bench.payload_scaling [--requests 600]
 """
 
 from __future__ import annotations
@@ -14,59 +14,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import json
-import sys
 import time
-import uuid
-from pathlib import Path
 
-import anyio
 import msgspec
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from jetbatch import sdk  # noqa: E402
-from jetbatch.sdk.protocol import ContentType, Tensor, decode_payload, encode_payload  # noqa: E402
-from jetbatch.sidecar.config import Config  # noqa: E402
-from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
-from jetbatch.sidecar.transport import connect  # noqa: E402
-from jetbatch.sidecar.worker import Worker  # noqa: E402
+from bench import harness
+from jetbatch import sdk
+from jetbatch.sdk.protocol import ContentType, Tensor, decode_payload, encode_payload
 
 
 async def throughput(url: str, n: int, payload_bytes: int, max_batch: int) -> dict[str, float]:
-    prefix = f"ps{uuid.uuid4().hex[:6]}"
-    cfg = msgspec.convert(
+    cfg = harness.config(
         {
-            "nats": {"prefix": prefix},
             "streams": {"max_msg_size": 2 * 1024 * 1024},
             "models": {"m": {"handler": "identity", "max_batch_size": max_batch, "max_delay_ms": 2}},
         },
-        Config,
+        tag="ps",
     )
-    nc = await connect(cfg.nats, url)
-    worker = Worker(cfg, nc)
     tensor = Tensor.from_torch(torch.arange(payload_bytes // 4, dtype=torch.float32))
-    sizes: list[int] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker.run)
-        await worker.ready.wait()
-        async with sdk.Client.connect(url, prefix=prefix) as client:
-            await client.infer(tensor, model="m", timeout=60)
-            gate = asyncio.Semaphore(32)
-
-            async def one() -> None:
-                async with gate:
-                    r = await client.infer_result(tensor, model="m", timeout=120)
-                    sizes.append(r.batch.batch_size)
-
-            started = time.perf_counter()
-            await asyncio.gather(*(one() for _ in range(n)))
-            elapsed = time.perf_counter() - started
-        worker.stop()
-    await nc.close()
-    return {"payload_bytes": payload_bytes, "max_batch": max_batch, "throughput_rps": n / elapsed,
-            "mib_per_s": n * payload_bytes / elapsed / 2**20, "mean_batch": sum(sizes) / len(sizes)}  # fmt: skip
+    async with harness.in_process(cfg, url), sdk.Client.connect(url, prefix=cfg.nats.prefix) as client:
+        await client.infer(tensor, model="m", timeout=60)
+        run = await harness.gather(lambda: client.infer_result(tensor, model="m", timeout=120), n, 32)
+    return {"payload_bytes": payload_bytes, "max_batch": max_batch, "throughput_rps": run.rate,
+            "mib_per_s": run.rate * payload_bytes / 2**20, "mean_batch": sum(r.batch.batch_size for r in run.results) / n}  # fmt: skip
 
 
 def decode_costs() -> list[dict[str, float]]:
@@ -93,7 +64,7 @@ def decode_costs() -> list[dict[str, float]]:
 
 async def main(n: int) -> dict[str, object]:
     out: dict[str, object] = {"decode": decode_costs(), "by_payload": [], "by_batch": []}
-    with EmbeddedNats() as server:
+    with harness.server() as server:
         for size in (1024, 16 * 1024, 256 * 1024, 1024 * 1024):
             count = n if size <= 16 * 1024 else max(50, n // 6)
             out["by_payload"].append(await throughput(server.url, count, size, 64))  # type: ignore[union-attr]
@@ -105,5 +76,6 @@ async def main(n: int) -> dict[str, object]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(main(args.requests)), indent=2))
+    harness.emit(asyncio.run(main(args.requests)), args.json)

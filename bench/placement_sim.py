@@ -1,7 +1,7 @@
 """Placement at scale in the simulator: W workers sharing M model queues, each worker with its
 own policy, estimator and cluster share, as the live workers run (docs/scaleout.md).
 
-    python bench/placement_sim.py --workers 100 --models 1000 --duration 120
+    python -m bench.placement_sim --workers 100 --models 1000 --duration 120
 
 Models: load costs spread 0.2-2 s, Zipf(1.1) popularity, two resident slots per worker. The
 offered load is a share of the fleet's full-batch capacity. Reports served/offered, latency,
@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jetbatch.sidecar.simulator import build_workload, simulate  # noqa: E402
+from jetbatch.sidecar.simulator import build_workload, simulate
 
 
 def main() -> None:

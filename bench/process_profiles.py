@@ -2,7 +2,7 @@
 process, as deployed, under ``python -m cProfile``), the same load as ``bench/overhead.py``
 (identity handler, 256-byte payloads, 64 in flight). Run:
 
-    python bench/process_profiles.py [--requests 10000] [--out DIR]
+    python -m bench.process_profiles [--requests 10000] [--out DIR]
 
 Prints, for each process, where its CPU went (grouped by package), its CPU time per request and
 the calls per request that matter on the hot path (messages published and received, header
@@ -25,11 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from jetbatch import sdk
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
 
-from jetbatch import sdk  # noqa: E402
-from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CALLS = {
     "_send_publish": "messages published",

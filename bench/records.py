@@ -11,7 +11,7 @@ __all__ = ["emit"]
 
 def emit(record: dict[str, Any], path: str | None) -> None:
     """Print ``record`` as one JSON line, and append it to ``path`` when given."""
-    line = json.dumps(record)
+    line = json.dumps(record, default=float)  # numpy scalars and the like print as numbers
     print(line)
     if path:
         with open(path, "a") as f:

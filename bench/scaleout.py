@@ -4,7 +4,7 @@ uncoordinated (every worker scheduling alone), all in one run on one embedded na
 The handler is `sleep` (load and compute are sleeps), so the workers' throughput is bounded by
 their simulated device time, not by this machine's two cores. Run:
 
-    python bench/scaleout.py [--duration 10] [--concurrency 64] [--json out.json]
+    python -m bench.scaleout [--duration 10] [--concurrency 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -12,18 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jetbatch.sidecar.dev.loadtest import run_bench  # noqa: E402
-from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
-from jetbatch.sidecar.status import collect_status  # noqa: E402
-from jetbatch.sidecar.dev.deployment import Deployment  # noqa: E402
-from jetbatch.sdk.connection import connect_nats  # noqa: E402
-from jetbatch.sdk.protocol import Subjects  # noqa: E402
+from bench import harness
+from jetbatch.sidecar.dev.loadtest import run_bench
+from jetbatch.sidecar.status import collect_status
+from jetbatch.sidecar.dev.deployment import Deployment
+from jetbatch.sdk.connection import connect_nats
+from jetbatch.sdk.protocol import Subjects
 
 MODELS = ("m1", "m2", "m3")
 
@@ -85,7 +83,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedNats() as server:
+    with tempfile.TemporaryDirectory() as tmp, harness.server() as server:
         directory = Path(tmp)
         for name, workers, coordinate in (("w1", 1, True), ("w2", 2, True), ("w3", 3, True), ("u3", 3, False)):
             rows.append(scenario(server.url, directory, name, workers, coordinate, args))
@@ -99,9 +97,7 @@ def main() -> None:
         "uncoordinated_over_coordinated_loads": uncoordinated["loads"] / max(coordinated["loads"], 1),
         "coordinated_over_uncoordinated_throughput": coordinated["throughput_rps"] / max(uncoordinated["throughput_rps"], 1e-9),
     }
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+    harness.emit(summary, args.json)
 
 
 if __name__ == "__main__":

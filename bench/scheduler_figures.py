@@ -12,32 +12,25 @@ The live runs use the `sleep` handler in a real worker on a real nats-server, wi
 costs; the live fifo burst is scaled down (4 x 16 requests) because fifo at full size takes over
 two minutes of simulated loading. Run:
 
-    python bench/scheduler_figures.py [--live-duration 20] [--json out.json]
+    python -m bench.scheduler_figures [--live-duration 20] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
-import anyio
-import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jetbatch import sdk  # noqa: E402
-from jetbatch.sidecar.config import Config  # noqa: E402
-from jetbatch.sidecar.dev.natsserver import EmbeddedNats  # noqa: E402
-from jetbatch.sidecar.simulator import build_workload, simulate  # noqa: E402
-from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams  # noqa: E402
-from jetbatch.sidecar.transport import connect  # noqa: E402
-from jetbatch.sidecar.worker import Worker  # noqa: E402
+from bench import harness
+from jetbatch import sdk
+from jetbatch.sidecar.config import Config
+from jetbatch.sidecar.percentiles import percentile
+from jetbatch.sidecar.simulator import build_workload, simulate
+from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams
+from jetbatch.sidecar.transport import connect
 
 LOAD_S, FIXED_S, ITEM_S, BATCH = 0.5, 0.005, 0.0001, 16
 MODELS4 = {f"m{i}": {"load_cost_s": LOAD_S, "batch_cost_s": FIXED_S, "item_cost_s": ITEM_S, "max_batch_size": BATCH, "max_wait_s": 10.0} for i in range(4)}
@@ -79,26 +72,25 @@ def tier_figures() -> dict[str, Any]:
     return out
 
 
-def live_config(prefix: str, policy: str, n_models: int = 4) -> Config:
+def live_config(policy: str, tag: str, n_models: int = 4) -> Config:
     model = {
         "handler": "sleep", "max_batch_size": BATCH, "max_delay_ms": 2, "load_cost_s": LOAD_S, "batch_cost_s": FIXED_S,
         "item_cost_s": ITEM_S, "max_wait_ms": 10_000, "options": {"load_cost_s": LOAD_S, "batch_cost_s": FIXED_S, "item_cost_s": ITEM_S},
     }  # fmt: skip
-    return msgspec.convert(
+    return harness.config(
         {
-            "nats": {"prefix": prefix},
             "streams": {"max_deliver": 1000, "ack_wait_s": 60},  # fifo naks the request that ends a run
             # No warm tier: the simulator's workload has none either, so both pay the same loads.
             "worker": {"policy": policy, "poll_interval_ms": 50, "max_resident_models": 1, "coordinate": False, "host_memory_budget_bytes": 0},
             "models": {f"m{i}": model for i in range(n_models)},
         },
-        Config,
+        tag=tag,
     )
 
 
 async def live_burst(url: str, policy: str, per_model: int) -> dict[str, float]:
-    prefix = f"b{uuid.uuid4().hex[:6]}"
-    cfg = live_config(prefix, policy)
+    cfg = live_config(policy, "b")
+    prefix = cfg.nats.prefix
     nc = await connect(cfg.nats, url)
     js = nc.jetstream()
     await ensure_streams(js, cfg.subjects, cfg.streams, cfg.models)
@@ -112,14 +104,11 @@ async def live_burst(url: str, policy: str, per_model: int) -> dict[str, float]:
             calls.append(asyncio.ensure_future(client.infer_result(f"{i}".encode(), model=m, timeout=600)))
             while (await js.stream_info(cfg.subjects.models_stream)).state.messages < i + 1:
                 await asyncio.sleep(0.001)
-        worker = Worker(cfg, nc)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(worker.run)
-            await worker.ready.wait()  # the clock starts when the worker can pull (not at its startup)
+        # The clock starts when the worker can pull (not at its startup).
+        async with harness.in_process(cfg, url) as worker:
             started = time.perf_counter()
             results = await asyncio.gather(*calls)
             makespan = time.perf_counter() - started
-            worker.stop()
     await nc.close()
     bound = 4 * (LOAD_S + -(-per_model // BATCH) * FIXED_S + per_model * ITEM_S)
     return {"makespan_s": makespan, "lower_bound_s": bound, "ratio_to_bound": makespan / bound,
@@ -128,32 +117,24 @@ async def live_burst(url: str, policy: str, per_model: int) -> dict[str, float]:
 
 async def live_poisson(url: str, policy: str, trace: tuple[tuple[float, str], ...], duration_s: float) -> dict[str, float]:
     """Replay ``trace`` (the simulator's own arrivals) against a live worker."""
-    prefix = f"p{uuid.uuid4().hex[:6]}"
-    cfg = live_config(prefix, policy)
-    nc = await connect(cfg.nats, url)
-    worker = Worker(cfg, nc)
+    cfg = live_config(policy, "p")
     latencies: list[float] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker.run)
-        await worker.ready.wait()
-        async with sdk.Client.connect(url, prefix=prefix) as client:
+    async with harness.in_process(cfg, url) as worker, sdk.Client.connect(url, prefix=cfg.nats.prefix) as client:
 
-            async def one(m: str) -> None:
-                try:
-                    r = await client.infer_result(b"x", model=m, timeout=duration_s + 60)
-                    latencies.append(r.latency_s)
-                except sdk.RequestTimeout:
-                    pass
+        async def one(m: str) -> None:
+            try:
+                r = await client.infer_result(b"x", model=m, timeout=duration_s + 60)
+                latencies.append(r.latency_s)
+            except sdk.RequestTimeout:
+                pass
 
-            tasks = []
-            started = time.perf_counter()
-            for at, model in trace:
-                await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
-                tasks.append(asyncio.ensure_future(one(model)))
-            await asyncio.gather(*tasks)
-            elapsed = time.perf_counter() - started
-        worker.stop()
-    await nc.close()
+        tasks = []
+        started = time.perf_counter()
+        for at, model in trace:
+            await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+            tasks.append(asyncio.ensure_future(one(model)))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - started
     latencies.sort()
     return {
         "offered_rps": len(trace) / duration_s,
@@ -161,7 +142,7 @@ async def live_poisson(url: str, policy: str, trace: tuple[tuple[float, str], ..
         "answered": len(latencies),
         "sent": len(trace),
         "mean_ms": sum(latencies) / len(latencies) * 1000 if latencies else float("nan"),
-        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1000 if latencies else float("nan"),
+        "p99_ms": percentile(latencies, 0.99) * 1000 if latencies else float("nan"),
         "loads_per_minute": worker.stats["loads"] / (elapsed / 60),
     }
 
@@ -174,7 +155,7 @@ async def live_figures(live_duration_s: float) -> dict[str, Any]:
     # time; offer 70% of the *simulated* device capacity, capped at what one Python process
     # generates reliably here.
     rate = min(0.7 * capacity, 400.0)
-    with EmbeddedNats() as server:
+    with harness.server() as server:
         out["burst_full_cost_aware"] = await live_burst(server.url, "cost-aware", 64)
         out["burst_small_cost_aware"] = await live_burst(server.url, "cost-aware", 16)
         out["burst_small_fifo"] = await live_burst(server.url, "fifo", 16)
@@ -206,10 +187,7 @@ def main() -> None:
     result: dict[str, Any] = {"sim": sim_figures()}
     if not args.no_live:
         result["live"] = asyncio.run(live_figures(args.live_duration))
-    text = json.dumps(result, indent=1, default=float)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    harness.emit(result, args.json)
 
 
 if __name__ == "__main__":

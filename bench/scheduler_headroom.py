@@ -24,9 +24,9 @@ Each is given as a ratio to exhaustive on the same trace (geometric mean over se
 default policy, with the rarest model's worst latency divided by the nominal cycle
 ``S / (1 − ρ)`` (S: the sum of the ten load costs). Run:
 
-    python bench/scheduler_headroom.py                    # 1 slot, Poisson, ρ .3-.85, 3 seeds (about 5 min)
-    python bench/scheduler_headroom.py --patient 1.0 --rho 0.5,0.85 --seeds 2
-    python bench/scheduler_headroom.py --kinds onoff      # on/off bursts (no fluid bound)
+    python -m bench.scheduler_headroom                    # 1 slot, Poisson, ρ .3-.85, 3 seeds (about 5 min)
+    python -m bench.scheduler_headroom --patient 1.0 --rho 0.5,0.85 --seeds 2
+    python -m bench.scheduler_headroom --kinds onoff      # on/off bursts (no fluid bound)
 """
 
 from __future__ import annotations
@@ -36,19 +36,16 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scheduler_open import FAMILIES, workload  # noqa: E402
+from bench.scheduler_open import FAMILIES, workload
 
-from jetbatch.sidecar.policy.base import best  # noqa: E402
-from jetbatch.sidecar.policy.baselines import Exhaustive  # noqa: E402
-from jetbatch.sidecar.policy.types import Decision, Idle, Load, ModelState, SchedulerState, Serve  # noqa: E402
-from jetbatch.sidecar.simulator import simulate  # noqa: E402
-from jetbatch.sidecar.simulator.workloads import Workload  # noqa: E402
+from jetbatch.sidecar.policy.base import best
+from jetbatch.sidecar.policy.baselines import Exhaustive
+from jetbatch.sidecar.policy.types import Decision, Idle, Load, ModelState, SchedulerState, Serve
+from jetbatch.sidecar.simulator import simulate
+from jetbatch.sidecar.simulator.workloads import Workload
 
 _LOAD_SHARES = 400  # grid over the share of time spent loading, in (0, 1 − ρ]
 

@@ -14,9 +14,9 @@ give geometric means over seeds of each policy's ratio to ``exhaustive`` on the 
 served/offered (completions over arrivals in the second half of the window: < 0.95 means queues
 grow without bound).
 
-    python bench/scheduler_open.py                      # the full grid (about 15 minutes on 2 cores)
-    python bench/scheduler_open.py --quick              # one seed, 300 s, fewer cells
-    python bench/scheduler_open.py --json out.json --markdown out.md
+    python -m bench.scheduler_open                      # the full grid (about 15 minutes on 2 cores)
+    python -m bench.scheduler_open --quick              # one seed, 300 s, fewer cells
+    python -m bench.scheduler_open --json out.json --markdown out.md
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jetbatch.sidecar.simulator import build_workload, simulate  # noqa: E402
+from jetbatch.sidecar.simulator import build_workload, simulate
 
 FAMILIES = ("cheap-popular", "costly-popular", "unrelated")
 MEMORY = ("1 slot", "2 slots", "3 slots", "bytes 40%")

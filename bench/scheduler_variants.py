@@ -11,9 +11,9 @@ with ``work`` one batch (the default) or the whole backlog's drain time (``drain
 default policy's own options (``wait_cycles``, ...). Results are geometric means over seeds of the
 variant ÷ exhaustive on the same trace, as in ``scheduler_open.py``. Run:
 
-    python bench/scheduler_variants.py                       # the preset variants, 1 slot, ρ .5/.85
-    python bench/scheduler_variants.py --variants '{"mine": {"b": 1.5, "c": 1.25}}' --rho 0.7
-    python bench/scheduler_variants.py --memory "2 slots"
+    python -m bench.scheduler_variants                       # the preset variants, 1 slot, ρ .5/.85
+    python -m bench.scheduler_variants --variants '{"mine": {"b": 1.5, "c": 1.25}}' --rho 0.7
+    python -m bench.scheduler_variants --memory "2 slots"
 
 About 50 s per variant on one core (12 cells × 2 seeds × 600 s simulated).
 """
@@ -29,15 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scheduler_open import FAMILIES, workload  # noqa: E402
+from bench.scheduler_open import FAMILIES, workload
 
-from jetbatch.sidecar.policy.base import age, drain_seconds  # noqa: E402
-from jetbatch.sidecar.policy.cost_aware import CostAware  # noqa: E402
-from jetbatch.sidecar.policy.types import ModelState  # noqa: E402
-from jetbatch.sidecar.simulator import simulate  # noqa: E402
+from jetbatch.sidecar.policy.base import age, drain_seconds
+from jetbatch.sidecar.policy.cost_aware import CostAware
+from jetbatch.sidecar.policy.types import ModelState
+from jetbatch.sidecar.simulator import simulate
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},

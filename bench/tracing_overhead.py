@@ -2,8 +2,8 @@
 tracing off, same workload (SDK → worker, identity handler), alternating in one run. Each round
 runs in a fresh process, because OpenTelemetry's global providers can be set only once. Run:
 
-    python bench/tracing_overhead.py [--requests 3000] [--rounds 3] [--sample-ratio 1.0] [--side both|worker]
-    python bench/tracing_overhead.py --producer-span [--requests 20000]
+    python -m bench.tracing_overhead [--requests 3000] [--rounds 3] [--sample-ratio 1.0] [--side both|worker]
+    python -m bench.tracing_overhead --producer-span [--requests 20000]
 
 ``--sample-ratio`` below 1 samples that share of traces (``parentbased_traceidratio`` in the SDK and
 the worker) to show what sampling buys back.
@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from bench import harness
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def install_tracing(endpoint: str | None, sample_ratio: float = 1.0) -> object:
@@ -76,7 +76,6 @@ async def one_round_processes(
     import tempfile
 
     from jetbatch import sdk
-    from jetbatch.sidecar.dev.deployment import Deployment
 
     if side == "worker":
         provider = install_silent_tracing()
@@ -88,27 +87,19 @@ async def one_round_processes(
             "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or "", "OTEL_METRICS_EXPORTER": "none",
             "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(sample_ratio),
         }  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, harness.server() as server:
         cfg = Path(tmp) / "m.toml"
         cfg.write_text('[models.m]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_ms = 2\n')
-        with Deployment(cfg, extra_env=env) as dep:
+        with harness.processes(cfg, server.url, extra_env=env) as dep:
             async with sdk.Client.connect(dep.url) as client:
                 await client.infer(b"warm", model="m", timeout=30)
-                gate = asyncio.Semaphore(64)
-
-                async def one() -> None:
-                    async with gate:
-                        await client.infer(b"x" * 256, model="m", timeout=60)
-
                 pid = dep.procs["worker0"].pid
                 cpu_before = cpu_seconds(pid)
-                started = asyncio.get_running_loop().time()
-                await asyncio.gather(*(one() for _ in range(n)))
-                elapsed = asyncio.get_running_loop().time() - started
+                run = await harness.gather(lambda: client.infer(b"x" * 256, model="m", timeout=60), n, 64)
                 cpu_us = (cpu_seconds(pid) - cpu_before) / n * 1e6
     if provider is not None:
         provider.shutdown()  # type: ignore[attr-defined]
-    return n / elapsed, cpu_us
+    return run.rate, cpu_us
 
 
 def producer_span_cost(n: int, mode: str, endpoint: str | None) -> float:
@@ -147,44 +138,17 @@ def producer_span_cost(n: int, mode: str, endpoint: str | None) -> float:
 
 
 async def one_round(n: int, tracing: bool, endpoint: str | None, sample_ratio: float = 1.0) -> float:
-    import uuid
-
-    import anyio
-    import msgspec
-
     from jetbatch import sdk
-    from jetbatch.sidecar.config import Config
-    from jetbatch.sidecar.dev.natsserver import EmbeddedNats
-    from jetbatch.sidecar.transport import connect
-    from jetbatch.sidecar.worker import Worker
 
     provider = install_tracing(endpoint, sample_ratio) if tracing else None
-    with EmbeddedNats() as server:
-        prefix = f"tr{uuid.uuid4().hex[:6]}"
-        cfg = msgspec.convert(
-            {"nats": {"prefix": prefix}, "models": {"m": {"handler": "identity", "max_batch_size": 64, "max_delay_ms": 2}}}, Config
-        )
-        nc = await connect(cfg.nats, server.url)
-        worker = Worker(cfg, nc)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(worker.run)
-            await worker.ready.wait()
-            async with sdk.Client.connect(server.url, prefix=prefix) as client:
-                await client.infer(b"warm", model="m", timeout=30)
-                gate = asyncio.Semaphore(64)
-
-                async def one() -> None:
-                    async with gate:
-                        await client.infer(b"x" * 256, model="m", timeout=60)
-
-                started = asyncio.get_running_loop().time()
-                await asyncio.gather(*(one() for _ in range(n)))
-                elapsed = asyncio.get_running_loop().time() - started
-            worker.stop()
-        await nc.close()
+    with harness.server() as server:
+        cfg = harness.config({"models": {"m": {"handler": "identity", "max_batch_size": 64, "max_delay_ms": 2}}}, tag="tr")
+        async with harness.in_process(cfg, server.url), sdk.Client.connect(server.url, prefix=cfg.nats.prefix) as client:
+            await client.infer(b"warm", model="m", timeout=30)
+            run = await harness.gather(lambda: client.infer(b"x" * 256, model="m", timeout=60), n, 64)
     if provider is not None:
         provider.shutdown()  # type: ignore[attr-defined]
-    return n / elapsed
+    return run.rate
 
 
 def main() -> None:
@@ -199,6 +163,7 @@ def main() -> None:
     parser.add_argument("--producer-span", action="store_true", help="measure the SDK's span work per request, alone")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
     args = parser.parse_args()
     if args.child:
         if args.producer_span:
@@ -212,7 +177,7 @@ def main() -> None:
 
     def child(mode: str, endpoint: str, *extra: str) -> list[float]:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", mode, "--requests", str(args.requests), "--endpoint", endpoint,
+            [sys.executable, "-m", "bench.tracing_overhead", "--child", mode, "--requests", str(args.requests), "--endpoint", endpoint,
              "--topology", args.topology, "--sample-ratio", str(args.sample_ratio), "--side", args.side, *extra],
             capture_output=True, text=True, check=True, cwd=ROOT,
         )  # fmt: skip
@@ -224,10 +189,10 @@ def main() -> None:
             for _ in range(args.rounds):
                 for mode, bucket in costs.items():
                     bucket.append(child(mode, receiver.endpoint, "--producer-span")[0])
-        print(json.dumps({
+        harness.emit({
             "requests": args.requests, "cpu_us_per_request": {k: [round(x, 1) for x in v] for k, v in costs.items()},
             "median_us": {k: round(statistics.median(v), 1) for k, v in costs.items()},
-        }, indent=2))  # fmt: skip
+        }, args.json)  # fmt: skip
         return
 
     off, on, off_cpu, on_cpu = [], [], [], []
@@ -251,7 +216,7 @@ def main() -> None:
             "worker_cpu_us_per_request_off": [round(x, 1) for x in off_cpu], "worker_cpu_us_per_request_on": [round(x, 1) for x in on_cpu],
             "worker_bound_ratio_median": statistics.median(cpu_ratios), "worker_bound_ratios": [round(r, 3) for r in cpu_ratios],
         })  # fmt: skip
-    print(json.dumps(summary, indent=2))
+    harness.emit(summary, args.json)
 
 
 if __name__ == "__main__":

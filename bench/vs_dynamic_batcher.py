@@ -12,14 +12,13 @@ for the answer every 10 ms (`delay=0.01`, its default).
 Needs `pip install dynamic-batcher==1.0.6.1` and `redis-server` (Debian: `apt-get install
 redis-server`); skips with a message otherwise. Run:
 
-    python bench/vs_dynamic_batcher.py [--requests 400] [--lone 5]
+    python -m bench.vs_dynamic_batcher [--requests 400] [--lone 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import socket
@@ -29,10 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench import harness
+from jetbatch.sidecar.percentiles import percentile
 
-from jetbatch.sidecar.percentiles import percentile  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PROCESSOR = """
 import asyncio, os
@@ -137,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=400, help="requests at concurrency 100")
     parser.add_argument("--lone", type=int, default=5, help="requests at concurrency 1 (each waits a whole batch window there)")
+    parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
     args = parser.parse_args()
     import importlib.util
 
@@ -156,7 +156,7 @@ def main() -> None:
             "p50_latency": ours[c]["p50_ms"] / theirs[c]["p50_ms"],
             "p99_latency": ours[c]["p99_ms"] / theirs[c]["p99_ms"],
         }
-    print(json.dumps(out, indent=2))
+    harness.emit(out, args.json)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ excluded, together with the load it causes.
 Imports only the standard library and ray (never jetbatch). Runs with its own virtualenv:
 
     python3 -m venv /work/ray-venv && /work/ray-venv/bin/pip install 'ray[serve]'
-    /work/ray-venv/bin/python bench/vs_ray.py --make-trace 200 40 60 1 /tmp/t200.json
-    /work/ray-venv/bin/python bench/vs_ray.py --trace /tmp/t200.json [--out result.json]
+    /work/ray-venv/bin/python -m bench.vs_ray --make-trace 200 40 60 1 /tmp/t200.json
+    /work/ray-venv/bin/python -m bench.vs_ray --trace /tmp/t200.json [--out result.json]
 
 Output (stdout, and `--out` as JSON): system, ray_version, requests, answered, timed_out,
 p50_s, p99_s, mean_s (over answered requests; nearest-rank percentiles), loads,

@@ -4,10 +4,14 @@ ones inside functions): no import circle, and the pure policy core imports no I/
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"sidecar": "jetbatch.sidecar", "sdk": "jetbatch.sdk"}
+# Each top-level folder holds one portion of the `jetbatch` namespace (PEP 420).
+PACKAGES = {"sidecar/jetbatch/sidecar": "jetbatch.sidecar", "sdk/jetbatch/sdk": "jetbatch.sdk"}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -125,4 +129,66 @@ def test_only_the_driver_decides_and_feeds_the_estimator() -> None:
                 receiver = ast.unparse(node.func.value)
                 if not receiver.endswith("driver"):
                     offenders.append(f"{name}: {receiver}.{node.func.attr}()")
+    assert offenders == []
+
+
+def test_every_file_has_one_import_name() -> None:
+    """From the repository root (on sys.path, as under pytest or ``python -m bench...``), the
+    folders are not packages of their own: ``sidecar.handlers`` or ``jetbatch.bench`` cannot be a
+    second module object for a file, and ``jetbatch`` is found only in the two portions."""
+    code = (
+        "import importlib, jetbatch, jetbatch.sidecar.handlers as h\n"
+        "print(sorted(jetbatch.__path__))\n"
+        "for name in ('sidecar.handlers', 'sdk.client', 'jetbatch.bench', 'jetbatch.tests', 'jetbatch.examples'):\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError:\n"
+        "        continue\n"
+        "    print('importable', name)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    first, *rest = out.stdout.splitlines()
+    assert first == repr(sorted([str(ROOT / "sdk" / "jetbatch"), str(ROOT / "sidecar" / "jetbatch")]))
+    assert rest == []
+    # No stray __init__.py makes a folder above a portion a package again.
+    assert not (ROOT / "sdk" / "__init__.py").exists() and not (ROOT / "sidecar" / "__init__.py").exists()
+    assert not (ROOT / "sdk" / "jetbatch" / "__init__.py").exists() and not (ROOT / "sidecar" / "jetbatch" / "__init__.py").exists()
+
+
+def test_no_module_reads_another_objects_private_fields() -> None:
+    """``x._field`` only on ``self``, ``cls``, ``super()`` or an object of a class the same module
+    defines (a leading underscore is private to its module): a part that needs another's state
+    gets it through a public name or as an argument (the worker's parts are handed what they read)."""
+    offenders = []
+    for name, (path, _) in _modules().items():
+        tree = ast.parse(path.read_text())
+        own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        own |= {t.attr for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Attribute)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            attr = node.attr
+            if not attr.startswith("_") or attr.startswith("__") or attr.endswith("_"):
+                continue  # public, dunder, or an enum's sunder names
+            receiver = ast.unparse(node.value)
+            if receiver not in ("self", "cls") and not receiver.startswith("super()") and attr not in own:
+                offenders.append(f"{name}: {receiver}.{attr}")
+    assert offenders == []
+
+
+def test_nats_exceptions_are_named_in_one_module() -> None:
+    """Only ``jetbatch.sdk.failures`` names nats-py's exception classes; everyone else catches
+    its groups (TRANSPORT_ERRORS, TIMEOUTS, NOT_FOUND, ...), so they cannot drift apart."""
+    offenders = []
+    for name, (path, _) in _modules().items():
+        if name == "jetbatch.sdk.failures":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name in ("nats.errors", "nats.js.errors") for a in node.names):
+                offenders.append(f"{name}: import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.ImportFrom) and node.module in ("nats.errors", "nats.js.errors"):
+                offenders.append(f"{name}: from {node.module} import ...")
+            elif isinstance(node, ast.Attribute) and ast.unparse(node).startswith(("nats.errors.", "nats.js.errors.")):
+                offenders.append(f"{name}: {ast.unparse(node)}")
     assert offenders == []

@@ -134,7 +134,10 @@ def test_handler_input_checks() -> None:
     with pytest.raises(HandlerError, match="module_class"):
         create_handler("m", ModelConfig(handler="state_dict", path="x"))
     with pytest.raises(HandlerError, match="not a torch.nn.Module"):
-        create_handler("m", ModelConfig(handler="state_dict", path="x", module_class="sdk:Client"))
+        create_handler("m", ModelConfig(handler="state_dict", path="x", module_class="jetbatch.sdk:Client"))
+    # The class to subclass is named by its one import name.
+    with pytest.raises(HandlerError, match=r"not a subclass of jetbatch\.sidecar\.handlers\.Handler"):
+        create_handler("m", ModelConfig(handler="jetbatch.sdk:Client", path="x"))
 
 
 async def test_missing_model_file_is_reported_at_startup_and_answered(nats_url: str, prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

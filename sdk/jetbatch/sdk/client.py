@@ -1,0 +1,541 @@
+"""The producer client: publish requests to JetStream, await typed replies on one shared inbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Generator, Iterable, Mapping, Sequence
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from . import failures
+from . import telemetry as _telemetry
+from .errors import (
+    BadRequest,
+    ClientClosed,
+    JetbatchError,
+    PayloadTooLarge,
+    RequestTimeout,
+    StreamNotFound,
+    UnknownModel,
+    error_for_code,
+)
+from .connection import connect_nats
+from .publishing import PubAcks, PublishRefused, publish_with_retries
+from .validation import check_timeout, user_headers
+from .protocol import (
+    DEFAULT_PREFIX,
+    BatchInfo,
+    ContentType,
+    Headers,
+    ProtocolError,
+    Status,
+    Subjects,
+    subject_matches,
+    batch_info_from_headers,
+    deadline_header,
+    decode_error,
+    decode_payload,
+    encode_payload,
+    message_bytes,
+    new_request_id,
+    validate_token,
+)
+
+__all__ = ["Client", "Result"]
+
+_LAST_LOOK_S = 0.5  # bound of a results-store lookup made on the caller's time (_look_up)
+_PUBACK_WAIT_S = 5.0  # then the careful path retries (as nats-py's js.publish times out)
+
+
+
+@dataclass(frozen=True)
+class Result:
+    """A successful reply: the decoded output and how the request was batched."""
+
+    request_id: str
+    output: Any
+    batch: BatchInfo
+    latency_s: float
+
+
+class Client:
+    """An asyncio client for jetbatch.
+
+    Use ``async with Client.connect("nats://host:4222") as client:`` then
+    ``await client.infer(payload, model="m1")``. One inbox subscription serves every request: each
+    request registers a future under its request id before it is published.
+    """
+
+    def __init__(
+        self, nc: NATS, *, prefix: str = DEFAULT_PREFIX, owns_connection: bool = False, tenant: str | None = None
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._subjects = Subjects(prefix)
+        self._tenant = validate_token(tenant, "tenant") if tenant is not None else None
+        self._owns_connection = owns_connection
+        self._pending: dict[str, asyncio.Future[Any]] = {}
+        self._inbox = nc.new_inbox()
+        self._sub: Any = None
+        self._closed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reconnects_seen = 0
+        self._acks = PubAcks(nc)
+        self._address_of: Any = None
+        self._address: tuple[str, int] | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(
+        cls,
+        url: str | Sequence[str] | None = None,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        connect_timeout_s: float = 2.0,
+        tenant: str | None = None,
+        **nats_options: Any,
+    ) -> "_Connecting":
+        """Connect to NATS. Await it, or use it as ``async with``.
+
+        ``url`` defaults to ``$NATS_URL`` or ``nats://127.0.0.1:4222``. ``connect_timeout_s``
+        bounds the whole connect, TLS negotiation included. ``tenant`` (in a multi-tenant
+        deployment, see docs/security.md) sends every request through ``<prefix>.in.<tenant>``
+        and receives replies under ``_INBOX.<tenant>.`` (unless ``inbox_prefix`` says otherwise).
+        Extra keyword arguments go to ``nats.connect`` (``user``/``password``, ``token``,
+        ``nkeys_seed``, ``user_credentials``, ``tls``, ...). Raises :class:`ConnectionFailed` if
+        no server answers.
+        """
+        return _Connecting(
+            cls._open(url, prefix=prefix, connect_timeout_s=connect_timeout_s, tenant=tenant, **nats_options)
+        )
+
+    @classmethod
+    async def _open(
+        cls,
+        url: str | Sequence[str] | None,
+        *,
+        prefix: str,
+        connect_timeout_s: float,
+        tenant: str | None = None,
+        **nats_options: Any,
+    ) -> "Client":
+        if tenant is not None:
+            try:
+                validate_token(tenant, "tenant")
+            except ProtocolError as exc:
+                raise BadRequest(str(exc)) from None
+            nats_options.setdefault("inbox_prefix", f"_INBOX.{tenant}")
+        nc = await connect_nats(url, connect_timeout_s=connect_timeout_s, **nats_options)
+        client = cls(nc, prefix=prefix, owns_connection=True, tenant=tenant)
+        await client._start()
+        return client
+
+    @classmethod
+    async def from_connection(cls, nc: NATS, *, prefix: str = DEFAULT_PREFIX, tenant: str | None = None) -> "Client":
+        """Wrap an existing nats-py connection (it stays open when the client closes)."""
+        client = cls(nc, prefix=prefix, owns_connection=False, tenant=tenant)
+        await client._start()
+        return client
+
+    async def _start(self) -> None:
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        self._reconnects_seen = self._nc.stats.get("reconnects", 0)
+        self._spawn(self._watch_reconnects())
+
+    async def close(self) -> None:
+        """Fail pending requests with ConnectionFailed and close the connection if we opened it."""
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ClientClosed("client closed"))
+        self._pending.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await self._acks.close()
+        try:
+            if self._sub is not None:
+                await self._sub.unsubscribe()
+        except failures.TRANSPORT_ERRORS:
+            pass
+        if self._owns_connection:
+            try:
+                await self._nc.drain()
+            except failures.TRANSPORT_ERRORS:
+                await self._nc.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def subjects(self) -> Subjects:
+        return self._subjects
+
+    @property
+    def nats(self) -> NATS:
+        """The underlying nats-py connection."""
+        return self._nc
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def infer(
+        self,
+        payload: Any,
+        *,
+        model: str | None = None,
+        timeout: float = 30.0,
+        content_type: ContentType | str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
+        """Submit one request and return its decoded output, or raise a typed :class:`JetbatchError`.
+
+        ``model=None`` sends it to the classifier (``<prefix>.in``); a model name sends it straight
+        to that model's queue. ``timeout`` (seconds) bounds the whole call and is also sent as the
+        request's deadline, so the worker does not compute a request nobody waits for.
+        """
+        result = await self.infer_result(
+            payload, model=model, timeout=timeout, content_type=content_type, request_id=request_id, headers=headers
+        )
+        return result.output
+
+    async def infer_result(
+        self,
+        payload: Any,
+        *,
+        model: str | None = None,
+        timeout: float = 30.0,
+        content_type: ContentType | str | None = None,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Result:
+        """Like :meth:`infer`, but return a :class:`Result` with the batch metadata."""
+        if self._closed:
+            raise ClientClosed("client is closed")
+        started = time.monotonic()
+        rid = request_id or new_request_id()
+        subject, data, hdrs, timeout = self._outgoing(payload, rid, model, timeout, content_type, request_id is not None, headers)
+
+        if rid in self._pending:
+            raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid)
+        if request_id is not None:
+            # A caller's own id is usually a retry: its answer may be stored already. JetStream
+            # forgets the ids of finished requests when the server restarts, so the PubAck alone
+            # would not say "duplicate" and the request would be computed again.
+            stored = await self._look_up(rid)
+            if stored is not None:
+                return self._to_result(stored, rid, time.monotonic() - started)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._pending[rid] = fut
+        span = _telemetry.start_producer_span(subject, rid, model, hdrs, len(data))
+        status = "error"
+        try:
+            duplicate = await self._send(span, subject, data, hdrs, rid, model, deadline=started + timeout)
+            if duplicate:
+                # JetStream already holds (or held) this request id: a retry of a request that is
+                # running or finished. Its answer is in the results store, now or soon.
+                self._spawn(self._poll_stored_result(rid))
+            try:
+                msg = await _within(fut, timeout - (time.monotonic() - started))
+            except TimeoutError:
+                # One look in the results store before giving up: the live reply can miss us where
+                # the stored answer does not (this id already answered through another path, a
+                # reply lost in a reconnect the client did not notice).
+                msg = await self._look_up(rid)
+                if msg is None:
+                    raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
+            result = self._to_result(msg, rid, time.monotonic() - started)
+            status = "ok"
+            return result
+        except JetbatchError as exc:
+            if exc.code:
+                status = exc.code
+            if span is not None:
+                _telemetry.record_error(span, exc, exc.code or type(exc).__name__)
+            raise
+        finally:
+            self._pending.pop(rid, None)
+            if not fut.done():
+                fut.cancel()
+            _telemetry.end_producer_span(span, model, status, time.monotonic() - started)
+
+    def _outgoing(
+        self, payload: Any, rid: str, model: str | None, timeout: float, content_type: ContentType | str | None,
+        own_id: bool, headers: Mapping[str, str] | None,
+    ) -> tuple[str, bytes, dict[str, str], float]:
+        """The request as it goes out: its subject, body, headers and checked timeout. Everything
+        the caller gave is checked here (typed ``BadRequest``), before anything is sent."""
+        try:
+            if own_id:
+                validate_token(rid, "request id")  # it becomes the last token of the inbox and result subjects
+            timeout = check_timeout(timeout)
+            if self._tenant is not None:
+                subject = self._subjects.tenant_ingress(self._tenant)
+            else:
+                subject = self._subjects.ingress if model is None else self._subjects.model(model)
+            if model is not None:
+                validate_token(model, "model name")
+            data, ctype = encode_payload(payload, content_type)
+            hdrs = user_headers(headers)
+        except ProtocolError as exc:
+            raise BadRequest(str(exc), request_id=rid) from exc
+
+        hdrs[Headers.MSG_ID] = rid
+        hdrs[Headers.REPLY_TO] = f"{self._inbox}.{rid}"
+        hdrs[Headers.CONTENT_TYPE] = ctype.value
+        hdrs.setdefault(Headers.DEADLINE, deadline_header(timeout))
+        if model is not None and self._tenant is not None:
+            hdrs[Headers.MODEL] = model  # to the classifier's ingress; a model's own subject says it already
+        size = message_bytes(hdrs, data)
+        if size > self._nc.max_payload:
+            # The server counts headers too and closes a connection that sends more: refuse here.
+            raise PayloadTooLarge(
+                f"request of {size} bytes (payload {len(data)} + headers {size - len(data)}) is over the "
+                f"server's max_payload ({self._nc.max_payload} bytes)",
+                request_id=rid,
+            )
+        return subject, data, hdrs, timeout
+
+    async def _send(self, span: Any, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float) -> bool:
+        """Publish under a send span; True when JetStream already had this request id."""
+        send = _telemetry.start_send_span(span, subject, rid, hdrs, len(data), self._server_address())
+        try:
+            duplicate = await self._publish(subject, data, hdrs, rid, model, deadline=deadline)
+        except JetbatchError as exc:
+            _telemetry.end_send_span(send, exc.code or type(exc).__name__)
+            raise
+        except BaseException as exc:
+            _telemetry.end_send_span(send, type(exc).__qualname__)
+            raise
+        _telemetry.end_send_span(send)
+        return duplicate
+
+    async def infer_many(
+        self,
+        payloads: Iterable[Any],
+        *,
+        model: str | None = None,
+        timeout: float = 30.0,
+        content_type: ContentType | str | None = None,
+        max_in_flight: int = 1024,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Submit many requests concurrently and return their outputs in order.
+
+        With ``return_exceptions=True`` a failed request yields its exception in place of its output
+        instead of raising the first error.
+        """
+        gate = asyncio.Semaphore(max_in_flight)
+
+        async def one(p: Any) -> Any:
+            async with gate:
+                return await self.infer(p, model=model, timeout=timeout, content_type=content_type)
+
+        return await asyncio.gather(*(one(p) for p in payloads), return_exceptions=return_exceptions)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _server_address(self) -> tuple[str, int] | None:
+        """The server this client is connected to (``server.address``/``server.port`` on spans);
+        read again only after a reconnect changed the URL (parsing it costs ~20 µs a request)."""
+        url = getattr(self._nc, "connected_url", None)
+        if url is None or url.hostname is None:
+            return None
+        if self._address_of is not url:
+            self._address_of, self._address = url, (url.hostname, url.port or 4222)
+        return self._address
+
+    async def _publish(
+        self, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float
+    ) -> bool:
+        """Publish with retries under the same Nats-Msg-Id; returns whether JetStream reported the
+        request id as a duplicate (a retry of a request it already holds or held)."""
+        first = await self._publish_once(subject, data, hdrs, deadline)
+        if first is not None:
+            return bool(first.get("duplicate"))
+        # Refused, unanswered or not sent: the careful path retries under the same Nats-Msg-Id
+        # (dedupe makes a repeat safe) and turns JetStream's answer into a typed error.
+        ack = await publish_with_retries(
+            self._js, subject, data, hdrs, deadline=deadline, request_id=rid,
+            no_stream=lambda: self._no_stream_error(subject, model, rid),
+        )  # fmt: skip
+        # A retry after a lost PubAck is also a "duplicate" of our own first attempt: its reply
+        # still comes to our inbox, and the results store has it once computed.
+        return bool(ack.duplicate)
+
+    async def _publish_once(self, subject: str, data: bytes, hdrs: dict[str, str], deadline: float) -> dict[str, Any] | None:
+        """One publish whose PubAck comes back on the client's PubAck subscription (no task per
+        request, unlike ``js.publish``); None when it was not stored for any reason."""
+        try:
+            fut = await self._acks.publish(subject, data, hdrs)
+        except failures.TRANSPORT_ERRORS:
+            return None
+        try:
+            return await _within(fut, min(deadline - time.monotonic(), _PUBACK_WAIT_S))
+        except (PublishRefused, TimeoutError):
+            return None  # refused, or no PubAck in time
+
+    async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError | None:
+        """Why no stream took the message published to ``subject``.
+
+        The stream that should hold it (the models stream for ``<prefix>.model.<name>``, the
+        ingress stream otherwise, a tenant's ``<prefix>.in.<tenant>`` included) is asked for its
+        configuration: ``StreamNotFound`` when it does not exist; ``UnknownModel`` when it is the
+        models stream and none of its subjects captures ``subject`` (nobody serves the model);
+        None (transient: the caller retries until its deadline) when JetStream did not answer,
+        or when the stream does capture ``subject``: then the publish found no responder only
+        because the stream was briefly unavailable (a leader election, a restart).
+        """
+        on_model_subject = self._subjects.model_from_subject(subject) is not None
+        stream = self._subjects.models_stream if on_model_subject else self._subjects.ingress_stream
+        try:
+            info = await self._js.stream_info(stream)
+        except failures.NOT_FOUND:
+            return StreamNotFound(
+                f"no JetStream stream captures {subject}: start a jetbatch sidecar on this server first",
+                request_id=rid,
+            )
+        except failures.TRANSPORT_ERRORS:
+            return None
+        patterns = info.config.subjects or []
+        if any(subject_matches(pattern, subject) for pattern in patterns):
+            return None  # the stream takes this subject: it was unavailable, not missing
+        if on_model_subject:
+            return UnknownModel(f"no model named {model!r} is served", request_id=rid)
+        return None  # the ingress stream does not take it: no definite answer, retry until the deadline
+
+    def _on_reply_sync(self, msg: Msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[-1]
+        self._resolve(rid, msg)
+
+    def _resolve(self, rid: str, msg: Any) -> None:
+        fut = self._pending.get(rid)
+        # A second answer (a redelivery after a worker crash, the stored copy after the live reply)
+        # finds the future done: drop it. Answers for ids we never sent are dropped too.
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        self._on_reply_sync(msg)
+
+    # --- the results store: answers that a disconnect or a retry made us miss ------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stored_answer(self, rid: str) -> Any | None:
+        """The request's answer from the results stream, or None: not stored (yet), no results
+        stream, or JetStream busy (the live reply may still come)."""
+        try:
+            raw = await self._js.get_msg(
+                self._subjects.results_stream, subject=self._subjects.result(rid, self._tenant), direct=True
+            )
+        except failures.TRANSPORT_ERRORS + (ProtocolError,):
+            return None
+        if raw.data is None:
+            raw.data = b""
+        return raw
+
+    async def _look_up(self, rid: str) -> Any | None:
+        """:meth:`_stored_answer` within ``_LAST_LOOK_S`` (a lookup on the caller's own time)."""
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that lands
+        # as the lookup finishes, and a cancelled caller must stay cancelled.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_LAST_LOOK_S):
+                return await self._stored_answer(rid)
+        return None
+
+    async def _fetch_stored_result(self, rid: str) -> bool:
+        """Look the request's answer up in the results stream; resolve its future if found."""
+        raw = await self._stored_answer(rid)
+        if raw is None:
+            return False
+        self._resolve(rid, raw)
+        return True
+
+    async def _poll_stored_result(self, rid: str) -> None:
+        delay_s = 0.05
+        while rid in self._pending and not self._pending[rid].done():
+            if await self._fetch_stored_result(rid):
+                return
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 1.0)
+
+    async def _watch_reconnects(self) -> None:
+        """After a reconnect, the live replies sent while we were away are gone: look for the
+        stored answer of every request still waiting, until it is found or its live reply comes
+        (a backoff up to a second). One look is not enough: right after a node is lost the results
+        stream may be electing its leader and not answer, and an answer stored and sent while we
+        reconnected then reached nobody (the failover bench saw one wait out its whole timeout)."""
+        while not self._closed:
+            await asyncio.sleep(0.1)
+            reconnects = self._nc.stats.get("reconnects", 0)
+            if reconnects != self._reconnects_seen and self._nc.is_connected:
+                self._reconnects_seen = reconnects
+                for rid in list(self._pending):
+                    self._spawn(self._poll_stored_result(rid))
+
+    def _to_result(self, msg: Any, rid: str, latency_s: float) -> Result:
+        headers = msg.headers or {}
+        if headers.get(Headers.STATUS, Status.OK.value) == Status.ERROR.value:
+            body = decode_error(msg.data)
+            raise error_for_code(body.code, body.message, request_id=rid)
+        try:
+            output = decode_payload(msg.data, headers.get(Headers.CONTENT_TYPE))
+        except ProtocolError as exc:
+            raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
+        return Result(request_id=rid, output=output, batch=batch_info_from_headers(headers), latency_s=latency_s)
+
+
+async def _within(fut: asyncio.Future[Any], timeout_s: float) -> Any:
+    """Await ``fut`` for at most ``timeout_s`` on one timer (``asyncio.wait_for`` would add a task
+    per call). Raises ``TimeoutError`` when the timer fired; a cancelled caller stays cancelled."""
+    loop = asyncio.get_running_loop()
+    expiry = loop.call_at(loop.time() + max(timeout_s, 0.0), _expire, fut)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if fut.cancelled() and not (task is not None and task.cancelling() > 0):
+            raise TimeoutError from None
+        raise
+    finally:
+        expiry.cancel()
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    """The timer of :func:`_within`: cancelling the future wakes its waiter with a timeout."""
+    if not fut.done():
+        fut.cancel()
+
+
+class _Connecting:
+    """Awaitable and async context manager returned by :meth:`Client.connect`."""
+
+    def __init__(self, opening: Awaitable[Client]) -> None:
+        self._opening = opening
+        self._client: Client | None = None
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        return self._opening.__await__()
+
+    async def __aenter__(self) -> Client:
+        self._client = await self._opening
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+

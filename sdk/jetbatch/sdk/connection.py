@@ -1,0 +1,77 @@
+"""Opening a NATS connection with jetbatch's defaults, shared by the SDK and the sidecars."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Sequence
+
+from nats.aio.client import Client as NATS
+
+from . import failures
+from .errors import ConnectionFailed
+
+__all__ = ["DEFAULT_URL", "connect_nats"]
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+async def connect_nats(
+    url: str | Sequence[str] | None = None, *, connect_timeout_s: float = 2.0, **nats_options: Any
+) -> NATS:
+    """Connect to NATS, failing fast with :class:`ConnectionFailed` if no server answers, and
+    reconnecting forever afterwards (a server restart must not kill a long-running producer).
+
+    ``url`` defaults to ``$NATS_URL`` or ``nats://127.0.0.1:4222``; a comma-separated string names
+    several servers of a cluster. Other keyword arguments go to ``nats.connect``.
+    """
+    servers = url or os.environ.get("NATS_URL") or DEFAULT_URL
+    if isinstance(servers, str):
+        servers_list = [s.strip() for s in servers.split(",") if s.strip()]
+    else:
+        servers_list = list(servers)
+    options: dict[str, Any] = {
+        "connect_timeout": connect_timeout_s,
+        # nats-py retries the *initial* connect forever when this is -1: try a couple of times,
+        # then switch to reconnecting forever once connected (below).
+        "max_reconnect_attempts": 2,
+        "reconnect_time_wait": 0.5,
+        "allow_reconnect": True,
+        "error_cb": _quiet_error_cb,
+    }
+    options.update(nats_options)
+    # nats-py's connect_timeout covers opening the socket, not the TLS handshake or the server's
+    # first INFO/PONG: a nats:// URL against a TLS-only server could wait forever. Bound the whole
+    # connect, every attempt and the waits between them included.
+    attempts = max(1, int(options.get("max_reconnect_attempts", 2)) + 1) * max(1, len(servers_list))
+    bound_s = attempts * (connect_timeout_s + float(options.get("reconnect_time_wait", 0.5))) + connect_timeout_s
+    nc = NATS()
+    try:
+        await asyncio.wait_for(nc.connect(servers=servers_list, **options), timeout=bound_s)
+    except asyncio.TimeoutError as exc:
+        await _close_quietly(nc)
+        raise ConnectionFailed(
+            f"cannot connect to NATS at {', '.join(servers_list)}: no handshake within {bound_s:.1f}s "
+            "(a tls:// server reached with nats://, or a server that does not answer?)"
+        ) from exc
+    except failures.NO_SERVERS + failures.TRANSPORT_ERRORS as exc:
+        await _close_quietly(nc)
+        raise ConnectionFailed(
+            f"cannot connect to NATS at {', '.join(servers_list)}: {exc or type(exc).__name__}"
+        ) from exc
+    if "max_reconnect_attempts" not in nats_options:
+        nc.options["max_reconnect_attempts"] = -1
+    return nc
+
+
+async def _close_quietly(nc: NATS) -> None:
+    try:
+        await asyncio.wait_for(nc.close(), timeout=2)
+    except Exception:  # noqa: BLE001 - a half-open connection may fail to close cleanly
+        pass
+
+
+async def _quiet_error_cb(exc: Exception) -> None:
+    # nats-py reports every failed reconnect attempt here; callers see failures as typed errors
+    # on the calls that need the connection instead.
+    return None

@@ -1,0 +1,335 @@
+"""The classifier sidecar (the service): routes requests from ``<prefix>.in`` to ``<prefix>.model.<name>``.
+
+It pulls ingress requests in batches (``max_batch_size`` / ``max_delay_s``, the worker's window),
+decides each request's model with a router (a batched torch network, rules, or a callable), and
+republishes each request to its model's queue with its payload and headers (except the
+producer's ``Jetbatch-Tenant`` and any ``Nats-*`` header: see ``_prepare``). The republish carries
+``Nats-Msg-Id`` = request id (for a request that came without one, an id derived from its place in
+the ingress stream, the same on every redelivery), so a retry after a crash is deduplicated by
+JetStream, and the ingress message is acked only after JetStream confirmed the republish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import anyio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from jetbatch.sdk import __version__
+from jetbatch.sdk.errors import BadRequest, JetbatchError, Overloaded, PayloadTooLarge, UnknownModel
+from jetbatch.sdk.protocol import (
+    ErrorCode,
+    Headers,
+    ProtocolError,
+    RequestMeta,
+    SidecarReport,
+    Subjects,
+    subject_matches,
+    forwardable_headers,
+    message_bytes,
+    new_request_id,
+    parse_request_headers,
+)
+from jetbatch.sdk.publishing import PubAcks, publish_with_retries, settled
+
+from ..errors import TRANSPORT_ERRORS, pull
+from ..config import Config, ConfigError
+from ..policy import BatchWindow
+from ..replies import Answer, Replier, client_message, settle
+from ..runtime import retry_startup
+from ..status import serve_status
+from ..streams import classifier_consumer_name, ensure_classifier_streams
+from ..telemetry import link_requests
+from .routers import Item, Route, Router, make_router
+
+__all__ = ["Classifier"]
+
+log = logging.getLogger("jetbatch.classifier")
+_tracer_name = "jetbatch.sidecar"
+_REPUBLISH_ACK_TIMEOUT_S = 5.0  # then the careful path retries (same Nats-Msg-Id: no duplicates)
+
+
+class Classifier:
+    """One classifier replica. Replicas share the durable consumer and split the work.
+
+    ``reply_nc``: a connection with the reply identity (``nats.reply_identity``) for answers.
+    """
+
+    def __init__(self, config: Config, nc: NATS, *, router: Router | None = None, reply_nc: NATS | None = None) -> None:
+        if config.classifier is None:
+            raise ConfigError("the config has no [classifier] section")
+        self.config = config
+        self.cfg = config.classifier
+        self.nc = nc
+        self.js = nc.jetstream()
+        self._pubacks = PubAcks(nc)
+        self.subjects: Subjects = config.subjects
+        self.router = router or make_router(self.cfg)
+        self.id = f"classifier-{socket.gethostname()}-{os.getpid()}"
+        self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
+        self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
+        self.reply_policy = config.reply_policy
+        self.window = BatchWindow(self.cfg.max_batch_size, self.cfg.max_delay_s)
+        self._stopping = anyio.Event()
+        self._ready = anyio.Event()
+        self._started_at = time.time()
+        self._tracer = trace.get_tracer(_tracer_name)
+
+    @property
+    def ready(self) -> anyio.Event:
+        return self._ready
+
+    def problems(self) -> list[str]:
+        """Readiness detail (/readyz): the router either loaded at start or the sidecar exited."""
+        return []
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def report(self) -> SidecarReport:
+        return SidecarReport(
+            role="classifier", id=self.id, version=__version__, stats=dict(self.stats), started_at=self._started_at, updated_at=time.time()
+        )
+
+    async def _setup(self) -> Any:
+        await ensure_classifier_streams(self.js, self.subjects, self.config.streams, self.config.replies)
+        return await self.js.pull_subscribe_bind(durable=classifier_consumer_name(), stream=self.subjects.ingress_stream)
+
+    async def run(self) -> None:
+        psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
+        await anyio.to_thread.run_sync(self.router.load)
+        status = await serve_status(self.nc, self.subjects, self.report, self.reply_policy, out=self.replier.out)
+        self._ready.set()
+        # Pipelining: the next batch is fetched and classified while the previous one's
+        # republishes wait for their PubAcks (at most two batches in flight).
+        in_flight = anyio.Semaphore(2)
+        try:
+            async with anyio.create_task_group() as tg:
+                while not self._stopping.is_set():
+                    msgs = await self._gather(psub)
+                    if msgs:
+                        await in_flight.acquire()
+                        tg.start_soon(self._handle_and_release, msgs, in_flight)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await status.unsubscribe()
+                    await psub.unsubscribe()
+                except TRANSPORT_ERRORS + (ValueError,):
+                    pass
+
+    async def _handle_and_release(self, msgs: list[Msg], limiter: anyio.Semaphore) -> None:
+        try:
+            await self._handle(msgs)
+        except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
+            log.exception("classifying a batch of %d failed; it is redelivered", len(msgs))
+            for m in msgs:
+                await settle(m, "nak", delay_s=1.0)
+        finally:
+            limiter.release()
+
+    async def _gather(self, psub: Any) -> list[Msg]:
+        msgs: list[Msg] = []
+        close_at: float | None = None
+        while not self._stopping.is_set():
+            now = time.time()
+            wait_s = self.window.wait_s(len(msgs), close_at, now, idle_wait_s=0.25)
+            if msgs and wait_s <= 0.0005:
+                break
+            pulled = await pull(psub, self.cfg.max_batch_size - len(msgs), max(wait_s, 0.001))
+            if pulled.closed:
+                self._stopping.set()
+                break
+            if pulled.trouble is not None:
+                log.warning("fetch failed: %r", pulled.trouble)
+                await anyio.sleep(0.1)
+                break
+            got = pulled.msgs
+            if not got:
+                break
+            if close_at is None:
+                # The classifier's window runs from the first fetch (its requests have not waited
+                # in a model queue yet).
+                close_at = self.window.close_at(time.time(), time.time())
+            msgs.extend(got)
+            if self.window.is_full(len(msgs)):
+                break
+        return msgs
+
+    def _parse(self, msg: Msg) -> tuple[Item, RequestMeta]:
+        headers = msg.headers or {}
+        tenant = self.subjects.tenant_from_subject(msg.subject)
+        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=lambda: _fallback_id(msg))
+        item = Item(headers=headers, data=msg.data, content_type=meta.content_type)
+        return item, meta
+
+    async def _handle(self, msgs: list[Msg]) -> None:
+        now = time.time()
+        parsed = [self._parse(m) for m in msgs]
+        routes: list[Route | None] = [None] * len(msgs)
+        to_classify: list[int] = []
+        for i, (item, meta) in enumerate(parsed):
+            if meta.problem is not None:
+                routes[i] = Route(None, (ErrorCode.BAD_REQUEST, meta.problem))
+            elif meta.deadline is not None and meta.deadline < now:
+                routes[i] = Route(None, (ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {now - meta.deadline:.3f}s before routing"))
+            elif meta.model:
+                # The producer named the model: no classification.
+                self.stats["direct"] += 1
+                routes[i] = Route(meta.model)
+            else:
+                to_classify.append(i)
+        with self._tracer.start_as_current_span(
+            f"process {self.subjects.ingress}",  # messaging conventions: "{operation} {destination}"
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "messaging.system": "nats",
+                "messaging.operation.type": "process",
+                "messaging.operation.name": "process",
+                "messaging.destination.name": self.subjects.ingress,
+                "messaging.consumer.group.name": classifier_consumer_name(),
+                "messaging.batch.message_count": len(msgs),
+                "jetbatch.classifier.classified": len(to_classify),
+            },
+        ) as span:
+            link_requests(span, [m.headers for m in msgs])
+            if to_classify:
+                batch = [parsed[i][0] for i in to_classify]
+                try:
+                    decided = await anyio.to_thread.run_sync(self.router.route, batch)
+                except Exception as exc:  # noqa: BLE001 - a router bug answers the batch, it does not kill the sidecar
+                    log.error("router failed on a batch of %d: %r", len(batch), exc)
+                    decided = [Route(None, (ErrorCode.INTERNAL, f"router failed: {client_message(exc)}"))] * len(batch)
+                for i, route in zip(to_classify, decided):
+                    routes[i] = route
+            failed = await self._forward([(msg, meta, route) for msg, (_, meta), route in zip(msgs, parsed, routes) if route])
+            if failed:
+                await self._answer(failed)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(msgs)
+
+    async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]]) -> list[tuple[Msg, RequestMeta, Route]]:
+        """Republish the routed requests and ack each once JetStream has it; return the others
+        with their errors. The whole batch goes out back to back with its PubAcks awaited together
+        (one round trip a batch); a request that first attempt did not place takes the careful
+        path, retried under its ``Nats-Msg-Id`` with typed errors."""
+        failed: list[tuple[Msg, RequestMeta, Route]] = []
+        sent: list[tuple[Msg, RequestMeta, Route, str, dict[str, str], asyncio.Future[Any] | None]] = []
+        for msg, meta, route in routed:
+            prepared = self._prepare(msg, meta, route)
+            if isinstance(prepared, tuple) and isinstance(prepared[0], ErrorCode):
+                failed.append((msg, meta, Route(route.model, prepared)))
+                continue
+            subject, headers = prepared
+            try:
+                fut: asyncio.Future[Any] | None = await self._pubacks.publish(subject, msg.data, headers)
+            except TRANSPORT_ERRORS:
+                fut = None  # reconnecting with a full buffer, or closed: the careful path decides
+            sent.append((msg, meta, route, subject, headers, fut))
+        await settled([fut for *_, fut in sent if fut is not None], _REPUBLISH_ACK_TIMEOUT_S)
+        retry = []
+        for msg, meta, route, subject, headers, fut in sent:
+            if fut is not None and not fut.cancelled() and fut.exception() is None:
+                await self._forwarded(msg)
+            else:
+                retry.append((msg, meta, route, subject, headers))
+        errors = await asyncio.gather(*(self._republish(subject, msg, meta, headers) for msg, meta, _, subject, headers in retry))
+        for (msg, meta, route, _, _), error in zip(retry, errors):
+            if error is None:
+                await self._forwarded(msg)
+            else:
+                failed.append((msg, meta, Route(route.model, error)))
+        return failed
+
+    def _prepare(self, msg: Msg, meta: RequestMeta, route: Route) -> tuple[str, dict[str, str]] | tuple[ErrorCode, str]:
+        """The subject and headers a routed request is republished with, or why it cannot be."""
+        if route.error is not None or route.model is None:
+            return route.error or (ErrorCode.INTERNAL, "router returned neither a model nor an error")
+        try:
+            subject = self.subjects.model(route.model)  # validates the name
+        except ProtocolError as exc:
+            return (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
+        # Unchanged (reply-to, deadline, trace context), except: the tenant is the classifier's
+        # word, from the subject the request arrived on, never the producer's; no Nats-* header of
+        # the producer's steers the republish (Nats-Expected-*, Nats-Rollup, ...); and the request
+        # id the classifier parsed (a fallback one when the producer sent none) is the dedupe key.
+        headers = {k: v for k, v in forwardable_headers(msg.headers).items() if k != Headers.TENANT}
+        headers[Headers.MSG_ID] = meta.request_id
+        if meta.tenant is not None:
+            headers[Headers.TENANT] = meta.tenant
+        if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):
+            return (ErrorCode.BAD_REQUEST, "request is over the server's max payload once routed")
+        return subject, headers
+
+    async def _forwarded(self, msg: Msg) -> None:
+        self.stats["routed"] += 1
+        await self._settle_forwarded(msg)
+
+    async def _settle_forwarded(self, msg: Msg) -> None:
+        await settle(msg, "ack")
+
+    async def _answer(self, failed: list[tuple[Msg, RequestMeta, Route]]) -> None:
+        answers = []
+        for msg, meta, route in failed:
+            assert route.error is not None
+            code, message = route.error
+            refused = Headers.REPLY_TO in (msg.headers or {}) and meta.reply_to is None
+            if code is ErrorCode.UNKNOWN_MODEL or refused:
+                # Kept for an operator before the caller hears of it.
+                await self.replier.dead_letter(msg, message, "classifier")
+            answers.append(Answer.failure(meta, code, message, model=route.model))
+        await self.replier.deliver(answers)
+        for (msg, meta, route), answer in zip(failed, answers):
+            self.stats["errors"] += 1
+            await settle(msg, "term" if answer.error is ErrorCode.BAD_REQUEST else "ack")
+
+    async def _republish(self, subject: str, msg: Msg, meta: RequestMeta, headers: dict[str, str]) -> tuple[ErrorCode, str] | None:
+        """The careful path: publish with retries under the same ``Nats-Msg-Id`` (dedupe makes a
+        repeat of the bulk attempt safe); JetStream's refusals become typed errors."""
+        model = self.subjects.model_from_subject(subject)
+
+        async def no_stream() -> JetbatchError | None:
+            try:
+                info = await self.js.stream_info(self.subjects.models_stream)
+            except TRANSPORT_ERRORS:
+                return None  # JetStream unavailable: retry, dedupe makes it safe
+            if any(subject_matches(pattern, subject) for pattern in info.config.subjects or []):
+                return None  # the stream takes this model: no responder was an election, not "unknown"
+            return UnknownModel(f"no model named {model!r} is served")
+
+        try:
+            await publish_with_retries(
+                self.js, subject, msg.data, headers, deadline=time.monotonic() + 15.0, request_id=meta.request_id, no_stream=no_stream
+            )
+        except UnknownModel as exc:
+            return (ErrorCode.UNKNOWN_MODEL, exc.message)
+        except Overloaded:
+            return (ErrorCode.OVERLOADED, f"queue for model {model} is full")
+        except PayloadTooLarge:
+            return (ErrorCode.BAD_REQUEST, "payload is over the model queue's max message size")
+        except BadRequest as exc:
+            return (ErrorCode.BAD_REQUEST, exc.message)
+        except JetbatchError as exc:
+            log.warning("republish of %s failed: %s", meta.request_id, exc.message)
+            return (ErrorCode.INTERNAL, f"JetStream did not take the republish: {exc.message}")
+        return None
+
+
+def _fallback_id(msg: Msg) -> str:
+    """An id for a request that came without a valid one: from its ingress stream sequence and
+    publish time, so a redelivery after a crash republishes under the same id (and JetStream
+    drops the repeat), where a random one would have the model run it twice."""
+    try:
+        meta = msg.metadata
+        return f"in{int(meta.sequence.stream)}-{int(meta.timestamp.timestamp() * 1e6)}"
+    except Exception:  # noqa: BLE001 - not a JetStream message (tests, a core publish)
+        return new_request_id()

@@ -1,0 +1,100 @@
+"""The ``jetbatch`` command: one module per subcommand, imported plainly.
+
+Nothing here imports torch: ``jetbatch --help``, ``--version``, ``status`` and ``dlq`` start
+fast and work where only the SDK's dependencies are installed. Subcommands import what they need
+when they run.
+
+Exit codes (the same for every subcommand):
+
+=====  ======================================================================================
+code   meaning
+=====  ======================================================================================
+0      success
+1      the command ran and its outcome is negative (``status``: no sidecar answered; ``probe``:
+       the sidecar is not ready or does not answer; ``dlq
+       replay``: some letters not replayed; ``demo``/``bench``: some requests unanswered)
+2      a user error, printed as one line: bad arguments, configuration, a missing file or
+       binary, no NATS server reachable, a missing extra
+130    interrupted (Ctrl-C)
+=====  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import bench, classifier, demo, dlq, examples, probe, simulate, status, up, worker
+from ._common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliError
+
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CliError", "build_parser", "main"]
+
+_SUBCOMMANDS = (worker, classifier, up, demo, examples, status, probe, dlq, bench, simulate)
+
+
+def _version() -> str:
+    from jetbatch.sdk import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jetbatch",
+        description="Model-affinity batching for many PyTorch models on one GPU, on NATS JetStream.",
+        epilog="Exit codes: 0 success, 1 negative outcome, 2 user error (one line), 130 interrupted.",
+    )
+    parser.add_argument("--version", action="version", version=f"jetbatch {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in _SUBCOMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = getattr(args, "log_level", None)
+    if level is not None:
+        logging.basicConfig(
+            level=getattr(logging, str(level).upper(), logging.WARNING),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    try:
+        return int(args.run(args) or EXIT_OK)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BaseException as exc:  # noqa: BLE001 - sorted into user errors and bugs below
+        user = _user_error(exc)
+        if user is None:
+            raise
+        print(f"jetbatch {args.command}: {user}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _user_error(exc: BaseException) -> BaseException | None:
+    """A jetbatch error (anything under JetbatchError: config, connection, handler, setup) or a
+    missing extra, also inside the exception groups task groups raise."""
+    from jetbatch.sdk.errors import JetbatchError
+
+    if isinstance(exc, (JetbatchError, CliError)):
+        return exc
+    if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] in _EXTRAS:
+        return CliError(f"{exc.name} is not installed: {_EXTRAS[exc.name.split('.')[0]]}")
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _user_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
+# What to install when a subcommand's dependency is missing.
+_EXTRAS = {
+    "torch": "pip install 'jetbatch[sidecar]'",
+    "anyio": "pip install 'jetbatch[sidecar]'",
+    "safetensors": "pip install 'jetbatch[sidecar]'",
+    "matplotlib": "pip install 'jetbatch[plot]' (plots for bench and simulate)",
+}

@@ -1,0 +1,156 @@
+"""``jetbatch dlq``: list, show, replay and purge dead letters. No torch needed.
+
+Dead letters live in the ``<prefix>_DLQ`` stream, subject ``<prefix>.dlq.<stage>``, with the
+original payload and headers plus ``Jetbatch-Dlq-Reason``, ``-Stage``, ``-Subject`` and
+``-Deliveries``. Replay republishes the original message to its original subject with its original
+request id (JetStream dedupes a replay of something already answered within the duplicate window)
+and removes the dead letter once JetStream confirmed the republish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+
+from jetbatch.sdk import failures
+from jetbatch.sdk.connection import connect_nats
+from jetbatch.sdk.protocol import Headers, ProtocolError, Subjects, forwardable_headers
+
+from ..errors import TRANSPORT_ERRORS
+from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix
+
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("dlq", help="inspect, replay or purge dead letters", description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=["list", "show", "replay", "purge"], help="list | show SEQ | replay SEQ or --all | purge")
+    p.add_argument("seq", nargs="?", type=int, help="dead-letter sequence number (show, replay)")
+    p.add_argument("--all", action="store_true", help="replay every dead letter")
+    p.add_argument("--yes", "-y", action="store_true", help="purge without asking")
+    add_nats_url(p)
+    add_prefix(p)
+    add_json(p, "list: one dead letter per line; show: the letter")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "show" and args.seq is None:
+        raise CliError("show needs a sequence number (see `jetbatch dlq list`)")
+    if args.action == "replay" and args.seq is None and not args.all:
+        raise CliError("replay needs a sequence number or --all")
+    if args.action == "purge" and not args.yes:
+        if not sys.stdin.isatty():
+            raise CliError("purge deletes every dead letter: pass --yes (no terminal to ask on)")
+        answer = input("delete every dead letter? [y/N] ").strip().lower()
+        if answer not in ("y", "yes"):
+            print("not purged")
+            return EXIT_FAILED
+    return asyncio.run(_run(args))
+
+
+async def _entries(js: Any, subjects: Subjects) -> list[Any]:
+    info = await js.stream_info(subjects.dead_letter_stream)
+    out = []
+    seq = info.state.first_seq
+    while seq and seq <= info.state.last_seq:
+        try:
+            msg = await js.get_msg(subjects.dead_letter_stream, seq=seq, next=True, subject=subjects.dead_letter_wildcard)
+        except failures.NOT_FOUND:
+            break
+        out.append(msg)
+        seq = msg.seq + 1
+    return out
+
+
+def _summary(msg: Any) -> dict[str, Any]:
+    h = msg.headers or {}
+    return {
+        "seq": msg.seq,
+        "stage": h.get(Headers.DLQ_STAGE, ""),
+        "request_id": h.get(Headers.REQUEST_ID, ""),
+        "subject": h.get(Headers.DLQ_SUBJECT, ""),
+        "deliveries": h.get(Headers.DLQ_DELIVERIES, ""),
+        "reason": h.get(Headers.DLQ_REASON, ""),
+        "bytes": len(msg.data or b""),
+    }
+
+
+async def _run(args: argparse.Namespace) -> int:
+    subjects = Subjects(args.prefix)
+    nc = await connect_nats(args.nats_url)
+    try:
+        js = nc.jetstream()
+        try:
+            entries = await _entries(js, subjects)
+        except failures.NOT_FOUND:
+            raise CliError(f"no dead-letter stream {subjects.dead_letter_stream} on this server") from None
+        if args.action == "list":
+            rows = [_summary(m) for m in entries]
+            if args.json:
+                for row in rows:
+                    print(json.dumps(row))
+            elif not rows:
+                print("no dead letters")
+            else:
+                print(f"{'seq':>6}  {'stage':<10} {'request id':<34} {'deliveries':>10}  reason")
+                for r in rows:
+                    print(f"{r['seq']:>6}  {r['stage']:<10} {r['request_id'][:33]:<34} {r['deliveries']:>10}  {r['reason']}")
+            return 0
+        if args.action == "purge":
+            await js.purge_stream(subjects.dead_letter_stream)
+            print(f"purged {len(entries)} dead letters")
+            return 0
+        chosen = entries if args.all else [m for m in entries if m.seq == args.seq]
+        if not chosen:
+            raise CliError(f"no dead letter with sequence {args.seq}")
+        if args.action == "show":
+            m = chosen[0]
+            shown = {**_summary(m), "headers": dict(m.headers or {}), "payload_preview": (m.data or b"")[:200].decode("utf-8", "replace")}
+            print(json.dumps(shown) if args.json else json.dumps(shown, indent=2))
+            return 0
+        replayed = 0
+        for m in chosen:
+            h = forwardable_headers(m.headers)  # older dead letters may hold a producer's Nats-*
+            subject = h.pop(Headers.DLQ_SUBJECT, "")
+            for key in (Headers.DLQ_REASON, Headers.DLQ_STAGE, Headers.DLQ_DELIVERIES):
+                h.pop(key, None)
+            rid = h.pop(Headers.REQUEST_ID, "")
+            if rid:
+                h[Headers.MSG_ID] = rid
+            if not subject:
+                print(f"jetbatch dlq: dead letter {m.seq} has no original subject; skipped", file=sys.stderr)
+                continue
+            if not _replayable(subjects, subject):
+                # The header is data in a stream: never let it aim the operator's credentials
+                # anywhere but the deployment's own queues (a forged letter aimed at $JS.API...).
+                print(f"jetbatch dlq: dead letter {m.seq} names {subject[:80]!r}, not a queue of this deployment; skipped", file=sys.stderr)
+                continue
+            try:
+                await js.publish(subject, m.data or b"", headers=h, timeout=5)
+            except TRANSPORT_ERRORS as exc:
+                print(f"jetbatch dlq: replay of {m.seq} to {subject} failed: {exc!r}", file=sys.stderr)
+                continue
+            await js.delete_msg(subjects.dead_letter_stream, m.seq)
+            replayed += 1
+        print(f"replayed {replayed} dead letters")
+        return 0 if replayed == len(chosen) else 1
+    finally:
+        await nc.close()
+
+
+def _replayable(subjects: Subjects, subject: str) -> bool:
+    """Whether a dead letter's original subject is one of the deployment's request queues: a
+    model queue, the ingress, or a tenant's ingress."""
+    if subject == subjects.ingress:
+        return True
+    tenant, model = subjects.tenant_from_subject(subject), subjects.model_from_subject(subject)
+    try:
+        if tenant is not None:
+            return subject == subjects.tenant_ingress(tenant)
+        return model is not None and subject == subjects.model(model)
+    except ProtocolError:  # not one token, or not a valid name
+        return False

@@ -1,0 +1,232 @@
+"""Coordination between workers through a JetStream key-value bucket.
+
+Every worker puts its :class:`SidecarReport` (what it holds, what it is loading, how fast it drains
+each resident model) under its id every ``heartbeat_s``; the bucket's TTL drops a worker that
+stopped advertising. Each worker watches the bucket and turns the view into *effective backlog*
+for its own scheduler: a model that other workers already serve counts only for the backlog those
+workers would not drain within one load time of ours. So an idle worker prefers unserved work,
+a second replica joins a model only when its backlog outruns the replicas serving it, and workers
+do not all chase the same longest queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import StorageType
+
+from jetbatch.sdk import failures
+from jetbatch.sdk.protocol import SidecarReport, Subjects
+
+from .errors import TRANSPORT_ERRORS
+from .streams import ensure_key_value
+
+__all__ = ["CLAIM_PREFIX", "ClusterView"]
+
+# Keys of the workers' bucket that are load claims, not adverts.
+CLAIM_PREFIX = "claim."
+
+log = logging.getLogger("jetbatch.cluster")
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(SidecarReport)
+
+
+@dataclass
+class ClusterView:
+    """This worker's advert loop and its live view of the others."""
+
+    js: JetStreamContext
+    subjects: Subjects
+    worker_id: str
+    heartbeat_s: float = 1.0
+    replicas: int = 1
+    # A peer silent this long, while we hear ourselves, is gone. Longer than a NATS reconnect or a
+    # stream leader election: a peer that cannot advertise for a few seconds is usually alive.
+    peer_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        self._peers: dict[str, SidecarReport] = {}
+        self._seen_at: dict[str, float] = {}  # local clock when each advert last arrived
+        self._own_seen_at = 0.0  # when our own advert last came back through the watch
+        self._trouble_at = -1e18  # when we last saw JetStream fail (a fetch, a put, a stream info)
+        self._kv: object | None = None
+        self._watcher: object | None = None
+
+
+    @property
+    def ttl_s(self) -> float:
+        # Three missed heartbeats and a worker is gone.
+        return 3.0 * self.heartbeat_s
+
+    async def start(self) -> None:
+        self._kv = await ensure_key_value(
+            self.js,
+            self.subjects.kv_bucket,
+            description="jetbatch workers: residency and drain rates",
+            ttl_s=self.ttl_s,
+            storage=StorageType.MEMORY,  # soft state, re-advertised every heartbeat
+            replicas=self.replicas,
+        )
+        self._watcher = await self._kv.watchall()  # type: ignore[attr-defined]
+
+    async def watch(self) -> None:
+        """Keep the view of the peers current; run it in the worker's task group."""
+        assert self._watcher is not None, "start() first"
+        while True:
+            try:
+                entry = await self._watcher.updates(timeout=self.heartbeat_s * 5)  # type: ignore[attr-defined]
+            except failures.TIMEOUTS:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a watch error must not kill the worker
+                log.debug("kv watch error: %r", exc)
+                await asyncio.sleep(self.heartbeat_s)
+                continue
+            if entry is None:  # end of the initial values
+                continue
+            if entry.key.startswith(CLAIM_PREFIX):
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self._peers.pop(entry.key, None)
+                continue
+            try:
+                self._peers[entry.key] = _decoder.decode(entry.value)
+            except msgspec.DecodeError:
+                continue
+            now = time.time()
+            self._seen_at[entry.key] = now
+            if entry.key == self.worker_id:
+                self._own_seen_at = now
+
+    async def advertise(self, advert: SidecarReport) -> None:
+        if self._kv is None:
+            return
+        try:
+            await self._kv.put(self.worker_id, _encoder.encode(advert))  # type: ignore[attr-defined]
+        except TRANSPORT_ERRORS as exc:
+            log.debug("advert failed: %r", exc)
+            self.note_trouble()
+
+    @staticmethod
+    def _claim_key(model: str) -> str:
+        return f"{CLAIM_PREFIX}{model}"
+
+    async def claim(self, models: Iterable[str]) -> bool | None:
+        """Atomically claim every model a placement change touches: the one to load and the
+        ones to evict. Each claim is a key-value create, which exactly one of several workers
+        wins; they are taken in name order and all given back if one is lost, so two changes
+        that share a model cannot both go ahead. Two workers swapping models (A: m1 → m2, B: m2 →
+        m1) both need m1 and m2: one stands back. True: all claimed; False: another worker holds
+        one; None: the bucket did not answer (the caller decides what is safe without it). A
+        claim expires with the bucket's TTL if its holder dies."""
+        if self._kv is None:
+            return True
+        taken: list[str] = []
+        for model in sorted(set(models)):
+            try:
+                await self._kv.create(self._claim_key(model), self.worker_id.encode())  # type: ignore[attr-defined]
+                taken.append(model)
+                continue
+            except failures.CONFLICT:
+                try:
+                    entry = await self._kv.get(self._claim_key(model))  # type: ignore[attr-defined]
+                    mine = entry.value == self.worker_id.encode()
+                except TRANSPORT_ERRORS:
+                    mine = False
+                if mine:
+                    taken.append(model)
+                    continue
+                await self.release(taken)
+                return False
+            except TRANSPORT_ERRORS as exc:
+                log.debug("load claim for %s failed: %r", model, exc)
+                self.note_trouble()
+                await self.release(taken)
+                return None
+        return True
+
+    async def release(self, models: Iterable[str]) -> None:
+        if self._kv is None:
+            return
+        for model in models:
+            try:
+                await self._kv.delete(self._claim_key(model))  # type: ignore[attr-defined]
+            except TRANSPORT_ERRORS:
+                pass  # the TTL clears it
+
+    def held_by_peers(self, now: float | None = None) -> set[str]:
+        """Models a live peer has on its device or is loading (as last heard)."""
+        held: set[str] = set()
+        for adv in self.peers(now).values():
+            held.update(adv.resident)
+            if adv.loading:
+                held.add(adv.loading)
+        return held
+
+    async def withdraw(self) -> None:
+        """Remove this worker's advert (graceful stop) so peers react at once."""
+        if self._kv is None:
+            return
+        try:
+            await self._kv.delete(self.worker_id)  # type: ignore[attr-defined]
+        except TRANSPORT_ERRORS:
+            pass
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001
+                pass
+
+    def note_trouble(self, now: float | None = None) -> None:
+        """JetStream just failed us (a fetch, a put): peers silent now are likely in the same
+        trouble (a lost node, an election), not dead. Nobody is expired for ``peer_timeout_s``."""
+        self._trouble_at = time.time() if now is None else now
+
+    def view_fresh(self, now: float | None = None) -> bool:
+        """Whether silence means something: our own advert came back through the watch within the
+        TTL, and JetStream has not failed us for ``peer_timeout_s``. While it does not (a NATS
+        node lost, a reconnect, an election), the last view is kept as it was: peers we cannot
+        hear are not gone, and chasing their models would thrash placement."""
+        now = time.time() if now is None else now
+        return now - self._own_seen_at <= self.ttl_s and now - self._trouble_at > self.peer_timeout_s
+
+    def peers(self, now: float | None = None) -> dict[str, SidecarReport]:
+        """Live peers (not this worker): adverts heard within ``peer_timeout_s``, on our own clock.
+        With a stale view (see :meth:`view_fresh`) every peer last heard is kept."""
+        now = time.time() if now is None else now
+        fresh = self.view_fresh(now)
+        return {
+            wid: adv
+            for wid, adv in self._peers.items()
+            if wid != self.worker_id and (not fresh or now - self._seen_at.get(wid, 0.0) <= max(self.ttl_s, self.peer_timeout_s))
+        }
+
+    def not_ours(self, now: float | None = None) -> dict[str, int]:
+        """Per model, delivered-but-unacked messages the peers account for (their in-flight, and
+        what they found unfetchable): not backlog for this worker to chase."""
+        total: dict[str, int] = {}
+        for adv in self.peers(now).values():
+            for model in set(adv.in_flight) | set(adv.unfetchable):
+                total[model] = max(total.get(model, 0), adv.in_flight.get(model, 0) + adv.unfetchable.get(model, 0))
+        return total
+
+    def served_drain_rps(self, now: float | None = None) -> Mapping[str, float]:
+        """Per model, the requests/s that other workers holding (or loading) it can drain."""
+        total: dict[str, float] = {}
+        for adv in self.peers(now).values():
+            for model in adv.resident:
+                total[model] = total.get(model, 0.0) + max(adv.drain_rps.get(model, 0.0), 1e-9)
+            if adv.loading:
+                total[adv.loading] = total.get(adv.loading, 0.0) + max(adv.drain_rps.get(adv.loading, 0.0), 1e-9)
+        return total

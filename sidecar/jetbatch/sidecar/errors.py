@@ -1,0 +1,44 @@
+"""The sidecars' errors: one :class:`SidecarError` under the SDK's :class:`JetbatchError` root,
+so ``except JetbatchError`` catches anything jetbatch raises. Each concept defines its own
+subclass beside its code (``ConfigError`` in config, ``HandlerError`` in handlers, ...); the CLI
+turns every one of them into one line and exit status 2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jetbatch.sdk import failures
+from jetbatch.sdk.errors import JetbatchError
+from jetbatch.sdk.failures import TRANSPORT_ERRORS
+
+__all__ = ["TRANSPORT_ERRORS", "JetbatchError", "Pulled", "SidecarError", "pull"]
+
+# TRANSPORT_ERRORS (re-exported): what a call to NATS or JetStream raises when the server, the
+# connection or an election is in the way. Every NATS exception group lives in jetbatch.sdk.failures.
+
+
+class SidecarError(JetbatchError):
+    """Something a sidecar's operator can fix: configuration, a model file, the environment."""
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What one pull from a consumer gave: messages (none when the wait ran out), or why not."""
+
+    msgs: list[Any] = field(default_factory=list)
+    closed: bool = False  # the connection is closed for good: the sidecar stops
+    trouble: BaseException | None = None  # a reconnect or an election in the way: back off
+
+
+async def pull(psub: Any, n: int, timeout_s: float) -> Pulled:
+    """Fetch up to ``n`` messages within ``timeout_s``, the NATS errors mapped once for the
+    worker's batcher and the classifier: a pull never raises."""
+    try:
+        return Pulled(await psub.fetch(batch=n, timeout=timeout_s))
+    except failures.TIMEOUTS:
+        return Pulled()
+    except failures.CLOSED:
+        return Pulled(closed=True)
+    except TRANSPORT_ERRORS as exc:
+        return Pulled(trouble=exc)

@@ -1,0 +1,66 @@
+"""Model handlers: how a worker loads a model, decodes requests, runs a batch and encodes results.
+
+Built in (the ``handler`` key of ``[models.<name>]``):
+
+- ``export``: a ``torch.export`` program (``path`` to a ``.pt2``).
+- ``state_dict``: a safetensors or ``torch.save`` state dict (``path``) plus ``module_class`` and
+  ``module_kwargs``.
+- ``function``: ``function = "package.module:function"``, called with a list of inputs.
+- ``torchscript``: a scripted module (legacy).
+- ``identity`` and ``sleep``: for protocol tests and controlled benchmarks.
+- ``package.module:Class``: any :class:`Handler` subclass of yours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ModelConfig
+from .base import BadInput, Handler, HandlerError, import_object, resolve_device, tensor_bytes
+from .modules import ExportHandler, InputSpec, ModuleHandler, StateDictHandler, TorchScriptHandler, read_module
+from .simple import FunctionHandler, IdentityHandler, SleepHandler
+
+__all__ = [
+    "BUILTIN_HANDLERS",
+    "BadInput",
+    "ExportHandler",
+    "FunctionHandler",
+    "Handler",
+    "HandlerError",
+    "IdentityHandler",
+    "InputSpec",
+    "ModuleHandler",
+    "SleepHandler",
+    "StateDictHandler",
+    "TorchScriptHandler",
+    "create_handler",
+    "import_object",
+    "read_module",
+    "resolve_device",
+    "tensor_bytes",
+]
+
+BUILTIN_HANDLERS: dict[str, type[Handler]] = {
+    "export": ExportHandler,
+    "state_dict": StateDictHandler,
+    "function": FunctionHandler,
+    "torchscript": TorchScriptHandler,
+    "identity": IdentityHandler,
+    "sleep": SleepHandler,
+}
+
+
+def create_handler(name: str, config: ModelConfig) -> Handler:
+    """Instantiate the handler a model's config names; :class:`HandlerError` explains failures."""
+    spec = config.handler
+    cls: Any = BUILTIN_HANDLERS.get(spec)
+    if cls is None:
+        cls = import_object(spec, what=f"model {name}: handler", builtins=BUILTIN_HANDLERS)
+        if not (isinstance(cls, type) and issubclass(cls, Handler)):
+            raise HandlerError(f"model {name}: handler {spec!r} is not a subclass of jetbatch.sidecar.handlers.Handler")
+    try:
+        return cls(name, config)  # type: ignore[no-any-return]
+    except HandlerError:
+        raise
+    except Exception as exc:
+        raise HandlerError(f"model {name}: handler {spec!r} failed to initialise: {exc}") from exc

@@ -1,0 +1,332 @@
+"""Handlers for real PyTorch models on disk, in the formats teams ship:
+
+- ``export``: a ``torch.export`` program (``.pt2``, written by ``torch.export.save``), batched on
+  its dynamic first dimension; its input shape and dtype are read from the program, so a request
+  of the wrong shape gets ``bad_request`` naming the expected one.
+- ``state_dict``: weights in a safetensors or ``torch.save`` state-dict file plus a
+  ``package.module:Class`` (``module_class``, constructor kwargs in ``module_kwargs``). The module is
+  built on the meta device and the weights assigned, so a load allocates the weights once.
+- ``torchscript``: a scripted module (``torch.jit.save``), for legacy model stores; quiet about its
+  upstream deprecation.
+
+All three share the tiering in :class:`ModuleHandler`: the warm copy is the module on the host
+(its tensors pinned when the device is CUDA); a load moves each parameter and buffer to the device
+and keeps the host tensors, so offloading back to warm is a pointer swap, not a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from abc import abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jetbatch.sdk.protocol import ContentType
+
+from ..config import ModelConfig
+from .base import BadInput, Handler, HandlerError, import_object, tensor_bytes
+
+__all__ = ["ExportHandler", "InputSpec", "ModuleHandler", "StateDictHandler", "TorchScriptHandler", "read_module"]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What one request's tensor must look like (the batch dimension excluded)."""
+
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        shape = "any shape" if self.shape is None else f"shape {list(self.shape)}"
+        return f"a {str(self.dtype).removeprefix('torch.')} tensor of {shape}"
+
+
+class ModuleHandler(Handler):
+    """A ``torch.nn.Module`` read from ``config.path``, tiered cold / warm / resident."""
+
+    format = "module"
+
+    def __init__(self, name: str, config: ModelConfig) -> None:
+        super().__init__(name, config)
+        if not config.path:
+            raise HandlerError(f"model {name}: the {self.format} handler needs `path`")
+        self.path = config.path
+        self._lock = threading.Lock()
+        self._host: Any = None  # the module object; its tensors live on the host unless resident
+        self._host_tensors: dict[int, torch.Tensor] = {}  # id(param or buffer) -> host tensor
+        self._resident = False
+        self._device_bytes = 0
+        self.input_spec: InputSpec | None = None
+
+    # --- tiers --------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        p = Path(self.path)
+        if not p.is_file():
+            raise HandlerError(f"model {self.name}: file {self.path} not found")
+        if not os.access(p, os.R_OK):
+            raise HandlerError(f"model {self.name}: file {self.path} is not readable")
+
+    @abstractmethod
+    def _read(self) -> Any:
+        """Read the module from disk onto the CPU, ready for inference."""
+
+    def read_weights(self) -> None:
+        with self._lock:
+            self._read_locked()
+
+    def _read_locked(self) -> None:
+        if self._host is not None:
+            return
+        try:
+            module = self._read()
+        except HandlerError:
+            raise
+        except Exception as exc:  # torch raises many kinds here: name the file, keep one line
+            raise HandlerError(f"model {self.name}: cannot load {self.path}: {_first_line(exc)}") from exc
+        pin = self.target_device.type == "cuda" and torch.cuda.is_available()
+        for t in _tensors(module):
+            if pin and not t.data.is_pinned():
+                t.data = t.data.pin_memory()
+            self._host_tensors[id(t)] = t.data
+        self._host = module
+        if self.input_spec is None:
+            self.input_spec = self._input_spec(module)
+
+    @property
+    def warm(self) -> bool:
+        return self._host is not None
+
+    @property
+    def module(self) -> Any:
+        """The module read (on the device when resident, else on the host); None before a read."""
+        return self._host
+
+    def load(self, device: torch.device) -> None:
+        with self._lock:
+            self._read_locked()
+            if self._resident:
+                return
+            if device.type == "cuda":
+                before = torch.cuda.memory_allocated(device)
+                for t in _tensors(self._host):
+                    t.data = t.data.to(device, non_blocking=True)
+                torch.cuda.synchronize(device)
+                self._device_bytes = max(0, torch.cuda.memory_allocated(device) - before)
+            else:
+                # The host is the device: resident and warm are the same tensors.
+                self._device_bytes = tensor_bytes(self._host)
+            self.device = device
+            self._resident = True
+
+    def offload(self) -> None:
+        with self._lock:
+            if not self._resident:
+                return
+            for t in _tensors(self._host):
+                host = self._host_tensors.get(id(t))
+                if host is not None:
+                    t.data = host  # the device tensor is freed when its last reference goes
+            self._resident = False
+            self._device_bytes = 0
+            self.device = torch.device("cpu")
+        _release_cuda_cache(self.target_device)
+
+    def unload(self) -> None:
+        with self._lock:
+            self._host = None
+            self._host_tensors = {}
+            self._resident = False
+            self._device_bytes = 0
+            self.device = torch.device("cpu")
+        _release_cuda_cache(self.target_device)
+
+    def drop_host_copy(self) -> None:
+        with self._lock:
+            if self._resident:
+                return  # a resident model keeps its host tensors: offloading must stay a swap
+            self._host = None
+            self._host_tensors = {}
+
+    def memory_bytes(self) -> int:
+        if self._resident:
+            return self._device_bytes
+        return self.config.memory_bytes or 0
+
+    def host_bytes(self) -> int:
+        if self._host is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._host_tensors.values())
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def _input_spec(self, module: Any) -> InputSpec | None:
+        shape = self.options.get("input_shape")
+        if shape is None:
+            return None
+        return InputSpec(tuple(int(d) for d in shape), getattr(torch, str(self.options.get("input_dtype", "float32"))))
+
+    def decode(self, data: bytes, content_type: str | None) -> Any:
+        value = super().decode(data, content_type)
+        if isinstance(value, list):
+            try:
+                value = torch.tensor(value, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise BadInput(f"model {self.name} expects a tensor or a list of numbers") from None
+        spec = self.input_spec
+        if not isinstance(value, torch.Tensor):
+            expected = spec.describe() if spec else "a tensor"
+            raise BadInput(f"model {self.name} expects {expected} ({ContentType.TENSOR.value}), got {type(value).__name__}")
+        if spec is not None:
+            if spec.shape is not None and tuple(value.shape) != spec.shape:
+                raise BadInput(f"model {self.name} expects {spec.describe()}, got shape {list(value.shape)}")
+            if spec.dtype.is_floating_point and not value.is_floating_point():
+                raise BadInput(f"model {self.name} expects {spec.describe()}, got {str(value.dtype).removeprefix('torch.')}")
+        elif not value.is_floating_point():
+            raise BadInput(f"model {self.name} expects a floating-point tensor, got {str(value.dtype).removeprefix('torch.')}")
+        return value
+
+    def predict(self, inputs: list[Any]) -> list[Any]:
+        module = self._host if self._resident else None
+        if module is None:
+            raise RuntimeError(f"model {self.name} is not loaded")
+        dtype = self.input_spec.dtype if self.input_spec else torch.float32
+        with torch.inference_mode():
+            if len({tuple(x.shape) for x in inputs}) > 1:
+                # Shapes differ (a model without a declared input shape): one forward pass each.
+                return [module(x.unsqueeze(0).to(self.device, dtype=dtype))[0].cpu() for x in inputs]
+            batch = torch.stack(inputs).to(self.device, dtype=dtype)
+            out = module(batch)
+        return list(out.cpu().unbind(0))
+
+
+class ExportHandler(ModuleHandler):
+    """A ``torch.export`` program (``.pt2``) with a dynamic batch dimension."""
+
+    format = "export"
+
+    def _read(self) -> Any:
+        import zipfile
+
+        # A .pt2 is a zip archive. torch.export.load logs a multi-line traceback to stderr before
+        # it raises on anything else; say it in one line instead.
+        if not zipfile.is_zipfile(self.path):
+            raise HandlerError(f"model {self.name}: cannot load {self.path}: not a torch.export archive (.pt2 is a zip file)")
+        program = torch.export.load(self.path)
+        return program.module()
+
+    def _input_spec(self, module: Any) -> InputSpec | None:
+        declared = super()._input_spec(module)
+        if declared is not None:
+            return declared
+        return export_input_spec(module)
+
+
+class StateDictHandler(ModuleHandler):
+    """Weights (safetensors or ``torch.save``) assigned into ``module_class(**module_kwargs)``."""
+
+    format = "state_dict"
+
+    def __init__(self, name: str, config: ModelConfig) -> None:
+        super().__init__(name, config)
+        if not config.module_class:
+            raise HandlerError(f"model {name}: the state_dict handler needs `module_class` (package.module:Class)")
+
+        self.module_class = import_object(config.module_class, what=f"model {name}: module_class")
+        if not isinstance(self.module_class, type) or not issubclass(self.module_class, torch.nn.Module):
+            raise HandlerError(f"model {name}: module_class {config.module_class!r} is not a torch.nn.Module subclass")
+
+    def _read(self) -> Any:
+        return read_state_dict_module(self.module_class, dict(self.config.module_kwargs), self.path, what=f"model {self.name}")
+
+
+class TorchScriptHandler(ModuleHandler):
+    """A TorchScript module on disk (deprecated upstream; kept for legacy model stores)."""
+
+    format = "torchscript"
+
+    def _read(self) -> Any:
+        with warnings.catch_warnings():
+            # torch.jit.* is deprecated in favour of torch.export; loading legacy files is the point.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            module = torch.jit.load(self.path, map_location="cpu")
+        module.eval()
+        return module
+
+
+def export_input_spec(module: Any) -> InputSpec | None:
+    """The per-request input of an exported module: its first input without the batch dimension."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return None
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if val is None or not hasattr(val, "shape"):
+            return None
+        dims = list(val.shape)[1:]
+        if not all(isinstance(d, int) for d in dims):
+            return InputSpec(None, val.dtype)
+        return InputSpec(tuple(int(d) for d in dims), val.dtype)
+    return None
+
+
+def read_state_dict_module(cls: type, kwargs: dict[str, Any], path: str, *, what: str) -> Any:
+    """Build ``cls(**kwargs)`` on the meta device and assign the weights from ``path``, so the
+    weights are allocated once (safetensors are read into memory, ``torch.save`` files mapped)."""
+    with torch.device("meta"):
+        module = cls(**kwargs)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path, device="cpu")
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        module.load_state_dict(state, assign=True, strict=True)
+    except RuntimeError as exc:
+        raise HandlerError(f"{what}: {path} does not match {cls.__name__}: {_first_line(exc)}") from exc
+    missing = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if missing:
+        raise HandlerError(f"{what}: {path} leaves {', '.join(missing[:5])} unset (not in the state dict)")
+    module.eval()
+    return module
+
+
+def read_module(fmt: str, path: str, *, module_class: str | None = None, module_kwargs: dict[str, Any] | None = None) -> Any:
+    """Read a module in one of the built-in formats onto the CPU (the classifier's router uses it)."""
+    config = ModelConfig(handler=fmt, path=path, module_class=module_class, module_kwargs=module_kwargs or {})
+    classes: dict[str, type[ModuleHandler]] = {"export": ExportHandler, "state_dict": StateDictHandler, "torchscript": TorchScriptHandler}
+    handler = classes[fmt]("router", config)
+    handler.check()
+    handler.read_weights()
+    handler.load(torch.device("cpu"))
+    return handler.module
+
+
+def _tensors(module: Any) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``module`` once (tied weights are one object)."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _release_cuda_cache(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]

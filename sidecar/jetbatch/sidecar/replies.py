@@ -1,0 +1,287 @@
+"""The reply path shared by the worker and the classifier: answers, their durable copies, dead
+letters, and settling each message (ack, term, nak) without ever raising into a serving loop.
+
+Order for every answer (docs/reliability.md): publish its stored copy to the results stream,
+publish it to the caller's reply subject right behind, wait for the store's PubAck, and only then
+let the caller of this module ack the request. A crash before the PubAck redelivers the request;
+a crash after it leaves the answer where the caller (or the next worker) finds it by request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from jetbatch.sdk import failures
+from jetbatch.sdk.protocol import (
+    ContentType,
+    ErrorCode,
+    Headers,
+    RequestMeta,
+    Status,
+    Subjects,
+    encode_error,
+    error_headers,
+    forwardable_headers,
+    message_bytes,
+)
+from jetbatch.sdk.errors import JetbatchError
+from jetbatch.sdk.publishing import PublishRefused, PubAcks, publish_with_retries, settled
+
+from .errors import TRANSPORT_ERRORS
+from .config import RepliesConfig
+
+__all__ = ["Answer", "Replier", "client_message"]
+
+log = logging.getLogger("jetbatch.replies")
+
+_STORE_TIMEOUT_S = 5.0
+_SETTLE_ATTEMPTS = 3
+_PATH_RE = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-+@~]+){2,}")
+
+
+def client_message(exc: BaseException, limit: int = 300) -> str:
+    """What a caller may see of a server-side exception: its type and first line, with file paths
+    removed (interpreter stacks and server paths stay in the logs and spans)."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    text = f"{type(exc).__name__}: {_PATH_RE.sub('<path>', first)}" if first else type(exc).__name__
+    return text[:limit]
+
+
+@dataclass
+class Answer:
+    """One request's final answer: body and headers, and where it goes."""
+
+    meta: RequestMeta
+    body: bytes
+    headers: dict[str, str]
+    error: ErrorCode | None = None
+    stored: bool = False
+    sent: bool = False
+
+    @classmethod
+    def ok(cls, meta: RequestMeta, body: bytes, content_type: ContentType, extra: Mapping[str, str] | None = None) -> "Answer":
+        headers = dict(extra or {})
+        headers[Headers.STATUS] = Status.OK.value
+        headers[Headers.REQUEST_ID] = meta.request_id
+        headers[Headers.CONTENT_TYPE] = content_type.value
+        return cls(meta, body, headers)
+
+    @classmethod
+    def failure(
+        cls, meta: RequestMeta, code: ErrorCode, message: str, extra: Mapping[str, str] | None = None, *, model: str | None = None
+    ) -> "Answer":
+        headers = dict(extra or {})
+        headers.update(error_headers(code, meta.request_id, model or headers.get(Headers.MODEL)))
+        return cls(meta, encode_error(code, message[:1000], meta.request_id), headers, error=code)
+
+
+@dataclass
+class Replier:
+    """Sends answers for one sidecar. ``reply_nc``, when the deployment gives the sidecar a reply
+    identity, is the connection answers go out on (its permissions allow only reply subjects)."""
+
+    nc: NATS
+    subjects: Subjects
+    config: RepliesConfig
+    reply_nc: NATS | None = None
+    _js: Any = field(init=False, default=None)
+    _acks: PubAcks | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._js = (self.reply_nc or self.nc).jetstream()
+
+    @property
+    def out(self) -> NATS:
+        return self.reply_nc or self.nc
+
+    def fit(self, answer: Answer) -> Answer:
+        """An answer the server would refuse (over ``max_payload``, headers counted) becomes a
+        ``model_failed`` error: sending it would close the connection."""
+        limit = self.out.max_payload or 1024 * 1024
+        if message_bytes(answer.headers, answer.body) <= limit:
+            return answer
+        size = message_bytes(answer.headers, answer.body)
+        extra = {k: v for k, v in answer.headers.items() if k.startswith("Jetbatch-") and k not in (Headers.STATUS, Headers.ERROR_CODE)}
+        return Answer.failure(answer.meta, ErrorCode.MODEL_FAILED, f"output of {size} bytes is over the server's max payload ({limit})", extra)
+
+    async def deliver(self, answers: list[Answer]) -> None:
+        """Store every answer durably (when enabled) and send each to its caller. Sets
+        ``stored``/``sent`` on each; never raises.
+
+        The stored copies are published first and the replies right behind them on the same
+        connection, and only then are the PubAcks awaited: a caller gets its answer without
+        waiting for the store's round trip, while the request is still acked only once its
+        stored copy is confirmed (``safe``). A reply that arrives before a store that then fails
+        is harmless: the request is redelivered, and the caller ignores a second answer."""
+        answers[:] = [self.fit(a) for a in answers]
+        stores = await self._store_start(answers) if self.config.durable else []
+        for a in answers:
+            await self._send(a)
+        try:
+            await self.out.flush(timeout=5)
+        except TRANSPORT_ERRORS as exc:
+            log.warning("flush after replies failed: %r", exc)
+        if stores:
+            await self._store_finish(stores)
+
+    async def resend(self, answer: Answer) -> None:
+        """Send an answer found in the results store to its caller again (a redelivered request
+        whose earlier delivery was computed and stored, but not acked)."""
+        await self._send(answer)
+
+    async def _send(self, answer: Answer) -> None:
+        """Publish ``answer`` to its caller (if it has a reply subject); sets ``sent``."""
+        if answer.meta.reply_to is None:
+            return
+        try:
+            await self.out.publish(answer.meta.reply_to, answer.body, headers=answer.headers)
+            answer.sent = True
+        except TRANSPORT_ERRORS as exc:
+            # Reconnecting with a full buffer, or closed: the stored copy still answers.
+            log.warning("reply to %s failed: %r", answer.meta.request_id, exc)
+
+    def safe(self, answer: Answer) -> bool:
+        """Whether the request may be acked: its answer is stored (or, without the results store,
+        was handed to the connection)."""
+        return answer.stored if self.config.durable else answer.sent or answer.meta.reply_to is None
+
+    async def _store_start(self, answers: list[Answer]) -> list[tuple[Answer, asyncio.Future[Any]]]:
+        """Publish each answer's stored copy; the PubAcks are awaited by :meth:`_store_finish`."""
+        if self._acks is None:
+            self._acks = PubAcks(self.out)
+        futures: list[tuple[Answer, asyncio.Future[Any]]] = []
+        for a in answers:
+            try:
+                subject = self.subjects.result(a.meta.request_id, a.meta.tenant)
+                fut = await self._acks.publish(subject, a.body, a.headers)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the request for redelivery
+                log.warning("storing the answer of %s failed: %r", a.meta.request_id, exc)
+                continue
+            futures.append((a, fut))
+        return futures
+
+    async def _store_finish(self, futures: list[tuple[Answer, asyncio.Future[Any]]]) -> None:
+        started = time.monotonic()
+        await settled([f for _, f in futures], min(_STORE_TIMEOUT_S, self.config.store_timeout_s / 2))
+        unanswered: list[Answer] = []
+        for a, fut in futures:
+            if fut.cancelled():
+                # No PubAck yet: the server is down or restarting. The answer went out live, so it
+                # is stored again (same content) rather than left for a redelivery that computes
+                # it anew, maybe past its deadline, contradicting the reply already sent.
+                unanswered.append(a)
+                continue
+            exc = fut.exception()
+            if exc is None:
+                a.stored = True
+            elif isinstance(exc, PublishRefused) and exc.err_code is None:
+                unanswered.append(a)
+            else:
+                log.warning("the results stream refused the answer of %s: %r", a.meta.request_id, exc)
+        if unanswered:
+            # No stream answered: a leader election or a restart. Retried within
+            # replies.store_timeout_s, so an outage of that long delays these acks instead of
+            # redelivering (and recomputing) every request it caught, which other workers would
+            # also count as backlog.
+            deadline = started + self.config.store_timeout_s
+            await asyncio.gather(*(self._store_again(a, deadline) for a in unanswered))
+
+    async def _store_again(self, answer: Answer, deadline: float) -> None:
+        subject = self.subjects.result(answer.meta.request_id, answer.meta.tenant)
+        try:
+            await publish_with_retries(self._js, subject, answer.body, answer.headers, deadline=deadline, request_id=answer.meta.request_id)
+            answer.stored = True
+        except JetbatchError as exc:
+            log.warning("storing the answer of %s failed: %s", answer.meta.request_id, exc.message)
+            return
+        # Whatever lost the first store's PubAck (a node gone with our connection) may have lost
+        # the live reply sent right behind it; a caller whose own connection never broke would
+        # then wait for it until its timeout (the failover bench saw that). Send it again: a
+        # second answer is dropped by the caller.
+        await self._send(answer)
+
+    async def stored_answer(self, meta: RequestMeta) -> Answer | None:
+        """The answer stored for this request id by an earlier delivery, if any."""
+        if not self.config.durable:
+            return None
+        try:
+            raw = await self._js.get_msg(
+                self.subjects.results_stream, subject=self.subjects.result(meta.request_id, meta.tenant), direct=True
+            )
+        except TRANSPORT_ERRORS:
+            return None
+        headers = dict(raw.headers or {})
+        code = headers.get(Headers.ERROR_CODE)
+        answer = Answer(meta, raw.data or b"", headers, error=ErrorCode(code) if code in ErrorCode._value2member_map_ else None)
+        answer.stored = True
+        return answer
+
+    async def dead_letter(self, msg: Msg, reason: str, stage: str) -> bool:
+        """Copy ``msg`` (payload and headers) to ``<prefix>.dlq.<stage>`` with its reason, original
+        subject and delivery count. A copy too large for the server keeps its headers only."""
+        original = dict(msg.headers or {})
+        # No Nats-* header of the producer's: the server would act on it (Nats-Expected-Stream
+        # refuses the copy, and the request would be gone), and without Nats-Msg-Id the DLQ keeps
+        # every entry.
+        headers = forwardable_headers(original)
+        headers.update(
+            {
+                Headers.DLQ_REASON: reason[:1000],
+                Headers.DLQ_STAGE: stage,
+                Headers.DLQ_SUBJECT: msg.subject[:255],
+                Headers.DLQ_DELIVERIES: str(_deliveries(msg)),
+                Headers.REQUEST_ID: original.get(Headers.MSG_ID, "")[:64],
+            }
+        )
+        data = msg.data
+        limit = self.nc.max_payload or 1024 * 1024
+        if message_bytes(headers, data) > limit:
+            data = b""
+            headers[Headers.DLQ_REASON] = (reason[:900] + " (payload dropped: too large to copy)")
+            if message_bytes(headers, data) > limit:
+                headers = {k: v[:256] for k, v in headers.items()}
+        js = self.nc.jetstream()
+        try:
+            await js.publish(self.subjects.dead_letter(stage), data, headers=headers, timeout=5)
+            return True
+        except TRANSPORT_ERRORS as exc:
+            log.warning("dead-lettering %s failed: %r", original.get(Headers.MSG_ID), exc)
+            return False
+
+
+async def settle(msg: Msg, action: str, *, delay_s: float | None = None) -> bool:
+    """Ack, term or nak ``msg``; retried briefly, never raises. False when it could not be done
+    (the message is then redelivered after its ack wait: safe, since answers are stored first)."""
+    for attempt in range(_SETTLE_ATTEMPTS):
+        try:
+            if action == "ack":
+                await msg.ack()
+            elif action == "term":
+                await msg.term()
+            else:
+                await msg.nak(delay=delay_s)
+            return True
+        except failures.ALREADY_ACKED:
+            return True
+        except TRANSPORT_ERRORS as exc:
+            if attempt == _SETTLE_ATTEMPTS - 1:
+                log.warning("%s of a message failed: %r", action, exc)
+                return False
+            await asyncio.sleep(0.05 * (attempt + 1))
+    return False
+
+
+def _deliveries(msg: Msg) -> int:
+    try:
+        return int(msg.metadata.num_delivered)
+    except Exception:  # noqa: BLE001 - not a JetStream message
+        return 1

@@ -1,0 +1,222 @@
+"""What one worker does about its peers: its adverts, the share of each queue the peers leave it,
+which queues it leaves to a peer's first take, and the claims around a placement change.
+
+With coordination off (``worker.coordinate = false``, or no cluster view) every answer is the
+lone worker's: nothing served by peers, nothing deferred, loads without claims. The rules
+themselves are the policy core's (``policy.share``, ``Driver.share``); this module feeds them the
+cluster view (cluster.py) and carries out the claims.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+
+import anyio
+from jetbatch.sdk.protocol import SidecarReport
+
+from ..cluster import ClusterView
+from ..policy import Budget, Driver, deferred_until, first_taker_rank, has_room
+from .counters import Counters
+from .queues import QueueView
+from .residency import Residency
+from .slots import Slot
+
+__all__ = ["Coordinator"]
+
+log = logging.getLogger("jetbatch.worker")
+
+
+class Coordinator:
+    """One worker's side of the cluster protocol around :class:`ClusterView`."""
+
+    def __init__(
+        self,
+        cluster: ClusterView | None,
+        *,
+        worker_id: str,
+        slots: Mapping[str, Slot],
+        queues: QueueView,
+        residency: Residency,
+        driver: Driver,
+        budget: Budget,
+        counters: Counters,
+        heartbeat_s: float,
+        report: Callable[[], SidecarReport],
+    ) -> None:
+        self.cluster = cluster
+        self.worker_id = worker_id
+        self._slots = slots
+        self._queues = queues
+        self._residency = residency
+        self._driver = driver
+        self._budget = budget
+        self._counters = counters
+        self._heartbeat_s = heartbeat_s
+        self._report = report
+        self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
+        self._claim_s = 0.0  # how long the claim of the load under way took
+
+    @property
+    def enabled(self) -> bool:
+        return self.cluster is not None
+
+    # --- adverts ---------------------------------------------------------------------------
+
+    async def advertise(self) -> None:
+        if self.cluster is None:
+            return
+        started = time.perf_counter()
+        await self.cluster.advertise(self._report())
+        self._counters.sample("advert", time.perf_counter() - started)
+
+    async def advertise_forever(self) -> None:
+        while True:
+            await anyio.sleep(self._heartbeat_s)
+            await self.advertise()
+
+    def note_trouble(self) -> None:
+        if self.cluster is not None:
+            self.cluster.note_trouble()
+
+    def not_ours(self, now: float) -> dict[str, int]:
+        """Requests peers hold unacked, per model (``ClusterView.not_ours``)."""
+        return self.cluster.not_ours(now) if self.cluster is not None else {}
+
+    # --- the share of each queue -----------------------------------------------------------
+
+    def served(self) -> dict[str, float]:
+        """Per model, what peers drain (their adverts), and models a peer is claiming now counted
+        as fully served until its advert says more (see :meth:`stand_back`)."""
+        served = dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
+        if self._standing_back:
+            now = time.time()
+            for name, until in list(self._standing_back.items()):
+                if until <= now:
+                    del self._standing_back[name]
+                else:
+                    served[name] = math.inf
+        return served
+
+    def stand_back(self, model: str) -> None:
+        """Leave ``model`` to the peer that holds its claim (or held it when the view went stale)
+        for one heartbeat: the next decisions count its backlog as served, so this worker goes on
+        with its own work at once instead of deciding the same refused load again and again (the
+        failover bench saw thousands a second) or sleeping while its own queues wait."""
+        self._standing_back[model] = time.time() + self._heartbeat_s
+
+    def share(self, slot: Slot, served: dict[str, float] | None = None) -> int:
+        """The part of ``slot``'s backlog that is this worker's to serve (``Driver.share``)."""
+        served = self.served() if served is None else served
+        return self._driver.share(
+            slot.backlog, served.get(slot.name, 0.0), self._residency.load_cost_s(slot), resident=slot.resident, max_batch_size=slot.config.max_batch_size,
+        )  # fmt: skip
+
+    def deferred(self, now: float) -> dict[str, float]:
+        """Queues nobody holds whose first taker is a peer (``policy.first_taker_rank``), and
+        until when they are left to it; the simulator applies the same rule."""
+        if self.cluster is None or not self._queues.waiting:
+            return {}
+        peers = self.cluster.peers(now)
+        if not peers:
+            return {}
+        held = self.cluster.held_by_peers(now)
+        out: dict[str, float] = {}
+        costs = self._driver.costs
+        mine = self._residency.resident_names()
+        used = sum(costs.memory_bytes(n) for n in mine)
+        for name in self._queues.waiting:
+            slot = self._slots[name]
+            if slot.resident or name in held or slot.oldest_enqueued_at is None:
+                continue
+            warm_here = slot.tier == "warm"
+            size = costs.memory_bytes(name)
+
+            def room(w: str, size: int = size) -> bool:
+                if w == self.worker_id:
+                    return has_room(self._budget, len(mine), used, size)
+                adv = peers[w]
+                budget = Budget(max_bytes=adv.memory_budget_bytes, max_models=adv.max_resident_models)
+                return has_room(budget, len(adv.resident) + (1 if adv.loading else 0), adv.memory_bytes, size)
+
+            rank = first_taker_rank(
+                name, self.worker_id, peers, has_room=room,
+                has_warm=lambda w, name=name, warm_here=warm_here: warm_here if w == self.worker_id else name in peers[w].warm,
+            )  # fmt: skip
+            if rank:
+                until = deferred_until(rank, slot.oldest_enqueued_at, self._residency.load_cost_s(slot))
+                if until > now:
+                    out[name] = until
+        return out
+
+    # --- placement changes -----------------------------------------------------------------
+
+    def describe(self) -> tuple[dict[str, tuple[list[str], str | None]], str]:
+        """The peers' placements and whether the view is fresh (for the load log line)."""
+        if self.cluster is None:
+            return {}, "fresh"
+        peers = {p: (a.resident, a.loading) for p, a in self.cluster.peers().items()}
+        return peers, "fresh" if self.cluster.view_fresh() else "stale (kept)"
+
+    async def claim_load(self, slot: Slot, evict: tuple[str, ...]) -> list[str] | None:
+        """Before paying a load, claim every model the change touches (``cluster.claim``: two
+        workers never change the same models' placement at once), then check again that no peer
+        now covers this model's backlog (workers must not all chase one queue). Returns the
+        claimed models (:meth:`release` them after the load), or None to stand back."""
+        if self.cluster is None:
+            return []
+        # Claimed even with no peer in view: a peer that started a moment ago is not in it yet
+        # (the failover bench saw two workers load the same first model at startup).
+        held = self.cluster.held_by_peers()
+        if slot.name in held and not self.cluster.view_fresh():
+            # What the peers hold is as last heard before JetStream failed us: taking one of their
+            # models on that view is how two workers swapped back and forth after a lost node.
+            log.info("not loading %s: a peer held it when the view went stale", slot.name)
+            self.stand_back(slot.name)
+            return None
+        if self.share(slot) == 0:
+            return None
+        touched = [slot.name, *evict]
+        started = time.perf_counter()
+        claimed = await self.cluster.claim(touched)
+        self._claim_s = time.perf_counter() - started  # sampled with its release (worker/counters.py)
+        if claimed is False:
+            log.info("another worker is changing the placement of %s now: standing back", " or ".join(sorted(touched)))
+            self.stand_back(slot.name)
+            self._counters.sample("claim", self._claim_s)
+            return None
+        if claimed is None and slot.name in held:
+            self.stand_back(slot.name)
+            self._counters.sample("claim", self._claim_s)
+            return None  # no claim could be had: never take a peer's model without one
+        if claimed and self.share(slot) == 0:
+            # A peer that loaded it just before our claim has said so by now: its advert precedes
+            # its release in the bucket, and our claim follows the release.
+            await self.release(touched)
+            return None
+        self._residency.loading = slot.name
+        if self.cluster.peers():
+            # Peers count our drain from now on. With none in view there is nobody to tell: one
+            # that starts meanwhile finds our claim, and reads our advert after the load before
+            # the claim is given back.
+            await self.advertise()
+        return touched if claimed else []
+
+    async def loaded(self, claimed: list[str]) -> None:
+        """After a load (or its failure): advertise the new placement, then give the claim back
+        (a peer that starts just now and does not know us yet reads the advert first)."""
+        if self.cluster is None:
+            return
+        await self.advertise()
+        await self.release(claimed)
+
+    async def release(self, models: list[str]) -> None:
+        if self.cluster is None:
+            return
+        started = time.perf_counter()
+        await self.cluster.release(models)
+        self._counters.sample("claim", self._claim_s + time.perf_counter() - started)  # a claim's cost includes its release
+        self._claim_s = 0.0
+

@@ -1,0 +1,348 @@
+"""Running one batch: check each request, compute the good ones, answer every one, settle.
+
+Per batch: requests with invalid headers get ``bad_request`` (or, when their reply subject was
+refused, a dead letter and no publish at all); expired ones get ``deadline_exceeded`` without
+compute; first-time requests run as one batch (bisected if the handler raises, so only the
+failing ones get ``model_failed``); redelivered ones (suspects) then run in the groups the
+quarantine's evidence allows: together without evidence, alone after a crash
+(worker/quarantine.py). Every answer is stored and sent before its
+message is acked (replies.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from typing import Any, Callable
+
+import anyio
+from nats.aio.msg import Msg
+
+from jetbatch.sdk.protocol import ErrorCode, Headers, ReplyPolicy, batch_header, new_request_id, parse_request_headers, validate_token
+
+from ..handlers import BadInput
+from ..policy import PROBE_AFTER_REFUSALS, Driver, cannot_finish
+from ..replies import Answer, Replier, client_message, settle
+from ..telemetry import WorkerTelemetry
+from .counters import Counters
+from .slots import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
+from .quarantine import Evidence, Quarantine, Verdict, groups
+
+__all__ = ["BatchRunner"]
+
+log = logging.getLogger("jetbatch.worker")
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        replier: Replier,
+        quarantine: Quarantine,
+        telemetry: WorkerTelemetry,
+        driver: Driver,
+        reply_policy: ReplyPolicy,
+        max_deliver: int,
+        counters: Counters,
+        device_lock: anyio.Lock,
+        on_batch: Callable[[BatchReport], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``clock``: wall-clock seconds, the scale of deadlines and enqueue times (tests pass a
+        fake one); a batch's compute time is measured with the performance counter."""
+        self._clock = clock
+        # The id travels inside the ``Jetbatch-Batch`` header, whose fields ``;`` and ``=`` separate.
+        self.worker_id = worker_id.replace(";", "_").replace("=", "_")
+        self.replier = replier
+        self.quarantine = quarantine
+        self.telemetry = telemetry
+        self.driver = driver
+        self.costs = driver.costs  # read: the deadline estimates
+        self.reply_policy = reply_policy
+        self.max_deliver = max_deliver
+        self._counters = counters
+        # Held only while the model computes: storing and sending answers is I/O, and holding the
+        # device through it kept the next batch (or a load) waiting on the network.
+        self.device_lock = device_lock
+        self.on_batch = on_batch
+        self._rng = random.Random()
+
+    # --- parsing --------------------------------------------------------------------------------
+
+    def parse(self, msg: Msg, now: float) -> Request:
+        """Check a message's headers (never raises)."""
+        headers = msg.headers or {}
+        tenant = headers.get(Headers.TENANT)
+        tenant_problem = None
+        if tenant is not None:
+            try:
+                validate_token(tenant, "tenant")
+            except Exception as exc:  # noqa: BLE001 - ProtocolError; any failure is the request's
+                tenant_problem, tenant = str(exc), None
+        meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=new_request_id)
+        if tenant_problem:
+            meta = _with_problem(meta, f"header {Headers.TENANT}: {tenant_problem}")
+        return Request(
+            msg=msg,
+            meta=meta,
+            deliveries=deliveries(msg),
+            seq=stream_seq(msg),
+            enqueued_at=enqueued_at(msg, now),
+            reply_refused=Headers.REPLY_TO in headers and meta.reply_to is None,
+        )
+
+    # --- one batch ------------------------------------------------------------------------------
+
+    def _predicted_s(self, slot: Slot, n: int) -> float:
+        """How long a batch of ``n`` is expected to take, for the deadline check: the estimate,
+        but never more than the fastest batch seen (one slow outlier must not refuse a model's
+        every request), and 0 after ``PROBE_AFTER_REFUSALS`` batches in a row were refused whole on
+        a prediction (that batch measures the model again)."""
+        if slot.refused_on_prediction >= PROBE_AFTER_REFUSALS:
+            return 0.0
+        return self.costs.deadline_estimate_s(slot.name, n)
+
+    async def run(
+        self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str, *, release_model: Callable[[], None] = lambda: None
+    ) -> None:
+        """Check, compute, answer and settle one batch. ``release_model`` is called once the model
+        is no longer needed (after the last forward pass, before the answers' I/O), so that an
+        eviction waits for the device work only."""
+        batch_id = uuid.uuid4().hex[:16]
+        now = self._clock()
+        requests = [self.parse(m, now) for m in msgs]
+        waits_ms = {id(r): max(0.0, (now - r.enqueued_at) * 1000.0) for r in requests}
+        trace = [""]  # the batch span's trace id, once the span exists
+
+        def extra(r: Request) -> dict[str, str]:
+            return {
+                Headers.MODEL: slot.name,
+                Headers.BATCH: batch_header(batch_id, len(requests), waits_ms[id(r)], loaded, self.worker_id, trace[0]),
+            }
+
+        rejected, expired, fresh, suspects = [], [], [], []
+        predicted_s = self._predicted_s(slot, len(requests))
+        for r in requests:
+            if r.meta.problem is not None:
+                rejected.append(r)
+            elif cannot_finish(r.meta.deadline, now, predicted_s):
+                expired.append(r)
+            elif r.deliveries <= 1:
+                fresh.append(r)
+            else:
+                suspects.append(r)
+        # A batch refused whole on a prediction teaches the estimator nothing: after a few in a
+        # row one is computed (unless its deadlines really passed), so an inflated estimate
+        # cannot lock a model out for good.
+        refused_whole = bool(expired) and len(expired) == len(requests) and predicted_s > 0
+        slot.refused_on_prediction = slot.refused_on_prediction + 1 if refused_whole else 0
+        load_record = slot.pending_load if loaded else None
+        slot.pending_load = None
+        compute_s = 0.0
+        with self.telemetry.batch_span(
+            slot.name,
+            [r.msg.headers for r in requests],
+            batch_id=batch_id,
+            waits_ms=list(waits_ms.values()),
+            decision=reason,
+            loaded=loaded,
+            start_ns=load_record.start_ns if load_record else None,
+        ) as span:
+            if load_record is not None:
+                self.telemetry.record_load(load_record, span)
+            trace[0] = self.telemetry.trace_id_hex(span) or ""
+            for r in rejected:
+                r.action = "term"  # a malformed request will not get better on redelivery
+                r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, r.meta.problem or "bad request", extra(r))
+            for r in expired:
+                left_s = (r.meta.deadline or now) - now
+                why = f"deadline passed {-left_s:.3f}s before compute" if left_s < 0 else f"{left_s:.3f}s left, a batch takes about {predicted_s:.3f}s"
+                r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, why, extra(r))
+            started = time.perf_counter()
+            if fresh:
+                self._decode(slot, fresh, extra)
+                good = [r for r in fresh if r.answer is None]
+                if good:
+                    with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": len(good)}):
+                        await self._predict_isolating(slot, good, extra)
+            compute_s = time.perf_counter() - started
+            if fresh:
+                self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
+            if not suspects:
+                release_model()
+            await self.finish(slot, rejected + expired + fresh)
+            await self._run_suspects(slot, suspects, extra)
+            release_model()
+            errors = [r for r in requests if r.answer is not None and r.answer.error is not None]
+            if errors:
+                span.set_attribute("jetbatch.batch.errors", len(errors))
+                for r in errors:
+                    assert r.answer is not None and r.answer.error is not None
+                    span.add_event("request.error", {"jetbatch.request.id": r.meta.request_id, "jetbatch.error.code": r.answer.error.value})
+                    if r.exception is not None:
+                        span.record_exception(r.exception, {"jetbatch.request.id": r.meta.request_id})
+                failed = [r for r in errors if r.answer and r.answer.error in (ErrorCode.MODEL_FAILED, ErrorCode.INTERNAL)]
+                if failed or len(errors) == len(requests):
+                    worst = (failed or errors)[0].answer
+                    code = worst.error.value if worst is not None and worst.error is not None else "internal"
+                    self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed", code)
+        slot.last_used_at = self._clock()
+        # What ran teaches the estimator; every request taken counts as demand (policy/driver.py).
+        self.driver.batch_done(slot.name, taken=len(requests), computed=len(fresh), seconds=compute_s, now=self._clock())
+        self._counters.add("batches")
+        self._counters.add("requests", len(requests))
+        if self.on_batch is not None:
+            n_errors = sum(1 for r in requests if r.answer is None or r.answer.error is not None)
+            self.on_batch(
+                BatchReport(
+                    batch_id=batch_id,
+                    model=slot.name,
+                    size=len(requests),
+                    ok=len(requests) - n_errors,
+                    errors=n_errors,
+                    queue_wait_ms=tuple(waits_ms[id(r)] for r in requests),
+                    loaded=loaded,
+                    compute_s=compute_s,
+                    decision=reason,
+                )
+            )
+
+    def _decode(self, slot: Slot, requests: list[Request], extra: Callable[[Request], dict[str, str]]) -> None:
+        for r in requests:
+            try:
+                r.value = slot.handler.decode(r.msg.data, r.meta.content_type)
+            except BadInput as exc:
+                r.action = "term"
+                r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, str(exc), extra(r))
+            except Exception as exc:  # noqa: BLE001 - a custom decode must not take the batch down
+                r.action = "term"
+                r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, f"cannot decode payload: {client_message(exc)}", extra(r))
+
+    async def _predict_isolating(self, slot: Slot, requests: list[Request], extra: Callable[[Request], dict[str, str]]) -> None:
+        """Run the batch; if the handler raises, bisect so good requests are still served and only
+        the failing ones get ``model_failed``."""
+        try:
+            async with self.device_lock:
+                results = await anyio.to_thread.run_sync(slot.handler.predict, [r.value for r in requests])
+            if len(results) != len(requests):
+                raise RuntimeError(f"handler returned {len(results)} outputs for {len(requests)} inputs")
+        except Exception as exc:  # noqa: BLE001 - handler code is user code
+            if len(requests) == 1:
+                r = requests[0]
+                r.exception = exc
+                log.info("model %s failed on request %s: %s", slot.name, r.meta.request_id, exc)
+                r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, client_message(exc), extra(r))
+                return
+            mid = len(requests) // 2
+            await self._predict_isolating(slot, requests[:mid], extra)
+            await self._predict_isolating(slot, requests[mid:], extra)
+            return
+        for r, out in zip(requests, results):
+            try:
+                body, ctype = slot.handler.encode(out)
+                r.answer = Answer.ok(r.meta, body, ctype, extra(r))
+            except Exception as exc:  # noqa: BLE001
+                r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, f"cannot encode output: {client_message(exc)}", extra(r))
+
+    async def _run_suspects(self, slot: Slot, suspects: list[Request], extra: Callable[[Request], dict[str, str]]) -> None:
+        """Redelivered requests: answered from the results store if an earlier delivery was
+        computed, convicted on evidence, given up on after too many deliveries, or run in the
+        groups their evidence allows (``quarantine.groups``)."""
+        if not suspects:
+            return
+        to_run: list[tuple[Request, Evidence]] = []
+        for r in sorted(suspects, key=lambda r: r.seq):
+            stored = await self.replier.stored_answer(r.meta)
+            if stored is not None:
+                r.answer = stored
+                await self.finish(slot, [r])
+                await self.quarantine.clear(slot.name, r.seq)
+                continue
+            evidence = await self.quarantine.evidence(slot.name, r.seq)
+            verdict = self.quarantine.verdict(r.deliveries, evidence.alone_crashes)
+            if verdict is Verdict.RUN_ALONE:
+                to_run.append((r, evidence))
+                continue
+            if verdict is Verdict.CULPRIT:
+                reason = f"request crashed the worker {evidence.alone_crashes + 1} times (the last {evidence.alone_crashes} while running alone)"
+            else:
+                reason = f"request was delivered {r.deliveries} times without completing (workers died while it was in flight)"
+            log.warning("model %s: request %s: %s", slot.name, r.meta.request_id, reason)
+            r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, reason, extra(r))
+            await self.replier.dead_letter(r.msg, reason, "worker")
+            await self.finish(slot, [r])
+            await self.quarantine.clear(slot.name, r.seq)
+        plan = groups([(r.seq, ev) for r, ev in to_run])
+        # Weakest evidence first, so innocents complete before a likely poison kills the process
+        # again; a random order among equals, so a worker killed from outside soon after it
+        # starts does not find the same group running every time.
+        self._rng.shuffle(plan)
+        plan.sort(key=lambda g: _suspicion(to_run[g[0]][1]))
+        for indices in plan:
+            group = [to_run[i] for i in indices]
+            members = [r for r, _ in group]
+            self._decode(slot, members, extra)
+            runnable = [(r, ev) for r, ev in group if r.answer is None]
+            if runnable:
+                # The evidence window is the model's own code: recorded just before it runs,
+                # cleared as soon as it returns.
+                for r, ev in runnable:
+                    await self.quarantine.begin(slot.name, r.seq, ev, len(runnable))
+                attrs = {"jetbatch.model": slot.name, "jetbatch.batch.size": len(runnable), "jetbatch.redelivered": True}
+                with self.telemetry.child_span("infer", **attrs):
+                    await self._predict_isolating(slot, [r for r, _ in runnable], extra)
+                for r, _ in runnable:
+                    await self.quarantine.clear(slot.name, r.seq)
+            await self.finish(slot, members)
+
+    async def finish(self, slot: Slot, requests: list[Request]) -> None:
+        """Store and send the answers of ``requests``, then settle each message."""
+        if not requests:
+            return
+        fresh_answers = [r.answer for r in requests if r.answer is not None and not r.answer.stored]
+        stored_answers = [r.answer for r in requests if r.answer is not None and r.answer.stored]
+        if fresh_answers:
+            started = time.perf_counter()
+            await self.replier.deliver(fresh_answers)  # type: ignore[arg-type]
+            self._counters.sample("answer", time.perf_counter() - started)
+        for a in stored_answers:
+            if a is not None:
+                await self.replier.resend(a)
+        outcomes: dict[str, int] = {}
+        for r in requests:
+            a = r.answer
+            if a is None:  # cannot happen: every path sets an answer
+                continue
+            outcome = a.error.value if a.error else "ok"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            if r.reply_refused:
+                # Nowhere safe to answer: keep the request, with the reason, for an operator.
+                await self.replier.dead_letter(r.msg, r.meta.problem or "reply subject refused", "worker")
+            if self.replier.safe(a) or r.reply_refused:
+                await settle(r.msg, r.action)
+            elif r.deliveries >= self.max_deliver:
+                # The results store has refused this answer delivery after delivery: it was sent
+                # live; stop recomputing it.
+                log.error("answer of %s could not be stored after %d deliveries; acked after the live reply", r.meta.request_id, r.deliveries)
+                await settle(r.msg, r.action)
+            else:
+                await settle(r.msg, "nak", delay_s=1.0)  # redelivered; its next delivery finds it stored or recomputes
+        for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
+            self.telemetry.requests.add(count, {"jetbatch.model": slot.name, "jetbatch.status": outcome})
+
+
+def _suspicion(evidence: Evidence) -> tuple[int, int]:
+    """How strongly a group's evidence points at it: none, then a crash in a group, then alone
+    crashes (the more, the later)."""
+    if evidence.crashed_in_group is None:
+        return (0, 0)
+    return (1 if evidence.alone_crashes == 0 else 2, evidence.alone_crashes)
+
+
+def _with_problem(meta: Any, problem: str) -> Any:
+    from dataclasses import replace
+
+    return replace(meta, problem=f"{meta.problem}; {problem}" if meta.problem else problem)

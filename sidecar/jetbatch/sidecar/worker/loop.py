@@ -1,0 +1,503 @@
+"""The worker's I/O loop around the pure policy core.
+
+Each turn it hands the driver (``policy.Driver``) what it knows of the per-model queues
+(worker/queues.py: arrival events, its peers' take events, and one bulk count every poll interval
+while busy, every second while idle) and asks for a decision (serve, load/evict, idle), and
+carries it out with its parts: batch assembly (worker/batching.py), batch execution and the reply
+path (worker/execution.py, replies.py), residency (worker/residency.py) and the cluster adverts
+and load claims (cluster.py); their events go back to the driver. Idle, it sleeps until an
+arrival event, a timer the policy asked for, a queue left to a peer's first take coming due, or
+the next count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from typing import Any, Callable, TypeVar
+
+import anyio
+import anyio.abc
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from jetbatch.sdk.protocol import ErrorCode, SidecarReport, Subjects
+
+from ..cluster import ClusterView
+from ..config import Config, ConfigError
+from ..handlers import HandlerError, create_handler, resolve_device
+from ..errors import TRANSPORT_ERRORS
+from ..policy import RECENT_S, BatchCost, BatchWindow, Budget, Driver, Idle, Load, SchedulerState, Serve, make_policy, visible_models
+from ..replies import Answer, Replier, settle
+from ..status import serve_status
+from ..runtime import retry_startup
+from ..streams import StreamSetupError, ensure_model_consumer, ensure_model_consumers, ensure_streams, model_consumer_name
+from ..telemetry import WorkerTelemetry
+from .batching import Batcher
+from .coordination import Coordinator
+from .counters import Counters
+from .execution import BatchRunner
+from .slots import BatchReport, Slot
+from .quarantine import Quarantine
+from .queues import ArrivalFeed, QueueView
+from . import view
+from .residency import Residency, default_host_budget_bytes
+
+__all__ = ["Worker"]
+
+log = logging.getLogger("jetbatch.worker")
+T = TypeVar("T")
+
+
+class Worker:
+    """Serves the models of ``config`` from their JetStream queues on one device.
+
+    Run it with ``await worker.run()`` inside an anyio/asyncio program; ``worker.stop()`` asks for
+    a graceful stop (stop fetching, finish in-flight batches, nak what cannot finish, unload).
+    ``reply_nc``: a connection with the reply identity (``nats.reply_identity``) for answers.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        nc: NATS,
+        *,
+        on_batch: Callable[[BatchReport], None] | None = None,
+        reply_nc: NATS | None = None,
+    ) -> None:
+        if not config.models:
+            raise ConfigError("the worker config has no [models.<name>] section: nothing to serve")
+        self.config = config
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects: Subjects = config.subjects
+        self.worker_id = config.worker.id or f"{socket.gethostname()}-{os.getpid()}"
+        self.device = resolve_device(config.worker.device)
+        try:
+            self.policy = make_policy(config.worker.policy, **config.worker.policy_options)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"worker.policy: {exc}") from None
+        # The driver owns the policy and the estimator: every event that feeds them and every
+        # decision goes through it, as in the simulator (policy/driver.py).
+        self.driver = Driver(self.policy)
+        self.costs = self.driver.costs
+        self.slots: dict[str, Slot] = {}
+        for name, mcfg in config.models.items():
+            handler = create_handler(name, mcfg)
+            handler.target_device = self.device
+            self.slots[name] = Slot(
+                name=name,
+                config=mcfg,
+                handler=handler,
+                window=BatchWindow(mcfg.max_batch_size, mcfg.max_delay_s),
+                limiter=anyio.CapacityLimiter(mcfg.max_concurrent_batches),
+            )
+            self.costs.seed(
+                name,
+                load_cost_s=mcfg.load_cost_s,
+                batch_cost=BatchCost(mcfg.batch_cost_s, mcfg.item_cost_s),
+                memory_bytes=mcfg.memory_bytes or 0,
+            )
+        self._check_models()
+        self.budget = Budget(max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models)
+        # Counters; what the control plane's steps cost here is added by worker/counters.py (the
+        # scale bench tells the simulator this deployment's costs from them: Control.measured).
+        self.stats = Counters("batches", "requests", "loads", "evictions", "decisions", "decision_us", "models_shown")
+        self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
+        self.telemetry.register_gauges(self.report)
+        self._stopping = anyio.Event()
+        self._ready = anyio.Event()
+        self._current: str | None = None
+        self._next_refresh = -math.inf
+        self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
+        self._last_used: dict[str, float] = {}  # model -> when its last batch ran (recent ones only)
+        self._defer_wake = math.inf  # when the first queue left to a first-taking peer is ours too
+        self._in_flight_msgs: dict[int, Msg] = {}
+        self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
+        self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
+        self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
+        # A peer's take event counts until it settles, or for two heartbeats (its advert tells then).
+        self.queues = QueueView(self.slots, peer_event_s=2 * config.worker.heartbeat_s)
+        self.arrivals = ArrivalFeed(
+            nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up, worker_id=self.worker_id, counters=self.stats,
+        )  # fmt: skip
+        self.batcher = Batcher(
+            self._stopping,
+            counters=self.stats,
+            poll_interval_s=config.worker.poll_interval_ms / 1000.0,
+            on_trouble=self._note_trouble,
+            on_fetched=self.queues.fetched,
+        )
+        self.runner = BatchRunner(
+            worker_id=self.worker_id,
+            replier=self.replier,
+            quarantine=self.quarantine,
+            telemetry=self.telemetry,
+            driver=self.driver,
+            reply_policy=config.reply_policy,
+            max_deliver=config.streams.max_deliver,
+            counters=self.stats,
+            device_lock=self._device_lock,
+            on_batch=on_batch,
+        )
+        host_budget = config.worker.host_memory_budget_bytes
+        self.residency = Residency(
+            slots=self.slots,
+            device=self.device,
+            driver=self.driver,
+            telemetry=self.telemetry,
+            device_lock=self._device_lock,
+            host_budget_bytes=default_host_budget_bytes() if host_budget is None else host_budget,
+            prefetch=config.worker.prefetch_weights,
+            counters=self.stats,
+            on_load_failed=self._fail_queue,
+        )
+        cluster: ClusterView | None = None
+        if config.worker.coordinate:
+            # Adverts time out within a heartbeat: a put stuck on a lost node must not silence this
+            # worker for the client's default 5 s (peers would take it for dead).
+            advert_js = nc.jetstream(timeout=max(0.5, config.worker.heartbeat_s))
+            cluster = ClusterView(
+                advert_js, self.subjects, self.worker_id,
+                heartbeat_s=config.worker.heartbeat_s, replicas=config.streams.replicas,
+                peer_timeout_s=config.worker.peer_timeout_s,
+            )  # fmt: skip
+        self.peers = Coordinator(
+            cluster, worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
+            driver=self.driver, budget=self.budget, counters=self.stats, heartbeat_s=config.worker.heartbeat_s, report=self.report,
+        )  # fmt: skip
+        self._started_at = time.time()
+
+    def _note_trouble(self) -> None:
+        self.peers.note_trouble()
+        self._next_refresh = -math.inf  # count again at once: events may have been lost
+
+    def _wake_up(self) -> None:
+        self._wake.set()
+
+    def _check_models(self) -> None:
+        """Report a model that cannot load (a missing file) now, in one line, not at its first request."""
+        for slot in self.slots.values():
+            try:
+                slot.handler.check()
+            except HandlerError as exc:
+                slot.broken = str(exc)
+                log.error("%s: its requests will get model_failed until it can load", slot.broken)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> anyio.Event:
+        """Set once streams and consumers exist and the worker is pulling."""
+        return self._ready
+
+    def stop(self) -> None:
+        """Ask for a graceful stop; :meth:`run` returns once in-flight work is drained."""
+        self._stopping.set()
+        self._wake.set()
+
+    def problems(self) -> list[str]:
+        """One line per model that cannot serve (readiness detail; /readyz)."""
+        return [f"model {name}: {slot.broken}" for name, slot in self.slots.items() if slot.broken]
+
+    async def _setup(self) -> Any:
+        await ensure_streams(self.js, self.subjects, self.config.streams, self.slots, self.config.replies)
+        if self.config.streams.consumers == "eager":
+            await ensure_model_consumers(self.js, self.subjects, self.config.streams, self.slots)
+            now = time.time()
+            for slot in self.slots.values():
+                slot.consumer_ready_at = now
+        # Listen before the first count, so no arrival falls between the two.
+        await self.arrivals.start()
+        await self.quarantine.start()
+        if self.peers.cluster is not None:
+            await self.peers.cluster.start()
+        await self._refresh(time.time())
+
+    async def _consumer(self, slot: Slot) -> bool:
+        """Make sure ``slot``'s shared consumer exists and this worker is bound to it (created on
+        demand; re-made after half its idle limit, in case the server removed it meanwhile)."""
+        streams = self.config.streams
+        async with slot.consumer_lock:
+            now = time.time()
+            stale = streams.consumers == "on-demand" and (slot.consumer_ready_at is None or now - slot.consumer_ready_at > streams.consumer_idle_s / 2)
+            try:
+                if slot.consumer_ready_at is None or stale:
+                    started = time.perf_counter()
+                    await ensure_model_consumer(self.js, self.subjects, streams, slot.name)
+                    self.stats.sample("consumer_create", time.perf_counter() - started)
+                    slot.consumer_ready_at = now
+                if slot.psub is None:
+                    slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
+            except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
+                log.warning("consumer for %s not ready: %s", slot.name, exc)
+                self._note_trouble()
+                return False
+        return True
+
+    async def run(self) -> None:
+        """Set up streams and consumers (retrying while the cluster is slow or electing), then
+        serve until :meth:`stop` (or cancellation)."""
+        await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=f"worker {self.worker_id}")
+        await self.peers.advertise()
+        status_sub = await serve_status(self.nc, self.subjects, self.report, self.config.reply_policy, out=self.replier.out)
+        log.info("worker %s serving %s on %s", self.worker_id, ", ".join(self.slots), self.device)
+        self._ready.set()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heartbeat_loop)
+                if self.peers.cluster is not None:
+                    tg.start_soon(self.peers.advertise_forever)
+                    tg.start_soon(self.peers.cluster.watch)
+                try:
+                    await self._serve_loop(tg)
+                finally:
+                    # Let in-flight batches finish within the drain bound, then stop the heartbeat.
+                    with anyio.move_on_after(self.config.worker.drain_timeout_s) as scope:
+                        scope.shield = True
+                        for slot in [s for s in self.slots.values() if s.in_flight]:
+                            await slot.wait_in_flight_at_most(0)
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await status_sub.unsubscribe()
+                except TRANSPORT_ERRORS + (ValueError,):
+                    pass
+                if self.peers.cluster is not None:
+                    await self.peers.cluster.withdraw()
+                    await self.peers.cluster.stop()
+                for msg in list(self._in_flight_msgs.values()):
+                    await settle(msg, "nak")  # the next worker takes them
+                self._in_flight_msgs.clear()
+                await self.residency.unload_all()
+                await self.arrivals.stop()
+                for slot in self.slots.values():
+                    if slot.psub is not None:
+                        try:
+                            await slot.psub.unsubscribe()
+                        except TRANSPORT_ERRORS + (ValueError,):
+                            pass
+
+    def report(self) -> SidecarReport:
+        """What this worker reports: its status (the status subject, ``jetbatch status``) and its
+        advert to its peers (the cluster bucket)."""
+        return view.build_report(
+            worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
+            costs=self.costs, budget=self.budget, in_flight=self._in_flight_by_model(),
+            stats=self.stats.snapshot(),
+            started_at=self._started_at, valid_s=self.config.worker.peer_timeout_s,
+        )  # fmt: skip
+
+    def _in_flight_by_model(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self._in_flight_msgs.values():
+            name = self.subjects.model_from_subject(m.subject) or ""
+            out[name] = out.get(name, 0) + 1
+        return out
+
+    def _state(self, now: float) -> SchedulerState:
+        names = visible_models(
+            self.slots, now,
+            waiting=self.queues.waiting,
+            on_device=self.residency.resident_names(),
+            current=self._current,
+            last_used=self._last_used,
+            demand=self.driver.demand if self.driver.has_demand else None,
+        )  # fmt: skip
+        deferred = self.peers.deferred(now)
+        self._defer_wake = min(deferred.values(), default=math.inf)
+        return view.scheduler_state(
+            names, now, driver=self.driver, slots=self.slots, residency=self.residency,
+            served=self.peers.served(), current=self._current, budget=self.budget, deferred=deferred,
+        )  # fmt: skip
+
+    async def _refresh(self, now: float) -> None:
+        """Count every queue (one call), then schedule the next count: every poll interval while
+        anything waits or runs, every ``idle_refresh_s`` otherwise (arrivals are events)."""
+        mine = self._in_flight_by_model()
+        not_ours = self.peers.not_ours(now)
+        ok = await self.queues.refresh(self.js, self.subjects, now, mine=mine, not_ours=not_ours)
+        for name in [n for n, at in self._last_used.items() if at < now - RECENT_S]:
+            del self._last_used[name]
+        busy = bool(self.queues.waiting) or bool(self._in_flight_msgs)
+        poll_s = self.config.worker.poll_interval_ms / 1000.0
+        self._next_refresh = time.time() + (poll_s if busy else max(poll_s, self.config.worker.idle_refresh_s))
+        if not ok:
+            self._note_trouble()
+            self._next_refresh = time.time() + poll_s
+
+    # --- the loop --------------------------------------------------------------------------
+
+    async def _serve_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        while not self._stopping.is_set():
+            now = time.time()
+            if now >= self._next_refresh:
+                await self._refresh(now)
+                now = time.time()
+            started = time.perf_counter()
+            state = self._state(now)
+            decision = self.driver.decide(state, now)
+            # What deciding costs (the simulator charges it too: Workload.control, bench/scale.py).
+            self.stats.add("decisions")
+            self.stats.add("decision_us", int((time.perf_counter() - started) * 1e6))
+            self.stats.add("models_shown", len(state.models))
+            if isinstance(decision, Serve):
+                slot = self.slots[decision.model]
+                if not slot.resident:
+                    # The built-in policies serve only resident models; a custom one that does not
+                    # gets the load it implies, with no eviction (the simulator does the same).
+                    log.warning("policy %s chose non-resident model %s; loading it", self.policy.name, slot.name)
+                    await self._load(slot, (), reason="serve-non-resident")
+                    continue
+                if not await self._consumer(slot):
+                    await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
+                    continue
+                self.residency.prefetch(tg, exclude=slot.name, backlog_of=self.peers.share, candidates=sorted(self.queues.waiting))
+                await self._serve(tg, slot, decision)
+            elif isinstance(decision, Load):
+                await self._load(self.slots[decision.model], decision.evict, reason=decision.reason)
+            else:
+                await self._idle(decision)
+
+    async def _idle(self, decision: Idle) -> None:
+        """Sleep until an arrival event, the time the policy asked for, or the next count."""
+        wait_s = min(decision.until, self._next_refresh, self._defer_wake) - time.time()
+        if wait_s > 0 and not self._wake.is_set():
+            with anyio.move_on_after(wait_s):
+                await self._wake.wait()
+        self._wake = anyio.Event()
+
+    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve) -> None:
+        # Pipelining: gather the next batch while the previous one computes, but never hold more
+        # than one gathered batch beyond the ones the model may run at once.
+        await slot.wait_in_flight_at_most(slot.config.max_concurrent_batches)
+        max_items = max(1, min(decision.max_items, slot.config.max_batch_size))
+        if decision.before is not None:
+            msgs = await self.batcher.gather_before(slot, max_items, decision.before)
+        else:
+            # The window closes early enough for the earliest deadline gathered (window.py).
+            msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items))
+        if not msgs:
+            await self._found_nothing(slot)
+            return
+        slot.missed_fetch = False
+        await self.arrivals.took(slot.name, len(msgs))
+        for m in msgs:
+            self._in_flight_msgs[id(m)] = m
+        slot.start_batch()
+        loaded = slot.fresh_load
+        slot.fresh_load = False
+        self._current = slot.name
+        tg.start_soon(self._run_batch, slot, msgs, loaded, decision.reason)
+
+    async def _found_nothing(self, slot: Slot) -> None:
+        """A fetch came back empty although the count said requests wait. One consumer-info call
+        tells why: still undelivered (the fetch was short, or a peer took only some): count
+        those and serve again; delivered to someone and unacked: stop chasing them until they can
+        be fetched, and tell peers not to either (``QueueView.found_empty``); neither, yet still
+        stored: left behind in the work queue, never to be delivered."""
+        if slot.backlog <= 0:
+            return
+        try:
+            info = await self.js.consumer_info(self.subjects.models_stream, model_consumer_name(slot.name))
+        except TRANSPORT_ERRORS:
+            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
+            return
+        if info.num_pending and not slot.missed_fetch:
+            slot.missed_fetch = True
+            self.queues.fetched(slot, 0, int(info.num_pending))
+            return
+        unreachable = not info.num_ack_pending
+        self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
+
+    async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
+        released = False
+
+        def release_model() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slot.end_computing()
+
+        try:
+            async with slot.limiter:
+                await self.runner.run(slot, msgs, loaded, reason, release_model=release_model)
+        except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
+            log.exception("batch of %s failed; its requests are redelivered", slot.name)
+            for m in msgs:
+                await settle(m, "nak", delay_s=1.0)
+        finally:
+            for m in msgs:
+                self._in_flight_msgs.pop(id(m), None)
+            release_model()
+            slot.end_batch()
+            with anyio.CancelScope(shield=True):
+                await self.arrivals.settled(slot.name, len(msgs))
+            if slot.last_used_at is not None:
+                self._last_used[slot.name] = slot.last_used_at
+
+    # --- loads -----------------------------------------------------------------------------
+
+    async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str) -> None:
+        if log.isEnabledFor(logging.INFO):
+            peers, view_state = self.peers.describe()
+            log.info(
+                "%s decided to load %s (%s), evicting %s: backlog %s; peers %s; view %s",
+                self.worker_id, slot.name, reason, list(evict) or "none",
+                {n: (self.slots[n].backlog, self.peers.share(self.slots[n])) for n in sorted(self.queues.waiting)[:20]},
+                peers, view_state,
+            )  # fmt: skip
+        claimed = await self.peers.claim_load(slot, tuple(evict))
+        if claimed is None:
+            return
+        share = self.peers.share(slot)  # what the peers would not drain: ours to serve
+        try:
+            async with anyio.create_task_group() as tg:
+                # The model's consumer is made while the model loads: on a replicated stream it is
+                # a Raft group, tens of milliseconds that need not add to the load.
+                tg.start_soon(self._consumer, slot)
+                loaded = await self.residency.load(slot, evict, reason=reason, share=share)
+            if loaded:
+                self._current = slot.name
+        finally:
+            self.residency.loading = None
+            # Resident now: peers count our drain at once, before the claim is given back.
+            await self.peers.loaded(claimed)
+
+    async def _fail_queue(self, slot: Slot, message: str) -> None:
+        """A model that cannot load: answer one batch of its waiting requests with model_failed so
+        callers learn it now, instead of waiting for their timeouts."""
+        if not await self._consumer(slot):
+            return
+        msgs = await self.batcher.fetch(slot, slot.config.max_batch_size, 0.05)
+        if not msgs:
+            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
+            return
+        await self.arrivals.took(slot.name, len(msgs))
+        now = time.time()
+        requests = [self.runner.parse(m, now) for m in msgs]
+        for r in requests:
+            r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, message, model=slot.name)
+        try:
+            await self.runner.finish(slot, requests)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.arrivals.settled(slot.name, len(msgs))
+
+    # --- state -----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        """Tell JetStream that in-flight messages are still being worked on (long loads and long
+        batches), so they are not redelivered to another worker meanwhile."""
+        interval = max(self.config.streams.ack_wait_s / 3.0, 0.05)
+        while True:
+            await anyio.sleep(interval)
+            for msg in list(self._in_flight_msgs.values()):
+                try:
+                    await msg.in_progress()
+                except TRANSPORT_ERRORS:
+                    pass

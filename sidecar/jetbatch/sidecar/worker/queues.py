@@ -1,0 +1,373 @@
+"""What waits in each model's queue, learnt from events and checked in bulk.
+
+A decision must not cost a round trip per registered model (at 200 models that made the live
+worker 50x slower than its simulator, and idle it burned a third of a core polling). So:
+
+- **Arrivals are events.** The models stream republishes the headers of every request it stored
+  to ``<prefix>.arrived.<model>`` (no payload; ``sidecar/streams.py``). :class:`ArrivalFeed`
+  counts each one into its model's queue with the stream's timestamp and the request's deadline,
+  and wakes the loop.
+- **Counts are reconciled in bulk.** One stream-info call with a subjects filter returns the
+  stored count of every model that has messages (:meth:`QueueView.reconcile`): O(models with
+  messages), not O(registered models). Stored = not yet delivered + delivered and unacked. What
+  this worker holds and what live peers advertise as theirs is subtracted; what remains is the
+  *backlog*: waiting requests and *stranded* ones (a dead worker's, due for redelivery within the
+  ack wait). When a fetch finds the queue empty although the count says otherwise, the rest is
+  unfetchable (delivered elsewhere): it is held back from the backlog for one ack wait, by which
+  every one of them is due again, and shrinks as they are acked.
+- **Ages come from the events.** Each queue keeps the stream timestamps of its newest waiting
+  requests in order; the oldest of them is the queue's head. A head nobody saw arrive (requests
+  stored before this worker started, or while it was disconnected) is read once with a direct
+  get of the subject's first stored message, a few per reconcile.
+
+All of it is bookkeeping on :class:`~sidecar.worker.slots.Slot` fields; the pure part (the
+counting rules) is separate from the I/O (the subscription and the stream-info call), so the unit
+tests drive the rules without a server.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping
+
+from nats.aio.msg import Msg
+
+from jetbatch.sdk.protocol import ProtocolError, Subjects, deadline_from_headers
+
+from ..errors import TRANSPORT_ERRORS
+from .counters import Counters
+from .slots import Slot
+
+__all__ = ["ArrivalFeed", "QueueView", "parse_stream_timestamp"]
+
+log = logging.getLogger("jetbatch.worker")
+
+# Enqueue times kept per queue: enough for the cluster share's "age of the part that is ours"
+# (the newest k requests) at any realistic backlog; beyond, the oldest known time stands in.
+MAX_KNOWN_TIMES = 4096
+# Heads read by direct get per reconcile (after a start or a reconnect many can be unknown).
+MAX_HEAD_READS = 16
+# How soon a queue held back past its stranded requests' ack wait is tried again.
+RECHECK_S = 1.0
+# Limits on the take events (core messages any worker-permitted client can send: hostile input).
+MAX_PEER_HELD = 100_000
+_MAX_TAKE_CHARS = 8
+_MAX_PEER_ID_CHARS = 128
+WORKER_HEADER = "Jetbatch-Worker"
+_MAX_TIMESTAMP_CHARS = 40
+
+
+def parse_stream_timestamp(text: str | None) -> float | None:
+    """Unix seconds of a JetStream RFC 3339 timestamp (``2026-12-04T16:07:39.458084362Z``), or
+    None for anything else: the header is data a publisher could forge, so it is parsed with a
+    length limit and never raises."""
+    if not text or len(text) > _MAX_TIMESTAMP_CHARS or not text.endswith("Z"):
+        return None
+    base, _, frac = text[:-1].partition(".")
+    if frac and not frac.isdigit():
+        return None
+    try:
+        seconds = datetime.fromisoformat(base).replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+    return seconds + (float(f"0.{frac}") if frac else 0.0)
+
+
+class QueueView:
+    """The backlog and head of every served model's queue (fields of each :class:`Slot`).
+
+    ``peer_event_s``: how long a peer's take event counts its requests as the peer's (until it
+    settles them, or its advert, sent every heartbeat, says what it holds)."""
+
+    def __init__(self, slots: Mapping[str, Slot], *, peer_event_s: float = 2.0) -> None:
+        self._slots = slots
+        self.waiting: set[str] = {name for name, s in slots.items() if s.backlog > 0}
+        self.peer_event_s = peer_event_s
+        # model -> peer -> (requests it took and has not settled, when last told)
+        self._peer_held: dict[str, dict[str, tuple[int, float]]] = {}
+
+    # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
+
+    def arrived(self, slot: Slot, enqueued_at: float, deadline: float | None) -> None:
+        """One request stored for ``slot``'s model."""
+        slot.backlog += 1
+        slot.known_times.append((enqueued_at, deadline))
+        if len(slot.known_times) > MAX_KNOWN_TIMES:
+            dropped, _ = slot.known_times.popleft()
+            slot.unknown_head_at = dropped if slot.unknown_head_at is None else min(slot.unknown_head_at, dropped)
+        if slot.backlog == 1 or slot.oldest_enqueued_at is None:
+            self._set_head(slot)
+        self.waiting.add(slot.name)
+
+    def fetched(self, slot: Slot, n: int, pending: int | None) -> None:
+        """This worker took ``n`` requests from the head; ``pending``: what the consumer says is
+        still undelivered (None: unknown). Stranded requests come back at the next reconcile."""
+        self._count(slot, max(0, slot.backlog - n) if pending is None else pending)
+
+    def peer_took(self, slot: Slot, peer: str, n: int, now: float) -> None:
+        """A peer fetched ``n`` of the queue's requests (its take event): they leave this
+        worker's backlog now, the oldest first (a consumer delivers in order), instead of at the
+        next count; until the peer settles them they are the peer's, not stranded. Without it a
+        peer's served requests stayed in the count for up to a poll interval, and a worker loaded
+        a model for requests already answered (the 4-worker bench: more loads than batches)."""
+        held = self._peer_held.setdefault(slot.name, {})
+        count = held.get(peer, (0, now))[0]
+        held[peer] = (min(count + n, MAX_PEER_HELD), now)
+        self._count(slot, slot.backlog - n)
+
+    def peer_settled(self, name: str, peer: str, n: int, now: float) -> None:
+        """A peer answered (or gave back) ``n`` requests it took."""
+        held = self._peer_held.get(name)
+        if not held or peer not in held:
+            return
+        left = held[peer][0] - n
+        if left > 0:
+            held[peer] = (left, now)
+        else:
+            del held[peer]
+            if not held:
+                del self._peer_held[name]
+
+    def peers_hold(self, name: str, now: float) -> int:
+        """What peers said they took from ``name``'s queue and have not settled (recent events)."""
+        held = self._peer_held.get(name)
+        if not held:
+            return 0
+        for peer in [p for p, (_, at) in held.items() if now - at > self.peer_event_s]:
+            del held[peer]  # a lost settle event, or a peer gone: its advert or the ack wait tells
+        if not held:
+            del self._peer_held[name]
+        return sum(c for c, _ in held.values())
+
+    def found_empty(self, slot: Slot, now: float, ack_wait_s: float, *, unreachable: bool = False) -> None:
+        """A fetch came back empty although the backlog said otherwise: the rest is delivered
+        elsewhere (a dead worker's, a delivery lost with a node, or a peer's not advertised yet)
+        and comes back when JetStream redelivers it, at a time nobody tells us. For a model on
+        this device a look costs one fetch: look again every :data:`RECHECK_S`, so a redelivery is
+        served within a second of being due (holding for a whole ack wait after each empty fetch
+        answered a request lost with a node 47 s late). For a model elsewhere a look costs a load:
+        hold it back until one ack wait after it was first seen stranded, when all of it is due.
+
+        ``unreachable``: the consumer has nothing undelivered and nothing unacked, yet the stream
+        still stores these: left behind in the work queue after a stream leader was lost (seen
+        in the failover bench: acked, answered, never removed). Nobody will ever deliver them;
+        they are held back until the count says they are gone."""
+        if slot.backlog > 0 and unreachable:
+            slot.unfetchable = slot.backlog
+            slot.hold_until = math.inf
+        elif slot.backlog > 0 and now >= slot.hold_until:
+            slot.unfetchable = slot.backlog
+            if slot.resident:
+                slot.hold_until = now + RECHECK_S
+            else:
+                since = slot.stranded_since if slot.stranded_since is not None else now
+                slot.hold_until = max(since + ack_wait_s, now + RECHECK_S)
+        self._count(slot, 0)
+
+    def reconcile(self, slot: Slot, stored: int, now: float, *, mine: int, not_ours: int) -> None:
+        """The server's count of ``slot``'s stored messages: the truth the events are checked against."""
+        available = max(0, stored - mine - not_ours)
+        slot.stranded = max(0, available - len(slot.known_times))  # an upper bound: arrivals not seen
+        if slot.stranded == 0:
+            slot.stranded_since = None
+        elif slot.stranded_since is None:
+            slot.stranded_since = now
+        if now >= slot.hold_until:
+            slot.unfetchable = 0
+        # Held-back messages leave the count as they are acked or redelivered to someone; the
+        # arrivals seen since the hold are never among them (found_empty forgot the older ones).
+        slot.unfetchable = min(slot.unfetchable, max(0, available - len(slot.known_times)))
+        self._count(slot, available - slot.unfetchable)
+
+    def needs_head(self, slot: Slot) -> bool:
+        """Whether the queue's head was never seen arriving (its age must be read once)."""
+        return slot.backlog > len(slot.known_times) and slot.unknown_head_at is None
+
+    def set_unknown_head(self, slot: Slot, enqueued_at: float, deadline: float | None) -> None:
+        slot.unknown_head_at = enqueued_at
+        slot.unknown_head_deadline = deadline
+        self._set_head(slot)
+
+    def _count(self, slot: Slot, backlog: int) -> None:
+        slot.backlog = max(0, backlog)
+        # The known times describe the newest requests: drop the oldest beyond the count.
+        while len(slot.known_times) > slot.backlog:
+            slot.known_times.popleft()
+        if slot.backlog <= len(slot.known_times):
+            slot.unknown_head_at = None
+            slot.unknown_head_deadline = None
+        if slot.backlog == 0:
+            self.waiting.discard(slot.name)
+        else:
+            self.waiting.add(slot.name)
+        self._set_head(slot)
+
+    @staticmethod
+    def _set_head(slot: Slot) -> None:
+        if slot.backlog == 0:
+            slot.oldest_enqueued_at = None
+            slot.head_deadline = None
+            return
+        if slot.backlog > len(slot.known_times):
+            # Older requests than any seen arriving: their head, once read; until then the
+            # oldest time seen stands in (an under-estimate of the age that lasts one reconcile).
+            if slot.unknown_head_at is not None:
+                slot.oldest_enqueued_at = slot.unknown_head_at
+                slot.head_deadline = slot.unknown_head_deadline
+                return
+        if slot.known_times:
+            slot.oldest_enqueued_at, slot.head_deadline = slot.known_times[0]
+        # else: keep what was known (a count with no time yet: read at the next reconcile)
+
+    # --- the I/O ------------------------------------------------------------------------------
+
+    async def refresh(self, js: Any, subjects: Subjects, now: float, *, mine: Mapping[str, int], not_ours: Mapping[str, int]) -> bool:
+        """Reconcile every queue with one stream-info call (and read a few unknown heads); False
+        when JetStream did not answer (the view is kept as it was)."""
+        try:
+            info = await js.stream_info(subjects.models_stream, subjects_filter=subjects.models_wildcard)
+        except TRANSPORT_ERRORS as exc:
+            log.debug("stream info for the backlog failed: %r", exc)
+            return False
+        counts: dict[str, int] = {}
+        for subject, n in (getattr(info.state, "subjects", None) or {}).items():
+            name = subjects.model_from_subject(subject)
+            if name is not None:
+                counts[name] = int(n)
+        # A model with no messages is absent from the answer: only those we thought non-empty, or
+        # that hold something back, need their count set to zero.
+        for name in set(counts) | self.waiting | {n for n, s in self._slots.items() if s.unfetchable}:
+            slot = self._slots.get(name)
+            if slot is not None:
+                peers = max(not_ours.get(name, 0), self.peers_hold(name, now))  # adverts lag: events are newer
+                self.reconcile(slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=peers)
+        reads = [s for s in (self._slots[n] for n in sorted(self.waiting)) if self.needs_head(s)][:MAX_HEAD_READS]
+        for slot in reads:
+            await self._read_head(js, subjects, slot, now)
+        return True
+
+    async def _read_head(self, js: Any, subjects: Subjects, slot: Slot, now: float) -> None:
+        """The first stored message of the model's subject: its enqueue time and deadline. It may
+        be delivered already (in flight somewhere): an over-estimate of the age, on the safe side."""
+        try:
+            raw = await js.get_msg(subjects.models_stream, seq=1, subject=subjects.model(slot.name), next=True)
+        except TRANSPORT_ERRORS:
+            self.set_unknown_head(slot, now, None)
+            return
+        headers = getattr(raw, "headers", None)
+        try:
+            deadline = deadline_from_headers(headers)
+        except ProtocolError:
+            deadline = None  # a malformed deadline: that request gets bad_request anyway
+        ts = getattr(raw, "time", None)
+        at = ts.timestamp() if hasattr(ts, "timestamp") else parse_stream_timestamp(str(ts) if ts is not None else None)
+        self.set_unknown_head(slot, min(at, now) if at is not None else now, deadline)
+
+
+class ArrivalFeed:
+    """The event feed of the queues. ``<prefix>.arrived.>``: each republished request counts into
+    its model's queue and wakes the worker. ``<prefix>.taken.>``: the workers' own events, ``+n``
+    when one fetched n requests of a model and ``-n`` when it settled them (:meth:`took`,
+    :meth:`settled`), so its peers' counts follow at once. Hostile input never raises here: an
+    unknown model, a malformed timestamp, deadline or count is ignored or read as "now" / "no
+    deadline"; a forged take can hide requests from the count until the next reconcile (a
+    poll interval) at most."""
+
+    def __init__(
+        self,
+        nc: Any,
+        subjects: Subjects,
+        slots: Mapping[str, Slot],
+        view: QueueView,
+        on_arrival: Callable[[], None],
+        worker_id: str = "",
+        counters: Counters | None = None,
+    ) -> None:
+        self._nc = nc
+        self._subjects = subjects
+        self._slots = slots
+        self._view = view
+        self._on_arrival = on_arrival
+        self._worker_id = worker_id
+        self._sub: Any = None
+        self._taken_sub: Any = None
+        self.seen = 0
+        self._counters = Counters() if counters is None else counters
+
+    async def start(self) -> None:
+        """Subscribe (once: a retried startup calls it again)."""
+        if self._sub is None:
+            self._sub = await self._nc.subscribe(self._subjects.arrivals_wildcard, cb=self._on_msg, pending_msgs_limit=1_000_000)
+        if self._taken_sub is None:
+            self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
+
+    async def stop(self) -> None:
+        for sub in (self._sub, self._taken_sub):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except TRANSPORT_ERRORS + (ValueError,):
+                    pass
+        self._sub = self._taken_sub = None
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self.note(msg.subject, msg.headers)
+
+    def note(self, subject: str, headers: Mapping[str, str] | None, now: float | None = None) -> None:
+        """Count one republished arrival (the subscription's callback, callable from tests)."""
+        slot = self._slots.get(self._subjects.model_from_arrival(subject) or "")
+        if slot is None:
+            return
+        now = time.time() if now is None else now
+        headers = headers or {}
+        at = parse_stream_timestamp(headers.get("Nats-Time-Stamp"))
+        try:
+            deadline = deadline_from_headers(headers)
+        except ProtocolError:
+            deadline = None
+        self._view.arrived(slot, min(at, now) if at is not None else now, deadline)
+        self.seen += 1
+        if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
+            self._counters.sample("arrival_delay", now - at)
+        self._on_arrival()
+
+
+    async def took(self, name: str, n: int) -> None:
+        """Tell the peers this worker fetched ``n`` requests of ``name`` (best effort: a lost
+        event costs a peer one poll interval of a stale count, as before events)."""
+        await self._announce(name, f"+{n}")
+
+    async def settled(self, name: str, n: int) -> None:
+        """Tell the peers this worker settled (acked, nak'd or termed) ``n`` requests it took."""
+        await self._announce(name, f"-{n}")
+
+    async def _announce(self, name: str, text: str) -> None:
+        if self._nc is None or not self._worker_id:
+            return
+        try:
+            await self._nc.publish(self._subjects.taken(name), text.encode(), headers={WORKER_HEADER: self._worker_id})
+        except TRANSPORT_ERRORS + (ValueError,) as exc:
+            log.debug("take event for %s not sent: %r", name, exc)
+
+    async def _on_taken(self, msg: Msg) -> None:
+        self.note_taken(msg.subject, msg.headers, msg.data)
+
+    def note_taken(self, subject: str, headers: Mapping[str, str] | None, data: bytes, now: float | None = None) -> None:
+        """Apply one peer's take or settle event (the subscription's callback, callable from tests)."""
+        slot = self._slots.get(self._subjects.model_from_taken(subject) or "")
+        peer = (headers or {}).get(WORKER_HEADER, "")
+        if slot is None or not peer or len(peer) > _MAX_PEER_ID_CHARS or peer == self._worker_id:
+            return  # ours (counted when fetched), or not a worker's
+        if not 2 <= len(data) <= _MAX_TAKE_CHARS or data[:1] not in (b"+", b"-") or not data[1:].isdigit():
+            return
+        n = int(data[1:])
+        if not 0 < n <= MAX_PEER_HELD:
+            return
+        now = time.time() if now is None else now
+        if data[:1] == b"+":
+            self._view.peer_took(slot, peer, n, now)
+        else:
+            self._view.peer_settled(slot.name, peer, n, now)

@@ -1,0 +1,101 @@
+"""What the worker knows and says: the scheduler's view of the queues (with the cluster share
+applied) and the report it publishes (status and advert). Functions of what they are given:
+they read no other module's private state."""
+
+from __future__ import annotations
+
+import time
+from typing import Collection, Mapping
+
+from jetbatch.sdk import __version__
+from jetbatch.sdk.protocol import SidecarReport
+
+from ..policy import Budget, CostEstimator, Driver, QueueFacts, SchedulerState, drain_rps
+from .queues import QueueView
+from .residency import Residency
+from .slots import Slot
+
+__all__ = ["build_report", "scheduler_state"]
+
+
+def build_report(
+    *,
+    worker_id: str,
+    slots: Mapping[str, Slot],
+    queues: QueueView,
+    residency: Residency,
+    costs: CostEstimator,
+    budget: Budget,
+    in_flight: Mapping[str, int],
+    stats: Mapping[str, int],
+    started_at: float,
+    valid_s: float,
+) -> SidecarReport:
+    """The worker's status and advert (one report). Per-model maps list only the models with
+    something to say (waiting, on the device, warm or loading): with a thousand registered
+    models the advert every peer decodes every heartbeat stays small."""
+    drain: dict[str, float] = {}
+    active = set(residency.held_names()) | queues.waiting | ({residency.loading} if residency.loading else set())
+    for name in active:
+        s = slots[name]
+        if s.resident or s.name == residency.loading:
+            drain[s.name] = drain_rps(costs.batch_cost(s.name), s.config.max_batch_size)
+    return SidecarReport(
+        role="worker",
+        id=worker_id,
+        version=__version__,
+        models=list(slots),
+        resident=[n for n in sorted(active) if slots[n].resident],
+        warm=[n for n in sorted(active) if slots[n].tier == "warm"],
+        loading=residency.loading,
+        broken={s.name: s.broken for s in slots.values() if s.broken},
+        backlog={name: slots[name].backlog for name in sorted(active)},
+        in_flight=dict(in_flight),
+        unfetchable={s.name: s.unfetchable for s in slots.values() if s.unfetchable},
+        drain_rps=drain,
+        load_cost_s={name: residency.load_cost_s(slots[name]) for name in sorted(active)},
+        memory_bytes=sum(costs.memory_bytes(s.name) for s in slots.values() if s.resident),
+        memory_budget_bytes=budget.max_bytes,
+        max_resident_models=budget.max_models,
+        host_memory_bytes=residency.host_used_bytes(),
+        host_memory_budget_bytes=residency.host_budget_bytes,
+        stats=dict(stats),
+        started_at=started_at,
+        updated_at=time.time(),
+        valid_s=valid_s,
+    )
+
+
+def scheduler_state(
+    names: Collection[str],
+    now: float,
+    *,
+    driver: Driver,
+    slots: Mapping[str, Slot],
+    residency: Residency,
+    served: Mapping[str, float],
+    current: str | None,
+    budget: Budget,
+    deferred: Collection[str] = (),
+) -> SchedulerState:
+    """The policy's snapshot of ``names`` (see ``policy.visible_models``): the live worker's
+    facts of each queue, turned into the policy's view by the driver's one rule (a queue peers
+    drain counts only for its part that is ours and is never overdue; a ``deferred`` queue, left
+    to a peer's first take, counts as empty for now)."""
+    facts = (
+        QueueFacts(
+            name=name,
+            waiting=slots[name].backlog,
+            head_enqueued_at=slots[name].oldest_enqueued_at,
+            head_deadline=slots[name].head_deadline,
+            tier=slots[name].tier,
+            reload_fits_host=residency.reload_fits_host(slots[name]),
+            max_batch_size=slots[name].config.max_batch_size,
+            max_wait_s=slots[name].config.max_wait_s,
+            last_used_at=slots[name].last_used_at,
+            served_rps=served.get(name, 0.0),
+            deferred=name in deferred,
+        )
+        for name in names
+    )
+    return driver.state(facts, now, current=current, budget=budget)

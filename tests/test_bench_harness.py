@@ -1,0 +1,52 @@
+"""bench/ is a package run as modules, on one harness: every benchmark imports as ``bench.<name>``
+without touching sys.path, and the harness's in-process layout serves a real burst."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import harness
+from jetbatch import sdk
+
+pytestmark = pytest.mark.anyio
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+NAMES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_benchmark_imports_as_a_module_of_the_package(name: str) -> None:
+    source = (BENCH / f"{name}.py").read_text()
+    assert "sys.path" not in source, f"bench/{name}.py edits sys.path: run it as python -m bench.{name}"
+    module = importlib.import_module(f"bench.{name}")
+    assert module.__name__ == f"bench.{name}"
+
+
+def test_live_benchmarks_share_the_harness() -> None:
+    """A benchmark that starts a server or a worker does it through bench.harness (or the
+    Deployment the harness wraps), not with its own copy of the set-up."""
+    own = [n for n in NAMES if n != "harness" and "Worker(" in (BENCH / f"{n}.py").read_text()]
+    assert own == []
+
+
+def test_emit_appends_one_json_object_per_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "runs.jsonl"
+    harness.emit({"run": 1, "x": 0.5}, str(out))
+    harness.emit({"run": 2}, str(out))
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [{"run": 1, "x": 0.5}, {"run": 2}]
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [{"run": 1, "x": 0.5}, {"run": 2}]
+
+
+async def test_in_process_worker_serves_a_gathered_burst(nats_url: str) -> None:
+    cfg = harness.config({"models": {"ident": {"handler": "identity", "max_batch_size": 8, "max_delay_ms": 2}}}, tag="hb")
+    other = harness.config({}, tag="hb")
+    assert cfg.nats.prefix != other.nats.prefix  # runs on one server never share streams
+    async with harness.in_process(cfg, nats_url) as worker, sdk.Client.connect(nats_url, prefix=cfg.nats.prefix) as client:
+        run = await harness.gather(lambda: client.infer(b"abc", model="ident", timeout=30), 40, 8)
+        assert run.results == [b"abc"] * 40
+        assert run.rate > 0
+        assert worker.stats["loads"] == 1
