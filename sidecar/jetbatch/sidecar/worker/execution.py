@@ -123,17 +123,8 @@ class BatchRunner:
                 Headers.BATCH: batch_header(batch_id, len(requests), waits_ms[id(r)], loaded, self.worker_id, trace[0]),
             }
 
-        rejected, expired, fresh, suspects = [], [], [], []
         predicted_s = self._predicted_s(slot, len(requests))
-        for r in requests:
-            if r.meta.problem is not None:
-                rejected.append(r)
-            elif cannot_finish(r.meta.deadline, now, predicted_s):
-                expired.append(r)
-            elif r.deliveries <= 1:
-                fresh.append(r)
-            else:
-                suspects.append(r)
+        rejected, expired, fresh, suspects = _triage(requests, now, predicted_s)
         # A batch refused whole on a prediction teaches the estimator nothing: after a few in a
         # row one is computed (unless its deadlines really passed), so an inflated estimate
         # cannot lock a model out for good.
@@ -176,19 +167,7 @@ class BatchRunner:
             await self.finish(slot, rejected + expired + fresh)
             await self._run_suspects(slot, suspects, extra)
             release_model()
-            errors = [r for r in requests if r.answer is not None and r.answer.error is not None]
-            if errors:
-                span.set_attribute("jetbatch.batch.errors", len(errors))
-                for r in errors:
-                    assert r.answer is not None and r.answer.error is not None
-                    span.add_event("request.error", {"jetbatch.request.id": r.meta.request_id, "jetbatch.error.code": r.answer.error.value})
-                    if r.exception is not None:
-                        span.record_exception(r.exception, {"jetbatch.request.id": r.meta.request_id})
-                failed = [r for r in errors if r.answer and r.answer.error in (ErrorCode.MODEL_FAILED, ErrorCode.INTERNAL)]
-                if failed or len(errors) == len(requests):
-                    worst = (failed or errors)[0].answer
-                    code = worst.error.value if worst is not None and worst.error is not None else "internal"
-                    self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed", code)
+            self._record_errors(span, requests)
         slot.last_used_at = self._clock()
         # What ran teaches the estimator; every request taken counts as demand (policy/driver.py).
         self.driver.batch_done(slot.name, taken=len(requests), computed=len(fresh), seconds=compute_s, now=self._clock())
@@ -198,17 +177,28 @@ class BatchRunner:
             n_errors = sum(1 for r in requests if r.answer is None or r.answer.error is not None)
             self.on_batch(
                 BatchReport(
-                    batch_id=batch_id,
-                    model=slot.name,
-                    size=len(requests),
-                    ok=len(requests) - n_errors,
-                    errors=n_errors,
-                    queue_wait_ms=tuple(waits_ms[id(r)] for r in requests),
-                    loaded=loaded,
-                    compute_s=compute_s,
-                    decision=reason,
+                    batch_id=batch_id, model=slot.name, size=len(requests), ok=len(requests) - n_errors, errors=n_errors,
+                    queue_wait_ms=tuple(waits_ms[id(r)] for r in requests), loaded=loaded, compute_s=compute_s, decision=reason,
                 )
-            )
+            )  # fmt: skip
+
+    def _record_errors(self, span: Any, requests: list[Request]) -> None:
+        """Each failed request as an event on the batch span; the span an error when a model
+        failure or every request failed."""
+        errors = [r for r in requests if r.answer is not None and r.answer.error is not None]
+        if not errors:
+            return
+        span.set_attribute("jetbatch.batch.errors", len(errors))
+        for r in errors:
+            assert r.answer is not None and r.answer.error is not None
+            span.add_event("request.error", {"jetbatch.request.id": r.meta.request_id, "jetbatch.error.code": r.answer.error.value})
+            if r.exception is not None:
+                span.record_exception(r.exception, {"jetbatch.request.id": r.meta.request_id})
+        failed = [r for r in errors if r.answer and r.answer.error in (ErrorCode.MODEL_FAILED, ErrorCode.INTERNAL)]
+        if failed or len(errors) == len(requests):
+            worst = (failed or errors)[0].answer
+            code = worst.error.value if worst is not None and worst.error is not None else "internal"
+            self.telemetry.mark_status_error(span, f"{len(errors)} of {len(requests)} requests failed", code)
 
     def _decode(self, slot: Slot, requests: list[Request], extra: Callable[[Request], dict[str, str]]) -> None:
         for r in requests:
@@ -346,3 +336,23 @@ def _with_problem(meta: Any, problem: str) -> Any:
     from dataclasses import replace
 
     return replace(meta, problem=f"{meta.problem}; {problem}" if meta.problem else problem)
+
+
+def _triage(requests: list[Request], now: float, predicted_s: float) -> tuple[list[Request], list[Request], list[Request], list[Request]]:
+    """Split a batch: malformed (answered bad_request, never retried), unable to finish before
+    its deadline, first deliveries (computed together), redeliveries (suspects: computed apart,
+    worker/quarantine.py)."""
+    rejected: list[Request] = []
+    expired: list[Request] = []
+    fresh: list[Request] = []
+    suspects: list[Request] = []
+    for r in requests:
+        if r.meta.problem is not None:
+            rejected.append(r)
+        elif cannot_finish(r.meta.deadline, now, predicted_s):
+            expired.append(r)
+        elif r.deliveries <= 1:
+            fresh.append(r)
+        else:
+            suspects.append(r)
+    return rejected, expired, fresh, suspects

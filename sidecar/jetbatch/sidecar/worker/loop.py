@@ -84,23 +84,11 @@ class Worker:
         # decision goes through it, as in the simulator (policy/driver.py).
         self.driver = Driver(self.policy)
         self.costs = self.driver.costs
-        self.slots: dict[str, Slot] = {}
+        self.slots = _make_slots(config, self.device)
         for name, mcfg in config.models.items():
-            handler = create_handler(name, mcfg)
-            handler.target_device = self.device
-            self.slots[name] = Slot(
-                name=name,
-                config=mcfg,
-                handler=handler,
-                window=BatchWindow(mcfg.max_batch_size, mcfg.max_delay_s),
-                limiter=anyio.CapacityLimiter(mcfg.max_concurrent_batches),
-            )
             self.costs.seed(
-                name,
-                load_cost_s=mcfg.load_cost_s,
-                batch_cost=BatchCost(mcfg.batch_cost_s, mcfg.item_cost_s),
-                memory_bytes=mcfg.memory_bytes or 0,
-            )
+                name, load_cost_s=mcfg.load_cost_s, batch_cost=BatchCost(mcfg.batch_cost_s, mcfg.item_cost_s), memory_bytes=mcfg.memory_bytes or 0,
+            )  # fmt: skip
         self._check_models()
         self.budget = Budget(max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models)
         # Counters; what the control plane's steps cost here is added by worker/counters.py (the
@@ -501,3 +489,20 @@ class Worker:
                     await msg.in_progress()
                 except TRANSPORT_ERRORS:
                     pass
+
+
+def _make_slots(config: Config, device: Any) -> dict[str, Slot]:
+    """One slot per configured model: its handler (aimed at ``device``), batch window and limit
+    of concurrent batches."""
+    slots: dict[str, Slot] = {}
+    for name, mcfg in config.models.items():
+        handler = create_handler(name, mcfg)
+        handler.target_device = device
+        slots[name] = Slot(
+            name=name,
+            config=mcfg,
+            handler=handler,
+            window=BatchWindow(mcfg.max_batch_size, mcfg.max_delay_s),
+            limiter=anyio.CapacityLimiter(mcfg.max_concurrent_batches),
+        )
+    return slots
