@@ -7,6 +7,9 @@
 - :mod:`.residency`: load, evict, prefetch; the cold / warm / resident tiers.
 - :mod:`.queues`: what waits in each model's queue (arrival events, bulk reconciles).
 - :mod:`.slots`: one served model's state; one request in a batch.
+- :mod:`.state`: the loop's own state (current model, recent use, messages held unacked).
+- :mod:`.coordination`: the peers: adverts, each queue's share, first takers, load claims.
+- :mod:`.counters`: one Counters object: events, and what each control-plane step cost.
 """
 
 from ..runtime import retry_startup

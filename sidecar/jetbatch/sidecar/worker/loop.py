@@ -41,6 +41,7 @@ from .coordination import Coordinator
 from .counters import Counters
 from .execution import BatchRunner
 from .slots import BatchReport, Slot
+from .state import LoopState
 from .quarantine import Quarantine
 from .queues import ArrivalFeed, QueueView
 from . import view
@@ -98,12 +99,8 @@ class Worker:
         self.telemetry.register_gauges(self.report)
         self._stopping = anyio.Event()
         self._ready = anyio.Event()
-        self._current: str | None = None
-        self._next_refresh = -math.inf
         self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
-        self._last_used: dict[str, float] = {}  # model -> when its last batch ran (recent ones only)
-        self._defer_wake = math.inf  # when the first queue left to a first-taking peer is ours too
-        self._in_flight_msgs: dict[int, Msg] = {}
+        self.state = LoopState(started_at=time.time())
         self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
@@ -157,11 +154,10 @@ class Worker:
             cluster, worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             driver=self.driver, budget=self.budget, counters=self.stats, heartbeat_s=config.worker.heartbeat_s, report=self.report,
         )  # fmt: skip
-        self._started_at = time.time()
 
     def _note_trouble(self) -> None:
         self.peers.note_trouble()
-        self._next_refresh = -math.inf  # count again at once: events may have been lost
+        self.state.next_refresh = -math.inf  # count again at once: events may have been lost
 
     def _wake_up(self) -> None:
         self._wake.set()
@@ -258,9 +254,9 @@ class Worker:
                 if self.peers.cluster is not None:
                     await self.peers.cluster.withdraw()
                     await self.peers.cluster.stop()
-                for msg in list(self._in_flight_msgs.values()):
+                for msg in self.state.in_flight.messages():
                     await settle(msg, "nak")  # the next worker takes them
-                self._in_flight_msgs.clear()
+                self.state.in_flight.clear()
                 await self.residency.unload_all()
                 await self.arrivals.stop()
                 for slot in self.slots.values():
@@ -275,59 +271,51 @@ class Worker:
         advert to its peers (the cluster bucket)."""
         return view.build_report(
             worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
-            costs=self.costs, budget=self.budget, in_flight=self._in_flight_by_model(),
+            costs=self.costs, budget=self.budget, in_flight=self.state.in_flight.by_model(self.subjects.model_from_subject),
             stats=self.stats.snapshot(),
-            started_at=self._started_at, valid_s=self.config.worker.peer_timeout_s,
+            started_at=self.state.started_at, valid_s=self.config.worker.peer_timeout_s,
         )  # fmt: skip
 
-    def _in_flight_by_model(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in self._in_flight_msgs.values():
-            name = self.subjects.model_from_subject(m.subject) or ""
-            out[name] = out.get(name, 0) + 1
-        return out
-
-    def _state(self, now: float) -> SchedulerState:
+    def _scheduler_state(self, now: float) -> SchedulerState:
         names = visible_models(
             self.slots, now,
             waiting=self.queues.waiting,
             on_device=self.residency.resident_names(),
-            current=self._current,
-            last_used=self._last_used,
+            current=self.state.current,
+            last_used=self.state.last_used,
             demand=self.driver.demand if self.driver.has_demand else None,
         )  # fmt: skip
         deferred = self.peers.deferred(now)
-        self._defer_wake = min(deferred.values(), default=math.inf)
+        self.state.defer_wake = min(deferred.values(), default=math.inf)
         return view.scheduler_state(
             names, now, driver=self.driver, slots=self.slots, residency=self.residency,
-            served=self.peers.served(), current=self._current, budget=self.budget, deferred=deferred,
+            served=self.peers.served(), current=self.state.current, budget=self.budget, deferred=deferred,
         )  # fmt: skip
 
     async def _refresh(self, now: float) -> None:
         """Count every queue (one call), then schedule the next count: every poll interval while
         anything waits or runs, every ``idle_refresh_s`` otherwise (arrivals are events)."""
-        mine = self._in_flight_by_model()
+        mine = self.state.in_flight.by_model(self.subjects.model_from_subject)
         not_ours = self.peers.not_ours(now)
         ok = await self.queues.refresh(self.js, self.subjects, now, mine=mine, not_ours=not_ours)
-        for name in [n for n, at in self._last_used.items() if at < now - RECENT_S]:
-            del self._last_used[name]
-        busy = bool(self.queues.waiting) or bool(self._in_flight_msgs)
+        self.state.forget_before(now - RECENT_S)
+        busy = bool(self.queues.waiting) or bool(self.state.in_flight)
         poll_s = self.config.worker.poll_interval_ms / 1000.0
-        self._next_refresh = time.time() + (poll_s if busy else max(poll_s, self.config.worker.idle_refresh_s))
+        self.state.next_refresh = time.time() + (poll_s if busy else max(poll_s, self.config.worker.idle_refresh_s))
         if not ok:
             self._note_trouble()
-            self._next_refresh = time.time() + poll_s
+            self.state.next_refresh = time.time() + poll_s
 
     # --- the loop --------------------------------------------------------------------------
 
     async def _serve_loop(self, tg: anyio.abc.TaskGroup) -> None:
         while not self._stopping.is_set():
             now = time.time()
-            if now >= self._next_refresh:
+            if now >= self.state.next_refresh:
                 await self._refresh(now)
                 now = time.time()
             started = time.perf_counter()
-            state = self._state(now)
+            state = self._scheduler_state(now)
             decision = self.driver.decide(state, now)
             # What deciding costs (the simulator charges it too: Workload.control, bench/scale.py).
             self.stats.add("decisions")
@@ -353,7 +341,7 @@ class Worker:
 
     async def _idle(self, decision: Idle) -> None:
         """Sleep until an arrival event, the time the policy asked for, or the next count."""
-        wait_s = min(decision.until, self._next_refresh, self._defer_wake) - time.time()
+        wait_s = min(decision.until, self.state.next_refresh, self.state.defer_wake) - time.time()
         if wait_s > 0 and not self._wake.is_set():
             with anyio.move_on_after(wait_s):
                 await self._wake.wait()
@@ -374,12 +362,11 @@ class Worker:
             return
         slot.missed_fetch = False
         await self.arrivals.took(slot.name, len(msgs))
-        for m in msgs:
-            self._in_flight_msgs[id(m)] = m
+        self.state.in_flight.add(msgs)
         slot.start_batch()
         loaded = slot.fresh_load
         slot.fresh_load = False
-        self._current = slot.name
+        self.state.current = slot.name
         tg.start_soon(self._run_batch, slot, msgs, loaded, decision.reason)
 
     async def _found_nothing(self, slot: Slot) -> None:
@@ -419,14 +406,13 @@ class Worker:
             for m in msgs:
                 await settle(m, "nak", delay_s=1.0)
         finally:
-            for m in msgs:
-                self._in_flight_msgs.pop(id(m), None)
+            self.state.in_flight.settled(msgs)
             release_model()
             slot.end_batch()
             with anyio.CancelScope(shield=True):
                 await self.arrivals.settled(slot.name, len(msgs))
             if slot.last_used_at is not None:
-                self._last_used[slot.name] = slot.last_used_at
+                self.state.last_used[slot.name] = slot.last_used_at
 
     # --- loads -----------------------------------------------------------------------------
 
@@ -450,7 +436,7 @@ class Worker:
                 tg.start_soon(self._consumer, slot)
                 loaded = await self.residency.load(slot, evict, reason=reason, share=share)
             if loaded:
-                self._current = slot.name
+                self.state.current = slot.name
         finally:
             self.residency.loading = None
             # Resident now: peers count our drain at once, before the claim is given back.
@@ -484,7 +470,7 @@ class Worker:
         interval = max(self.config.streams.ack_wait_s / 3.0, 0.05)
         while True:
             await anyio.sleep(interval)
-            for msg in list(self._in_flight_msgs.values()):
+            for msg in self.state.in_flight.messages():
                 try:
                     await msg.in_progress()
                 except TRANSPORT_ERRORS:

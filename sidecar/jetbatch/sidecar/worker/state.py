@@ -1,0 +1,67 @@
+"""The worker loop's own state, in one object the loop owns and hands to what reads it (the
+report, the policy's view, the heartbeat, shutdown). Per-model state lives in each
+:class:`~.slots.Slot`; queue depths in :class:`~.queues.QueueView`; what is on the device in
+:class:`~.residency.Residency`; the peers in :class:`~.coordination.Coordinator`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from nats.aio.msg import Msg
+
+__all__ = ["InFlight", "LoopState"]
+
+
+class InFlight:
+    """The messages this worker holds unacked (fetched, not yet settled), by identity: what the
+    heartbeat keeps alive, what a stop naks, what the report counts per model."""
+
+    def __init__(self) -> None:
+        self._msgs: dict[int, Msg] = {}
+
+    def add(self, msgs: Iterable[Msg]) -> None:
+        for m in msgs:
+            self._msgs[id(m)] = m
+
+    def settled(self, msgs: Iterable[Msg]) -> None:
+        for m in msgs:
+            self._msgs.pop(id(m), None)
+
+    def messages(self) -> list[Msg]:
+        return list(self._msgs.values())
+
+    def clear(self) -> None:
+        self._msgs.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._msgs)
+
+    def __len__(self) -> int:
+        return len(self._msgs)
+
+    def by_model(self, model_of: Callable[[str], str | None]) -> dict[str, int]:
+        """How many are held per model (``model_of`` reads a model from a message's subject)."""
+        out: dict[str, int] = {}
+        for m in self._msgs.values():
+            name = model_of(m.subject) or ""
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+@dataclass
+class LoopState:
+    """What the serving loop remembers between turns."""
+
+    started_at: float
+    current: str | None = None  # the model the last serve or load was for
+    next_refresh: float = -math.inf  # when the queues are counted next (wall clock)
+    defer_wake: float = math.inf  # when the first queue left to a first-taking peer is ours too
+    last_used: dict[str, float] = field(default_factory=dict)  # model -> when its last batch ran (recent ones only)
+    in_flight: InFlight = field(default_factory=InFlight)
+
+    def forget_before(self, cutoff: float) -> None:
+        """Drop last-used times older than ``cutoff`` (only recent ones matter to the policy's view)."""
+        for name in [n for n, at in self.last_used.items() if at < cutoff]:
+            del self.last_used[name]

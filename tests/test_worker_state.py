@@ -1,0 +1,47 @@
+"""The worker loop's state and counters: plain objects, tested without a server."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from jetbatch.sidecar.worker.counters import Counters
+from jetbatch.sidecar.worker.state import InFlight, LoopState
+
+
+def _msg(subject: str) -> object:
+    return SimpleNamespace(subject=subject)
+
+
+def test_in_flight_counts_held_messages_per_model_until_settled() -> None:
+    held = InFlight()
+    a, b, c = _msg("p.model.m1"), _msg("p.model.m1"), _msg("p.model.m2")
+    held.add([a, b, c])
+    model_of = lambda subject: subject.rsplit(".", 1)[1]  # noqa: E731
+    assert held.by_model(model_of) == {"m1": 2, "m2": 1}
+    held.settled([a, c, c])  # settling twice is harmless
+    assert held.by_model(model_of) == {"m1": 1}
+    assert len(held) == 1 and bool(held)
+    assert held.messages() == [b]
+    held.clear()
+    assert not held and held.by_model(model_of) == {}
+
+
+def test_loop_state_forgets_only_old_use() -> None:
+    state = LoopState(started_at=0.0)
+    state.last_used.update({"old": 1.0, "recent": 9.0})
+    state.forget_before(5.0)
+    assert state.last_used == {"recent": 9.0}
+
+
+def test_counters_count_events_and_time_steps() -> None:
+    counters = Counters("batches", "loads")
+    counters.add("batches")
+    counters.add("batches", 2)
+    counters.sample("claim", 0.002)
+    counters.sample("claim", 0.004)
+    snap = counters.snapshot()
+    assert snap["batches"] == 3 and snap["loads"] == 0
+    assert (snap["claim_n"], snap["claim_us"], snap["claim_us2"]) == (2, 6000, 2000**2 + 4000**2)
+    assert counters["missing"] == 0
+    snap["batches"] = 99  # a snapshot is a copy
+    assert counters["batches"] == 3
