@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -51,6 +52,48 @@ def _with_prefix(script: Path, prefix: str) -> str:
     # The quickstart uses the default prefix; this test's deployment uses its own.
     source = script.read_text().replace("sdk.Client.connect(url)", f"sdk.Client.connect(url, prefix={prefix!r})")
     return source
+
+
+def _readme_python_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+
+
+def test_readme_snippet_runs_as_written(deployment: Deployment) -> None:
+    """The README's "Using it" code, unchanged but for the server's address and this test's
+    subject prefix, against the example models."""
+    (source,) = _readme_python_blocks()
+    assert 'URL = "nats://127.0.0.1:4222"' in source and source.count("connect(URL)") == 2
+    source = source.replace('URL = "nats://127.0.0.1:4222"', f"URL = {deployment.url!r}").replace("connect(URL)", 'connect(URL, prefix="exm")')
+    proc = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("tensor(") and lines[-1].startswith("tensor(")
+
+
+@pytest.mark.anyio
+async def test_protocol_doc_json_request_gets_a_readable_json_answer(deployment: Deployment) -> None:
+    """docs/protocol.md's raw NATS example: a JSON body of 16 numbers published with the documented
+    headers is answered, on the reply subject it named, in JSON (the probabilities as a list)."""
+    import nats
+
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    body = re.search(r"nats pub jetbatch\.model\.sentiment '(\[[^']*\])'", text)
+    assert body, "the nats pub example is gone from docs/protocol.md"
+    nc = await nats.connect(deployment.url)
+    try:
+        sub = await nc.subscribe("_INBOX.me.>")
+        headers = {"Nats-Msg-Id": "doc-req-1", "Jetbatch-Reply-To": "_INBOX.me.doc-req-1", "Content-Type": "application/json"}
+        await nc.publish("exm.model.sentiment", body.group(1).encode(), headers=headers)
+        msg = await sub.next_msg(timeout=60)
+        assert msg.headers and msg.headers.get("Content-Type") == "application/json"
+        probs = json.loads(msg.data)
+        assert len(probs) == 3 and abs(sum(probs) - 1.0) < 1e-4
+    finally:
+        await nc.close()
+    async with sdk.Client.connect(deployment.url, prefix="exm") as client:
+        out = await client.infer([0.5] * 16, model="spam", content_type="application/json", timeout=30)
+    assert isinstance(out, list) and len(out) == 2
 
 
 def test_webapp(deployment: Deployment) -> None:
@@ -209,3 +252,16 @@ def test_fastapi_app_from_the_migration_page(nats_server: Any, monkeypatch: pyte
             bad = http.post("/items/batch/2", json={"nested": {"values": ["not a number"]}})
             assert bad.status_code == 502
             assert "Traceback" not in bad.text and "/" not in bad.json()["detail"].split(":")[0]
+
+
+def test_one_version_and_package_metadata() -> None:
+    """The version is written once (hatch reads jetbatch.sdk.__version__), and the metadata says
+    which Pythons the package runs on, matching requires-python."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and project["dynamic"] == ["version"]
+    assert re.search(r'^__version__ = "\d+\.\d+\.\d+"', (ROOT / "sdk" / "jetbatch" / "sdk" / "__init__.py").read_text(), re.MULTILINE)
+    floor = project["requires-python"].removeprefix(">=")
+    minors = sorted(int(c.rsplit(".", 1)[1]) for c in project["classifiers"] if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
+    assert minors and minors[0] == int(floor.split(".")[1])
+    assert "Typing :: Typed" in project["classifiers"]
+    assert (ROOT / "sdk" / "jetbatch" / "sdk" / "py.typed").exists() and (ROOT / "sidecar" / "jetbatch" / "sidecar" / "py.typed").exists()

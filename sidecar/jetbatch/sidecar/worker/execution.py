@@ -20,7 +20,9 @@ from typing import Any, Callable
 import anyio
 from nats.aio.msg import Msg
 
-from jetbatch.sdk.protocol import ErrorCode, Headers, ReplyPolicy, batch_header, new_request_id, parse_request_headers, validate_token
+from jetbatch.sdk.protocol import (
+    ContentType, ErrorCode, Headers, ReplyPolicy, batch_header, decode_payload, encode_payload, new_request_id, parse_request_headers, validate_token,
+)  # fmt: skip
 
 from ..handlers import BadInput
 from ..policy import PROBE_AFTER_REFUSALS, Driver, cannot_finish
@@ -232,7 +234,7 @@ class BatchRunner:
             return
         for r, out in zip(requests, results):
             try:
-                body, ctype = slot.handler.encode(out)
+                body, ctype = _as_asked(*slot.handler.encode(out), r.meta.content_type)
                 r.answer = Answer.ok(r.meta, body, ctype, extra(r))
             except Exception as exc:  # noqa: BLE001
                 r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, f"cannot encode output: {client_message(exc)}", extra(r))
@@ -356,3 +358,12 @@ def _triage(requests: list[Request], now: float, predicted_s: float) -> tuple[li
         else:
             suspects.append(r)
     return rejected, expired, fresh, suspects
+
+
+def _as_asked(body: bytes, ctype: ContentType, request_ctype: str | None) -> tuple[bytes, ContentType]:
+    """A request sent as JSON gets its answer in JSON (a tensor as nested lists), so a caller
+    without the tensor decoder (``nats sub``, curl through a gateway) can read it."""
+    if ctype is not ContentType.TENSOR or (request_ctype or "").split(";")[0].strip().lower() != ContentType.JSON.value:
+        return body, ctype
+    tensor = decode_payload(body, ctype.value)
+    return encode_payload(tensor.to_torch().tolist(), ContentType.JSON)
