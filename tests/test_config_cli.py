@@ -23,6 +23,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
     ("text", "expected"),
     [
         ('[models.m1]\nhandler = "sleep"\nmax_batch_size = "big"\n', "models.m1.max_batch_size: Expected `int`, got `str`"),
+        # A number written as a string in the file is refused, not coerced (environment values are strings and coerce).
+        ('[models.m1]\nhandler = "sleep"\nmax_batch_size = "16"\n', "models.m1.max_batch_size: Expected `int`, got `str`"),
+        ('[worker]\nheartbeat_s = "1"\n', "worker.heartbeat_s: Expected `float`, got `str`"),
         ('[models.m1]\nhandler = "sleep"\nmax_batch_size = 0\n', "models.m1.max_batch_size: Expected `int` >= 1"),
         ('[models.m1]\nhandler = "sleep"\nbatch = 3\n', "models.m1: unknown key `batch`"),
         ('[models.m1]\nmax_batch_size = 3\n', "missing required key `handler`"),
@@ -47,6 +50,48 @@ def test_config_errors_name_file_and_key(tmp_path: Path, text: str, expected: st
     assert message.startswith(str(path))
     assert expected in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ('handler = "nosuch.module:Thing"', "models.m1.handler: handler 'nosuch.module:Thing': cannot import nosuch.module"),
+        ('handler = "jetbatch.sdk:Client"', "models.m1.handler: handler 'jetbatch.sdk:Client' is not a subclass of jetbatch.sidecar.handlers.Handler"),
+        ('handler = "nohandler"', "models.m1.handler: handler 'nohandler' is neither a built-in"),
+        ('handler = "state_dict"\npath = "w.safetensors"', "models.m1.module_class: the state_dict handler needs `module_class`"),
+        ('handler = "state_dict"\npath = "w.safetensors"\nmodule_class = "nosuch:Net"', "models.m1.module_class: module_class 'nosuch:Net': cannot import nosuch"),
+        ('handler = "state_dict"\npath = "w.safetensors"\nmodule_class = "jetbatch.sdk:Client"', "models.m1.module_class: module_class 'jetbatch.sdk:Client' is not a torch.nn.Module subclass"),
+        ('handler = "export"', "models.m1.path: the export handler needs `path`"),
+        ('handler = "function"\nfunction = "nosuch:f"', "models.m1.function: function 'nosuch:f': cannot import nosuch"),
+    ],
+)
+def test_handler_config_errors_name_file_and_key(tmp_path: Path, model: str, expected: str) -> None:
+    from jetbatch.sidecar.handlers import check_model_configs
+
+    path = tmp_path / "models.toml"
+    path.write_text(f"[models.m1]\n{model}\n")
+    config = load_config(path)
+    with pytest.raises(ConfigError) as info:
+        check_model_configs(config.models, str(path))
+    assert str(info.value).startswith(f"{path}: ") and expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_missing_model_file_is_not_a_config_error(tmp_path: Path) -> None:
+    """The worker starts and reports the model broken (its requests get model_failed)."""
+    from jetbatch.sidecar.handlers import check_model_configs
+
+    path = tmp_path / "models.toml"
+    path.write_text('[models.m1]\nhandler = "export"\npath = "ghost.pt2"\n')
+    check_model_configs(load_config(path).models, str(path))
+
+
+def test_classifier_handler_errors_name_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[classifier]\nrouter = "torch"\nhandler = "nosuch:Net"\nlabels = { "0" = "m1" }\n[models.m1]\nhandler = "sleep"\n')
+    proc = run_cli("classifier", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"jetbatch classifier: {path}: classifier.handler: 'nosuch:Net': cannot import nosuch: No module named 'nosuch'"
 
 
 def test_seconds_at_the_boundary_and_the_milliseconds_of_0_2_as_aliases() -> None:
@@ -101,8 +146,8 @@ def test_cli_unknown_policy_and_handler(tmp_path: Path, nats_url: str) -> None:
     proc = run_cli("worker", "--config", str(path), "--nats-url", nats_url)
     assert proc.returncode == 2 and "worker.policy" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     path.write_text('[models.m1]\nhandler = "nosuch.module:Thing"\n')
-    proc = run_cli("worker", "--config", str(path), "--nats-url", nats_url)
-    assert proc.returncode == 2 and "cannot import nosuch.module" in proc.stderr
+    proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")  # refused before connecting
+    assert proc.returncode == 2 and f"{path}: models.m1.handler: handler 'nosuch.module:Thing': cannot import nosuch.module" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 

@@ -144,13 +144,17 @@ async def test_missing_model_file_is_reported_at_startup_and_answered(nats_url: 
     models = {"gone": {"handler": "export", "path": str(tmp_path / "gone.pt2")}, "ok": {"handler": "identity"}}
     config = make_config(prefix, models, worker={"max_resident_models": 2})
     with caplog.at_level(logging.ERROR, logger="jetbatch.worker"):
-        async with running_worker(config, nats_url):
-            assert any("gone.pt2 not found" in r.getMessage() for r in caplog.records)  # at startup, one line
+        async with running_worker(config, nats_url) as worker:
+            # The operator's log names the file in full, at startup, in one line.
+            assert any(f"{tmp_path / 'gone.pt2'} not found" in r.getMessage() for r in caplog.records)
             reports = await worker_reports(nats_url, prefix)
-            assert "not found" in reports[0].broken["gone"]
+            assert reports[0].broken["gone"] == "file gone.pt2 not found"
+            # /readyz's detail names the model once.
+            assert worker.problems() == ["model gone: file gone.pt2 not found"]
             async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-                with pytest.raises(sdk.ModelFailed, match="not found"):
+                with pytest.raises(sdk.ModelFailed, match="gone.pt2 not found") as info:
                     await client.infer(torch.zeros(DIM), model="gone", timeout=20)
+                assert str(tmp_path) not in str(info.value)  # no server path reaches a caller
                 assert await client.infer(b"still", model="ok", timeout=20) == b"still"
 
 

@@ -354,6 +354,12 @@ def parse_config(
         raw: dict[str, Any] = tomllib.loads(text) if text else {}
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    try:
+        # The file's own values are typed by TOML: checked strictly, so `max_batch_size = "16"`
+        # is refused with its key rather than coerced.
+        msgspec.convert(raw, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {describe_validation_error(_name_dict_keys(exc, raw, strict=True))}") from None
     env_vars = _env_overrides(raw, os.environ if environ is None else environ)
     try:
         # strict=False: environment values arrive as strings ("32", "true") and must coerce.
@@ -363,14 +369,14 @@ def parse_config(
         raise ConfigError(f"{where}: {describe_validation_error(_name_dict_keys(exc, raw))}") from None
 
 
-def _name_dict_keys(exc: msgspec.ValidationError, raw: dict[str, Any]) -> str:
+def _name_dict_keys(exc: msgspec.ValidationError, raw: dict[str, Any], *, strict: bool = False) -> str:
     """msgspec reports dict entries as ``models[...]``: find the entry so the message names it."""
     message = str(exc)
     models = raw.get("models")
     if "$.models[...]" in message and isinstance(models, dict):
         for name, value in models.items():
             try:
-                msgspec.convert(value, ModelConfig, strict=False)
+                msgspec.convert(value, ModelConfig, strict=strict)
             except msgspec.ValidationError as inner:
                 inner_msg = str(inner).replace("`$", f"`$.models.{name}", 1)
                 if "`$" not in str(inner):

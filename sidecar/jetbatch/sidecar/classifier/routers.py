@@ -11,11 +11,11 @@ from typing import Any, Callable, Mapping, Sequence
 from jetbatch.sdk.protocol import ContentType, ErrorCode, ProtocolError, decode_payload
 
 from ..config import ClassifierConfig, ConfigError
-from ..handlers import import_object, read_module
+from ..handlers import HandlerError, import_object, read_module
 from ..handlers.modules import export_input_spec
 from ..replies import client_message
 
-__all__ = ["CallableRouter", "Item", "Route", "Router", "RulesRouter", "TorchRouter", "make_router"]
+__all__ = ["CallableRouter", "Item", "Route", "Router", "RulesRouter", "TorchRouter", "check_router_config", "make_router"]
 
 _FILE_FORMATS = ("export", "state_dict", "torchscript")
 _MAX_SHAPES_REMEMBERED = 64
@@ -87,7 +87,7 @@ class TorchRouter(Router):
             )
             self.module = module.to(self.cfg.device) if self.cfg.device != "cpu" else module
         else:
-            factory = import_object(self.cfg.handler, what="classifier.handler")
+            factory = import_object(self.cfg.handler, what="classifier.handler", key="handler")
             self.module = factory(self.cfg) if isinstance(factory, type) else factory
             if hasattr(self.module, "eval"):
                 self.module.eval()
@@ -261,7 +261,7 @@ class CallableRouter(Router):
     def __init__(self, cfg: ClassifierConfig) -> None:
         if not cfg.callable:
             raise ConfigError("classifier.callable: required for the callable router")
-        self.fn: Callable[..., Sequence[str | None]] = import_object(cfg.callable, what="classifier.callable")
+        self.fn: Callable[..., Sequence[str | None]] = import_object(cfg.callable, what="classifier.callable", key="callable")
 
     def route(self, items: Sequence[Item]) -> list[Route]:
         payloads: list[Any] = []
@@ -291,3 +291,16 @@ def make_router(cfg: ClassifierConfig) -> Router:
     return kinds[cfg.router](cfg)
 
 
+def check_router_config(cfg: ClassifierConfig, source: str) -> None:
+    """Make the router and import what the config names (a custom ``handler`` factory, the
+    ``callable``), before anything connects: a fault of the config is a :class:`ConfigError`
+    naming ``source`` and the key."""
+    try:
+        if cfg.router == "torch" and cfg.handler not in _FILE_FORMATS:
+            import_object(cfg.handler, what="classifier.handler", key="handler")
+        make_router(cfg)
+    except HandlerError as exc:
+        detail = str(exc).removeprefix("classifier.handler ").removeprefix("classifier.callable ")
+        raise ConfigError(f"{source}: classifier.{exc.key or 'handler'}: {detail}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None

@@ -25,6 +25,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if config.classifier is None:
         raise ConfigError(f"{args.config}: no [classifier] section")
+    from jetbatch.sidecar.classifier.routers import check_router_config
+
+    check_router_config(config.classifier, args.config)
     url = args.nats_url or config.nats.url
     if not url:
         raise CliError("no NATS server: pass --nats-url or set NATS_URL or nats.url")

@@ -16,10 +16,12 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jetbatch.sidecar.config import load_config
+    from jetbatch.sidecar.handlers import check_model_configs
     from jetbatch.sidecar.runtime import serve_sidecar
     from jetbatch.sidecar.worker import Worker
 
     config = load_config(args.config)
+    check_model_configs(config.models, args.config)  # a bad handler or module_class names its file and key now
     url = args.nats_url or config.nats.url
     if not url:
         raise CliError("no NATS server: pass --nats-url, set NATS_URL or nats.url, or use `jetbatch up` for an embedded one")

@@ -13,9 +13,9 @@ Built in (the ``handler`` key of ``[models.<name>]``):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from .base import BadInput, Handler, HandlerError, import_object, resolve_device, tensor_bytes
 from .modules import ExportHandler, InputSpec, ModuleHandler, StateDictHandler, TorchScriptHandler, read_module
 from .simple import FunctionHandler, IdentityHandler, SleepHandler
@@ -33,6 +33,7 @@ __all__ = [
     "SleepHandler",
     "StateDictHandler",
     "TorchScriptHandler",
+    "check_model_configs",
     "create_handler",
     "import_object",
     "read_module",
@@ -55,12 +56,28 @@ def create_handler(name: str, config: ModelConfig) -> Handler:
     spec = config.handler
     cls: Any = BUILTIN_HANDLERS.get(spec)
     if cls is None:
-        cls = import_object(spec, what=f"model {name}: handler", builtins=BUILTIN_HANDLERS)
+        cls = import_object(spec, what=f"model {name}: handler", builtins=BUILTIN_HANDLERS, key="handler")
         if not (isinstance(cls, type) and issubclass(cls, Handler)):
-            raise HandlerError(f"model {name}: handler {spec!r} is not a subclass of jetbatch.sidecar.handlers.Handler")
+            raise HandlerError(f"model {name}: handler {spec!r} is not a subclass of jetbatch.sidecar.handlers.Handler", key="handler")
     try:
         return cls(name, config)  # type: ignore[no-any-return]
     except HandlerError:
         raise
     except Exception as exc:
-        raise HandlerError(f"model {name}: handler {spec!r} failed to initialise: {exc}") from exc
+        raise HandlerError(f"model {name}: handler {spec!r} failed to initialise: {exc}", key="handler") from exc
+
+
+def check_model_configs(models: Mapping[str, ModelConfig], source: str) -> None:
+    """Make each model's handler (importing the classes and functions it names; no weights are
+    read) and raise :class:`ConfigError` naming ``source`` and the key when the config is at
+    fault: a handler, ``module_class`` or ``function`` that cannot be imported or is the wrong
+    kind, a missing ``path``. A model file that is missing or unreadable is not a config error:
+    the worker starts, reports the model broken and answers its requests ``model_failed``."""
+    for name, mcfg in models.items():
+        try:
+            create_handler(name, mcfg).check()
+        except HandlerError as exc:
+            if exc.key is None:
+                continue
+            detail = str(exc).removeprefix(f"model {name}: ")
+            raise ConfigError(f"{source}: models.{name}.{exc.key}: {detail}") from None

@@ -24,7 +24,21 @@ __all__ = ["BadInput", "Handler", "HandlerError", "import_object", "resolve_devi
 
 
 class HandlerError(SidecarError):
-    """A handler could not be created or loaded (bad path, bad class, load failure)."""
+    """A handler could not be created or loaded (bad path, bad class, load failure). ``key``:
+    the model config key at fault when the config is (``handler``, ``module_class``,
+    ``function``, ``path``), so the CLI can name the file and the key; None for a problem of the
+    model's files or the machine."""
+
+    def __init__(self, message: str, *, key: str | None = None, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        # For the operator's log: the message with what a caller must not see (server paths).
+        # ``str(exc)`` may reach callers in a model_failed answer, so it names files by name only.
+        self.detail = detail or message
+
+    def reason(self, model: str) -> str:
+        """The message without its leading ``model <name>: `` (for places that name the model)."""
+        return str(self).removeprefix(f"model {model}: ")
 
 
 class BadInput(SidecarError, ValueError):
@@ -133,19 +147,19 @@ class Handler(ABC):
         return encode_payload(output)
 
 
-def import_object(spec: str, *, what: str, builtins: Iterable[str] = ()) -> Any:
+def import_object(spec: str, *, what: str, builtins: Iterable[str] = (), key: str | None = None) -> Any:
     """Import ``package.module:attribute`` (``builtins``: the names that need no import, listed
     in the error)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         names = sorted(builtins)
         alternative = f"neither a built-in ({', '.join(names)}) nor" if names else "not"
-        raise HandlerError(f"{what} {spec!r} is {alternative} 'package.module:Name'")
+        raise HandlerError(f"{what} {spec!r} is {alternative} 'package.module:Name'", key=key)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise HandlerError(f"{what} {spec!r}: cannot import {module_name}: {exc}") from exc
+        raise HandlerError(f"{what} {spec!r}: cannot import {module_name}: {exc}", key=key) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise HandlerError(f"{what} {spec!r}: {module_name} has no attribute {attr!r}") from None
+        raise HandlerError(f"{what} {spec!r}: {module_name} has no attribute {attr!r}", key=key) from None

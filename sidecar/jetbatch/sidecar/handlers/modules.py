@@ -54,7 +54,7 @@ class ModuleHandler(Handler):
     def __init__(self, name: str, config: ModelConfig) -> None:
         super().__init__(name, config)
         if not config.path:
-            raise HandlerError(f"model {name}: the {self.format} handler needs `path`")
+            raise HandlerError(f"model {name}: the {self.format} handler needs `path`", key="path")
         self.path = config.path
         self._lock = threading.Lock()
         self._host: Any = None  # the module object; its tensors live on the host unless resident
@@ -68,9 +68,9 @@ class ModuleHandler(Handler):
     def check(self) -> None:
         p = Path(self.path)
         if not p.is_file():
-            raise HandlerError(f"model {self.name}: file {self.path} not found")
+            raise HandlerError(f"model {self.name}: file {p.name} not found", detail=f"model {self.name}: file {self.path} not found")
         if not os.access(p, os.R_OK):
-            raise HandlerError(f"model {self.name}: file {self.path} is not readable")
+            raise HandlerError(f"model {self.name}: file {p.name} is not readable", detail=f"model {self.name}: file {self.path} is not readable")
 
     @abstractmethod
     def _read(self) -> Any:
@@ -88,7 +88,10 @@ class ModuleHandler(Handler):
         except HandlerError:
             raise
         except Exception as exc:  # torch raises many kinds here: name the file, keep one line
-            raise HandlerError(f"model {self.name}: cannot load {self.path}: {_first_line(exc)}") from exc
+            why = _first_line(exc).replace(self.path, Path(self.path).name)
+            raise HandlerError(
+                f"model {self.name}: cannot load {Path(self.path).name}: {why}", detail=f"model {self.name}: cannot load {self.path}: {_first_line(exc)}"
+            ) from exc
         pin = self.target_device.type == "cuda" and torch.cuda.is_available()
         for t in _tensors(module):
             if pin and not t.data.is_pinned():
@@ -216,7 +219,10 @@ class ExportHandler(ModuleHandler):
         # A .pt2 is a zip archive. torch.export.load logs a multi-line traceback to stderr before
         # it raises on anything else; say it in one line instead.
         if not zipfile.is_zipfile(self.path):
-            raise HandlerError(f"model {self.name}: cannot load {self.path}: not a torch.export archive (.pt2 is a zip file)")
+            raise HandlerError(
+                f"model {self.name}: cannot load {Path(self.path).name}: not a torch.export archive (.pt2 is a zip file)",
+                detail=f"model {self.name}: cannot load {self.path}: not a torch.export archive (.pt2 is a zip file)",
+            )
         program = torch.export.load(self.path)
         return program.module()
 
@@ -235,11 +241,11 @@ class StateDictHandler(ModuleHandler):
     def __init__(self, name: str, config: ModelConfig) -> None:
         super().__init__(name, config)
         if not config.module_class:
-            raise HandlerError(f"model {name}: the state_dict handler needs `module_class` (package.module:Class)")
+            raise HandlerError(f"model {name}: the state_dict handler needs `module_class` (package.module:Class)", key="module_class")
 
-        self.module_class = import_object(config.module_class, what=f"model {name}: module_class")
+        self.module_class = import_object(config.module_class, what=f"model {name}: module_class", key="module_class")
         if not isinstance(self.module_class, type) or not issubclass(self.module_class, torch.nn.Module):
-            raise HandlerError(f"model {name}: module_class {config.module_class!r} is not a torch.nn.Module subclass")
+            raise HandlerError(f"model {name}: module_class {config.module_class!r} is not a torch.nn.Module subclass", key="module_class")
 
     def _read(self) -> Any:
         return read_state_dict_module(self.module_class, dict(self.config.module_kwargs), self.path, what=f"model {self.name}")
@@ -292,10 +298,10 @@ def read_state_dict_module(cls: type, kwargs: dict[str, Any], path: str, *, what
     try:
         module.load_state_dict(state, assign=True, strict=True)
     except RuntimeError as exc:
-        raise HandlerError(f"{what}: {path} does not match {cls.__name__}: {_first_line(exc)}") from exc
+        raise HandlerError(f"{what}: {Path(path).name} does not match {cls.__name__}: {_first_line(exc)}", detail=f"{what}: {path} does not match {cls.__name__}: {_first_line(exc)}") from exc
     missing = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if missing:
-        raise HandlerError(f"{what}: {path} leaves {', '.join(missing[:5])} unset (not in the state dict)")
+        raise HandlerError(f"{what}: {Path(path).name} leaves {', '.join(missing[:5])} unset (not in the state dict)", detail=f"{what}: {path} leaves {', '.join(missing[:5])} unset")
     module.eval()
     return module
 

@@ -101,14 +101,14 @@ class FunctionHandler(Handler):
     def __init__(self, name: str, config: ModelConfig) -> None:
         super().__init__(name, config)
         if not config.function:
-            raise HandlerError(f"model {name}: the function handler needs `function` (package.module:function)")
+            raise HandlerError(f"model {name}: the function handler needs `function` (package.module:function)", key="function")
         self._fn: Callable[[list[Any]], Any] | None = None
 
     def check(self) -> None:
 
-        fn = import_object(self.config.function or "", what=f"model {self.name}: function")
+        fn = import_object(self.config.function or "", what=f"model {self.name}: function", key="function")
         if not callable(fn):
-            raise HandlerError(f"model {self.name}: function {self.config.function!r} is not callable")
+            raise HandlerError(f"model {self.name}: function {self.config.function!r} is not callable", key="function")
 
     def load(self, device: torch.device) -> None:
 

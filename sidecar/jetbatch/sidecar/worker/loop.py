@@ -168,8 +168,8 @@ class Worker:
             try:
                 slot.handler.check()
             except HandlerError as exc:
-                slot.broken = str(exc)
-                log.error("%s: its requests will get model_failed until it can load", slot.broken)
+                slot.broken = exc.reason(slot.name)
+                log.error("%s: its requests will get model_failed until it can load", exc.detail)
 
     # --- lifecycle -------------------------------------------------------------------------
 

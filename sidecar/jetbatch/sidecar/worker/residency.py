@@ -126,8 +126,8 @@ class Residency:
                 slot.handler.check()  # the file may have appeared since startup
                 slot.broken = None
             except HandlerError as exc:
-                slot.broken = str(exc)
-                await self.on_load_failed(slot, slot.broken)
+                slot.broken = exc.reason(slot.name)
+                await self.on_load_failed(slot, str(exc))
                 return False
         # Wait outside the device lock: the victims' in-flight batches need it to finish.
         for name in evict:
@@ -170,10 +170,11 @@ class Residency:
                     continue
                 break
         if error is not None:
-            message = f"model {slot.name} failed to load: {'out of memory: ' if _is_oom(error) else ''}{_one_line(error)}"
+            why = error.reason(slot.name) if isinstance(error, HandlerError) else _one_line(error)
+            message = f"model {slot.name} failed to load: {'out of memory: ' if _is_oom(error) else ''}{why}"
             with self.telemetry.child_span("model.load", **{"jetbatch.model": slot.name}) as span:
                 self.telemetry.mark_error(span, error)
-            log.error("%s", message)
+            log.error("%s", error.detail if isinstance(error, HandlerError) else message)
             self._set_tier(slot, "warm" if slot.handler.warm else "cold")
             await self.on_load_failed(slot, message)
             return False
