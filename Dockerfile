@@ -14,7 +14,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 ENV TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
 FROM ${FLAVOR}-base AS final
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 JETBATCH_HOME=/var/lib/jetbatch
+# In a container the endpoints listen on every interface (probes and scrapes come from outside);
+# elsewhere they default to loopback.
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 JETBATCH_HOME=/var/lib/jetbatch JETBATCH_HTTP__HOST=0.0.0.0
 RUN python3 -m venv /opt/jetbatch
 ENV PATH=/opt/jetbatch/bin:$PATH
 WORKDIR /src

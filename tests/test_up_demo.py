@@ -6,9 +6,11 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from jetbatch import sdk
 from jetbatch.sdk.protocol import Tensor
 from jetbatch.sidecar.dev.example_models import EXAMPLE_MODELS, build_examples, sample_inputs
+from jetbatch.sidecar.status import collect_status
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +57,7 @@ def test_example_models_are_real_and_deterministic(examples_dir: Path, tmp_path:
 
 def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jetbatch", "up", "--config", str(examples_dir / "models.toml")],
+        [sys.executable, "-m", "jetbatch", "up", "--config", str(examples_dir / "models.toml"), "--port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -63,9 +66,20 @@ def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> No
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # printed once the sidecars are ready
-        match = re.search(r"NATS at (nats://\S+);", line)
+        match = re.search(r"NATS at (nats://\S+); sidecars: (\S+) \(worker\)\.", line)
         assert match, line + (proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
-        url = match.group(1)
+        url, worker_id = match.group(1), match.group(2)
+        # The health URL printed is the one the worker listens on (a free port here), on loopback.
+        health = re.search(rf"{re.escape(worker_id)} health and metrics at (http://127\.0\.0\.1:\d+)/readyz", proc.stdout.readline())
+        assert health, "no health URL printed"
+        with urllib.request.urlopen(f"{health.group(1)}/readyz", timeout=10) as resp:
+            assert resp.status == 200
+
+        async def ids() -> list[str]:
+            async with sdk.Client.connect(url) as client:
+                return [r.id for r in await collect_status(client.nats, client.subjects, wait_s=0.5)]
+
+        assert asyncio.run(ids()) == [worker_id]  # `jetbatch status` shows the name `up` printed
 
         async def ask() -> sdk.Result:
             x, truth = sample_inputs(1, seed=5)
@@ -77,7 +91,7 @@ def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> No
         probs = result.output.to_torch()
         assert abs(float(probs.sum()) - 1.0) < 1e-4  # the example models end in a softmax
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 130  # interrupted, as docs/cli.md promises for every command
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -90,6 +104,38 @@ def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> No
 async def _connect(url: str) -> None:
     client = await sdk.Client.connect(url, connect_timeout_s=0.5)
     await client.close()
+
+
+def test_a_taken_http_port_stops_the_sidecar_with_one_line(examples_dir: Path, tmp_path: Path) -> None:
+    """Two workers on one host with the same [http] port: the second says why and exits 2
+    instead of running without the health checks its supervisor relies on."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "jetbatch", "worker", "--config", str(examples_dir / "models.toml"),
+             "--nats-url", "nats://127.0.0.1:1", "--http-port", str(port)],
+            capture_output=True, text=True, timeout=120, env=_env(tmp_path),
+        )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"jetbatch worker: cannot listen on 127.0.0.1:{port} for /healthz, /readyz and /metrics: Address already in use "
+        "(another process has the port? choose one with --http-port or [http], 0 for any free port, off for none)"
+    ]
+
+
+def test_a_taken_nats_port_is_reported_without_waiting(tmp_path: Path) -> None:
+    from jetbatch.sidecar.dev.natsserver import EmbeddedNats, NatsServerError
+
+    with EmbeddedNats() as first:
+        second = EmbeddedNats(port=first.port, startup_timeout_s=60)
+        started = time.monotonic()
+        with pytest.raises(NatsServerError, match=f"port {first.port} on 127.0.0.1 is taken"):
+            second.start()
+        # Not the startup timeout: the server's exit ends the wait (a state, not a time margin:
+        # the timeout is a minute, and the error came from the exited server's log).
+        assert time.monotonic() - started < second.startup_timeout_s
 
 
 def test_demo_runs_and_summarises(examples_dir: Path, tmp_path: Path) -> None:

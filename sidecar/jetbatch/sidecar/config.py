@@ -225,6 +225,7 @@ class WorkerConfig(_Base):
 class ClassifierConfig(_Base):
     """The classifier sidecar: pulls ``<prefix>.in`` and republishes to ``<prefix>.model.<name>``."""
 
+    id: str | None = None  # defaults to classifier-<hostname>-<pid>
     router: Literal["torch", "rules", "callable"] = "rules"
     max_batch_size: PositiveInt = 64
     max_delay_s: NonNegFloat = DEFAULT_MAX_DELAY_S
@@ -277,7 +278,10 @@ class HttpConfig(_Base):
     sidecars fit one pod or host.
     """
 
-    host: str = "0.0.0.0"
+    # Loopback unless configured: on a laptop (`jetbatch up`, `demo`) the endpoints are not for the
+    # network. The container image sets JETBATCH_HTTP__HOST=0.0.0.0, where probes and scrapes
+    # come from outside the container.
+    host: str = "127.0.0.1"
     worker_port: Annotated[int, Meta(ge=0, le=65535)] | None = 9464
     classifier_port: Annotated[int, Meta(ge=0, le=65535)] | None = 9465
     metrics: bool = True  # serve /metrics (installs the OpenTelemetry Prometheus reader)

@@ -15,15 +15,18 @@ from nats.aio.client import Client as NATS
 from jetbatch.sdk import failures
 
 from .config import Config
+from .errors import SidecarError
 from .streams import StreamSetupError
 
-__all__ = ["Sidecar", "retry_startup", "serve_sidecar"]
+__all__ = ["EndpointError", "Sidecar", "retry_startup", "serve_sidecar"]
 
 log = logging.getLogger("jetbatch.runtime")
 T = TypeVar("T")
 
 
 class Sidecar(Protocol):
+    http_address: str  # where its /healthz, /readyz, /metrics listen ("" when off): in its report
+
     async def run(self) -> None: ...
 
     def stop(self) -> None: ...
@@ -34,49 +37,64 @@ class Sidecar(Protocol):
     def problems(self) -> list[str]: ...
 
 
+class EndpointError(SidecarError):
+    """The sidecar's HTTP endpoints could not listen where configured (a port taken by another
+    process). The sidecar exits rather than run without health checks its supervisor relies on."""
+
+
 async def serve_sidecar(
     config: Config, url: str, *, name: str, make: Callable[[NATS, NATS | None], Sidecar], http_port: int | None = None
 ) -> int:
-    """Connect, run the sidecar until SIGTERM/SIGINT, drain. ``http_port``: where /healthz,
-    /readyz and /metrics listen (None: off)."""
+    """Listen for /healthz, /readyz and /metrics on ``http_port`` (None: off; 0: any free port),
+    then connect, run the sidecar until SIGTERM/SIGINT, drain. The endpoints listen first, so a
+    taken port is an :class:`EndpointError` before anything connects."""
     from .transport import connect, connect_replies
 
-    nc = await connect(config.nats, url, name=name)
-    reply_nc: NATS | None = None
-    try:
-        reply_nc = await connect_replies(config.nats, url, name=f"{name}-replies")
-        sidecar = make(nc, reply_nc)
-        stopping = anyio.Event()
+    state: dict[str, Any] = {"nc": None, "sidecar": None, "stopping": False}
 
-        def stop() -> None:
-            stopping.set()
-            sidecar.stop()
+    def alive() -> tuple[bool, str]:
+        # Answering at all proves the event loop turns; a stop past its drain shows here too.
+        nc = state["nc"]
+        return (True, "alive") if nc is None or not nc.is_closed else (False, "NATS connection closed")
 
-        def alive() -> tuple[bool, str]:
-            # Answering at all proves the event loop turns; a stop past its drain shows here too.
-            return (True, "alive") if not nc.is_closed else (False, "NATS connection closed")
+    def ready() -> tuple[bool, str]:
+        nc, sidecar = state["nc"], state["sidecar"]
+        if state["stopping"]:
+            return False, "stopping"
+        if nc is None or sidecar is None:
+            return False, "connecting to NATS"
+        if not nc.is_connected:
+            return False, "not connected to NATS (reconnecting)"
+        if not sidecar.ready.is_set():
+            return False, "setting up streams and consumers"
+        problems = sidecar.problems()
+        return (not problems or len(problems) < _model_count(config)), "; ".join(problems) or "ready"
 
-        def ready() -> tuple[bool, str]:
-            if stopping.is_set():
-                return False, "stopping"
-            if not nc.is_connected:
-                return False, "not connected to NATS (reconnecting)"
-            if not sidecar.ready.is_set():
-                return False, "setting up streams and consumers"
-            problems = sidecar.problems()
-            return (not problems or len(problems) < _model_count(config)), "; ".join(problems) or "ready"
+    async with anyio.create_task_group() as probes:
+        address = await _start_probes(probes, config, http_port, alive, ready) if http_port is not None else ""
+        nc = await connect(config.nats, url, name=name)
+        state["nc"] = nc
+        reply_nc: NATS | None = None
+        try:
+            reply_nc = await connect_replies(config.nats, url, name=f"{name}-replies")
+            sidecar = make(nc, reply_nc)
+            sidecar.http_address = address
+            state["sidecar"] = sidecar
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_stop_on_signals, stop)
-            if http_port is not None:
-                await _start_probes(tg, config, http_port, alive, ready)
-            await sidecar.run()
-            tg.cancel_scope.cancel()
-    finally:
-        with anyio.CancelScope(shield=True):
-            for conn in (reply_nc, nc):
-                if conn is not None:
-                    await _drain(conn)
+            def stop() -> None:
+                state["stopping"] = True
+                sidecar.stop()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_stop_on_signals, stop)
+                await sidecar.run()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for conn in (reply_nc, nc):
+                    if conn is not None:
+                        await _drain(conn)
+            probes.cancel_scope.cancel()
     return 0
 
 
@@ -84,15 +102,19 @@ def _model_count(config: Config) -> int:
     return max(1, len(config.models))
 
 
-async def _start_probes(tg: Any, config: Config, port: int, alive: Any, ready: Any) -> None:
+async def _start_probes(tg: Any, config: Config, port: int, alive: Any, ready: Any) -> str:
+    """Start the endpoints; returns the address they listen on (``host:port``)."""
     from .health import ProbeServer, prometheus_text
 
     server = ProbeServer(config.http.host, port, alive, ready, prometheus_text if config.http.metrics else None)
     try:
-        await tg.start(server.serve)
+        bound = await tg.start(server.serve)
     except OSError as exc:
-        # Serving goes on: a probe that cannot connect tells the operator more than a dead sidecar.
-        log.error("health endpoints not served: cannot listen on %s:%d: %s", config.http.host, port, exc.strerror or exc)
+        raise EndpointError(
+            f"cannot listen on {config.http.host}:{port} for /healthz, /readyz and /metrics: {exc.strerror or exc} "
+            "(another process has the port? choose one with --http-port or [http], 0 for any free port, off for none)"
+        ) from None
+    return f"{config.http.host}:{bound}"
 
 
 async def _stop_on_signals(stop: Callable[[], None]) -> None:

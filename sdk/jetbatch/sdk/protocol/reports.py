@@ -31,4 +31,5 @@ class SidecarReport(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float = 0.0  # Unix seconds
     updated_at: float = 0.0  # Unix seconds, when this report was made
     valid_s: float = 0.0  # a report older than this is stale (0: no limit)
+    http: str = ""  # host:port of its /healthz, /readyz and /metrics ("" when off)
 

@@ -74,7 +74,8 @@ class Classifier:
         self._pubacks = PubAcks(nc)
         self.subjects: Subjects = config.subjects
         self.router = router or make_router(self.cfg)
-        self.id = f"classifier-{socket.gethostname()}-{os.getpid()}"
+        self.id = self.cfg.id or f"classifier-{socket.gethostname()}-{os.getpid()}"
+        self.http_address = ""  # where its endpoints listen (set by runtime.serve_sidecar), for the report
         self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.reply_policy = config.reply_policy
@@ -97,8 +98,9 @@ class Classifier:
 
     def report(self) -> SidecarReport:
         return SidecarReport(
-            role="classifier", id=self.id, version=__version__, stats=dict(self.stats), started_at=self._started_at, updated_at=time.time()
-        )
+            role="classifier", id=self.id, version=__version__, stats=dict(self.stats), started_at=self._started_at, updated_at=time.time(),
+            http=self.http_address,
+        )  # fmt: skip
 
     async def _setup(self) -> Any:
         await ensure_classifier_streams(self.js, self.subjects, self.config.streams, self.config.replies)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import add_sidecar_options, port_number
+from ._common import EXIT_FAILED, EXIT_INTERRUPTED, add_sidecar_options, port_number
 
 
 def register(sub: Any) -> None:
@@ -27,7 +27,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jetbatch.sidecar.dev.deployment import Deployment
+    from jetbatch.sidecar.dev.deployment import Deployment, DeploymentError
 
     home = Path(os.environ.get("JETBATCH_HOME", ".jetbatch"))
     config_path = args.config
@@ -46,25 +46,41 @@ def run(args: argparse.Namespace) -> int:
         configured_http=True,
         http_port=args.http_port,
     )
-    stop = {"now": False}
+    stop = {"signal": 0, "failed": False}
 
     def on_signal(signum: int, frame: object) -> None:
-        stop["now"] = True
+        stop["signal"] = signum
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    dep.start()
-    print(f"jetbatch up: NATS at {dep.url}; sidecars: {', '.join(dep.procs)}. Ctrl-C to stop.", flush=True)
-    port = dep.config.http.worker_port if args.http_port is None else (None if args.http_port < 0 else args.http_port)
-    if port:
-        print(f"jetbatch up: worker0 health and metrics at http://127.0.0.1:{port}/readyz and /metrics", flush=True)
     try:
-        while not stop["now"]:
+        dep.start()
+    except DeploymentError:
+        if stop["signal"]:
+            return EXIT_INTERRUPTED  # Ctrl-C while starting: the sidecars stopped because of it, not failed
+        raise
+    if stop["signal"]:
+        dep.stop()
+        return EXIT_INTERRUPTED
+    names = ", ".join(f"{dep.ids.get(name, name)} ({name.rstrip('0123456789')})" for name in dep.procs)
+    print(f"jetbatch up: NATS at {dep.url}; sidecars: {names}. Ctrl-C to stop.", flush=True)
+    for name, report in dep.reports.items():
+        if report.http:
+            # The address each sidecar reports it listens on (a free port with --http-port 0).
+            host, _, port = report.http.rpartition(":")
+            shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+            print(f"jetbatch up: {report.id} health and metrics at http://{shown}:{port}/readyz and /metrics", flush=True)
+    try:
+        while not stop["signal"]:
             for name, proc in list(dep.procs.items()):
                 if proc.poll() is not None:
-                    print(f"jetbatch up: {name} exited with status {proc.returncode}", file=sys.stderr)
-                    stop["now"] = True
+                    print(f"jetbatch up: {dep.ids.get(name, name)} exited with status {proc.returncode}; stopping", file=sys.stderr)
+                    stop["failed"] = True
+            if stop["failed"]:
+                break
             time.sleep(0.2)
     finally:
         dep.stop()
-    return 0
+    if stop["signal"]:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if stop["failed"] else 0

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +16,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 from typing import Sequence
+
+from jetbatch.sdk.protocol import SidecarReport
 
 from ..config import load_config
 from ..errors import SidecarError
@@ -64,6 +68,11 @@ class Deployment:
         self.http_port = http_port
         self.server: EmbeddedNats | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # Each sidecar's id (what `jetbatch status` shows): the config's, else <host>-<name>.
+        self.ids: dict[str, str] = {}
+        # Each sidecar's last report, by name, as read when it became ready.
+        self.reports: dict[str, SidecarReport] = {}
+        self._host = _token(socket.gethostname())
         self._logs: dict[str, Path] = {}
         self._log_dir = Path(tempfile.mkdtemp(prefix="jetbatch-up-"))
 
@@ -72,9 +81,11 @@ class Deployment:
         assert self.nats_url is not None, "start() first"
         return self.nats_url
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], ids: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
         env.update(self.extra_env)
+        for var, value in (ids or {}).items():
+            env.setdefault(var, value)
         env.setdefault("PYTHONUNBUFFERED", "1")
         log_path = self._log_dir / f"{name}.log"
         self._logs[name] = log_path
@@ -99,13 +110,17 @@ class Deployment:
         name = f"worker{index}"
         path = self.worker_config_paths[index] if self.worker_config_paths else self.config_path
         http = self._http_args(0) if self.configured_http and index == 0 else ["--http-port", "0"]
-        self._spawn(name, ["worker", "--config", str(path), *http])
+        configured = (load_config(path) if self.worker_config_paths else self.config).worker.id
+        self.ids[name] = configured or f"{self._host}-{name}"
+        self._spawn(name, ["worker", "--config", str(path), *http], {"JETBATCH_WORKER__ID": self.ids[name]})
         return name
 
     def start_classifier(self, index: int = 0) -> str:
         name = f"classifier{index}"
         http = self._http_args(1) if self.configured_http else ["--http-port", "0"]
-        self._spawn(name, ["classifier", "--config", str(self.config_path), *http])
+        configured = self.config.classifier.id if self.config.classifier is not None else None
+        self.ids[name] = configured or f"{self._host}-{name}"
+        self._spawn(name, ["classifier", "--config", str(self.config_path), *http], {"JETBATCH_CLASSIFIER__ID": self.ids[name]})
         return name
 
     def start(self, ready_timeout_s: float = 60.0) -> "Deployment":
@@ -152,6 +167,8 @@ class Deployment:
                 workers = sum(1 for r in reports if r.role == "worker")
                 classifiers = sum(1 for r in reports if r.role == "classifier")
                 if workers >= want_workers and classifiers >= (1 if self.with_classifier else 0):
+                    by_id = {r.id: r for r in reports}
+                    self.reports = {name: by_id[i] for name, i in self.ids.items() if i in by_id}
                     return
                 if time.monotonic() > deadline:
                     raise DeploymentError(
@@ -211,3 +228,8 @@ class Deployment:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _token(text: str) -> str:
+    """A host name as one subject token (ids name key-value keys and discovery endpoints)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", text) or "host"

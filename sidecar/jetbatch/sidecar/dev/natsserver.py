@@ -90,6 +90,7 @@ class EmbeddedNats:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_thread: threading.Thread | None = None
         self._log_lines: list[str] = []
+        self._ready_seen = False
 
     @property
     def url(self) -> str:
@@ -126,12 +127,14 @@ class EmbeddedNats:
             stderr=subprocess.PIPE,
             start_new_session=True,  # Ctrl-C in a terminal goes to us; we stop the server ourselves
         )
+        # Set when the server says it is ready, or when its log ends (it exited: a taken port is
+        # reported at once, not after the startup timeout).
         ready = threading.Event()
+        self._ready_seen = False
         self._log_thread = threading.Thread(target=self._read_log, args=(ready,), daemon=True, name="nats-server-log")
         self._log_thread.start()
-        if not ready.wait(self.startup_timeout_s) or self._proc.poll() is not None:
-            if self._proc.poll() is not None:
-                time.sleep(0.1)  # let the log reader catch the last lines
+        ready.wait(self.startup_timeout_s)
+        if not self._ready_seen or self._proc.poll() is not None:
             tail = "\n".join(self._log_lines[-10:])
             self.stop()
             if "address already in use" in tail.lower():
@@ -148,6 +151,8 @@ class EmbeddedNats:
             self._follow(self._proc.stderr, ready)
         except (ValueError, OSError):
             pass  # the pipe was closed under us (stop() after a kill): the server is gone anyway
+        finally:
+            ready.set()  # the log ended: the server exited (start() reads why from its last lines)
 
     def _follow(self, stderr: IO[bytes], ready: threading.Event) -> None:
         for raw in stderr:
@@ -161,6 +166,7 @@ class EmbeddedNats:
             if m:
                 self.cluster_port = int(m.group(2))
             if _READY in line:
+                self._ready_seen = True
                 ready.set()
 
     @property

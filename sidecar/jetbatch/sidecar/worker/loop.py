@@ -101,6 +101,7 @@ class Worker:
         self._ready = anyio.Event()
         self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
         self.state = LoopState(started_at=time.time())
+        self.http_address = ""  # where its endpoints listen (set by runtime.serve_sidecar), for the report
         self._device_lock = anyio.Lock()  # loads and batches never overlap on the device
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
@@ -273,7 +274,7 @@ class Worker:
             worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             costs=self.costs, budget=self.budget, in_flight=self.state.in_flight.by_model(self.subjects.model_from_subject),
             stats=self.stats.snapshot(),
-            started_at=self.state.started_at, valid_s=self.config.worker.peer_timeout_s,
+            started_at=self.state.started_at, valid_s=self.config.worker.peer_timeout_s, http=self.http_address,
         )  # fmt: skip
 
     def _scheduler_state(self, now: float) -> SchedulerState:

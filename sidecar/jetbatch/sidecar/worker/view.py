@@ -30,6 +30,7 @@ def build_report(
     stats: Mapping[str, int],
     started_at: float,
     valid_s: float,
+    http: str = "",
 ) -> SidecarReport:
     """The worker's status and advert (one report). Per-model maps list only the models with
     something to say (waiting, on the device, warm or loading): with a thousand registered
@@ -63,6 +64,7 @@ def build_report(
         started_at=started_at,
         updated_at=time.time(),
         valid_s=valid_s,
+        http=http,
     )
 
 
