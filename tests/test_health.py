@@ -90,6 +90,12 @@ def test_worker_serves_health_readiness_and_metrics(server: EmbeddedNats, tmp_pa
                 return False
             bounds = {s.labels["le"] for s in infer.samples if s.name.endswith("_bucket")}
             assert {"0.001", "0.005", "0.1", "1.0", "+Inf"} <= bounds, bounds  # seconds, not the ms defaults
+            # One meaning per metric: use and budget apart, no label that mixes them; no
+            # constant otel_scope_* labels on every series.
+            assert "jetbatch_memory_used_bytes" in families and "jetbatch_memory" not in families
+            assert not [s for f in families.values() for s in f.samples if any(k.startswith("otel_scope") for k in s.labels)]
+            # Alone, the worker reports the stream's backlog.
+            assert "jetbatch_queue_backlog" in families
             return sum(s.value for s in requests.samples if s.name.endswith("_total")) >= 5
 
         _poll("metrics with 5 requests", scraped)

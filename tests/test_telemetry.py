@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from jetbatch import sdk
 from jetbatch.sidecar.otel import PrivateIdGenerator
-from tests.helpers import make_config, running_worker, sleep_model, wait_until
+from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
 from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.anyio
@@ -163,7 +164,9 @@ async def test_switch_spans_sit_under_the_batch_that_paid_it(otel: Otel, nats_ur
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             await client.infer(b"1", model="a", timeout=20)
             await client.infer(b"2", model="b", timeout=20)  # evicts a: one model fits the budget
-        memory = {p.attributes["jetbatch.memory"]: p.value for p in _points(reader, "jetbatch.memory", jetbatch__worker__id=worker.worker_id)}
+        memory = {
+            kind: [p.value for p in _points(reader, f"jetbatch.memory.{kind}", jetbatch__worker__id=worker.worker_id)] for kind in ("used", "budget")
+        }
     finished = spans.get_finished_spans()
     batch_b = next(s for s in finished if s.name == f"process {prefix}.model.b")
     children = [s for s in finished if s.parent and s.parent.span_id == batch_b.context.span_id]
@@ -177,7 +180,7 @@ async def test_switch_spans_sit_under_the_batch_that_paid_it(otel: Otel, nats_ur
     assert _total(reader, "jetbatch.model.evictions", jetbatch__model="a") - evictions_before == 1
     assert _total(reader, "jetbatch.scheduler.switches") - switches_before == 2  # load a, then switch to b
     assert _total(reader, "jetbatch.model.unload.duration", jetbatch__model="a") - unloads_before == 1
-    assert memory == {"used": 600, "budget": 1000}
+    assert memory == {"used": [600], "budget": [1000]}
 
 
 async def test_error_reply_sets_span_status_and_records_the_exception(otel: Otel, nats_url: str, prefix: str) -> None:
@@ -346,3 +349,42 @@ def test_an_unsampled_batch_span_reads_no_request_context(_otel_providers: Otel)
     with tracer.start_as_current_span("process batch") as span:
         link_requests(span, [{"traceparent": traceparent}, None, {}])
     assert [link.context.span_id for link in span.links] == [0x00F067AA0BA902B7]
+
+
+async def test_one_worker_of_a_deployment_reports_the_backlog(otel: Otel, nats_url: str, prefix: str) -> None:
+    """Every worker counts every queue; the gauge carries them from one worker (the lowest id it
+    sees alive), so a sum over workers is the stream's backlog, not a multiple of it."""
+    _, reader, _ = otel
+    # One request a batch, 0.3 s each: six requests keep m1's queue non-empty for a while.
+    models = {"m1": sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": 0.3, "item_cost_s": 0.0})}
+    a = make_config(prefix, models, worker={"id": "w-a", "heartbeat_s": 0.2})
+    b = make_config(prefix, models, worker={"id": "w-b", "heartbeat_s": 0.2})
+    async with running_worker(a, nats_url) as wa, running_worker(b, nats_url) as wb:
+        with anyio.fail_after(20):
+            while not (wa.peers.cluster and "w-b" in wa.peers.cluster.peers() and wb.peers.cluster and "w-a" in wb.peers.cluster.peers()):
+                await anyio.sleep(0.05)
+        assert wa.peers.reports_queues() and not wb.peers.reports_queues()
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client, anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(functools.partial(client.infer, f"x{i}".encode(), model="m1", timeout=30))
+            with anyio.fail_after(20):  # both count m1's waiting requests
+                while not ("m1" in wa.report().backlog and "m1" in wb.report().backlog):
+                    await anyio.sleep(0.02)
+            points = _points(reader, "jetbatch.queue.backlog", jetbatch__model="m1")
+        reporters = {p.attributes["jetbatch.worker.id"] for p in points if p.attributes["jetbatch.worker.id"] in ("w-a", "w-b")}
+        assert reporters == {"w-a"}
+    # Resident models and memory are each worker's own: both report them.
+    assert {p.attributes["jetbatch.worker.id"] for p in _points(reader, "jetbatch.memory.used")} >= {"w-a", "w-b"}
+
+
+async def test_the_classifier_reports_what_it_routed(otel: Otel, nats_url: str, prefix: str) -> None:
+    _, reader, _ = otel
+    config = make_config(prefix, {"m1": sleep_model()}, classifier={"router": "rules", "default_model": "m1"})
+    before = _total(reader, "jetbatch.classifier.requests", jetbatch__model="m1", jetbatch__status="ok")
+    batches_before = _total(reader, "jetbatch.classifier.batch.size")
+    async with running_worker(config, nats_url), running_classifier(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            for i in range(3):
+                assert await client.infer(f"r{i}".encode(), timeout=20) == f"r{i}".encode()
+    assert _total(reader, "jetbatch.classifier.requests", jetbatch__model="m1", jetbatch__status="ok") - before == 3
+    assert _total(reader, "jetbatch.classifier.batch.size") - batches_before >= 1

@@ -142,7 +142,12 @@ def setup_telemetry(role: str, *, console: bool = False, worker_id: str | None =
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
             # Registers a collector with prometheus_client's registry; scraped through /metrics.
-            readers.append(PrometheusMetricReader())
+            # Without the otel_scope_* labels: every series here has one scope (jetbatch), and
+            # three constant labels on each only cost the scraper.
+            try:
+                readers.append(PrometheusMetricReader(scope_info_enabled=False))
+            except TypeError:  # an exporter from before the option: the labels stay
+                readers.append(PrometheusMetricReader())
         meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         metrics.set_meter_provider(meter_provider)
         shutdowns.append(meter_provider.shutdown)

@@ -20,7 +20,7 @@ from opentelemetry import metrics, propagate, trace
 from opentelemetry.metrics import Observation
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-__all__ = ["LoadRecord", "WorkerTelemetry", "link_requests", "links_from_headers", "tracing_enabled"]
+__all__ = ["ClassifierTelemetry", "LoadRecord", "WorkerTelemetry", "link_requests", "links_from_headers", "tracing_enabled"]
 
 
 # Histogram buckets per quantity (seconds unless named otherwise).
@@ -114,52 +114,62 @@ class _Gauges:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._reports: list[tuple[str, Callable[[], Callable[[], Any] | None]]] = []
+        self._reports: list[tuple[str, Callable[[], Callable[[], Any] | None], Callable[[], Callable[[], bool] | None]]] = []
         self._created = False
 
-    def add(self, worker_id: str, report: Callable[[], Any]) -> None:
-        ref: Callable[[], Callable[[], Any] | None]
-        ref = weakref.WeakMethod(report) if inspect.ismethod(report) else (lambda: report)  # type: ignore[arg-type]
+    def add(self, worker_id: str, report: Callable[[], Any], reports_queues: Callable[[], bool]) -> None:
         with self._lock:
-            self._reports.append((worker_id, ref))
+            self._reports.append((worker_id, _weak(report), _weak(reports_queues)))
             if self._created:
                 return
             self._created = True
         meter = metrics.get_meter(_INSTRUMENTATION)
-        meter.create_observable_gauge("jetbatch.queue.backlog", [self._backlog], unit="{request}", description="Requests waiting per model")
+        # One meaning per metric (Prometheus naming): use and limit are two gauges, not a label.
+        meter.create_observable_gauge(
+            "jetbatch.queue.backlog", [self._backlog], unit="{request}",
+            description="Requests waiting per model, stream-wide; reported by one worker of a deployment, so sum() by model is the backlog",
+        )  # fmt: skip
         meter.create_observable_gauge("jetbatch.models.resident", [self._resident], unit="{model}", description="Models resident on the device")
-        meter.create_observable_gauge("jetbatch.memory", [self._memory], unit="By", description="Device memory in use, and the budget")
+        meter.create_observable_gauge("jetbatch.memory.used", [self._memory_used], unit="By", description="Device memory the resident models hold")
+        meter.create_observable_gauge("jetbatch.memory.budget", [self._memory_budget], unit="By", description="Device memory budget (absent when unbounded)")
 
-    def _current(self) -> list[tuple[str, Any]]:
-        """(worker id, StatusReport) of each live worker; forgets collected ones."""
-        out: list[tuple[str, Any]] = []
+    def _current(self) -> list[tuple[str, Any, bool]]:
+        """(worker id, StatusReport, whether it reports the queues) of each live worker; forgets
+        collected ones."""
+        out: list[tuple[str, Any, bool]] = []
         with self._lock:
-            live = [(wid, ref, ref()) for wid, ref in self._reports]
-            self._reports = [(wid, ref) for wid, ref, fn in live if fn is not None]
-        for wid, _, fn in live:
+            live = [(wid, ref, owns, ref(), owns()) for wid, ref, owns in self._reports]
+            self._reports = [(wid, ref, owns) for wid, ref, owns, fn, _ in live if fn is not None]
+        for wid, _, _, fn, owns_fn in live:
             if fn is None:
                 continue
             try:
-                out.append((wid, fn()))
+                out.append((wid, fn(), bool(owns_fn()) if owns_fn is not None else True))
             except Exception:  # noqa: BLE001 - a failing report must not cost the other gauges
                 log.debug("status report of %s failed during metric collection", wid, exc_info=True)
         return out
 
     def _backlog(self, _: Any) -> Iterable[Observation]:
+        # Every worker counts every queue; only the one that reports them is observed, so the
+        # series do not double when several workers serve one stream.
         return [
-            Observation(n, {"jetbatch.model": m, "jetbatch.worker.id": wid}) for wid, r in self._current() for m, n in r.backlog.items()
-        ]
+            Observation(n, {"jetbatch.model": m, "jetbatch.worker.id": wid})
+            for wid, r, owns in self._current() if owns for m, n in r.backlog.items()
+        ]  # fmt: skip
 
     def _resident(self, _: Any) -> Iterable[Observation]:
-        return [Observation(len(r.resident), {"jetbatch.worker.id": wid}) for wid, r in self._current()]
+        return [Observation(len(r.resident), {"jetbatch.worker.id": wid}) for wid, r, _ in self._current()]
 
-    def _memory(self, _: Any) -> Iterable[Observation]:
-        out = []
-        for wid, r in self._current():
-            out.append(Observation(r.memory_bytes, {"jetbatch.memory": "used", "jetbatch.worker.id": wid}))
-            if r.memory_budget_bytes is not None:
-                out.append(Observation(r.memory_budget_bytes, {"jetbatch.memory": "budget", "jetbatch.worker.id": wid}))
-        return out
+    def _memory_used(self, _: Any) -> Iterable[Observation]:
+        return [Observation(r.memory_bytes, {"jetbatch.worker.id": wid}) for wid, r, _ in self._current()]
+
+    def _memory_budget(self, _: Any) -> Iterable[Observation]:
+        return [Observation(r.memory_budget_bytes, {"jetbatch.worker.id": wid}) for wid, r, _ in self._current() if r.memory_budget_bytes is not None]
+
+
+def _weak(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | None]:
+    """A weak reference to a bound method (a plain function is held strongly)."""
+    return weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)  # type: ignore[arg-type,return-value]
 
 
 _GAUGES = _Gauges()
@@ -195,10 +205,11 @@ class WorkerTelemetry:
         self.evictions = meter.create_counter("jetbatch.model.evictions", unit="{eviction}", description="Model evictions")
         self.switches = meter.create_counter("jetbatch.scheduler.switches", unit="{switch}", description="Model switches, by reason")
 
-    def register_gauges(self, report: Callable[[], Any]) -> None:
+    def register_gauges(self, report: Callable[[], Any], reports_queues: Callable[[], bool] = lambda: True) -> None:
         """Observe this worker's ``report()`` (a StatusReport: backlog, resident models, memory and
-        budget) in the process's observable gauges, at each metric collection."""
-        _GAUGES.add(self.worker_id, report)
+        budget) in the process's observable gauges, at each metric collection; its backlog only
+        while ``reports_queues()`` (one worker of a deployment reports the stream's queues)."""
+        _GAUGES.add(self.worker_id, report, reports_queues)
 
     def record_load(self, record: "LoadRecord", parent: Span) -> None:
         """Emit the ``model.unload`` and ``model.load`` spans of a switch under ``parent``, the
@@ -288,3 +299,21 @@ class WorkerTelemetry:
         ``""`` when tracing is off."""
         ctx = span.get_span_context()
         return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+class ClassifierTelemetry:
+    """The classifier's metrics (its spans are made where it routes)."""
+
+    def __init__(self) -> None:
+        meter = metrics.get_meter(_INSTRUMENTATION)
+        self.requests = meter.create_counter(
+            "jetbatch.classifier.requests", unit="{request}",
+            description="Requests the classifier handled: routed (status ok, by model, direct when the producer named it) or answered with an error (status: the code)",
+        )  # fmt: skip
+        self.batch_size = meter.create_histogram(
+            "jetbatch.classifier.batch.size", unit="{request}", description="Requests per classifier batch", explicit_bucket_boundaries_advisory=BATCH_SIZE_BUCKETS
+        )
+        self.route_duration = meter.create_histogram(
+            "jetbatch.classifier.route.duration", unit="s", description="Time to classify one batch (the router's forward pass)",
+            explicit_bucket_boundaries_advisory=COMPUTE_BUCKETS_S,
+        )  # fmt: skip

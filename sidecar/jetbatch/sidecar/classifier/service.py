@@ -48,7 +48,7 @@ from ..replies import Answer, Replier, client_message, settle
 from ..runtime import retry_startup
 from ..status import serve_status
 from ..streams import classifier_consumer_name, ensure_classifier_streams
-from ..telemetry import link_requests
+from ..telemetry import ClassifierTelemetry, link_requests
 from .routers import Item, Route, Router, make_router
 
 __all__ = ["Classifier"]
@@ -84,6 +84,7 @@ class Classifier:
         self._ready = anyio.Event()
         self._started_at = time.time()
         self._tracer = trace.get_tracer(_tracer_name)
+        self.metrics = ClassifierTelemetry()
 
     @property
     def ready(self) -> anyio.Event:
@@ -206,8 +207,10 @@ class Classifier:
             link_requests(span, [m.headers for m in msgs])
             if to_classify:
                 batch = [parsed[i][0] for i in to_classify]
+                started = time.perf_counter()
                 try:
                     decided = await anyio.to_thread.run_sync(self.router.route, batch)
+                    self.metrics.route_duration.record(time.perf_counter() - started)
                 except Exception as exc:  # noqa: BLE001 - a router bug answers the batch, it does not kill the sidecar
                     log.error("router failed on a batch of %d: %r", len(batch), exc)
                     decided = [Route(None, (ErrorCode.INTERNAL, f"router failed: {client_message(exc)}"))] * len(batch)
@@ -218,6 +221,7 @@ class Classifier:
                 await self._answer(failed)
         self.stats["batches"] += 1
         self.stats["requests"] += len(msgs)
+        self.metrics.batch_size.record(len(msgs))
 
     async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]]) -> list[tuple[Msg, RequestMeta, Route]]:
         """Republish the routed requests and ack each once JetStream has it; return the others
@@ -241,13 +245,13 @@ class Classifier:
         retry = []
         for msg, meta, route, subject, headers, fut in sent:
             if fut is not None and not fut.cancelled() and fut.exception() is None:
-                await self._forwarded(msg)
+                await self._forwarded(msg, route.model)
             else:
                 retry.append((msg, meta, route, subject, headers))
         errors = await asyncio.gather(*(self._republish(subject, msg, meta, headers) for msg, meta, _, subject, headers in retry))
         for (msg, meta, route, _, _), error in zip(retry, errors):
             if error is None:
-                await self._forwarded(msg)
+                await self._forwarded(msg, route.model)
             else:
                 failed.append((msg, meta, Route(route.model, error)))
         return failed
@@ -272,8 +276,9 @@ class Classifier:
             return (ErrorCode.BAD_REQUEST, "request is over the server's max payload once routed")
         return subject, headers
 
-    async def _forwarded(self, msg: Msg) -> None:
+    async def _forwarded(self, msg: Msg, model: str | None) -> None:
         self.stats["routed"] += 1
+        self.metrics.requests.add(1, {"jetbatch.model": model or "", "jetbatch.status": "ok"})
         await self._settle_forwarded(msg)
 
     async def _settle_forwarded(self, msg: Msg) -> None:
@@ -292,6 +297,8 @@ class Classifier:
         await self.replier.deliver(answers)
         for (msg, meta, route), answer in zip(failed, answers):
             self.stats["errors"] += 1
+            status = answer.error.value if answer.error is not None else "internal"
+            self.metrics.requests.add(1, {"jetbatch.model": route.model or "", "jetbatch.status": status})
             await settle(msg, "term" if answer.error is ErrorCode.BAD_REQUEST else "ack")
 
     async def _republish(self, subject: str, msg: Msg, meta: RequestMeta, headers: dict[str, str]) -> tuple[ErrorCode, str] | None:

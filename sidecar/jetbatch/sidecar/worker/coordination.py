@@ -77,6 +77,14 @@ class Coordinator:
             await anyio.sleep(self._heartbeat_s)
             await self.advertise()
 
+    def reports_queues(self) -> bool:
+        """Whether this worker's metrics carry the stream's queue depths: every worker counts
+        every queue, so one of them reports (the lowest id among the live workers it sees;
+        alone, itself) and a sum over workers means what it says."""
+        if self.cluster is None:
+            return True
+        return all(self.worker_id < peer for peer in self.cluster.peers())
+
     def note_trouble(self) -> None:
         if self.cluster is not None:
             self.cluster.note_trouble()

@@ -96,7 +96,6 @@ class Worker:
         # scale bench tells the simulator this deployment's costs from them: Control.measured).
         self.stats = Counters("batches", "requests", "loads", "evictions", "decisions", "decision_us", "models_shown")
         self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
-        self.telemetry.register_gauges(self.report)
         self._stopping = anyio.Event()
         self._ready = anyio.Event()
         self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
@@ -155,6 +154,7 @@ class Worker:
             cluster, worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             driver=self.driver, budget=self.budget, counters=self.stats, heartbeat_s=config.worker.heartbeat_s, report=self.report,
         )  # fmt: skip
+        self.telemetry.register_gauges(self.report, self.peers.reports_queues)
 
     def _note_trouble(self) -> None:
         self.peers.note_trouble()
