@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from jetbatch import sdk
 from jetbatch.sidecar.dev.loadtest import BenchError, parse_mix
+from jetbatch.sidecar.status import collect_status
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +31,12 @@ def test_bench_against_an_embedded_deployment(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "out.json").read_text())["summary"]
     assert summary["sent"] == summary["answered"] > 0 and summary["errors"] == {}
     assert summary["mean_batch_size"] >= 1 and summary["loads"] >= 1
+    # Loads split by tier, from the worker's counters: the first load of each model is cold; the
+    # two models share one slot, so the rest are reloads from the warm tier, and every load the
+    # replies saw is in the counters.
+    assert summary["loads_cold"] == 2 and summary["loads_cold"] + summary["loads_warm"] >= summary["loads"]
+    assert summary["load_s"] > 0 and summary["interrupted"] is False
+    assert "cold from disk" in proc.stdout and "s loading" in proc.stdout
     for key in ("throughput", "p50 / p95 / p99", "mean batch size", "loads"):
         assert key in proc.stdout
     assert (tmp_path / "out.png").stat().st_size > 10_000
@@ -40,6 +51,54 @@ def test_bench_json_is_one_summary_on_stdout(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)  # nothing else on stdout
     assert summary["sent"] == summary["answered"] > 0
+
+
+def test_interrupted_bench_still_reports_what_it_measured(tmp_path: Path) -> None:
+    """Ctrl-C during the run: the summary of what was measured until then, and exit 130 (as wrk
+    and locust print partial stats)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetbatch", "bench", "--rate", "50", "--duration", "600", "--mix", "m1=1", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        # Interrupt once requests have been answered: find the embedded deployment's worker in
+        # the process tree, then ask it (status) until it has served some.
+        deadline = time.monotonic() + 120
+        url = None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            url = _worker_nats_url(proc.pid)
+            time.sleep(0.1)
+        assert url, "the bench's worker did not start"
+
+        async def served() -> int:
+            async with sdk.Client.connect(url) as client:
+                return sum(r.stats.get("requests", 0) for r in await collect_status(client.nats, client.subjects, wait_s=0.3))
+
+        while asyncio.run(served()) < 20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    summary = json.loads(out)
+    assert summary["interrupted"] is True and summary["answered"] > 0
+    assert summary["elapsed_s"] < 600
+
+
+def _worker_nats_url(pid: int) -> str | None:
+    """The --nats-url of the `jetbatch worker` child of ``pid`` (Linux /proc), once it runs."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            if "worker" in argv and "--nats-url" in argv:
+                return argv[argv.index("--nats-url") + 1]
+    return None
 
 
 def test_bad_mix_is_a_one_line_error() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ._common import (
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     CliError,
     add_json,
@@ -46,7 +47,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from jetbatch.sidecar.dev.loadtest import BenchError, parse_mix, plot_timeline, print_table, run_bench, sleep_config
+    from jetbatch.sidecar.dev.loadtest import BenchError, BenchResult, parse_mix, plot_timeline, print_table, run_bench, sleep_config
 
     try:
         mix = parse_mix(args.mix)
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as exc:
         raise CliError(str(exc)) from None
     deployment = None
+    result = BenchResult()
+    interrupted = False
     with sigterm_as_interrupt():
         try:
             if url is None:
@@ -69,16 +72,22 @@ def run(args: argparse.Namespace) -> int:
 
                 deployment = Deployment(config, log_level=args.log_level).start()
                 url = deployment.url
-            result = asyncio.run(
+            asyncio.run(
                 run_bench(
                     url, mix=mix, duration_s=args.duration, concurrency=args.concurrency, rate=args.rate,
-                    payload=args.payload, timeout_s=args.timeout, prefix=args.prefix, progress=not args.json,
+                    payload=args.payload, timeout_s=args.timeout, prefix=args.prefix, progress=not args.json, result=result,
                 )
             )  # fmt: skip
+        except KeyboardInterrupt:
+            # Like wrk and locust: what was measured until the interrupt is still reported.
+            interrupted = True
+            if result.sent == 0:
+                raise
         finally:
             if deployment is not None:
                 deployment.stop()
     summary = result.summary()
+    summary["interrupted"] = interrupted
     if args.json:
         print(json.dumps(summary))
     else:
@@ -89,4 +98,6 @@ def run(args: argparse.Namespace) -> int:
         plot_timeline(result, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
+    if interrupted:
+        return EXIT_INTERRUPTED
     return EXIT_OK if summary["answered"] == summary["sent"] else EXIT_FAILED

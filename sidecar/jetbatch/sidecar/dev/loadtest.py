@@ -69,6 +69,12 @@ class BenchResult:
     batches: dict[str, int] = field(default_factory=dict)
     loads: set[str] = field(default_factory=set)
     elapsed_s: float = 0.0
+    # From the workers' counters over the run (None when no worker answered a status request):
+    # loads by tier (a warm reload from host memory costs a fraction of a cold one) and the time
+    # spent loading.
+    loads_cold: int | None = None
+    loads_warm: int | None = None
+    load_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
         def pct(q: float) -> float:
@@ -85,6 +91,9 @@ class BenchResult:
             "mean_batch_size": statistics.mean(self.batches.values()) if self.batches else 0.0,
             "batches": len(self.batches),
             "loads": len(self.loads),
+            "loads_cold": self.loads_cold,
+            "loads_warm": self.loads_warm,
+            "load_s": self.load_s,
             "elapsed_s": self.elapsed_s,
         }
 
@@ -123,17 +132,21 @@ async def run_bench(
     prefix: str = "jetbatch",
     progress: bool = False,
     seed: int = 0,
+    result: BenchResult | None = None,
 ) -> BenchResult:
-    """Drive the SDK for ``duration_s`` and collect what each reply says about its batch."""
+    """Drive the SDK for ``duration_s`` and collect what each reply says about its batch, and
+    what the workers' counters say about loads. ``result``: filled as the run goes, so a caller
+    that is interrupted still has what was measured."""
     rng = random.Random(seed)
     names = list(mix)
     weights = [mix[n] for n in names]
     make_payload = _payload_factory(payload)
-    result = BenchResult()
+    result = BenchResult() if result is None else result
     started = time.monotonic()
     deadline = started + duration_s
 
     async with sdk.Client.connect(url, prefix=prefix) as client:
+        counted_before = await _load_counters(client)
 
         async def one() -> None:
             name = rng.choices(names, weights)[0]
@@ -183,11 +196,26 @@ async def run_bench(
                 if tasks:
                     await asyncio.gather(*tasks)
         finally:
+            result.elapsed_s = time.monotonic() - started
             if rep is not None:
                 rep.cancel()
                 sys.stderr.write("\n")
-    result.elapsed_s = time.monotonic() - started
+        counted_after = await _load_counters(client)
+        if counted_before is not None and counted_after is not None:
+            result.loads_cold = counted_after["loads_cold"] - counted_before["loads_cold"]
+            result.loads_warm = counted_after["loads_warm"] - counted_before["loads_warm"]
+            result.load_s = (counted_after["load_us"] - counted_before["load_us"]) / 1e6
     return result
+
+
+async def _load_counters(client: sdk.Client) -> dict[str, int] | None:
+    """The workers' load counters summed (None when no worker answers a status request)."""
+    from ..status import collect_status
+
+    reports = [r for r in await collect_status(client.nats, client.subjects, wait_s=0.3) if r.role == "worker"]
+    if not reports:
+        return None
+    return {key: sum(r.stats.get(key, 0) for r in reports) for key in ("loads_cold", "loads_warm", "load_us")}
 
 
 def sleep_config(mix: dict[str, float], directory: Path) -> Path:
@@ -210,8 +238,10 @@ def print_table(s: dict[str, Any]) -> None:
         ("sent", s["sent"]), ("answered", s["answered"]), ("errors", errors),
         ("throughput", f"{s['throughput_rps']:.1f} req/s"),
         ("latency p50 / p95 / p99", f"{s['p50_ms']:.1f} / {s['p95_ms']:.1f} / {s['p99_ms']:.1f} ms"),
-        ("mean batch size", f"{s['mean_batch_size']:.1f}"), ("batches", s["batches"]), ("loads", s["loads"]),
+        ("mean batch size", f"{s['mean_batch_size']:.1f}"), ("batches", s["batches"]), ("loads", _loads(s)),
     ]  # fmt: skip
+    if s.get("interrupted"):
+        rows.insert(0, ("interrupted", f"after {s['elapsed_s']:.1f} s: what was measured until then"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -253,3 +283,10 @@ def plot_timeline(result: BenchResult, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _loads(s: dict[str, Any]) -> str:
+    """Loads, split by tier with the time spent loading when the workers' counters were read."""
+    if s.get("loads_cold") is None:
+        return str(s["loads"])
+    return f"{s['loads']} ({s['loads_cold']} cold from disk, {s['loads_warm']} warm from host memory; {s['load_s']:.2f} s loading)"

@@ -94,7 +94,7 @@ class Worker:
         self.budget = Budget(max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models)
         # Counters; what the control plane's steps cost here is added by worker/counters.py (the
         # scale bench tells the simulator this deployment's costs from them: Control.measured).
-        self.stats = Counters("batches", "requests", "loads", "evictions", "decisions", "decision_us", "models_shown")
+        self.stats = Counters("batches", "requests", "loads", "loads_cold", "loads_warm", "load_us", "evictions", "decisions", "decision_us", "models_shown")
         self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
         self._stopping = anyio.Event()
         self._ready = anyio.Event()

@@ -190,6 +190,8 @@ class Residency:
             memory_bytes=memory, host_bytes=slot.handler.host_bytes(),
         )  # fmt: skip
         self._counters.add("loads")
+        self._counters.add(f"loads_{tier}")  # from the host's warm copy, or cold from disk
+        self._counters.add("load_us", int(seconds * 1e6))
         attrs = {"jetbatch.model": slot.name, "jetbatch.model.tier": tier}
         self.telemetry.loads.add(1, attrs)
         self.telemetry.load_duration.record(seconds, attrs)
