@@ -227,3 +227,15 @@ def test_cli_bad_arguments_are_one_line_and_exit_2(tmp_path: Path, args: list[st
     # One line of error (argparse adds its usage line before its own).
     errors = [line for line in proc.stderr.splitlines() if line and not line.startswith(("usage:", " "))]
     assert len(errors) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
+def test_otlp_over_grpc_is_refused_in_one_line(tmp_path: Path, var: str) -> None:
+    """Not "exporting with http/protobuf" to the gRPC port, failing every few seconds."""
+    path = tmp_path / "models.toml"
+    path.write_text('[models.m1]\nhandler = "sleep"\n')
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", var: "grpc"}
+    proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1", env=env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"jetbatch worker: environment {var}=grpc: jetbatch exports OTLP over http/protobuf only")

@@ -31,9 +31,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
+from .config import ConfigError
+
 __all__ = ["PrivateIdGenerator", "setup_telemetry"]
 
 log = logging.getLogger(__name__)
+
 
 class PrivateIdGenerator(RandomIdGenerator):
     """Random trace and span ids from a private generator: the SDK's default draws from the
@@ -75,11 +78,16 @@ def _exporter_choices(kind: str) -> set[str]:
 
 
 def _check_protocol() -> None:
-    """Only OTLP over HTTP/protobuf is bundled (gRPC would add grpcio to every sidecar image)."""
+    """Only OTLP over HTTP/protobuf is bundled (gRPC would add grpcio to every sidecar image).
+    Another protocol asked for is refused at start, in one line: exporting HTTP to a gRPC port
+    (4317) would fail on every export, with a warning every few seconds and no spans."""
     for var in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"):
         value = os.environ.get(var, "").strip().lower()
         if value and value != "http/protobuf":
-            log.warning("%s=%s: jetbatch bundles OTLP over http/protobuf only; exporting with http/protobuf", var, value)
+            raise ConfigError(
+                f"environment {var}={value}: jetbatch exports OTLP over http/protobuf only; set it to http/protobuf "
+                "(or unset it) and point OTEL_EXPORTER_OTLP_ENDPOINT at the collector's HTTP port (4318 by default)"
+            )
 
 
 def _metric_interval_ms() -> float:
