@@ -82,6 +82,26 @@ def test_simulate_cli_table_json_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "t.png").stat().st_size > 10_000
 
 
+def test_the_table_fits_a_terminal_and_the_plot_shares_one_time_axis() -> None:
+    from jetbatch.sidecar.simulator.report import format_table, timeline_figure
+
+    # The burst with the policy of the longest name and the slowest one (fifo's two-minute
+    # makespan gives the widest cells): the 218-column table of before had 18 per column.
+    workload = load_workload(ROOT / "examples" / "workloads" / "burst.toml")
+    results = [simulate(workload, policy) for policy in ("cost-aware", "fifo", "longest-backlog")]
+    lines = format_table([r.summary(workload) for r in results], workload)
+    assert len(lines) >= len(results) + 1
+    assert max(len(line) for line in lines) <= 100, "\n".join(lines)
+    fig = timeline_figure(results, workload)
+    try:
+        limits = {ax.get_xlim() for ax in fig.axes}
+        assert limits == {(0.0, max(r.makespan_s for r in results))}  # one axis for every policy
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
 def test_simulate_cli_errors_are_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[models.a]\nload_cost_s = 'slow'\n")

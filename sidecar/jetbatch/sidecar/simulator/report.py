@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 from ..percentiles import percentile
 
-__all__ = ["SimResult", "lower_bound", "plot", "print_table"]
+__all__ = ["SimResult", "format_table", "lower_bound", "plot", "print_table", "timeline_figure"]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -99,23 +99,51 @@ def lower_bound(workload: "Workload") -> float:
     return total
 
 
+# (summary key, column header): short headers, each column as wide as its widest cell, so the
+# table fits a terminal (under 100 columns).
+_COLUMNS = [
+    ("policy", "policy"), ("makespan_s", "makespan s"), ("loads", "loads"), ("mean_batch", "batch"),
+    ("mean_ms", "mean s"), ("p50_ms", "p50 s"), ("p99_ms", "p99 s"), ("max_ms", "max s"), ("worst_model_p99_ms", "worst p99 s"),
+]  # fmt: skip
+
+
+def format_table(rows: list[dict[str, Any]], workload: "Workload") -> list[str]:
+    """The policies side by side, one line each (``--json`` has every field)."""
+    cols = _COLUMNS + ([("ratio_to_bound", "x bound")] if workload.closed else [("served_fraction", "served")])
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.2f}" if abs(value) < 1e5 else f"{value:.3g}"
+        return str(value)
+
+    # Latencies in seconds, like every other time here (the summary keeps milliseconds).
+    cells = [[cell(row[key] / 1000 if key.endswith("_ms") else row[key]) for key, _ in cols] for row in rows]
+    widths = [max([len(header)] + [len(r[i]) for r in cells]) for i, (_, header) in enumerate(cols)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, ((_, h), w) in enumerate(zip(cols, widths)))]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    if workload.closed and rows:
+        lines.append(f"lower bound: {rows[0]['lower_bound_s']:.2f} s (every model loaded once, full batches)")
+    return lines
+
+
 def print_table(rows: list[dict[str, Any]], workload: "Workload") -> None:
-    cols = ["policy", "makespan_s", "loads", "mean_batch", "mean_ms", "p50_ms", "p99_ms", "max_ms", "worst_model_p99_ms"]
-    cols += ["lower_bound_s", "ratio_to_bound"] if workload.closed else ["served_fraction"]
-    print("  ".join(f"{c:>18}" for c in cols))
-    for row in rows:
-        print("  ".join(f"{row[c]:>18.3f}" if isinstance(row[c], float) else f"{row[c]:>18}" for c in cols))
+    for line in format_table(rows, workload):
+        print(line)
 
 
-def plot(results: list[SimResult], workload: "Workload", path: str) -> None:
-    """One timeline per policy: a bar per batch on its model's row, a tick per load."""
+def timeline_figure(results: list[SimResult], workload: "Workload") -> Any:
+    """One timeline per policy on one time axis (shared, from 0 to the longest makespan, so the
+    policies compare by eye): a bar per batch on its model's row, a tick per load."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(workload.models)
-    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 1.1 * len(results) * max(1, len(models) / 3)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(results), 1, figsize=(11, 1.2 + 1.1 * len(results) * max(1, len(models) / 3)), squeeze=False, sharex=True
+    )
+    end_s = max([r.makespan_s for r in results] + [1e-3])
     for ax, res in zip(axes[:, 0], results):
         for start, end, model in res.load_log:
             y = models.index(model)
@@ -126,9 +154,17 @@ def plot(results: list[SimResult], workload: "Workload", path: str) -> None:
             if loaded:
                 ax.plot([start], [y], marker="|", color="black", markersize=10)
         ax.set_yticks(range(len(models)), models)
-        ax.set_xlim(left=0)
+        ax.set_xlim(0, end_s)
         ax.set_title(f"{res.policy}: {res.loads} loads, makespan {res.makespan_s:.2f} s", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("time (s); hatched = model load, coloured = batches, | = batch that paid a load")
     fig.tight_layout()
+    return fig
+
+
+def plot(results: list[SimResult], workload: "Workload", path: str) -> None:
+    """Write :func:`timeline_figure` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(results, workload)
     fig.savefig(path, dpi=100)
     plt.close(fig)
