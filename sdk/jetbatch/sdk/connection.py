@@ -41,10 +41,10 @@ async def connect_nats(
     }
     options.update(nats_options)
     # nats-py's connect_timeout covers opening the socket, not the TLS handshake or the server's
-    # first INFO/PONG: a nats:// URL against a TLS-only server could wait forever. Bound the whole
-    # connect, every attempt and the waits between them included.
-    attempts = max(1, int(options.get("max_reconnect_attempts", 2)) + 1) * max(1, len(servers_list))
-    bound_s = attempts * (connect_timeout_s + float(options.get("reconnect_time_wait", 0.5))) + connect_timeout_s
+    # first INFO/PONG: a nats:// URL against a TLS-only server could wait forever. The caller's
+    # connect_timeout_s bounds the whole connect, every attempt and the waits between them
+    # included (retries fit inside it when a server refuses at once).
+    bound_s = connect_timeout_s
     nc = NATS()
     try:
         await asyncio.wait_for(nc.connect(servers=servers_list, **options), timeout=bound_s)
@@ -66,7 +66,8 @@ async def connect_nats(
 
 async def _close_quietly(nc: NATS) -> None:
     try:
-        await asyncio.wait_for(nc.close(), timeout=2)
+        # Short: the connect already failed; this only stops nats-py's tasks.
+        await asyncio.wait_for(nc.close(), timeout=0.5)
     except Exception:  # noqa: BLE001 - a half-open connection may fail to close cleanly
         pass
 

@@ -88,7 +88,10 @@ class NatsConfig(_Base):
 
     url: str | None = None
     prefix: str = DEFAULT_PREFIX
-    connect_timeout_s: PositiveFloat = 2.0
+    # Bounds a sidecar's whole first connect (every attempt, TLS included). Longer than the SDK's
+    # 2 s: a sidecar often starts beside a server still starting (compose, a pod); a server that
+    # refuses at once still fails in about a second.
+    connect_timeout_s: PositiveFloat = 10.0
     inbox_prefix: str = "_INBOX"  # give each sidecar its own (e.g. _INBOX.worker) for least privilege
     # Credentials: never logged or put in spans.
     user: str | None = None
