@@ -5,6 +5,7 @@ On a CUDA device it also measures host-to-device bandwidth from pinned and pagea
 how much of the pinned bandwidth a warm reload reaches. Run:
 
     python -m bench.model_loading [--rounds 5] [--hidden 4096] [--device auto|cpu|cuda]
+    python -m bench.model_loading --first-load [--rounds 5]   # the first load in a fresh process, with and without the warm start
 """
 
 from __future__ import annotations
@@ -124,13 +125,63 @@ def bandwidth(device: torch.device, nbytes: int, rounds: int) -> dict[str, float
     return out
 
 
+_FIRST_LOAD = """
+import json, sys, time
+import torch
+from jetbatch.sidecar.config import ModelConfig
+from jetbatch.sidecar.handlers import create_handler
+from jetbatch.sidecar.handlers.modules import warm_start
+path, warm = sys.argv[1], sys.argv[2] == "warm"
+started = time.perf_counter()
+if warm:
+    warm_start({"export"})
+startup = time.perf_counter() - started
+loads = []
+for name in ("first", "second"):
+    h = create_handler(name, ModelConfig(handler="export", path=path))
+    h.check()
+    t = time.perf_counter()
+    h.load(torch.device("cpu"))
+    loads.append(time.perf_counter() - t)
+print(json.dumps({"startup_s": startup, "first_load_s": loads[0], "second_load_s": loads[1]}))
+"""
+
+
+def first_load(rounds: int) -> dict[str, Any]:
+    """A fresh process's first .pt2 load, with and without the worker's warm start, alternating
+    (each in its own process: torch's set-up happens once per process)."""
+    import json
+    import subprocess
+    import sys
+
+    from jetbatch.sidecar.dev.example_models import ExampleMLP, export_program
+
+    out: dict[str, list[dict[str, float]]] = {"cold_start": [], "warm_start": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.pt2"
+        torch.manual_seed(0)
+        export_program(ExampleMLP(hidden=256, classes=3), path)
+        for _ in range(rounds):
+            for mode, key in (("cold", "cold_start"), ("warm", "warm_start")):
+                proc = subprocess.run([sys.executable, "-c", _FIRST_LOAD, str(path), mode], capture_output=True, text=True, check=True)
+                out[key].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {
+        key: {field: statistics.median(r[field] for r in runs) for field in ("startup_s", "first_load_s", "second_load_s")}
+        for key, runs in out.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", default=None, help="append the run's record to this file (one JSON object per line)")
+    parser.add_argument("--first-load", action="store_true", help="only: a fresh process's first .pt2 load, with and without the warm start")
     args = parser.parse_args()
+    if args.first_load:
+        harness.emit({"bench": "first_load", "torch": torch.__version__, **first_load(args.rounds)}, args.json)
+        return
     device = resolve_device(args.device)
     report: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
     if device.type == "cuda":

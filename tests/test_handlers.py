@@ -217,3 +217,106 @@ async def test_without_a_host_budget_evicted_models_go_cold(nats_url: str, prefi
             await client.infer(b"1", model="a", timeout=20)
             await client.infer(b"2", model="b", timeout=20)
     assert worker.slots["a"].tier == "cold"
+
+
+# --- structured inputs and outputs ------------------------------------------------------------
+
+
+def _save(module: torch.nn.Module, path: Path) -> str:
+    from safetensors.torch import save_file
+
+    save_file(module.state_dict(), str(path))
+    return str(path)
+
+
+@pytest.mark.anyio
+async def test_dict_outputs_come_back_as_mappings_of_tensors(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """A model returning {"logits", "probs"} (as Hugging Face models do) is served by the
+    state_dict and export handlers; the SDK gives back the same mapping, equal to the model run
+    here."""
+    from tests.structured_models import DictOut, build
+
+    module = build(DictOut)
+    program = torch.export.export(module, (torch.zeros(2, DIM),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    torch.export.save(program, str(tmp_path / "dict.pt2"))
+    models = {
+        "sd": {"handler": "state_dict", "path": _save(module, tmp_path / "dict.safetensors"),
+               "module_class": "tests.structured_models:DictOut", "options": {"input_shape": [DIM]}},
+        "ex": {"handler": "export", "path": str(tmp_path / "dict.pt2")},
+    }  # fmt: skip
+    x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        expected = module(x)
+    async with running_worker(make_config(prefix, models, worker={"max_resident_models": 2}), nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            for model in ("sd", "ex"):
+                outs = await asyncio.gather(*(client.infer(x[i], model=model, timeout=30) for i in range(5)))
+                for i, out in enumerate(outs):
+                    assert isinstance(out, dict) and set(out) == {"logits", "probs"}
+                    for key in out:
+                        torch.testing.assert_close(out[key].to_torch(), expected[key][i])
+
+
+@pytest.mark.anyio
+async def test_two_named_inputs_of_different_lengths_share_a_padded_pass(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """Token ids and a mask of different lengths in one batch: padded to the longest, one forward
+    pass, and each request's answer (a tuple) equals the model run on that request alone, the
+    per-token output cut back to the request's own length."""
+    from tests.structured_models import TwoInputs, build
+
+    module = build(TwoInputs)
+    models = {
+        "text": {"handler": "state_dict", "path": _save(module, tmp_path / "two.safetensors"), "module_class": "tests.structured_models:TwoInputs",
+                 "max_batch_size": 8, "max_delay_s": 0.2,
+                 "options": {"pad": True, "inputs": {"input_ids": {"shape": [-1], "dtype": "int64"}, "attention_mask": {"shape": [-1], "dtype": "int64"}}}},
+    }  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    requests = [torch.randint(1, 50, (n,), generator=gen) for n in (3, 7, 5)]
+    async with running_worker(make_config(prefix, models), nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer({"input_ids": requests[0], "attention_mask": torch.ones(3, dtype=torch.int64)}, model="text", timeout=30)  # loaded
+            passes = TwoInputs.passes
+            results = await asyncio.gather(
+                *(client.infer_result({"input_ids": ids, "attention_mask": torch.ones(len(ids), dtype=torch.int64)}, model="text", timeout=30) for ids in requests)
+            )
+            with pytest.raises(sdk.BadRequest, match="tensor input_ids must be int64"):
+                await client.infer({"input_ids": torch.zeros(3), "attention_mask": torch.ones(3, dtype=torch.int64)}, model="text", timeout=30)
+            assert TwoInputs.passes - passes == 1  # the three lengths in one padded forward pass
+    assert {(r.batch.batch_id, r.batch.batch_size) for r in results} == {(results[0].batch.batch_id, 3)}
+    for ids, out in zip(requests, [r.output for r in results]):
+        assert isinstance(out, tuple) and len(out) == 2
+        with torch.inference_mode():
+            pooled, tokens = module(ids.unsqueeze(0), torch.ones(1, len(ids), dtype=torch.int64))
+        torch.testing.assert_close(out[0].to_torch(), pooled[0])
+        torch.testing.assert_close(out[1].to_torch(), tokens[0])  # its own length, not the padded one
+
+
+@pytest.mark.anyio
+async def test_a_model_whose_output_cannot_be_served_is_refused_once_at_load(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    from tests.structured_models import NotTensors, build
+
+    models = {
+        "bad": {"handler": "state_dict", "path": _save(build(NotTensors), tmp_path / "bad.safetensors"),
+                "module_class": "tests.structured_models:NotTensors", "options": {"input_shape": [DIM]}},
+    }  # fmt: skip
+    async with running_worker(make_config(prefix, models), nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            with pytest.raises(sdk.ModelFailed, match="cannot be served: the model's output is a list of str: expected a tensor, a tuple or a mapping of tensors"):
+                await client.infer(torch.zeros(DIM), model="bad", timeout=30)
+        assert worker.stats["batches"] == 0  # refused at load, not per request
+
+
+@pytest.mark.anyio
+async def test_the_worker_pays_torchs_set_up_before_it_is_ready(nats_url: str, prefix: str, model_files: dict[str, Any]) -> None:
+    """With export and torchscript models configured, torch's one-time set-up for those formats
+    runs at start (counted in warm_start_us), so the first load is the model's own; with none,
+    nothing runs."""
+    from jetbatch.sidecar.handlers.modules import warm_start
+
+    assert warm_start({"export", "torchscript", "identity"}) == {"export", "torchscript"}
+    assert warm_start({"identity", "state_dict"}) == set()
+    configs = _configs(model_files["dir"])
+    async with running_worker(make_config(prefix, {"exp": configs["exp"], "legacy": configs["legacy"]}), nats_url) as worker:
+        assert worker.stats["warm_start_us"] > 0  # before ready: running_worker returns once ready
+    async with running_worker(make_config(f"{prefix}b", {"id": {"handler": "identity"}}), nats_url) as worker:
+        assert worker.stats["warm_start_us"] == 0

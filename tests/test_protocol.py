@@ -211,3 +211,39 @@ def test_forwardable_headers_drop_every_nats_header_whatever_its_case() -> None:
         Headers.REPLY_TO: "_INBOX.a.r1", Headers.DEADLINE: "1700000000000", "traceparent": request["traceparent"], "X-App": "kept", "Natsy": "kept too",
     }  # fmt: skip
     assert forwardable_headers(None) == {}
+
+
+@given(
+    st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,10}", fullmatch=True), st.lists(st.integers(0, 4), max_size=2), min_size=1, max_size=4),
+    st.booleans(),
+)
+def test_structured_tensors_round_trip(shapes: dict[str, list[int]], as_tuple: bool) -> None:
+    """A mapping of named tensors (or a tuple) in, the same structure out, each tensor intact."""
+    tensors = {name: torch.arange(int(torch.tensor(shape).prod().item()) if shape else 1, dtype=torch.float32).reshape(shape) for name, shape in shapes.items()}
+    value = tuple(tensors.values()) if as_tuple else tensors
+    body, ctype = encode_payload(value)
+    assert ctype is ContentType.TENSORS
+    out = decode_payload(body, ctype.value)
+    if as_tuple:
+        assert isinstance(out, tuple) and [t.to_torch().tolist() for t in out] == [t.tolist() for t in tensors.values()]
+    else:
+        assert isinstance(out, dict) and {k: v.to_torch().tolist() for k, v in out.items()} == {k: v.tolist() for k, v in tensors.items()}
+
+
+def test_structured_tensors_are_checked_with_limits() -> None:
+    one = Tensor.from_torch(torch.zeros(1))
+    for bad, why in [
+        ({}, "1 to 64 tensors"),
+        ({f"t{i}": one for i in range(65)}, "1 to 64 tensors"),
+        ({"not an identifier": one}, "a Python identifier"),
+        ({"x" * 65: one}, "a Python identifier of at most 64"),
+        ({"x": {"dtype": "float32", "shape": [2], "data": b"\0" * 4}}, "do not match shape"),
+        ([{"dtype": "complex64", "shape": [1], "data": b"\0" * 8}], "unsupported tensor dtype"),
+        ({"x": 3}, "undecodable"),
+    ]:
+        with pytest.raises(ProtocolError, match=why):
+            decode_payload(msgspec.msgpack.encode(bad), ContentType.TENSORS.value)
+    # A list stays a list of values (msgpack), never read as tensors; a mapping with a non-tensor
+    # value stays msgpack too.
+    assert encode_payload([torch.zeros(1).tolist()])[1] is ContentType.MSGPACK
+    assert encode_payload({"a": 1})[1] is ContentType.MSGPACK

@@ -66,6 +66,8 @@ class ContentType(str, enum.Enum):
     """Payload encodings understood by the sidecar (the `Content-Type` header)."""
 
     TENSOR = "application/vnd.jetbatch.tensor+msgpack"
+    # Several tensors: a msgpack map of name -> tensor (a mapping), or an array (a tuple).
+    TENSORS = "application/vnd.jetbatch.tensors+msgpack"
     MSGPACK = "application/msgpack"
     JSON = "application/json"
     BYTES = "application/octet-stream"

@@ -138,6 +138,11 @@ class BatchInfo:
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _msgpack_decoder = msgspec.msgpack.Decoder()
 _tensor_decoder = msgspec.msgpack.Decoder(Tensor)
+# A structure of tensors: a map (names) or an array (positions); each tensor keeps its own encoding.
+_tensors_decoder = msgspec.msgpack.Decoder(dict[str, Tensor] | list[Tensor])
+
+MAX_STRUCTURED_TENSORS = 64  # inputs or outputs of one request; far above what models take (2-4)
+MAX_TENSOR_NAME = 64
 _json_encoder = msgspec.json.Encoder()
 _json_decoder = msgspec.json.Decoder()
 _error_decoder = msgspec.json.Decoder(ErrorBody)
@@ -157,6 +162,9 @@ def encode_payload(obj: Any, content_type: ContentType | str | None = None) -> t
     tensor = _as_tensor(obj)
     if tensor is not None and ctype in (None, ContentType.TENSOR):
         return _msgpack_encoder.encode(tensor), ContentType.TENSOR
+    tensors = _as_tensors(obj)
+    if tensors is not None and ctype in (None, ContentType.TENSORS):
+        return _msgpack_encoder.encode(tensors), ContentType.TENSORS
     if ctype is ContentType.JSON:
         try:
             return _json_encoder.encode(obj), ContentType.JSON
@@ -179,6 +187,32 @@ def _as_tensor(obj: Any) -> Tensor | None:
     return None
 
 
+def _as_tensors(obj: Any) -> dict[str, Tensor] | list[Tensor] | None:
+    """A mapping of names to tensors, or a tuple of tensors, as the structured encoding (None for
+    anything else: a list stays a list of values, msgpack or JSON)."""
+    if isinstance(obj, tuple) and obj:
+        items = [_as_tensor(v) for v in obj]
+        return items if all(t is not None for t in items) else None  # type: ignore[return-value]
+    if isinstance(obj, Mapping) and obj and all(isinstance(k, str) for k in obj):
+        named = {k: _as_tensor(v) for k, v in obj.items()}
+        return named if all(t is not None for t in named.values()) else None  # type: ignore[return-value]
+    return None
+
+
+def _checked_tensors(value: dict[str, Tensor] | list[Tensor]) -> dict[str, Tensor] | tuple[Tensor, ...]:
+    if not value or len(value) > MAX_STRUCTURED_TENSORS:
+        raise ProtocolError(f"a tensors payload holds 1 to {MAX_STRUCTURED_TENSORS} tensors, got {len(value)}")
+    if isinstance(value, dict):
+        for name, tensor in value.items():
+            if not name or len(name) > MAX_TENSOR_NAME or not name.isidentifier():
+                raise ProtocolError(f"tensor name {name[:MAX_TENSOR_NAME]!r}: a Python identifier of at most {MAX_TENSOR_NAME} characters")
+            tensor.validate()
+        return value
+    for tensor in value:
+        tensor.validate()
+    return tuple(value)
+
+
 def decode_payload(data: bytes, content_type: str | None) -> Any:
     """Decode a body by its content type; raise :class:`ProtocolError` naming what is wrong."""
     ctype = (content_type or ContentType.BYTES.value).split(";")[0].strip().lower()
@@ -187,6 +221,8 @@ def decode_payload(data: bytes, content_type: str | None) -> Any:
             return data
         if ctype == ContentType.TENSOR.value:
             return _tensor_decoder.decode(data).validate()
+        if ctype == ContentType.TENSORS.value:
+            return _checked_tensors(_tensors_decoder.decode(data))
         if ctype == ContentType.MSGPACK.value:
             return _msgpack_decoder.decode(data)
         if ctype == ContentType.JSON.value:

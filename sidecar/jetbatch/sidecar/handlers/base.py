@@ -15,10 +15,11 @@ from typing import Any, Iterable
 
 import torch
 
-from jetbatch.sdk.protocol import ContentType, ProtocolError, Tensor, decode_payload, encode_payload
+from jetbatch.sdk.protocol import ContentType, ProtocolError, decode_payload, encode_payload
 
 from ..config import ModelConfig
 from ..errors import SidecarError
+from .structure import to_torch
 
 __all__ = ["BadInput", "Handler", "HandlerError", "import_object", "resolve_device", "tensor_bytes"]
 
@@ -128,15 +129,14 @@ class Handler(ABC):
     def decode(self, data: bytes, content_type: str | None) -> Any:
         """Decode one request; raise :class:`BadInput` to reject only this request.
 
-        Default: the wire decoding, with tensors turned into (zero-copy, read-only) torch tensors.
+        Default: the wire decoding, with tensors (one, a tuple, or a mapping of named ones) turned
+        into (zero-copy, read-only) torch tensors of the same structure.
         """
         try:
             value = decode_payload(data, content_type)
         except ProtocolError as exc:
             raise BadInput(str(exc)) from exc
-        if isinstance(value, Tensor):
-            return value.to_torch()
-        return value
+        return to_torch(value)
 
     @abstractmethod
     def predict(self, inputs: list[Any]) -> list[Any]:

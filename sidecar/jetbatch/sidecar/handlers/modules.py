@@ -22,6 +22,7 @@ import warnings
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,8 +31,9 @@ from jetbatch.sdk.protocol import ContentType
 
 from ..config import ModelConfig
 from .base import BadInput, Handler, HandlerError, import_object, tensor_bytes
+from .structure import batch_inputs, call, describe, split_output
 
-__all__ = ["ExportHandler", "InputSpec", "ModuleHandler", "StateDictHandler", "TorchScriptHandler", "read_module"]
+__all__ = ["ExportHandler", "InputSpec", "ModuleHandler", "StateDictHandler", "TorchScriptHandler", "read_module", "warm_start"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class ModuleHandler(Handler):
         self._resident = False
         self._device_bytes = 0
         self.input_spec: InputSpec | None = None
+        self._warmed = False  # the example input ran once (warm_up), on the first load
 
     # --- tiers --------------------------------------------------------------------------------
 
@@ -126,6 +129,13 @@ class ModuleHandler(Handler):
                 self._device_bytes = tensor_bytes(self._host)
             self.device = device
             self._resident = True
+            if not self._warmed:
+                try:
+                    self.warm_up()
+                except HandlerError:
+                    self._resident = False  # refused: not served, and the next load tries again
+                    raise
+                self._warmed = True
 
     def offload(self) -> None:
         with self._lock:
@@ -176,6 +186,8 @@ class ModuleHandler(Handler):
 
     def decode(self, data: bytes, content_type: str | None) -> Any:
         value = super().decode(data, content_type)
+        if isinstance(value, (tuple, Mapping)) and value and all(isinstance(v, torch.Tensor) for v in (value.values() if isinstance(value, Mapping) else value)):
+            return self._check_structured(value)
         if isinstance(value, list):
             try:
                 value = torch.tensor(value, dtype=torch.float32)
@@ -194,18 +206,71 @@ class ModuleHandler(Handler):
             raise BadInput(f"model {self.name} expects a floating-point tensor, got {str(value.dtype).removeprefix('torch.')}")
         return value
 
+    def _check_structured(self, value: Any) -> Any:
+        """Several tensors in one request (a tuple, or named): checked against the declared
+        ``options.inputs`` when there is one (names, dtypes, shapes; -1 for any length)."""
+        declared = self.options.get("inputs")
+        if not isinstance(declared, Mapping):
+            return value
+        if not isinstance(value, Mapping) or set(value) != set(declared):
+            raise BadInput(f"model {self.name} expects the tensors {sorted(declared)}, got {describe(value)}")
+        for name, spec in declared.items():
+            t = value[name]
+            shape = spec.get("shape") if isinstance(spec, Mapping) else None
+            dtype = spec.get("dtype") if isinstance(spec, Mapping) else None
+            if dtype is not None and str(t.dtype).removeprefix("torch.") != dtype:
+                raise BadInput(f"model {self.name}: tensor {name} must be {dtype}, got {str(t.dtype).removeprefix('torch.')}")
+            if shape is not None and (len(shape) != t.dim() or any(d not in (-1, s) for d, s in zip(shape, t.shape))):
+                raise BadInput(f"model {self.name}: tensor {name} must have shape {list(shape)}, got {list(t.shape)}")
+        return value
+
     def predict(self, inputs: list[Any]) -> list[Any]:
         module = self._host if self._resident else None
         if module is None:
             raise RuntimeError(f"model {self.name} is not loaded")
         dtype = self.input_spec.dtype if self.input_spec else torch.float32
+        # Off unless asked (options.pad = true): padding changes what a model that is not a
+        # sequence model computes; without it, different shapes run one pass each.
+        pad = bool(self.options.get("pad", False))
+        pad_value = float(self.options.get("pad_value", 0))
+        mask = self.options.get("attention_mask", "attention_mask")
         with torch.inference_mode():
-            if len({tuple(x.shape) for x in inputs}) > 1:
-                # Shapes differ (a model without a declared input shape): one forward pass each.
-                return [module(x.unsqueeze(0).to(self.device, dtype=dtype))[0].cpu() for x in inputs]
-            batch = torch.stack(inputs).to(self.device, dtype=dtype)
-            out = module(batch)
-        return list(out.cpu().unbind(0))
+            batch = batch_inputs(inputs, dtype=dtype, device=self.device, pad=pad, pad_value=pad_value, mask_name=mask)
+            if batch is None:
+                # Structures or shapes that cannot share a pass: one forward pass each.
+                outs = []
+                for x in inputs:
+                    one = batch_inputs([x], dtype=dtype, device=self.device, pad=False, pad_value=pad_value, mask_name=None)
+                    assert one is not None
+                    outs.extend(split_output(call(module, one.value), 1))
+                return outs
+            return split_output(call(module, batch.value), len(inputs), batch.lengths)
+
+    def warm_up(self) -> None:
+        """One pass on zeros shaped as the declared input (``options.input_shape`` or
+        ``options.inputs``, or the exported program's signature): a model whose output cannot be
+        split into one answer per request is refused now, in one line, not at every request."""
+        example = self._example()
+        if example is None:
+            return
+        try:
+            self.predict([example])
+        except Exception as exc:  # noqa: BLE001 - any failure of the example is the model's
+            raise HandlerError(f"model {self.name}: cannot be served: {_first_line(exc)}") from exc
+
+    def _example(self) -> Any:
+        declared = self.options.get("inputs")
+        if isinstance(declared, Mapping):
+            out = {}
+            for name, spec in declared.items():
+                shape = [8 if d == -1 else int(d) for d in (spec.get("shape") or [])] if isinstance(spec, Mapping) else []
+                dtype = getattr(torch, str(spec.get("dtype", "float32"))) if isinstance(spec, Mapping) else torch.float32
+                out[name] = torch.zeros(shape, dtype=dtype)
+            return out
+        spec = self.input_spec
+        if spec is None or spec.shape is None:
+            return None
+        return torch.zeros(spec.shape, dtype=spec.dtype)
 
 
 class ExportHandler(ModuleHandler):
@@ -336,3 +401,33 @@ def _release_cuda_cache(device: torch.device) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300]
+
+
+def warm_start(formats: set[str]) -> set[str]:
+    """Pay torch's one-time set-up for the given model formats now (at a worker's start, before
+    it reports ready), so that no model's first load carries it and is measured as that model's
+    load cost. The first ``torch.export.load`` in a process costs about 1.4 s on top of the
+    program's own read (docs/benchmarks.md); a second costs what the program does. Returns the
+    formats warmed."""
+    import io
+
+    warmed: set[str] = set()
+    tiny = torch.nn.Linear(1, 1)
+    example = (torch.zeros(1, 1),)
+    if "export" in formats:
+        buf = io.BytesIO()
+        torch.export.save(torch.export.export(tiny, example), buf)
+        buf.seek(0)
+        torch.export.load(buf).module()(*example)
+        warmed.add("export")
+    if "torchscript" in formats:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit is deprecated upstream; the format is served as legacy
+            buf = io.BytesIO()
+            torch.jit.save(torch.jit.trace(tiny, example), buf)
+            buf.seek(0)
+            torch.jit.load(buf)(*example)
+        warmed.add("torchscript")
+    return warmed

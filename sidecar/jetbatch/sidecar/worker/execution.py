@@ -363,7 +363,13 @@ def _triage(requests: list[Request], now: float, predicted_s: float) -> tuple[li
 def _as_asked(body: bytes, ctype: ContentType, request_ctype: str | None) -> tuple[bytes, ContentType]:
     """A request sent as JSON gets its answer in JSON (a tensor as nested lists), so a caller
     without the tensor decoder (``nats sub``, curl through a gateway) can read it."""
-    if ctype is not ContentType.TENSOR or (request_ctype or "").split(";")[0].strip().lower() != ContentType.JSON.value:
+    if ctype not in (ContentType.TENSOR, ContentType.TENSORS) or (request_ctype or "").split(";")[0].strip().lower() != ContentType.JSON.value:
         return body, ctype
-    tensor = decode_payload(body, ctype.value)
-    return encode_payload(tensor.to_torch().tolist(), ContentType.JSON)
+    value = decode_payload(body, ctype.value)
+    if isinstance(value, dict):
+        plain: Any = {k: v.to_torch().tolist() for k, v in value.items()}
+    elif isinstance(value, tuple):
+        plain = [v.to_torch().tolist() for v in value]
+    else:
+        plain = value.to_torch().tolist()
+    return encode_payload(plain, ContentType.JSON)
