@@ -112,6 +112,49 @@ def measure(cfg: ModelConfig, device: torch.device, rounds: int, hidden: int) ->
     )
 
 
+def measure_transformers(directory: Path, device: torch.device, rounds: int) -> dict[str, float]:
+    """The `transformers` handler on a ~90 MB BERT-shaped directory (random weights from a config,
+    with a tokenizer): switch time cold / warm / resident, the first batch (one text) included."""
+    import transformers
+
+    from examples.huggingface.build import WORDS
+
+    transformers.utils.logging.disable_progress_bar()
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS] + [f"w{i}" for i in range(8000)]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    transformers.BertTokenizerFast(vocab_file=str(directory / "vocab.txt")).save_pretrained(directory)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048, num_labels=3)
+    transformers.BertForSequenceClassification(config).eval().save_pretrained(directory)
+    cfg = ModelConfig(handler="transformers", path=str(directory))
+    cold, warm, resident = [], [], []
+    size = 0
+    for _ in range(rounds):
+        for f in directory.glob("*.safetensors"):
+            drop_from_page_cache(f)
+        h = create_handler("hf", cfg)
+        h.target_device = device
+
+        def switch() -> None:
+            h.load(device)
+            h.predict(["the movie was good"])
+
+        cold.append(timed(switch))
+        size = h.memory_bytes()
+        resident.append(timed(switch))
+        h.offload()
+        warm.append(timed(switch))
+        h.unload()
+    return {
+        "model_mb": round(size / 1e6, 1),
+        "cold_s": statistics.median(cold),
+        "warm_s": statistics.median(warm),
+        "resident_s": statistics.median(resident),
+        "warm_over_cold": statistics.median(warm) / statistics.median(cold),
+    }
+
+
 def bandwidth(device: torch.device, nbytes: int, rounds: int) -> dict[str, float]:
     """Host-to-device copy bandwidth from pinned and pageable memory (CUDA only)."""
     pageable = torch.empty(nbytes, dtype=torch.uint8)
@@ -189,6 +232,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in write_formats(Path(tmp), args.hidden).items():
             report[name] = measure(cfg, device, args.rounds, args.hidden)
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            pass  # pip install 'jetbatch[hf]' to measure the transformers handler too
+        else:
+            report["transformers (save_pretrained directory)"] = measure_transformers(Path(tmp) / "hf", device, args.rounds)
     if device.type == "cuda":
         bw = bandwidth(device, 256 * 1024 * 1024, args.rounds)
         report["host_to_device"] = bw

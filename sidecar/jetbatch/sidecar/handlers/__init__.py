@@ -7,6 +7,7 @@ Built in (the ``handler`` key of ``[models.<name>]``):
   ``module_kwargs``.
 - ``function``: ``function = "package.module:function"``, called with a list of inputs.
 - ``torchscript``: a scripted module (legacy).
+- ``transformers``: a local Hugging Face ``save_pretrained`` directory (``pip install 'jetbatch[hf]'``).
 - ``identity`` and ``sleep``: for protocol tests and controlled benchmarks.
 - ``package.module:Class``: any :class:`Handler` subclass of yours.
 """
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 from ..config import ConfigError, ModelConfig
 from .base import BadInput, Handler, HandlerError, import_object, resolve_device, tensor_bytes
 from .modules import ExportHandler, InputSpec, ModuleHandler, StateDictHandler, TorchScriptHandler, read_module
+from .huggingface import TransformersHandler
 from .simple import FunctionHandler, IdentityHandler, SleepHandler
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "SleepHandler",
     "StateDictHandler",
     "TorchScriptHandler",
+    "TransformersHandler",
     "check_model_configs",
     "create_handler",
     "import_object",
@@ -48,6 +51,7 @@ BUILTIN_HANDLERS: dict[str, type[Handler]] = {
     "torchscript": TorchScriptHandler,
     "identity": IdentityHandler,
     "sleep": SleepHandler,
+    "transformers": TransformersHandler,
 }
 
 
