@@ -90,3 +90,26 @@ async def test_interleaved_requests_become_one_batch_per_model_on_the_device(nat
                 await wait_until(lambda: len(results) == len(order), timeout_s=60, what="all replies")
     assert len({r.batch.batch_id for r in results}) == 2
     assert worker.stats["loads"] == 2
+
+
+@pytest.mark.anyio
+async def test_the_hugging_face_example_on_cuda(tmp_path: Path, nats_url: str, prefix: str) -> None:
+    """examples/huggingface's model served by a worker on the CUDA device: the same logits as the
+    model run on the CPU here."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from examples.huggingface.build import build
+
+    directory = build(tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    reference = transformers.BertForSequenceClassification.from_pretrained(str(directory), local_files_only=True).eval()
+    texts = ["a great movie", "this film was not good at all"]
+    config = make_config(prefix, {"sentiment": {"handler": "transformers", "path": str(directory)}}, worker={"device": "cuda"})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            outs = [await client.infer(t, model="sentiment", timeout=60) for t in texts]
+    for text, out in zip(texts, outs):
+        with torch.inference_mode():
+            want = reference(**tokenizer(text, return_tensors="pt")).logits[0]
+        torch.testing.assert_close(out["logits"].to_torch(), want, atol=1e-4, rtol=1e-3)
