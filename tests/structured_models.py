@@ -50,3 +50,14 @@ class NotTensors(nn.Module):
 def build(cls: type[nn.Module], seed: int = 0, **kwargs: int) -> nn.Module:
     torch.manual_seed(seed)
     return cls(**kwargs).eval()
+
+
+def pooled_and_tokens(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The function handler's form of TwoInputs: a list of (ids, mask) in, one tuple per request out."""
+    module = build(TwoInputs)
+    out = []
+    with torch.inference_mode():
+        for ids, mask in batch:
+            pooled, tokens = module(ids.unsqueeze(0), mask.unsqueeze(0))
+            out.append((pooled[0], tokens[0]))
+    return out

@@ -320,3 +320,38 @@ async def test_the_worker_pays_torchs_set_up_before_it_is_ready(nats_url: str, p
         assert worker.stats["warm_start_us"] > 0  # before ready: running_worker returns once ready
     async with running_worker(make_config(f"{prefix}b", {"id": {"handler": "identity"}}), nats_url) as worker:
         assert worker.stats["warm_start_us"] == 0
+
+
+@pytest.mark.anyio
+async def test_every_handler_that_can_takes_several_inputs_and_returns_structures(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """Two inputs in, a tuple out, through export (a program with a dynamic batch and sequence
+    dimension), torchscript, and a function; each answer equals the model run here."""
+    from tests.structured_models import TwoInputs, build
+
+    module = build(TwoInputs)
+    ids = torch.randint(1, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 6, dtype=torch.int64)
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    program = torch.export.export(module, (ids, mask), dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+    torch.export.save(program, str(tmp_path / "two.pt2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated upstream: building a legacy file
+        torch.jit.save(torch.jit.trace(module, (ids, mask)), str(tmp_path / "two.ts"))
+    models = {
+        "ex": {"handler": "export", "path": str(tmp_path / "two.pt2"), "options": {"pad": True}},
+        "ts": {"handler": "torchscript", "path": str(tmp_path / "two.ts"), "options": {"pad": True}},
+        "fn": {"handler": "function", "function": "tests.structured_models:pooled_and_tokens"},
+    }
+    requests = [torch.randint(1, 50, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 6)]
+    async with running_worker(make_config(prefix, models, worker={"max_resident_models": 3}), nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            for model in ("ex", "ts", "fn"):
+                outs = await asyncio.gather(
+                    *(client.infer((r, torch.ones(len(r), dtype=torch.int64)), model=model, timeout=30) for r in requests)
+                )
+                for r, out in zip(requests, outs):
+                    with torch.inference_mode():
+                        pooled, tokens = module(r.unsqueeze(0), torch.ones(1, len(r), dtype=torch.int64))
+                    assert isinstance(out, tuple), model
+                    torch.testing.assert_close(out[0].to_torch(), pooled[0])
+                    torch.testing.assert_close(out[1].to_torch(), tokens[0])
