@@ -36,6 +36,11 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
         ('[models.m1]\nhandler = "sleep"\nmax_wait_s = -1\n', "models.m1.max_wait_s: Expected `float` > 0"),
         # Checked when the file is read, so the file is named before any connection is tried.
         ('[worker]\npolicy = "lifo"\n', "worker.policy: unknown policy 'lifo'"),
+        # Pins that leave no room for the other models, by count or by bytes.
+        ('[worker]\nmax_resident_models = 1\n[models.a]\nhandler = "sleep"\npin = true\n[models.b]\nhandler = "sleep"\n',
+         "worker.max_resident_models: 1 pinned models (a) do not fit 1 slots and leave a slot for the other models"),
+        ('[worker]\nmax_resident_models = 4\nmemory_budget_bytes = 100\n[models.a]\nhandler = "sleep"\npin = true\nmemory_bytes = 200\n',
+         "worker.memory_budget_bytes: the pinned models (a) need 200 bytes, over 100"),
         ("[worker]\npolicy_options = { bogus = 1 }\n", "worker.policy_options: "),
         ('[classifier]\nrules = [{ header = "X", equals = "a", model = "bad name*" }]\n', "classifier.rules[0].model: invalid model name"),
         ('[classifier]\nrouter = "torch"\nhandler = "x:y"\nlabels = { "0" = "a b" }\n', "classifier.labels.0: invalid model name 'a b'"),

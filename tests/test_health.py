@@ -100,6 +100,15 @@ def test_worker_serves_health_readiness_and_metrics(server: EmbeddedNats, tmp_pa
 
         _poll("metrics with 5 requests", scraped)
 
+        # One model's readiness (Triton's /v2/models/<m>/ready): served here and loadable.
+        status, why = _get(port, "/readyz?model=m1")
+        assert status == 200 and why.startswith("model m1: resident"), why
+        assert _get(port, "/readyz?model=nope")[0] == 404
+        assert _get(port, "/readyz?model=bad%2Fname")[0] == 400  # not a model name: never looked up
+        probe_model = [sys.executable, "-m", "jetbatch", "probe", "--port", str(port), "--model"]
+        assert subprocess.run([*probe_model, "m1"], capture_output=True).returncode == 0
+        assert subprocess.run([*probe_model, "nope"], capture_output=True).returncode == 1
+
         # Hostile or wrong requests get a status and the endpoint keeps answering.
         assert _get(port, "/nope")[0] == 404
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:

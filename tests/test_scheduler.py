@@ -361,3 +361,20 @@ def test_decide_changes_nothing(policy_name: str, models: list[sched.ModelState]
     first = policy.decide(s, 10.0)
     assert policy.decide(s, 10.0) == first
     assert vars(policy) == before
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sampled_from(sched.POLICIES),
+    st.lists(model_states, min_size=1, max_size=4, unique_by=lambda m: m.name),
+    st.sets(st.sampled_from(["a", "b", "c", "d"])),
+    st.integers(1, 3),
+)
+def test_no_policy_evicts_a_pinned_model(policy_name: str, models: list[sched.ModelState], pinned: set[str], slots: int) -> None:
+    """Whatever the queues and the budget, a pinned model is never in a decision's evictions."""
+    from dataclasses import replace
+
+    models = [replace(m, pinned=m.name in pinned) for m in models]
+    decision = sched.make_policy(policy_name).decide(state(models, models[0].name, max_models=slots), 10.0)
+    if isinstance(decision, sched.Load):
+        assert not set(decision.evict) & pinned, decision

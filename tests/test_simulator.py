@@ -11,6 +11,7 @@ import pytest
 
 from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.simulator import build_workload, load_workload, lower_bound, simulate
+from jetbatch.sidecar.simulator.workloads import WorkloadError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -257,3 +258,38 @@ def test_a_policy_that_serves_a_model_not_on_the_device_gets_the_load_it_implies
     result = simulate(build_workload(raw), ServesAnything())  # type: ignore[arg-type]
     assert result.completed == 8 and result.loads == 2
     assert result.max_resident_seen == 2  # loaded without eviction past a one-model budget, as live
+
+
+def test_pinned_models_stay_and_idle_models_go_in_the_simulator(tmp_path: Path) -> None:
+    """The live worker's rules, simulated: pinned and preloaded models are on the device from the
+    start, a pinned one is never evicted, and an idle model goes after its idle_unload_s."""
+    from dataclasses import replace
+
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    raw = {
+        "models": {
+            "p": {"load_cost_s": 0.5, "pin": True},
+            "a": {"load_cost_s": 0.2, "preload": True},
+            "b": {"load_cost_s": 0.2, "idle_unload_s": 1.0},
+        },
+        "budget": {"max_models": 3},
+        "arrivals": {"kind": "trace", "path": "trace.jsonl"},
+    }
+    # a and b alternate, then a long quiet spell on b while a keeps going
+    events = [(0.1 * i, "a" if i % 2 else "b") for i in range(20)] + [(5.0 + 0.5 * i, "a") for i in range(10)]
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps({"t": at, "model": m}) + "\n" for at, m in events))
+    workload = replace(build_workload(raw, tmp_path), control=IDEAL_CONTROL)
+    assert workload.resident_at_start == ("p", "a")
+    result = simulate(workload, "cost-aware")
+    assert result.completed == 30
+    assert all(model != "p" for _, _, model in result.load_log)  # never evicted, so never reloaded
+    assert result.idle_unloads >= 1  # b, quiet from 2 s on, went after its 1 s
+    assert result.loads == 1  # b, once: p and a were there from the start, and all three fit
+    # Two slots: a and b take turns in the one slot p leaves; p is never evicted (never reloaded).
+    tight = replace(build_workload({**raw, "budget": {"max_models": 2}}, tmp_path), control=IDEAL_CONTROL)
+    squeezed = simulate(tight, "cost-aware")
+    assert squeezed.completed == 30 and squeezed.loads >= 2
+    assert all(model != "p" for _, _, model in squeezed.load_log)
+    with pytest.raises(WorkloadError, match="budget.max_models: 3 pinned models do not fit 3 slots"):
+        build_workload({**raw, "models": {**raw["models"], "a": {"load_cost_s": 0.2, "pin": True}, "b": {"load_cost_s": 0.2, "pin": True}, "c": {"load_cost_s": 0.1}}}, tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -173,3 +174,43 @@ async def test_live_burst_agrees_with_the_simulator(nats_url: str, prefix: str) 
     live_batches = {r.batch.batch_id: (r.batch.model, r.batch.batch_size) for r in results}
     assert sorted(live_batches.values()) == sorted((model, size) for _, _, model, size, _ in sim.batches) == [(n, 16) for n in names for _ in range(4)]
     assert makespan < 1.5 * sim.makespan_s, (makespan, sim.makespan_s)
+
+
+async def test_pinned_and_preloaded_models_and_idle_unload(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """Pinned and preloaded models are on the device when the worker is ready; room for another
+    model is made by evicting the preloaded one, never the pinned one; a model idle past its
+    idle_unload_s is evicted and its memory given back (no warm tier here: on the CPU the warm
+    tier is the same memory)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from jetbatch.sidecar.dev.example_models import ExampleMLP
+
+    torch.manual_seed(0)
+    save_file(ExampleMLP(hidden=64, classes=2).state_dict(), str(tmp_path / "mlp.safetensors"))
+    fast = {"load_cost_s": 0.0, "batch_cost_s": 0.0, "item_cost_s": 0.0}
+    models = {
+        "pinned": sleep_model(pin=True, options=fast, memory_bytes=10),
+        "early": sleep_model(preload=True, options=fast, memory_bytes=10),
+        "other": {"handler": "state_dict", "path": str(tmp_path / "mlp.safetensors"), "idle_unload_s": 0.3,
+                  "module_class": "jetbatch.sidecar.dev.example_models:ExampleMLP", "module_kwargs": {"hidden": 64, "classes": 2}},
+    }  # fmt: skip
+    config = make_config(prefix, models, worker={"max_resident_models": 2, "host_memory_budget_bytes": 0})
+    async with running_worker(config, nats_url) as worker:
+        assert sorted(worker.residency.resident_names()) == ["early", "pinned"]  # loaded before ready
+        assert worker.model_ready("pinned") == (200, "model pinned: resident, pinned")
+        x = torch.zeros(16)
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(x, model="other", timeout=20)
+            assert sorted(worker.residency.resident_names()) == ["other", "pinned"]  # early made room
+            assert worker.slots["other"].handler.memory_bytes() > 0
+            for _ in range(3):  # the pinned model is never the one to go
+                assert await client.infer(b"y", model="early", timeout=20) == b"y"
+                await client.infer(x, model="other", timeout=20)
+                assert "pinned" in worker.residency.resident_names()
+        evictions = worker.stats["evictions"]
+        await wait_until(lambda: "other" not in worker.residency.resident_names(), timeout_s=10)  # idle for 0.3 s
+        assert worker.stats["evictions"] == evictions + 1
+        # The memory is given back: no device bytes, and the parameters dropped (nothing warm).
+        assert worker.slots["other"].handler.memory_bytes() == 0 and worker.slots["other"].handler.module is None
+        assert "other" not in worker.report().resident and "pinned" in worker.report().resident

@@ -178,6 +178,11 @@ class ModelConfig(_Base):
     # S / (1 - utilisation)). A bound below the cycle cannot be kept by reordering: docs/scheduler.md.
     max_wait_s: PositiveFloat | None = None
     options: dict[str, Any] = {}  # handler-specific settings
+    pin: bool = False  # always resident: loaded at start, never evicted (counts against the budget)
+    preload: bool = False  # loaded at start, before the worker reports ready (evictable later)
+    # Evict (to the warm tier where it fits) after this long without a batch; None: the worker's
+    # `idle_unload_s` (None there too: never for idleness).
+    idle_unload_s: PositiveFloat | None = None
     # The keys of 0.2, in milliseconds: still read for one release (seconds are the boundary's unit).
     max_delay_ms: NonNegFloat | None = None
     max_wait_ms: PositiveFloat | None = None
@@ -205,6 +210,9 @@ class WorkerConfig(_Base):
     prefetch_weights: bool = True  # read the next model's weights from disk while the current one runs
     drain_timeout_s: PositiveFloat = 20.0
     coordinate: bool = True  # advertise residency in the cluster KV bucket and respect other workers
+    # A resident model without a batch for this long is evicted, giving its device memory back
+    # (per model: models.<m>.idle_unload_s). None: models stay until room is needed.
+    idle_unload_s: PositiveFloat | None = None
     heartbeat_s: PositiveFloat = 1.0  # advert period
     # A peer silent this long is gone (its models are ours to take); longer than a NATS reconnect
     # or leader election, so a node loss does not make placement thrash.
@@ -306,6 +314,25 @@ class Config(_Base):
                 validate_model_name(name)
             except ProtocolError as exc:
                 raise ValueError(f"models: {exc}") from None
+        self._check_pins()
+
+    def _check_pins(self) -> None:
+        """Pinned models must fit the device budget with room left for the others: a worker that
+        could never load an unpinned model is refused at start, naming the key."""
+        pinned = sorted(n for n, m in self.models.items() if m.pin)
+        if not pinned:
+            return
+        others = len(self.models) - len(pinned)
+        slots = self.worker.max_resident_models
+        if slots is not None and (len(pinned) > slots or (others and len(pinned) >= slots)):
+            room = "and leave a slot for the other models " if others else ""
+            raise ValueError(
+                f"worker.max_resident_models: {len(pinned)} pinned models ({', '.join(pinned)}) do not fit {slots} slots {room}".rstrip()
+            )
+        budget = self.worker.memory_budget_bytes
+        pinned_bytes = sum(self.models[n].memory_bytes or 0 for n in pinned)
+        if budget is not None and pinned_bytes > budget:
+            raise ValueError(f"worker.memory_budget_bytes: the pinned models ({', '.join(pinned)}) need {pinned_bytes} bytes, over {budget}")
 
     @property
     def subjects(self) -> Subjects:

@@ -13,8 +13,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import urllib.parse
+
 import anyio
 import anyio.abc
+
+from jetbatch.sdk.protocol import ProtocolError, validate_model_name
 
 __all__ = ["Check", "ProbeServer", "prometheus_text"]
 
@@ -38,6 +42,8 @@ class ProbeServer:
     alive: Check
     ready: Check
     metrics: Callable[[], bytes] | None = None
+    # /readyz?model=<m>: (status, one line) for one model (404: not served here); None: no models.
+    model_ready: Callable[[str], tuple[int, str]] | None = None
     _open: int = field(default=0, init=False, repr=False)  # connections being served now
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -94,6 +100,19 @@ class ProbeServer:
                 except Exception:  # noqa: BLE001
                     pass
 
+    def _model_ready(self, model: str) -> tuple[int, str, bytes]:
+        try:
+            validate_model_name(model)
+        except ProtocolError:
+            return 400, "text/plain", b"bad request: not a model name\n"
+        if self.model_ready is None:
+            return 404, "text/plain", b"no models are served here\n"
+        ok, why = self.ready()
+        if not ok:
+            return 503, "text/plain", (why + "\n").encode()
+        status, line = self.model_ready(model)
+        return status, "text/plain", (line + "\n").encode()
+
     def _respond(self, head: bytes | None) -> tuple[int, str, bytes]:
         if head is None:
             return 400, "text/plain", b"bad request\n"
@@ -101,18 +120,32 @@ class ProbeServer:
         parts = line.split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             return 400, "text/plain", b"bad request\n"
-        method, target = parts[0], parts[1].split("?", 1)[0]
+        path, _, query = parts[1].partition("?")
+        method, target = parts[0], path
         if method != "GET":
             return 405, "text/plain", b"method not allowed: GET only\n"
         if target in ("/healthz", "/livez"):
             ok, why = self.alive()
             return (200 if ok else 503), "text/plain", (why + "\n").encode()
         if target == "/readyz":
+            model = _query_model(query)
+            if model is not None:
+                return self._model_ready(model)
             ok, why = self.ready()
             return (200 if ok else 503), "text/plain", (why + "\n").encode()
         if target == "/metrics" and self.metrics is not None:
             return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics()
         return 404, "text/plain", b"not found\n"
+
+
+def _query_model(query: str) -> str | None:
+    """The ``model`` of a query string (``model=m1``), else None. Hostile input: the value is
+    checked as a model name by the caller before anything uses it."""
+    for pair in query.split("&")[:8]:
+        key, _, value = pair.partition("=")
+        if key == "model":
+            return urllib.parse.unquote(value)[:256]
+    return None
 
 
 async def _read_head(stream: anyio.abc.SocketStream) -> bytes | None:

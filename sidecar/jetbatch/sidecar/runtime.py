@@ -36,6 +36,8 @@ class Sidecar(Protocol):
 
     def problems(self) -> list[str]: ...
 
+    def model_ready(self, model: str) -> tuple[int, str]: ...
+
 
 class EndpointError(SidecarError):
     """The sidecar's HTTP endpoints could not listen where configured (a port taken by another
@@ -70,8 +72,12 @@ async def serve_sidecar(
         problems = sidecar.problems()
         return (not problems or len(problems) < _model_count(config)), "; ".join(problems) or "ready"
 
+    def model_ready(model: str) -> tuple[int, str]:
+        sidecar = state["sidecar"]
+        return sidecar.model_ready(model) if sidecar is not None else (503, "connecting to NATS")
+
     async with anyio.create_task_group() as probes:
-        address = await _start_probes(probes, config, http_port, alive, ready) if http_port is not None else ""
+        address = await _start_probes(probes, config, http_port, alive, ready, model_ready) if http_port is not None else ""
         nc = await connect(config.nats, url, name=name)
         state["nc"] = nc
         reply_nc: NATS | None = None
@@ -102,11 +108,13 @@ def _model_count(config: Config) -> int:
     return max(1, len(config.models))
 
 
-async def _start_probes(tg: Any, config: Config, port: int, alive: Any, ready: Any) -> str:
+async def _start_probes(tg: Any, config: Config, port: int, alive: Any, ready: Any, model_ready: Any) -> str:
     """Start the endpoints; returns the address they listen on (``host:port``)."""
     from .health import ProbeServer, prometheus_text
 
-    server = ProbeServer(config.http.host, port, alive, ready, prometheus_text if config.http.metrics else None)
+    server = ProbeServer(
+        config.http.host, port, alive, ready, prometheus_text if config.http.metrics else None, model_ready if config.models else None
+    )
     try:
         bound = await tg.start(server.serve)
     except OSError as exc:

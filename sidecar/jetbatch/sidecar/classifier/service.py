@@ -94,6 +94,10 @@ class Classifier:
         """Readiness detail (/readyz): the router either loaded at start or the sidecar exited."""
         return []
 
+    def model_ready(self, model: str) -> tuple[int, str]:
+        """The classifier serves no model itself: ask the worker's endpoint."""
+        return 404, f"model {model}: the classifier serves no models (ask a worker)"
+
     def stop(self) -> None:
         self._stopping.set()
 

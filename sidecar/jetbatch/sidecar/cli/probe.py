@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -21,12 +22,17 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=port_number, action="append", metavar="PORT", help="port(s) to try, in order (default: 9464, then 9465)")
     p.add_argument("--host", default="127.0.0.1", help="host of the sidecar (default: 127.0.0.1)")
     p.add_argument("--live", action="store_true", help="ask /healthz (alive) instead of /readyz (ready to serve)")
+    p.add_argument("--model", default=None, help="ask whether this one model can be served now (/readyz?model=M)")
     p.add_argument("--timeout", type=positive_float, default=2.0, metavar="S", help="seconds per port (default: 2)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     path = "/healthz" if args.live else "/readyz"
+    if args.model is not None:
+        if args.live:
+            raise CliError("--model asks /readyz: it does not go with --live")
+        path += "?model=" + urllib.parse.quote(args.model, safe="")
     last = "no port answered"
     # Straight to the local sidecar: an HTTP_PROXY in the container's environment must not apply.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -82,7 +82,8 @@ class PolicyBase:
         resident = [m for m in state.models.values() if m.resident and m.name != target.name]
         evict: list[str] = []
         while not fits(state.budget, [m for m in resident if m.name not in evict], target):
-            victims = [m for m in resident if m.name not in evict]
+            # Pinned models are never victims (the config leaves room for the others beside them).
+            victims = [m for m in resident if m.name not in evict and not m.pinned]
             if not victims:
                 break
             if self.eviction == "lru":

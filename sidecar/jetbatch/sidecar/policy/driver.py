@@ -17,7 +17,7 @@ so an event counts the same live and simulated:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from .costs import CostEstimator, Tier
 from .scheduling import Budget, Decision, ModelState, Policy, SchedulerState
@@ -44,6 +44,7 @@ class QueueFacts:
     last_used_at: float | None = None
     served_rps: float = 0.0  # what the peers that hold it drain
     deferred: bool = False  # nobody holds it and a peer is its first taker, for now
+    pinned: bool = False  # configured to stay resident: never a victim
 
 
 def reload_tier(tier: Tier, reload_fits_host: bool) -> Tier:
@@ -87,7 +88,24 @@ class Driver:
             max_batch_size=facts.max_batch_size,
             max_wait_s=facts.max_wait_s,
             last_used_at=facts.last_used_at,
+            pinned=facts.pinned,
         )
+
+    @staticmethod
+    def idle_unloads(state: SchedulerState, idle_s: Mapping[str, float], active_since: Mapping[str, float], now: float) -> list[str]:
+        """The resident models to evict for idleness: with an idle limit (``idle_s``), nothing
+        waiting, not pinned, and neither a batch nor a load for that long (``active_since``: the
+        later of its last batch and its load). The live worker and the simulator evict them when
+        they are found, so the device memory goes back within one decision of the limit."""
+        out = []
+        for name, limit in idle_s.items():
+            m = state.models.get(name)
+            if m is None or not m.resident or m.pinned or m.backlog:
+                continue
+            since = active_since.get(name)
+            if since is not None and now - since >= limit:
+                out.append(name)
+        return sorted(out)
 
     @staticmethod
     def share(waiting: int, served_rps: float, load_cost_s: float, *, resident: bool, max_batch_size: int) -> int:

@@ -31,6 +31,7 @@ class ModelState:
     max_wait_s: float | None = None
     earliest_deadline: float | None = None  # earliest request deadline among waiting requests, if known
     last_used_at: float | None = None  # when this model last served a batch (for LRU baselines)
+    pinned: bool = False  # never evicted (configured `pin = true`)
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,8 @@ class _Worker:
     load_share: int = 0  # the effective backlog that justified the load under way
     refused_on_prediction: dict[str, int] = field(default_factory=dict)
     defer_wake: float = math.inf  # when the first queue left to a first-taking peer is ours too
+    resident_since: dict[str, float] = field(default_factory=dict)  # model -> when it last became resident
+    idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
 
     @property
     def id(self) -> str:
@@ -231,6 +233,7 @@ class _Sim:
                 last_used_at=worker.last_used.get(name),
                 served_rps=served_by.get(name, 0.0),
                 deferred=deferred,
+                pinned=m.pin,
             ))  # fmt: skip
         order = None
         if worker.policy.name == "fifo":
@@ -265,6 +268,17 @@ class _Sim:
 
     def step(self, worker: _Worker) -> None:
         state = self.state(worker)
+        idle = self._idle_unloads(worker, state)
+        if idle:
+            # As live: idle models are evicted before the next decision.
+            for name in idle:
+                worker.resident.remove(name)
+                worker.fresh.discard(name)
+                self.keep_warm(worker, name)
+                worker.driver.evicted(name, self.t)
+                self.result.idle_unloads += 1
+            self.wake(worker, self.t)
+            return
         decision = worker.driver.decide(state, self.t)
         # The decision's own CPU time delays what it starts, as it does live.
         cost_s = self.w.control.decision_cost_s(len(state.models))
@@ -281,13 +295,21 @@ class _Sim:
         else:
             self.idle(worker, decision)
 
+    def _idle_unloads(self, worker: _Worker, state: SchedulerState) -> list[str]:
+        """The live worker's rule (``Driver.idle_unloads``), with the same inputs."""
+        limits = {n: self.w.models[n].idle_unload_s for n in worker.resident if self.w.models[n].idle_unload_s is not None and not self.w.models[n].pin}
+        since = {n: max(worker.last_used.get(n, -math.inf), worker.resident_since.get(n, 0.0)) for n in limits}
+        worker.idle_wake = min((since[n] + limits[n] for n in limits), default=math.inf)
+        return worker.driver.idle_unloads(state, limits, since, self.t) if limits else []  # type: ignore[arg-type]
+
     def idle(self, worker: _Worker, decision: Idle) -> None:
         nxt = self.next_arrival_at()
         if any(self.queues.values()):
-            self.wake(worker, max(min(decision.until, nxt, worker.defer_wake), self.t + 1e-6))
+            self.wake(worker, max(min(decision.until, nxt, worker.defer_wake, worker.idle_wake), self.t + 1e-6))
         elif nxt < math.inf:
-            self.wake(worker, max(nxt, self.t))
-        # else: nothing left to arrive and nothing queued: this worker is done
+            self.wake(worker, max(min(nxt, worker.idle_wake), self.t))
+        # else: nothing left to arrive and nothing queued: this worker is done (an idle unload
+        # then would change nothing measured)
 
     def serve(self, worker: _Worker, decision: Serve, cost_s: float = 0.0) -> None:
         m = self.w.models[decision.model]
@@ -411,6 +433,7 @@ class _Sim:
         else:
             worker.loading = None
             worker.resident.append(model)
+            worker.resident_since[model] = self.t
             worker.fresh.add(model)
             worker.current = model
             self.result.max_resident_seen = max(self.result.max_resident_seen, len(worker.resident))

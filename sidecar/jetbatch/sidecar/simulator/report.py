@@ -38,6 +38,7 @@ class SimResult:
     max_bytes_seen: int = 0
     served_ids: list[int] = field(default_factory=list)
     late_beyond_bound: int = 0  # requests whose wait exceeded max_wait + one load + one batch
+    idle_unloads: int = 0  # resident models evicted for idleness (models.<m>.idle_unload_s)
 
     def percentile_ms(self, q: float) -> float:
         return _pct(self.latencies_s, q) * 1000
@@ -62,6 +63,7 @@ class SimResult:
             "makespan_s": self.makespan_s,
             "throughput_rps": self.completed / self.makespan_s if self.makespan_s else 0.0,
             "loads": self.loads,
+            "idle_unloads": self.idle_unloads,
             "loads_per_minute": self.loads / (self.makespan_s / 60) if self.makespan_s else 0.0,
             "load_seconds": self.load_seconds,
             "mean_batch": statistics.mean(b[3] for b in self.batches) if self.batches else 0.0,

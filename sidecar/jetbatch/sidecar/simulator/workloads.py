@@ -90,6 +90,9 @@ class SimModel:
     configured_load_cost_s: float | None = None
     configured_batch_cost_s: float | None = None
     configured_item_cost_s: float | None = None
+    pin: bool = False  # resident from the start, never evicted (the worker's models.<m>.pin)
+    preload: bool = False  # resident from the start (the worker's models.<m>.preload)
+    idle_unload_s: float | None = None  # evicted after this long without a batch (the worker's rule)
 
     def batch_s(self, n: int) -> float:
         """True device seconds of a batch of ``n``."""
@@ -237,6 +240,9 @@ class _ModelSpec(_Spec):
     configured_load_cost_s: _NonNeg | None = None
     configured_batch_cost_s: _NonNeg | None = None
     configured_item_cost_s: _NonNeg | None = None
+    pin: bool = False
+    preload: bool = False
+    idle_unload_s: _Positive | None = None
 
 
 class _BudgetSpec(_Spec):
@@ -336,11 +342,20 @@ def build_workload(raw: Any, base: Path = Path(".")) -> Workload:
         if isinstance(exc, WorkloadError):
             raise
         raise WorkloadError(f"arrivals: cannot generate them from these numbers: {exc}") from None
+    # Pinned, then preloaded models are on the device at the start, as the worker loads them
+    # before it reports ready (preloads while the model slots last).
+    start = [n for n, m in models.items() if m.pin] + [n for n, m in models.items() if m.preload and not m.pin]
+    if budget.max_models is not None:
+        pinned = sum(1 for m in models.values() if m.pin)
+        if pinned > budget.max_models or (pinned and pinned == budget.max_models and pinned < len(models)):
+            raise WorkloadError(f"budget.max_models: {pinned} pinned models do not fit {budget.max_models} slots and leave one for the others")
+        start = start[: budget.max_models]
     return Workload(
         models=models,
         arrivals=arrivals,
         budget=budget,
         closed=closed,
+        resident_at_start=tuple(start),
         workers=spec.workers.count,
         host_budget_bytes=spec.host.budget_bytes,
         prefetch=spec.host.prefetch,

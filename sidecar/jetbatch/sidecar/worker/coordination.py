@@ -168,11 +168,12 @@ class Coordinator:
         peers = {p: (a.resident, a.loading) for p, a in self.cluster.peers().items()}
         return peers, "fresh" if self.cluster.view_fresh() else "stale (kept)"
 
-    async def claim_load(self, slot: Slot, evict: tuple[str, ...]) -> list[str] | None:
+    async def claim_load(self, slot: Slot, evict: tuple[str, ...], *, for_backlog: bool = True) -> list[str] | None:
         """Before paying a load, claim every model the change touches (``cluster.claim``: two
         workers never change the same models' placement at once), then check again that no peer
         now covers this model's backlog (workers must not all chase one queue). Returns the
-        claimed models (:meth:`release` them after the load), or None to stand back."""
+        claimed models (:meth:`release` them after the load), or None to stand back.
+        ``for_backlog`` False: a load the config asks for (pin, preload), made whatever waits."""
         if self.cluster is None:
             return []
         # Claimed even with no peer in view: a peer that started a moment ago is not in it yet
@@ -184,7 +185,7 @@ class Coordinator:
             log.info("not loading %s: a peer held it when the view went stale", slot.name)
             self.stand_back(slot.name)
             return None
-        if self.share(slot) == 0:
+        if for_backlog and self.share(slot) == 0:
             return None
         touched = [slot.name, *evict]
         started = time.perf_counter()
@@ -199,7 +200,7 @@ class Coordinator:
             self.stand_back(slot.name)
             self._counters.sample("claim", self._claim_s)
             return None  # no claim could be had: never take a peer's model without one
-        if claimed and self.share(slot) == 0:
+        if claimed and for_backlog and self.share(slot) == 0:
             # A peer that loaded it just before our claim has said so by now: its advert precedes
             # its release in the bucket, and our claim follows the release.
             await self.release(touched)

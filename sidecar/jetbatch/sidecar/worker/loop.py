@@ -185,6 +185,22 @@ class Worker:
         self._stopping.set()
         self._wake.set()
 
+    def model_ready(self, model: str) -> tuple[int, str]:
+        """Whether ``model`` can be served now (``/readyz?model=``, ``jetbatch probe --model``):
+        200 when it is resident, or loadable on demand (the line says from which tier and about
+        how long); 503 when it cannot load; 404 when this worker does not serve it."""
+        slot = self.slots.get(model)
+        if slot is None:
+            return 404, f"model {model}: not served by this worker"
+        if slot.broken:
+            return 503, f"model {model}: {slot.broken}"
+        pin = ", pinned" if slot.config.pin else ""
+        if slot.resident:
+            return 200, f"model {model}: resident{pin}"
+        if self.residency.loading == model:
+            return 200, f"model {model}: loading"
+        return 200, f"model {model}: {slot.tier}, loads on demand in about {self.residency.load_cost_s(slot):.2f} s"
+
     def problems(self) -> list[str]:
         """One line per model that cannot serve (readiness detail; /readyz)."""
         return [f"model {name}: {slot.broken}" for name, slot in self.slots.items() if slot.broken]
@@ -202,6 +218,18 @@ class Worker:
         if self.peers.cluster is not None:
             await self.peers.cluster.start()
         await self._refresh(time.time())
+
+    async def _preload(self) -> None:
+        """Load the pinned models, then the ``preload`` ones, in config order, before ready (the
+        preloads only while the device's model slots last; pins are known to fit)."""
+        slots = self.config.worker.max_resident_models
+        wanted = [s for s in self.slots.values() if s.config.pin] + [s for s in self.slots.values() if s.config.preload and not s.config.pin]
+        for slot in wanted:
+            if slots is not None and len(self.residency.resident_names()) >= slots:
+                log.warning("not preloading %s: the device's %d model slots are taken", slot.name, slots)
+                continue
+            if slot.broken is None:
+                await self._load(slot, (), reason="preload", for_backlog=False)
 
     async def _warm_start(self) -> None:
         started = time.perf_counter()
@@ -246,6 +274,7 @@ class Worker:
             await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=f"worker {self.worker_id}")
         await self.peers.advertise()
         status_sub = await serve_status(self.nc, self.subjects, self.report, self.config.reply_policy, out=self.replier.out)
+        await self._preload()
         log.info("worker %s serving %s on %s", self.worker_id, ", ".join(self.slots), self.device)
         self._ready.set()
         try:
@@ -334,6 +363,11 @@ class Worker:
                 now = time.time()
             started = time.perf_counter()
             state = self._scheduler_state(now)
+            idle = self._idle_unloads(state, now)
+            if idle:
+                for name in idle:
+                    await self.residency.evict(self.slots[name], reason="idle")
+                continue
             decision = self.driver.decide(state, now)
             # What deciding costs (the simulator charges it too: Workload.control, bench/scale.py).
             self.stats.add("decisions")
@@ -357,9 +391,26 @@ class Worker:
             else:
                 await self._idle(decision)
 
+    def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:
+        """Resident models idle past their ``idle_unload_s`` (``Driver.idle_unloads``, the
+        simulator's rule too); notes when the next one falls due, so an idle loop wakes for it."""
+        limits: dict[str, float] = {}
+        since: dict[str, float] = {}
+        for name in self.residency.resident_names():
+            slot = self.slots[name]
+            limit = slot.config.idle_unload_s or self.config.worker.idle_unload_s
+            if limit is None or slot.config.pin:
+                continue
+            limits[name] = limit
+            since[name] = max(slot.last_used_at or -math.inf, slot.resident_since or -math.inf)
+        self.state.idle_wake = min((since[n] + limits[n] for n in limits if since[n] > -math.inf), default=math.inf)
+        if not limits:
+            return []
+        return [n for n in self.driver.idle_unloads(state, limits, since, now) if not self.slots[n].in_flight]
+
     async def _idle(self, decision: Idle) -> None:
         """Sleep until an arrival event, the time the policy asked for, or the next count."""
-        wait_s = min(decision.until, self.state.next_refresh, self.state.defer_wake) - time.time()
+        wait_s = min(decision.until, self.state.next_refresh, self.state.defer_wake, self.state.idle_wake) - time.time()
         if wait_s > 0 and not self._wake.is_set():
             with anyio.move_on_after(wait_s):
                 await self._wake.wait()
@@ -434,7 +485,7 @@ class Worker:
 
     # --- loads -----------------------------------------------------------------------------
 
-    async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str) -> None:
+    async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str, for_backlog: bool = True) -> None:
         if log.isEnabledFor(logging.INFO):
             peers, view_state = self.peers.describe()
             log.info(
@@ -443,7 +494,7 @@ class Worker:
                 {n: (self.slots[n].backlog, self.peers.share(self.slots[n])) for n in sorted(self.queues.waiting)[:20]},
                 peers, view_state,
             )  # fmt: skip
-        claimed = await self.peers.claim_load(slot, tuple(evict))
+        claimed = await self.peers.claim_load(slot, tuple(evict), for_backlog=for_backlog)
         if claimed is None:
             return
         share = self.peers.share(slot)  # what the peers would not drain: ours to serve

@@ -107,6 +107,8 @@ class Residency:
         return sorted(n for n in self._held if self.slots[n].resident)
 
     def _set_tier(self, slot: Slot, tier: Tier) -> None:
+        if tier == "resident" and slot.tier != "resident":
+            slot.resident_since = time.time()
         slot.tier = tier
         self._host_used = None
         if tier == "cold":
@@ -164,7 +166,7 @@ class Residency:
                     # Out of memory: make room (every other resident model, idle under the device
                     # lock) and try once more.
                     log.warning("loading %s ran out of memory; evicting the other resident models and retrying", slot.name)
-                    for other in [s for s in self.slots.values() if s.resident and s is not slot]:
+                    for other in [s for s in self.slots.values() if s.resident and s is not slot and not s.config.pin]:
                         unloads.append(await self._evict(other))
                     await anyio.to_thread.run_sync(_collect, self.device)
                     continue
@@ -223,6 +225,17 @@ class Residency:
         self.telemetry.evictions.add(1, {"jetbatch.model": victim.name, "jetbatch.model.tier": victim.tier})
         self.telemetry.unload_duration.record(time.perf_counter() - started, {"jetbatch.model": victim.name})
         return (victim.name, started_ns, time.time_ns(), memory)
+
+    async def evict(self, slot: Slot, *, reason: str) -> bool:
+        """Evict one resident model on its own (an idle unload): to the warm tier where it fits,
+        once its in-flight batches no longer need it. False if it was no longer resident."""
+        await slot.wait_model_free()
+        async with self.device_lock:
+            if not slot.resident or slot.in_flight:
+                return False
+            await self._evict(slot)
+        log.info("evicted %s (%s), now %s", slot.name, reason, slot.tier)
+        return True
 
     async def unload_all(self) -> None:
         for slot in [self.slots[n] for n in sorted(self._held)]:

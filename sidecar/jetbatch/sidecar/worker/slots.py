@@ -76,6 +76,7 @@ class Slot:
     batch_ended: anyio.Event = field(default_factory=anyio.Event)
     limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
     last_used_at: float | None = None
+    resident_since: float | None = None  # when it last became resident (idle unloads count from it too)
     pending_load: LoadRecord | None = None  # reported under the first batch after the load
     broken: str | None = None  # why the model cannot load (a missing file), reported at startup
     # Stored messages nobody we know of holds and this worker never saw arrive: a dead worker's

@@ -58,6 +58,7 @@ class LoopState:
     current: str | None = None  # the model the last serve or load was for
     next_refresh: float = -math.inf  # when the queues are counted next (wall clock)
     defer_wake: float = math.inf  # when the first queue left to a first-taking peer is ours too
+    idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
     last_used: dict[str, float] = field(default_factory=dict)  # model -> when its last batch ran (recent ones only)
     in_flight: InFlight = field(default_factory=InFlight)
 

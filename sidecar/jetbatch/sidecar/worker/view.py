@@ -97,6 +97,7 @@ def scheduler_state(
             last_used_at=slots[name].last_used_at,
             served_rps=served.get(name, 0.0),
             deferred=name in deferred,
+            pinned=slots[name].config.pin,
         )
         for name in names
     )
