@@ -78,20 +78,21 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - started
 
 
-def measure(cfg: ModelConfig, device: torch.device, rounds: int, hidden: int) -> dict[str, float]:
-    """Switch time = load + the first batch (a memory-mapped file is only read when the first
-    batch touches its pages, so a load alone would flatter the cold tier)."""
+def measure(cfg: ModelConfig, device: torch.device, rounds: int, example: Any, files: list[Path] | None = None) -> dict[str, float]:
+    """Switch time = load + the first batch (of ``example``: a memory-mapped file is only read
+    when the first batch touches its pages, so a load alone would flatter the cold tier). Cold:
+    ``files`` (default: the model's file) dropped from the page cache first."""
     cold, warm, resident = [], [], []
     size = 0
-    x = torch.zeros(hidden)
     for _ in range(rounds):
-        drop_from_page_cache(Path(cfg.path or ""))
+        for f in files or [Path(cfg.path or "")]:
+            drop_from_page_cache(f)
         h = create_handler("big", cfg)
         h.target_device = device
 
         def switch() -> None:
             h.load(device)
-            h.predict([x])
+            h.predict([example])
 
         cold.append(timed(switch))
         size = h.memory_bytes()
@@ -128,31 +129,7 @@ def measure_transformers(directory: Path, device: torch.device, rounds: int) -> 
     config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048, num_labels=3)
     transformers.BertForSequenceClassification(config).eval().save_pretrained(directory)
     cfg = ModelConfig(handler="transformers", path=str(directory))
-    cold, warm, resident = [], [], []
-    size = 0
-    for _ in range(rounds):
-        for f in directory.glob("*.safetensors"):
-            drop_from_page_cache(f)
-        h = create_handler("hf", cfg)
-        h.target_device = device
-
-        def switch() -> None:
-            h.load(device)
-            h.predict(["the movie was good"])
-
-        cold.append(timed(switch))
-        size = h.memory_bytes()
-        resident.append(timed(switch))
-        h.offload()
-        warm.append(timed(switch))
-        h.unload()
-    return {
-        "model_mb": round(size / 1e6, 1),
-        "cold_s": statistics.median(cold),
-        "warm_s": statistics.median(warm),
-        "resident_s": statistics.median(resident),
-        "warm_over_cold": statistics.median(warm) / statistics.median(cold),
-    }
+    return measure(cfg, device, rounds, "the movie was good", files=list(directory.glob("*.safetensors")))
 
 
 def bandwidth(device: torch.device, nbytes: int, rounds: int) -> dict[str, float]:
@@ -231,7 +208,7 @@ def main() -> None:
         report["device_name"] = torch.cuda.get_device_name(device)
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in write_formats(Path(tmp), args.hidden).items():
-            report[name] = measure(cfg, device, args.rounds, args.hidden)
+            report[name] = measure(cfg, device, args.rounds, torch.zeros(args.hidden))
         try:
             import transformers  # noqa: F401
         except ImportError:
