@@ -113,3 +113,17 @@ async def test_the_hugging_face_example_on_cuda(tmp_path: Path, nats_url: str, p
         with torch.inference_mode():
             want = reference(**tokenizer(text, return_tensors="pt")).logits[0]
         torch.testing.assert_close(out["logits"].to_torch(), want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.anyio
+async def test_idle_unload_gives_the_device_memory_back(big_export: Path, nats_url: str, prefix: str) -> None:
+    """A model idle past its idle_unload_s is evicted: torch.cuda.memory_allocated back to its
+    value before the load, within the limit and one turn of the loop."""
+    baseline = _allocated()
+    config = make_config(prefix, {"big": {"handler": "export", "path": str(big_export), "idle_unload_s": 0.5}}, worker={"device": "cuda"})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(torch.zeros(16), model="big", timeout=60)
+        assert _allocated() > baseline
+        await wait_until(lambda: "big" not in worker.residency.resident_names(), timeout_s=10)
+        assert _allocated() == baseline

@@ -110,8 +110,9 @@ class Deployment:
         name = f"worker{index}"
         path = self.worker_config_paths[index] if self.worker_config_paths else self.config_path
         http = self._http_args(0) if self.configured_http and index == 0 else ["--http-port", "0"]
+        # load_config applies the environment too: a JETBATCH_WORKER__ID already set wins.
         configured = (load_config(path) if self.worker_config_paths else self.config).worker.id
-        self.ids[name] = configured or f"{self._host}-{name}"
+        self.ids[name] = self.extra_env.get("JETBATCH_WORKER__ID") or configured or f"{self._host}-{name}"
         self._spawn(name, ["worker", "--config", str(path), *http], {"JETBATCH_WORKER__ID": self.ids[name]})
         return name
 
@@ -119,7 +120,7 @@ class Deployment:
         name = f"classifier{index}"
         http = self._http_args(1) if self.configured_http else ["--http-port", "0"]
         configured = self.config.classifier.id if self.config.classifier is not None else None
-        self.ids[name] = configured or f"{self._host}-{name}"
+        self.ids[name] = self.extra_env.get("JETBATCH_CLASSIFIER__ID") or configured or f"{self._host}-{name}"
         self._spawn(name, ["classifier", "--config", str(self.config_path), *http], {"JETBATCH_CLASSIFIER__ID": self.ids[name]})
         return name
 
