@@ -293,3 +293,23 @@ def test_pinned_models_stay_and_idle_models_go_in_the_simulator(tmp_path: Path) 
     assert all(model != "p" for _, _, model in squeezed.load_log)
     with pytest.raises(WorkloadError, match="budget.max_models: 3 pinned models do not fit 3 slots"):
         build_workload({**raw, "models": {**raw["models"], "a": {"load_cost_s": 0.2, "pin": True}, "b": {"load_cost_s": 0.2, "pin": True}, "c": {"load_cost_s": 0.1}}}, tmp_path)
+
+
+def test_the_simulator_pays_no_load_for_a_queue_whose_callers_gave_up(tmp_path: Path) -> None:
+    """As live: b's requests time out while a's long batches hold the one slot; when the worker
+    turns to b, its queue is answered deadline_exceeded without a load."""
+    from dataclasses import replace
+
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    events = [(0.0, "a"), (0.0, "a"), (0.1, "b"), (0.1, "b"), (0.1, "b")]
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps({"t": at, "model": m}) + "\n" for at, m in events))
+    raw = {
+        "models": {"a": {"load_cost_s": 0.1, "batch_cost_s": 1.0, "max_batch_size": 1}, "b": {"load_cost_s": 0.5, "deadline_s": 0.3}},
+        "budget": {"max_models": 1},
+        "arrivals": {"kind": "trace", "path": "trace.jsonl"},
+    }
+    result = simulate(replace(build_workload(raw, tmp_path), control=IDEAL_CONTROL), "cost-aware")
+    assert result.completed == 2 and result.deadline_exceeded == 3
+    assert result.reaped_queues == 1
+    assert [m for _, _, m in result.load_log] == ["a"]  # b never loaded

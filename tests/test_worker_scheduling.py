@@ -214,3 +214,21 @@ async def test_pinned_and_preloaded_models_and_idle_unload(nats_url: str, prefix
         # The memory is given back: no device bytes, and the parameters dropped (nothing warm).
         assert worker.slots["other"].handler.memory_bytes() == 0 and worker.slots["other"].handler.module is None
         assert "other" not in worker.report().resident and "pinned" in worker.report().resident
+
+
+async def test_no_load_is_paid_for_a_queue_whose_callers_gave_up(nats_url: str, prefix: str) -> None:
+    """Requests whose callers timed out while the device was busy with another model are answered
+    deadline_exceeded and acked, and their model is never loaded."""
+    busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": 1.5, "item_cost_s": 0.0})
+    late = sleep_model(options={"load_cost_s": 0.0, "batch_cost_s": 0.0, "item_cost_s": 0.0})
+    config = make_config(prefix, {"busy": busy, "late": late}, worker={"max_resident_models": 1})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            hold = asyncio.ensure_future(client.infer(b"b", model="busy", timeout=30))
+            await wait_until(lambda: worker.stats["loads"] == 1, timeout_s=10)  # busy is on the device, computing
+            gave_up = await asyncio.gather(*(client.infer(b"x", model="late", timeout=0.3) for _ in range(4)), return_exceptions=True)
+            assert all(isinstance(r, sdk.RequestTimeout) for r in gave_up)
+            assert await hold == b"b"
+            await wait_until(lambda: worker.stats["reaped"] == 4, timeout_s=10)
+        assert worker.stats["loads"] == 1  # only busy: late's callers were gone before it could load
+        assert "late" not in worker.residency.resident_names()

@@ -377,6 +377,16 @@ class _Sim:
         self.result.completions.append((end, r.arrival))
 
     def load(self, worker: _Worker, decision: Load, cost_s: float = 0.0) -> None:
+        q = self.queues[decision.model]
+        if q and decision.model not in worker.resident and all(r.deadline is not None and r.deadline <= self.t for r in q):
+            # As live: a queue whose callers have all given up is answered without a load.
+            while q:
+                self.result.deadline_exceeded += 1
+                self._served(q.popleft(), None, None)
+            self.nonempty.discard(decision.model)
+            self.result.reaped_queues += 1
+            self.wake(worker, self.t + cost_s)
+            return
         if any(p.loading == decision.model for p in self.workers if p is not worker):
             # Another worker holds the load claim: stand back until its load ends.
             self.wake(worker, max(p.busy_until for p in self.workers if p.loading == decision.model) + 1e-6)

@@ -39,6 +39,7 @@ class SimResult:
     served_ids: list[int] = field(default_factory=list)
     late_beyond_bound: int = 0  # requests whose wait exceeded max_wait + one load + one batch
     idle_unloads: int = 0  # resident models evicted for idleness (models.<m>.idle_unload_s)
+    reaped_queues: int = 0  # queues whose callers had all given up, answered without a load
 
     def percentile_ms(self, q: float) -> float:
         return _pct(self.latencies_s, q) * 1000
@@ -64,6 +65,7 @@ class SimResult:
             "throughput_rps": self.completed / self.makespan_s if self.makespan_s else 0.0,
             "loads": self.loads,
             "idle_unloads": self.idle_unloads,
+            "reaped_queues": self.reaped_queues,
             "loads_per_minute": self.loads / (self.makespan_s / 60) if self.makespan_s else 0.0,
             "load_seconds": self.load_seconds,
             "mean_batch": statistics.mean(b[3] for b in self.batches) if self.batches else 0.0,

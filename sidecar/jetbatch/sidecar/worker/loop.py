@@ -486,6 +486,16 @@ class Worker:
     # --- loads -----------------------------------------------------------------------------
 
     async def _load(self, slot: Slot, evict: tuple[str, ...], *, reason: str, for_backlog: bool = True) -> None:
+        if for_backlog and not slot.resident:
+            # Asked just before paying: once the models to evict are free (their last batch may
+            # run for a while), is anyone still waiting? If every caller of this queue has given
+            # up (its deadline, the SDK's timeout, passed), answer them without the load (the
+            # simulator applies the same rule).
+            for name in evict:
+                await self.slots[name].wait_model_free()
+            if _abandoned(slot, time.time()):
+                await self._reap(slot)
+                return
         if log.isEnabledFor(logging.INFO):
             peers, view_state = self.peers.describe()
             log.info(
@@ -510,6 +520,37 @@ class Worker:
             self.residency.loading = None
             # Resident now: peers count our drain at once, before the claim is given back.
             await self.peers.loaded(claimed)
+
+    async def _reap(self, slot: Slot) -> None:
+        """One batch of an abandoned queue answered ``deadline_exceeded`` and acked, with no load
+        and no compute; a request that turns out to be still wanted goes back to the queue."""
+        if not await self._consumer(slot):
+            return
+        # A second at most: a consumer made just now may take a moment to deliver what is stored.
+        msgs = await self.batcher.fetch(slot, slot.config.max_batch_size, 1.0)
+        if not msgs:
+            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
+            return
+        await self.arrivals.took(slot.name, len(msgs))
+        now = time.time()
+        requests = [self.runner.parse(m, now) for m in msgs]
+        gone = [r for r in requests if r.meta.deadline is not None and r.meta.deadline <= now]
+        wanted = [r for r in requests if not (r.meta.deadline is not None and r.meta.deadline <= now)]
+        for r in gone:
+            r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model was not loaded", model=slot.name)
+        try:
+            if gone:
+                await self.runner.finish(slot, gone)
+                self.stats.add("reaped", len(gone))
+            for r in wanted:
+                await settle(r.msg, "nak")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.arrivals.settled(slot.name, len(msgs))
+        # The acks reach the stream in a moment; a count taken at once would still see the reaped
+        # requests stored, unknown to the events, and make the model look wanted: count a poll
+        # interval later.
+        self.state.next_refresh = max(self.state.next_refresh, time.time() + self.config.worker.poll_interval_ms / 1000.0)
 
     async def _fail_queue(self, slot: Slot, message: str) -> None:
         """A model that cannot load: answer one batch of its waiting requests with model_failed so
@@ -561,3 +602,9 @@ def _make_slots(config: Config, device: Any) -> dict[str, Slot]:
             limiter=anyio.CapacityLimiter(mcfg.max_concurrent_batches),
         )
     return slots
+
+
+def _abandoned(slot: Slot, now: float) -> bool:
+    """Every request waiting for ``slot`` is known and past its deadline: its callers have gone."""
+    known = slot.known_times
+    return bool(known) and slot.backlog <= len(known) and slot.unknown_head_at is None and all(d is not None and d <= now for _, d in known)
