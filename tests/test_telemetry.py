@@ -360,16 +360,15 @@ async def test_one_worker_of_a_deployment_reports_the_backlog(otel: Otel, nats_u
     a = make_config(prefix, models, worker={"id": "w-a", "heartbeat_s": 0.2})
     b = make_config(prefix, models, worker={"id": "w-b", "heartbeat_s": 0.2})
     async with running_worker(a, nats_url) as wa, running_worker(b, nats_url) as wb:
-        with anyio.fail_after(20):
-            while not (wa.peers.cluster and "w-b" in wa.peers.cluster.peers() and wb.peers.cluster and "w-a" in wb.peers.cluster.peers()):
-                await anyio.sleep(0.05)
+        await wait_until(
+            lambda: bool(wa.peers.cluster and "w-b" in wa.peers.cluster.peers() and wb.peers.cluster and "w-a" in wb.peers.cluster.peers()),
+            timeout_s=20, what="the two workers see each other",
+        )  # fmt: skip
         assert wa.peers.reports_queues() and not wb.peers.reports_queues()
         async with sdk.Client.connect(nats_url, prefix=prefix) as client, anyio.create_task_group() as tg:
             for i in range(6):
                 tg.start_soon(functools.partial(client.infer, f"x{i}".encode(), model="m1", timeout=30))
-            with anyio.fail_after(20):  # both count m1's waiting requests
-                while not ("m1" in wa.report().backlog and "m1" in wb.report().backlog):
-                    await anyio.sleep(0.02)
+            await wait_until(lambda: "m1" in wa.report().backlog and "m1" in wb.report().backlog, timeout_s=20, what="both count m1's queue")
             points = _points(reader, "jetbatch.queue.backlog", jetbatch__model="m1")
         reporters = {p.attributes["jetbatch.worker.id"] for p in points if p.attributes["jetbatch.worker.id"] in ("w-a", "w-b")}
         assert reporters == {"w-a"}

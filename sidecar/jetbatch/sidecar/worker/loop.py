@@ -524,29 +524,16 @@ class Worker:
     async def _reap(self, slot: Slot) -> None:
         """One batch of an abandoned queue answered ``deadline_exceeded`` and acked, with no load
         and no compute; a request that turns out to be still wanted goes back to the queue."""
-        if not await self._consumer(slot):
-            return
+
+        def answer(r: Any, now: float) -> Answer | None:
+            if r.meta.deadline is None or r.meta.deadline > now:
+                return None
+            return Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model was not loaded", model=slot.name)
+
         # A second at most: a consumer made just now may take a moment to deliver what is stored.
-        msgs = await self.batcher.fetch(slot, slot.config.max_batch_size, 1.0)
-        if not msgs:
-            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
-            return
-        await self.arrivals.took(slot.name, len(msgs))
-        now = time.time()
-        requests = [self.runner.parse(m, now) for m in msgs]
-        gone = [r for r in requests if r.meta.deadline is not None and r.meta.deadline <= now]
-        wanted = [r for r in requests if not (r.meta.deadline is not None and r.meta.deadline <= now)]
-        for r in gone:
-            r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model was not loaded", model=slot.name)
-        try:
-            if gone:
-                await self.runner.finish(slot, gone)
-                self.stats.add("reaped", len(gone))
-            for r in wanted:
-                await settle(r.msg, "nak")
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.arrivals.settled(slot.name, len(msgs))
+        reaped = await self._answer_unloaded(slot, answer, fetch_s=1.0)
+        if reaped:
+            self.stats.add("reaped", reaped)
         # The acks reach the stream in a moment; a count taken at once would still see the reaped
         # requests stored, unknown to the events, and make the model look wanted: count a poll
         # interval later.
@@ -555,22 +542,33 @@ class Worker:
     async def _fail_queue(self, slot: Slot, message: str) -> None:
         """A model that cannot load: answer one batch of its waiting requests with model_failed so
         callers learn it now, instead of waiting for their timeouts."""
+        await self._answer_unloaded(slot, lambda r, now: Answer.failure(r.meta, ErrorCode.MODEL_FAILED, message, model=slot.name), fetch_s=0.05)
+
+    async def _answer_unloaded(self, slot: Slot, answer: Callable[[Any, float], Answer | None], *, fetch_s: float) -> int:
+        """Fetch one batch of ``slot``'s queue and answer it without the model: each request gets
+        ``answer(request, now)`` (stored, sent, acked), or goes back to the queue when that is
+        None. Returns how many were answered."""
         if not await self._consumer(slot):
-            return
-        msgs = await self.batcher.fetch(slot, slot.config.max_batch_size, 0.05)
+            return 0
+        msgs = await self.batcher.fetch(slot, slot.config.max_batch_size, fetch_s)
         if not msgs:
             self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
-            return
+            return 0
         await self.arrivals.took(slot.name, len(msgs))
         now = time.time()
-        requests = [self.runner.parse(m, now) for m in msgs]
-        for r in requests:
-            r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, message, model=slot.name)
+        answered, back = [], []
+        for r in (self.runner.parse(m, now) for m in msgs):
+            r.answer = answer(r, now)
+            (answered if r.answer is not None else back).append(r)
         try:
-            await self.runner.finish(slot, requests)
+            if answered:
+                await self.runner.finish(slot, answered)
+            for r in back:
+                await settle(r.msg, "nak")
         finally:
             with anyio.CancelScope(shield=True):
                 await self.arrivals.settled(slot.name, len(msgs))
+        return len(answered)
 
     # --- state -----------------------------------------------------------------------------
 
