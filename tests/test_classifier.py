@@ -211,3 +211,31 @@ async def test_a_full_model_queue_is_overloaded_for_the_caller_and_the_classifie
             assert classifier.stats["routed"] == 2
             for task in parked:
                 task.cancel()
+
+
+async def test_the_classifier_keeps_a_request_priority(nats_url: str, prefix: str) -> None:
+    """A batch-class request through the classifier lands on its model's batch line (and is
+    answered); a forged priority value is refused as bad_request, never routed."""
+    cfg = config(prefix, {"router": "rules", "rules": [], "default_model": "m1"})
+    await prepare(cfg, nats_url)
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        js = client.nats.jetstream()
+        sent = asyncio.ensure_future(client.infer_result({"kind": "a"}, timeout=20, priority="batch"))
+        async with running_classifier(cfg, nats_url):
+
+            async def on_batch_line() -> bool:
+                info = await js.stream_info(cfg.subjects.models_stream, subjects_filter=cfg.subjects.models_wildcard)
+                return (info.state.subjects or {}).get(cfg.subjects.model("m1", "batch"), 0) == 1
+
+            await wait_until(on_batch_line, timeout_s=10, what="the request on m1's batch line")
+            # A raw NATS caller's forged class: refused with a typed answer, never routed.
+            inbox = f"_INBOX.{uuid.uuid4().hex}"
+            replies = await client.nats.subscribe(inbox, max_msgs=1)
+            forged = {Headers.PRIORITY: "urgent", Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: inbox}
+            await js.publish(cfg.subjects.ingress, msgspec.msgpack.encode({"kind": "a"}), headers=forged)
+            reply = await replies.next_msg(timeout=10)
+            assert reply.headers[Headers.ERROR_CODE] == "bad_request"
+            assert "Jetbatch-Priority" in msgspec.json.decode(reply.data)["message"]
+            async with running_worker(cfg, nats_url):
+                result = await sent
+    assert result.batch.model == "m1" and result.output == {"kind": "a"}

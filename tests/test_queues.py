@@ -43,6 +43,39 @@ def test_arrivals_count_and_the_oldest_is_the_head() -> None:
     assert s.backlog == 0 and s.oldest_enqueued_at is None and view.waiting == set()
 
 
+def test_two_classes_count_as_two_lines_and_the_interactive_head_is_its_own() -> None:
+    """Batch-class requests count in the backlog and in ``bulk``; a fetch from one line leaves
+    the other's count and times alone; peers are taken to pull the interactive line first."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.arrived(s, 1.0, None, bulk=True)
+    view.arrived(s, 2.0, None, bulk=True)
+    view.arrived(s, 3.0, None)
+    view.arrived(s, 4.0, None)
+    assert (s.backlog, s.bulk, s.interactive) == (4, 2, 2)
+    assert s.oldest_enqueued_at == 1.0 and s.interactive_enqueued_at == 3.0
+    view.fetched(s, 2, pending=0)  # the interactive line, emptied
+    assert (s.backlog, s.bulk, s.interactive, s.interactive_enqueued_at, s.oldest_enqueued_at) == (2, 2, 0, None, 1.0)
+    view.arrived(s, 5.0, None)
+    view.fetched(s, 1, pending=1, bulk=True)  # one batch-class request taken, one left
+    assert (s.backlog, s.bulk, s.oldest_enqueued_at, s.interactive_enqueued_at) == (2, 1, 2.0, 5.0)
+    view.peer_took(s, "w2", 2, now=6.0)  # the interactive one first, then the batch one
+    assert (s.backlog, s.bulk) == (0, 0)
+    # The count: 3 stored on the batch line, 1 of them ours in flight; 1 interactive stored.
+    view.reconcile(s, 4, now=7.0, mine=1, not_ours=0, stored_bulk=3, mine_bulk=1)
+    assert (s.backlog, s.bulk, s.interactive) == (3, 2, 1)
+
+
+def test_the_feed_counts_a_batch_line_arrival_as_batch() -> None:
+    view, slots = _view("m1")
+    subjects = Subjects("jb")
+    feed = ArrivalFeed(None, subjects, slots, view, on_arrival=lambda: None)
+    feed.note(subjects.arrived("m1", "batch"), {"Nats-Time-Stamp": "2026-12-04T16:07:39.5Z"}, now=2e9)
+    feed.note(subjects.arrived("m1"), {}, now=2e9)
+    feed.note("jb.arrived.m1.bulk", {}, now=2e9)  # not a class: no model "m1.bulk"
+    assert (slots["m1"].backlog, slots["m1"].bulk) == (2, 1)
+
+
 def test_a_reconcile_sets_the_count_and_subtracts_what_workers_hold() -> None:
     view, slots = _view("m1")
     s = slots["m1"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -288,6 +290,60 @@ def test_bounded_waiting_when_capacity_is_spare(trace: list[tuple[float, str]], 
     workload = random_workload(trace, loads, 1, None)
     result = simulate(workload, "cost-aware")
     assert result.late_beyond_bound == 0, max(result.waits_s)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.floats(0, 60, allow_nan=False), st.sampled_from(["a", "b", "c", "d"]), st.booleans()), min_size=1, max_size=60),
+    st.tuples(*[st.floats(0.0, 0.3)] * 4),
+)
+def test_batch_class_work_keeps_the_bound_when_capacity_is_spare(trace: list[tuple[float, str, bool]], loads: tuple[float, ...]) -> None:
+    """The same spare capacity with two priority classes: interactive work going first never
+    makes any request, batch class included, wait past its bound."""
+    ordered = sorted(trace)
+    workload = random_workload([(t, m) for t, m, _ in ordered], loads, 1, None)
+    workload = dataclasses.replace(workload, interactive=tuple(i for _, _, i in ordered))
+    result = simulate(workload, "cost-aware")
+    assert result.late_beyond_bound == 0, max(result.waits_s)
+    assert result.completed == len(trace)
+
+
+def test_one_class_decides_as_no_classes() -> None:
+    """All interactive (as every request without the header) is the same as classes not told."""
+    untold = [ms("a", 40, oldest=0.0), ms("b", 3, oldest=-5.0, load=2.0), ms("c", 10, resident=True, oldest=1.0)]
+    told = [dataclasses.replace(m, interactive=m.backlog, interactive_enqueued_at=m.oldest_enqueued_at) for m in untold]
+    for current in (None, "c"):
+        for now in (2.0, 4.0, 9.0):
+            assert sched.make_policy("cost-aware").decide(state(untold, current, max_models=1), now) == sched.make_policy("cost-aware").decide(
+                state(told, current, max_models=1), now
+            )
+
+
+def test_a_queue_with_interactive_work_comes_before_a_batch_only_one() -> None:
+    """Same backlog, same age, same load cost: the one holding interactive requests goes next; a
+    batch-only queue past its bound still goes before interactive work within it."""
+    policy = sched.make_policy("cost-aware")
+    bulk = dataclasses.replace(ms("a", 8, oldest=0.0), interactive=0)
+    urgent = dataclasses.replace(ms("b", 8, oldest=0.0), interactive=1, interactive_enqueued_at=0.5)
+    d = policy.decide(state([bulk, urgent], None, max_models=1), now=1.0)
+    assert isinstance(d, sched.Load) and d.model == "b"
+    overdue = dataclasses.replace(ms("a", 8, oldest=-100.0, max_wait_s=5.0), interactive=0)
+    d = policy.decide(state([overdue, urgent], None, max_models=1), now=1.0)
+    assert isinstance(d, sched.Load) and (d.model, d.reason) == ("a", "overdue")
+
+
+def test_a_visit_serving_only_batch_work_yields_to_interactive_work_waiting_long() -> None:
+    policy = sched.make_policy("cost-aware", amortize=0.0, interactive_bound_share=0.5)
+    policy.on_loaded("a", 0.0)
+    current = dataclasses.replace(ms("a", 50, resident=True, oldest=0.0, max_wait_s=10.0), interactive=0)
+    waiting = dataclasses.replace(ms("b", 1, oldest=0.0, max_wait_s=10.0), interactive=1, interactive_enqueued_at=0.0)
+    early = policy.decide(state([current, waiting], "a", max_models=1), now=4.0)
+    assert isinstance(early, sched.Serve) and early.model == "a"  # under half its bound: the visit goes on
+    late = policy.decide(state([current, waiting], "a", max_models=1), now=6.0)
+    assert isinstance(late, sched.Load) and (late.model, late.reason) == ("b", "interactive")
+    with_own = dataclasses.replace(current, interactive=1, interactive_enqueued_at=5.9)
+    stays = policy.decide(state([with_own, waiting], "a", max_models=1), now=6.0)
+    assert isinstance(stays, sched.Serve) and stays.model == "a"  # its own interactive work first
 
 
 class _Watched(sched.CostAware):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.simulator import build_workload, load_workload, lower_bound, simulate
+from jetbatch.sidecar.simulator.report import format_table
 from jetbatch.sidecar.simulator.workloads import WorkloadError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +37,42 @@ def test_trace_workload(tmp_path: Path) -> None:
     )
     result = simulate(load_workload(tmp_path / "w.toml"), "cost-aware")
     assert result.completed == 3 and sorted(result.served_ids) == [0, 1, 2]
+
+
+def test_priority_classes_from_a_share_or_a_trace(tmp_path: Path) -> None:
+    """``interactive_share`` draws each request's class (the arrivals themselves unchanged); a
+    trace names each record's; the summary and the table report latency per class."""
+    raw = {"models": {"a": {"load_cost_s": 0.2}, "b": {"load_cost_s": 0.2}}, "arrivals": {"kind": "poisson", "rate": 20, "duration_s": 20, "seed": 4}}
+    plain = build_workload(raw)
+    classed = build_workload({**raw, "arrivals": {**raw["arrivals"], "interactive_share": 0.25}})
+    assert classed.arrivals == plain.arrivals and plain.interactive == ()
+    assert 0.1 < sum(classed.interactive) / len(classed.interactive) < 0.4
+    summary = simulate(classed, "cost-aware").summary(classed)
+    assert summary["by_class"]["interactive"]["completed"] == sum(classed.interactive)
+    assert summary["by_class"]["batch"]["completed"] == len(classed.interactive) - sum(classed.interactive)
+    assert any(line.startswith("cost-aware: batch p50") for line in format_table([summary], classed))
+    (tmp_path / "trace.jsonl").write_text('{"t": 0.5, "model": "a", "priority": "batch"}\n{"t": 0.0, "model": "b"}\n')
+    (tmp_path / "w.toml").write_text('[models.a]\nload_cost_s = 0.1\n[models.b]\nload_cost_s = 0.1\n[arrivals]\nkind = "trace"\npath = "trace.jsonl"\n')
+    traced = load_workload(tmp_path / "w.toml")
+    assert traced.arrivals == ((0.0, "b"), (0.5, "a")) and traced.interactive == (True, False)
+    (tmp_path / "trace.jsonl").write_text('{"t": 0.5, "model": "a", "priority": "urgent"}\n')
+    with pytest.raises(WorkloadError, match="line 1: priority must be one of interactive, batch"):
+        load_workload(tmp_path / "w.toml")
+
+
+def test_a_simulated_queue_serves_its_interactive_requests_first() -> None:
+    """As the live worker's two lines: a model's batch-class requests queued first still wait
+    behind its interactive ones."""
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    models = {"a": {"load_cost_s": 0.1, "max_batch_size": 2, "batch_cost_s": 0.1, "item_cost_s": 0.0}}
+    trace = [(0.0, "a")] * 4 + [(0.01, "a")] * 2
+    workload = replace(build_workload({"models": models}), arrivals=tuple(trace), interactive=(False,) * 4 + (True,) * 2, control=IDEAL_CONTROL)
+    result = simulate(workload, "cost-aware")
+    assert [b[3] for b in result.batches] == [2, 2, 2]
+    # The first batch formed after the interactive pair arrived is theirs.
+    waits = result.summary(workload)["by_class"]
+    assert waits["interactive"]["max_ms"] < waits["batch"]["max_ms"]
 
 
 def test_requests_that_cannot_finish_in_time_are_not_computed() -> None:

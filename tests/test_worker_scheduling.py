@@ -232,3 +232,39 @@ async def test_no_load_is_paid_for_a_queue_whose_callers_gave_up(nats_url: str, 
             await wait_until(lambda: worker.stats["reaped"] == 4, timeout_s=10)
         assert worker.stats["loads"] == 1  # only busy: late's callers were gone before it could load
         assert "late" not in worker.residency.resident_names()
+
+
+async def test_interactive_requests_of_a_model_go_before_its_batch_requests(nats_url: str, prefix: str) -> None:
+    """Batch-class requests queued first, interactive ones after: the worker takes the
+    interactive line first (every interactive batch before any batch-class one), and the batch
+    class is still served."""
+    config = make_config(prefix, {"m1": sleep_model(max_batch_size=2, max_concurrent_batches=1)})
+    await _prepare_streams(config, nats_url)
+    order: list[str] = []
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        results: dict[str, sdk.Result] = {}
+
+        async def send(name: str, priority: str) -> None:
+            results[name] = await client.infer_result(name.encode(), model="m1", timeout=30, priority=priority)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(send, f"b{i}", "batch")
+            await _queued(client, 6)
+            for i in range(4):
+                tg.start_soon(send, f"i{i}", "interactive")
+            await _queued(client, 10)
+            stored = await client.nats.jetstream().stream_info(client.subjects.models_stream, subjects_filter=client.subjects.models_wildcard)
+            assert stored.state.subjects == {client.subjects.model("m1"): 4, client.subjects.model("m1", "batch"): 6}
+            async with running_worker(config, nats_url, on_batch=lambda r: order.append(r.batch_id)):
+                await wait_until(lambda: len(results) == 10, timeout_s=20, what="all replies")
+    position = {r.request_id: order.index(r.batch.batch_id) for r in results.values()}
+    by_name = {name: position[r.request_id] for name, r in results.items()}
+    assert max(by_name[f"i{i}"] for i in range(4)) < min(by_name[f"b{i}"] for i in range(6))
+    assert all(r.output == name.encode() for name, r in results.items())
+
+
+async def test_a_bad_priority_is_refused_before_anything_is_sent(nats_url: str, prefix: str) -> None:
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        with pytest.raises(sdk.BadRequest, match="priority must be one of interactive, batch"):
+            await client.infer(b"x", model="m1", priority="urgent")

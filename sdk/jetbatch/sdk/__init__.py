@@ -23,7 +23,7 @@ from .errors import (
     StreamNotFound,
     UnknownModel,
 )
-from .protocol import BatchInfo, ContentType, ErrorCode, Headers, Subjects, Tensor
+from .protocol import BatchInfo, ContentType, ErrorCode, Headers, Priority, Subjects, Tensor
 
 __all__ = [
     "BadRequest",
@@ -41,6 +41,7 @@ __all__ = [
     "ModelFailed",
     "Overloaded",
     "PayloadTooLarge",
+    "Priority",
     "RequestTimeout",
     "Result",
     "StreamNotFound",

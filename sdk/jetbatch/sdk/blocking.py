@@ -9,7 +9,7 @@ from typing import Any, Coroutine, Iterable, Mapping, Sequence, TypeVar
 
 from .client import Client, Result
 from .errors import ClientClosed
-from .protocol import DEFAULT_PREFIX, ContentType
+from .protocol import DEFAULT_PREFIX, ContentType, Priority
 
 __all__ = ["BlockingClient"]
 
@@ -64,11 +64,12 @@ class BlockingClient:
         content_type: ContentType | str | None = None,
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        priority: Priority | str = Priority.INTERACTIVE,
     ) -> Any:
         """Blocking :meth:`Client.infer`."""
         return self._run(
             self._client.infer(
-                payload, model=model, timeout=timeout, content_type=content_type, request_id=request_id, headers=headers
+                payload, model=model, timeout=timeout, content_type=content_type, request_id=request_id, headers=headers, priority=priority
             )
         )
 

@@ -31,6 +31,7 @@ from .protocol import (
     BatchInfo,
     ContentType,
     Headers,
+    Priority,
     ProtocolError,
     Status,
     Subjects,
@@ -196,15 +197,19 @@ class Client:
         content_type: ContentType | str | None = None,
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        priority: Priority | str = Priority.INTERACTIVE,
     ) -> Any:
         """Submit one request and return its decoded output, or raise a typed :class:`JetbatchError`.
 
         ``model=None`` sends it to the classifier (``<prefix>.in``); a model name sends it straight
         to that model's queue. ``timeout`` (seconds) bounds the whole call and is also sent as the
         request's deadline, so the worker does not compute a request nobody waits for.
+        ``priority``: ``"interactive"`` (the default) or ``"batch"`` for work nobody waits on
+        (bulk jobs): a worker takes a model's interactive requests first and visits a model
+        with interactive work waiting sooner; batch requests keep the same bounded wait.
         """
         result = await self.infer_result(
-            payload, model=model, timeout=timeout, content_type=content_type, request_id=request_id, headers=headers
+            payload, model=model, timeout=timeout, content_type=content_type, request_id=request_id, headers=headers, priority=priority
         )
         return result.output
 
@@ -217,13 +222,14 @@ class Client:
         content_type: ContentType | str | None = None,
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        priority: Priority | str = Priority.INTERACTIVE,
     ) -> Result:
         """Like :meth:`infer`, but return a :class:`Result` with the batch metadata."""
         if self._closed:
             raise ClientClosed("client is closed")
         started = time.monotonic()
         rid = request_id or new_request_id()
-        subject, data, hdrs, timeout = self._outgoing(payload, rid, model, timeout, content_type, request_id is not None, headers)
+        subject, data, hdrs, timeout = self._outgoing(payload, rid, model, timeout, content_type, request_id is not None, headers, priority)
 
         if rid in self._pending:
             raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid)
@@ -271,7 +277,7 @@ class Client:
 
     def _outgoing(
         self, payload: Any, rid: str, model: str | None, timeout: float, content_type: ContentType | str | None,
-        own_id: bool, headers: Mapping[str, str] | None,
+        own_id: bool, headers: Mapping[str, str] | None, priority: Priority | str = Priority.INTERACTIVE,
     ) -> tuple[str, bytes, dict[str, str], float]:
         """The request as it goes out: its subject, body, headers and checked timeout. Everything
         the caller gave is checked here (typed ``BadRequest``), before anything is sent."""
@@ -279,10 +285,14 @@ class Client:
             if own_id:
                 validate_token(rid, "request id")  # it becomes the last token of the inbox and result subjects
             timeout = check_timeout(timeout)
+            try:
+                priority = Priority(priority)
+            except ValueError:
+                raise ProtocolError(f"priority must be one of {', '.join(p.value for p in Priority)}, got {priority!r}") from None
             if self._tenant is not None:
                 subject = self._subjects.tenant_ingress(self._tenant)
             else:
-                subject = self._subjects.ingress if model is None else self._subjects.model(model)
+                subject = self._subjects.ingress if model is None else self._subjects.model(model, priority)
             if model is not None:
                 validate_token(model, "model name")
             data, ctype = encode_payload(payload, content_type)
@@ -294,6 +304,8 @@ class Client:
         hdrs[Headers.REPLY_TO] = f"{self._inbox}.{rid}"
         hdrs[Headers.CONTENT_TYPE] = ctype.value
         hdrs.setdefault(Headers.DEADLINE, deadline_header(timeout))
+        if priority is Priority.BATCH:
+            hdrs[Headers.PRIORITY] = priority.value  # the classifier routes it to the model's batch line
         if model is not None and self._tenant is not None:
             hdrs[Headers.MODEL] = model  # to the classifier's ingress; a model's own subject says it already
         size = message_bytes(hdrs, data)
@@ -329,6 +341,7 @@ class Client:
         content_type: ContentType | str | None = None,
         max_in_flight: int = 1024,
         return_exceptions: bool = False,
+        priority: Priority | str = Priority.INTERACTIVE,
     ) -> list[Any]:
         """Submit many requests concurrently and return their outputs in order.
 
@@ -339,7 +352,7 @@ class Client:
 
         async def one(p: Any) -> Any:
             async with gate:
-                return await self.infer(p, model=model, timeout=timeout, content_type=content_type)
+                return await self.infer(p, model=model, timeout=timeout, content_type=content_type, priority=priority)
 
         return await asyncio.gather(*(one(p) for p in payloads), return_exceptions=return_exceptions)
 

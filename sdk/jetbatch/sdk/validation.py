@@ -12,7 +12,7 @@ __all__ = ["MAX_TIMEOUT_S", "check_timeout", "user_headers"]
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a deadline further out is a bug, not a request
 _HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}$")  # what NATS can carry as a header name
-_RESERVED_HEADERS = frozenset(h.lower() for h in (Headers.MSG_ID, Headers.REPLY_TO, Headers.TENANT))
+_RESERVED_HEADERS = frozenset(h.lower() for h in (Headers.MSG_ID, Headers.REPLY_TO, Headers.TENANT, Headers.PRIORITY))
 
 
 def check_timeout(timeout: Any) -> float:
@@ -33,6 +33,6 @@ def user_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
         if not isinstance(value, str):
             raise ProtocolError(f"header {key}: value must be a string, got {type(value).__name__}")
         if key.lower() in _RESERVED_HEADERS:
-            raise ProtocolError(f"header {key} is set by the SDK (use request_id= for the request id)")
+            raise ProtocolError(f"header {key} is set by the SDK (use request_id= for the request id, priority= for the class)")
         out[key] = value
     return out

@@ -130,7 +130,7 @@ async def cluster_view(
         for subject, count in (info.state.subjects or {}).items():
             model = subjects.model_from_subject(subject)
             if model:
-                backlog[model] = count
+                backlog[model] = backlog.get(model, 0) + count  # both classes' lines
     except TRANSPORT_ERRORS:
         pass
     return holders, backlog

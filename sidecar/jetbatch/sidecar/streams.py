@@ -25,7 +25,7 @@ from nats.js.api import (
 )
 
 from jetbatch.sdk import failures
-from jetbatch.sdk.protocol import Subjects
+from jetbatch.sdk.protocol import Priority, Subjects
 
 from .config import RepliesConfig, StreamsConfig
 from .errors import SidecarError
@@ -98,7 +98,7 @@ def models_stream_config(subjects: Subjects, cfg: StreamsConfig, models: Iterabl
     decision never asks the server about every registered model (docs/scaleout.md). Only stored
     messages are republished: a refused or deduplicated publish is no arrival.
     """
-    subjects_list = sorted({subjects.model(m) for m in models})
+    subjects_list = sorted({subjects.model(m, p) for m in models for p in Priority})
     config = _work_queue(subjects.models_stream, subjects_list, cfg, "jetbatch per-model queues")
     config.republish = RePublish(src=subjects.models_wildcard, dest=subjects.arrivals_wildcard, headers_only=True)
     return config
@@ -139,16 +139,19 @@ def _work_queue(name: str, subjects_list: list[str], cfg: StreamsConfig, descrip
     )
 
 
-def model_consumer_name(model: str) -> str:
-    return f"model-{model}"
+def model_consumer_name(model: str, priority: Priority | str = Priority.INTERACTIVE) -> str:
+    """The shared consumer of one model's queue of one class: ``model-<m>`` (interactive),
+    ``batch-<m>`` (batch; no model name can make one name the other's)."""
+    return f"model-{model}" if Priority(priority) is Priority.INTERACTIVE else f"batch-{model}"
 
 
 def classifier_consumer_name() -> str:
     return "classifier"
 
 
-def model_consumer_config(subjects: Subjects, cfg: StreamsConfig, model: str) -> ConsumerConfig:
-    """The durable pull consumer every worker shares for one model's queue.
+def model_consumer_config(subjects: Subjects, cfg: StreamsConfig, model: str, priority: Priority | str = Priority.INTERACTIVE) -> ConsumerConfig:
+    """The durable pull consumer every worker shares for one model's queue of one class (a
+    worker pulls the interactive one first).
 
     JetStream's own delivery limit is off (-1): a message that reaches it without an ack would
     stay in the work queue forever, unanswered and counted as backlog. The workers enforce
@@ -160,9 +163,8 @@ def model_consumer_config(subjects: Subjects, cfg: StreamsConfig, model: str) ->
     is the stream's, so nothing waiting is lost with the consumer; messages it had delivered but
     not seen acked are delivered again by the next one.
     """
-    config = _shared_pull_consumer(
-        model_consumer_name(model), f"jetbatch workers for model {model}", [subjects.model(model)], cfg, max_deliver=-1
-    )
+    name = model_consumer_name(model, priority)
+    config = _shared_pull_consumer(name, f"jetbatch workers for model {model} ({Priority(priority).value})", [subjects.model(model, priority)], cfg, max_deliver=-1)
     if cfg.consumers == "on-demand":
         config.inactive_threshold = cfg.consumer_idle_s
     return config
@@ -291,9 +293,11 @@ async def ensure_classifier_streams(
         raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?", transient=True) from exc
 
 
-async def ensure_model_consumer(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, model: str) -> None:
-    """Create or update the shared durable consumer for ``model``."""
-    await _ensure_consumer(js, subjects.models_stream, model_consumer_config(subjects, cfg, model))
+async def ensure_model_consumer(
+    js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, model: str, priority: Priority | str = Priority.INTERACTIVE
+) -> None:
+    """Create or update the shared durable consumer for ``model``'s queue of class ``priority``."""
+    await _ensure_consumer(js, subjects.models_stream, model_consumer_config(subjects, cfg, model, priority))
 
 
 async def ensure_model_consumers(

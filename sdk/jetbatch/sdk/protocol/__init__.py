@@ -16,6 +16,7 @@ from .names import (
     ContentType,
     ErrorCode,
     Headers,
+    Priority,
     ProtocolError,
     Status,
     Subjects,
@@ -50,6 +51,7 @@ from .requests import (
     message_bytes,
     new_request_id,
     parse_request_headers,
+    priority_from_headers,
 )
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "ReplyPolicy",
     "RequestMeta",
     "SidecarReport",
+    "Priority",
     "Status",
     "Subjects",
     "Tensor",
@@ -86,6 +89,7 @@ __all__ = [
     "message_bytes",
     "new_request_id",
     "parse_request_headers",
+    "priority_from_headers",
     "subject_matches",
     "validate_model_name",
     "validate_token",

@@ -18,6 +18,7 @@ class Headers:
     MSG_ID = "Nats-Msg-Id"  # request id; JetStream dedupes republished/retried messages on it
     REPLY_TO = "Jetbatch-Reply-To"  # caller's inbox; the JetStream publish reply field carries the PubAck
     DEADLINE = "Jetbatch-Deadline"  # absolute Unix time in integer milliseconds
+    PRIORITY = "Jetbatch-Priority"  # a Priority class; absent: interactive
     CONTENT_TYPE = "Content-Type"
     MODEL = "Jetbatch-Model"  # on requests to jetbatch.in: the producer's model choice; on replies: the model that served
     TRACEPARENT = "traceparent"
@@ -51,6 +52,19 @@ class Status(str, enum.Enum):
     ERROR = "error"
 
 
+class Priority(str, enum.Enum):
+    """A request's priority class (the ``Jetbatch-Priority`` header; absent means interactive).
+
+    Interactive requests weigh more when the worker chooses which model comes next, so a queue
+    with interactive work waiting is visited sooner; batch requests still get the same bounded
+    wait (see docs/scheduler.md). Two classes on purpose: each class a scheduler weighs is one
+    more way for its rules to fight, and two are what callers ask for (a person waiting, a job
+    that is not)."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
 class ErrorCode(str, enum.Enum):
     """Typed error codes carried by error replies (`Jetbatch-Status: error`)."""
 
@@ -80,6 +94,9 @@ class ProtocolError(JetbatchError, ValueError):
 
 
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# The last token of a batch-class queue subject (model names have no dots: unambiguous).
+BATCH_TOKEN = "batch"
+_BATCH_SUFFIX = "." + BATCH_TOKEN
 
 
 def validate_token(value: str, what: str) -> str:
@@ -152,9 +169,12 @@ class Subjects:
     def results_wildcard(self) -> str:
         return f"{self.prefix}.result.>"
 
-    def model(self, name: str) -> str:
-        """The per-model queue subject."""
-        return f"{self.prefix}.model.{validate_model_name(name)}"
+    def model(self, name: str, priority: "Priority | str" = "interactive") -> str:
+        """A model's queue subject: ``<prefix>.model.<name>`` for interactive requests,
+        ``<prefix>.model.<name>.batch`` for the batch class. Two subjects, so that JetStream keeps
+        the classes apart and a worker takes interactive requests first (docs/protocol.md)."""
+        base = f"{self.prefix}.model.{validate_model_name(name)}"
+        return base if Priority(priority) is Priority.INTERACTIVE else f"{base}.{BATCH_TOKEN}"
 
     @property
     def models_wildcard(self) -> str:
@@ -163,10 +183,15 @@ class Subjects:
     def model_from_subject(self, subject: str) -> str | None:
         return self._model_after("model", subject)
 
-    def arrived(self, name: str) -> str:
+    def queue_from_subject(self, subject: str) -> tuple[str, Priority] | None:
+        """The model and class of a queue subject (None for any other subject)."""
+        return self._queue_after("model", subject)
+
+    def arrived(self, name: str, priority: "Priority | str" = "interactive") -> str:
         """Where the models stream republishes the headers of each request it stored for ``name``
-        (no payload): the workers' event feed of arrivals."""
-        return f"{self.prefix}.arrived.{validate_model_name(name)}"
+        (no payload): the workers' event feed of arrivals (``.batch`` for the batch class)."""
+        base = f"{self.prefix}.arrived.{validate_model_name(name)}"
+        return base if Priority(priority) is Priority.INTERACTIVE else f"{base}.{BATCH_TOKEN}"
 
     @property
     def arrivals_wildcard(self) -> str:
@@ -174,6 +199,9 @@ class Subjects:
 
     def model_from_arrival(self, subject: str) -> str | None:
         return self._model_after("arrived", subject)
+
+    def queue_from_arrival(self, subject: str) -> tuple[str, Priority] | None:
+        return self._queue_after("arrived", subject)
 
     def taken(self, name: str) -> str:
         """Where workers tell each other they fetched (``+n``) or settled (``-n``) requests of
@@ -189,9 +217,21 @@ class Subjects:
         return self._model_after("taken", subject)
 
     def _model_after(self, kind: str, subject: str) -> str | None:
-        """The model token of ``<prefix>.<kind>.<model>`` (None for any other subject)."""
+        """The model token of ``<prefix>.<kind>.<model>`` (None for any other subject); for the
+        queue and arrival subjects, ``.batch`` after it is the class, not part of the name."""
         head = f"{self.prefix}.{kind}."
-        return subject[len(head) :] if subject.startswith(head) else None
+        if not subject.startswith(head):
+            return None
+        name = subject[len(head) :]
+        if kind in ("model", "arrived") and name.endswith(_BATCH_SUFFIX):
+            return name[: -len(_BATCH_SUFFIX)]
+        return name
+
+    def _queue_after(self, kind: str, subject: str) -> tuple[str, Priority] | None:
+        name = self._model_after(kind, subject)
+        if name is None:
+            return None
+        return name, Priority.BATCH if subject.endswith(_BATCH_SUFFIX) else Priority.INTERACTIVE
 
     def dead_letter(self, stage: str) -> str:
         return f"{self.prefix}.dlq.{stage}"

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .names import Headers, ProtocolError, validate_model_name, validate_token
+from .names import Headers, Priority, ProtocolError, validate_model_name, validate_token
 
 MAX_REPLY_SUBJECT_BYTES = 255  # far under the server's 4 KiB control line (subject + reply + sizes)
 MAX_CONTENT_TYPE_BYTES = 128
@@ -89,6 +89,7 @@ class RequestMeta:
     model: str | None
     tenant: str | None
     problem: str | None = None
+    priority: Priority = Priority.INTERACTIVE
 
 
 def new_request_id() -> str:
@@ -145,6 +146,13 @@ def parse_request_headers(
         except ProtocolError as exc:
             problems.append(f"header {Headers.MODEL}: {exc}")
             model = None
+    priority = Priority.INTERACTIVE
+    raw_priority = h.get(Headers.PRIORITY)
+    if raw_priority is not None:
+        try:
+            priority = Priority(raw_priority)
+        except ValueError:
+            problems.append(f"header {Headers.PRIORITY}: expected one of {', '.join(p.value for p in Priority)}, got {_shorten(raw_priority)!r}")
     traceparent = h.get(Headers.TRACEPARENT)
     if traceparent is not None and (len(traceparent) > MAX_TRACEPARENT_BYTES or not _TRACEPARENT_RE.match(traceparent)):
         problems.append(f"header {Headers.TRACEPARENT}: not a W3C trace context")
@@ -159,6 +167,7 @@ def parse_request_headers(
         model=model,
         tenant=tenant,
         problem="; ".join(problems) if problems else None,
+        priority=priority,
     )
 
 
@@ -170,6 +179,16 @@ def deadline_from_headers(headers: Mapping[str, str] | None) -> float | None:
     if not isinstance(raw, str) or not _DEADLINE_RE.match(raw):
         raise ProtocolError(f"header {Headers.DEADLINE}: expected Unix milliseconds as 1 to {MAX_DEADLINE_DIGITS} digits, got {_shorten(raw)!r}")
     return int(raw) / 1000.0
+
+
+def priority_from_headers(headers: Mapping[str, str] | None) -> Priority:
+    """A request's priority class for counting, never raising: absent is interactive, anything
+    malformed counts as batch (the request itself is refused as bad_request when parsed), so a
+    forged value can never rank above what a valid one could."""
+    raw = (headers or {}).get(Headers.PRIORITY)
+    if raw is None:
+        return Priority.INTERACTIVE
+    return Priority.BATCH if raw != Priority.INTERACTIVE.value else Priority.INTERACTIVE
 
 
 def forwardable_headers(headers: Mapping[str, str] | None) -> dict[str, str]:

@@ -265,7 +265,8 @@ class Classifier:
         if route.error is not None or route.model is None:
             return route.error or (ErrorCode.INTERNAL, "router returned neither a model nor an error")
         try:
-            subject = self.subjects.model(route.model)  # validates the name
+            # The request's class chooses the line (validates the name too).
+            subject = self.subjects.model(route.model, meta.priority)
         except ProtocolError as exc:
             return (ErrorCode.UNKNOWN_MODEL, f"router chose an invalid model name: {exc}")
         # Unchanged (reply-to, deadline, trace context), except: the tenant is the classifier's

@@ -18,7 +18,7 @@ from typing import Any
 
 from jetbatch.sdk import failures
 from jetbatch.sdk.connection import connect_nats
-from jetbatch.sdk.protocol import Headers, ProtocolError, Subjects, forwardable_headers
+from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, forwardable_headers
 
 from ..errors import TRANSPORT_ERRORS
 from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix
@@ -151,6 +151,6 @@ def _replayable(subjects: Subjects, subject: str) -> bool:
     try:
         if tenant is not None:
             return subject == subjects.tenant_ingress(tenant)
-        return model is not None and subject == subjects.model(model)
+        return model is not None and subject in (subjects.model(model, p) for p in Priority)
     except ProtocolError:  # not one token, or not a valid name
         return False

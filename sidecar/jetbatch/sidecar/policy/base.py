@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from .types import Decision, Load, ModelState, SchedulerState, Serve, fits
 
-__all__ = ["PolicyBase", "age", "best", "drain_seconds", "oldest"]
+__all__ = ["PolicyBase", "age", "best", "drain_seconds", "interactive", "interactive_age", "oldest"]
 
 
 def drain_seconds(m: ModelState, n: int) -> float:
@@ -29,6 +29,20 @@ def oldest(m: ModelState, now: float) -> float:
 
 def age(m: ModelState, now: float) -> float:
     return 0.0 if m.oldest_enqueued_at is None else max(0.0, now - m.oldest_enqueued_at)
+
+
+def interactive(m: ModelState) -> int:
+    """How many of ``m``'s waiting requests are interactive (all, when classes are not told)."""
+    return m.backlog if m.interactive is None else min(m.interactive, m.backlog)
+
+
+def interactive_age(m: ModelState, now: float) -> float:
+    """How long ``m``'s oldest interactive request has waited (0 when none waits)."""
+    if m.interactive is None:
+        return age(m, now)
+    if not interactive(m) or m.interactive_enqueued_at is None:
+        return 0.0
+    return max(0.0, now - m.interactive_enqueued_at)
 
 
 class PolicyBase:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import PolicyBase, age, best, oldest
+from .base import PolicyBase, age, best, interactive, interactive_age, oldest
 from .types import Budget, Decision, Idle, Load, ModelState, SchedulerState, Serve
 
 __all__ = ["CostAware"]
@@ -50,6 +50,13 @@ class CostAware(PolicyBase):
       until the load is amortised, so more memory cannot make it thrash. Nor does it shift the
       eviction onto a model worth more: when the model that should make room is mid-burst, the
       scheduler serves it first rather than evicting a costly model in steady use.
+    - **Priority classes.** An interactive request counts ``interactive_weight`` times a batch
+      request in the score (its queue comes up sooner), an overdue queue holding interactive work
+      goes before an overdue batch-only one, and a visit that serves only batch work yields, once
+      amortised, to a queue whose oldest interactive request has waited ``interactive_bound_share``
+      of its bound. Every class keeps the same wait bound, so batch work never starves; with one
+      class all of this scales every score alike and changes nothing. Within a queue requests
+      keep their arrival order (one consumer per model delivers in stream order).
     - **Gather window.** With ``gather_size`` > 0, wait until that many requests are queued in all
       or the oldest has waited ``gather_delay_s``.
     """
@@ -64,11 +71,17 @@ class CostAware(PolicyBase):
         max_utilisation: float = 0.95,
         gather_size: int = 0,
         gather_delay_s: float = 0.0,
+        interactive_weight: float = 8.0,
+        interactive_bound_share: float = 0.25,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
         if amortize < 0 or wait_cycles <= 0 or not 0 < max_utilisation < 1:
             raise ValueError("cost-aware needs amortize >= 0, wait_cycles > 0 and 0 < max_utilisation < 1")
+        if interactive_weight < 1 or not 0 < interactive_bound_share <= 1:
+            raise ValueError("cost-aware needs interactive_weight >= 1 and 0 < interactive_bound_share <= 1")
+        self.interactive_weight = interactive_weight
+        self.interactive_bound_share = interactive_bound_share
         self.amortize = amortize
         self.wait_cycles = wait_cycles
         self.max_utilisation = max_utilisation
@@ -137,6 +150,8 @@ class CostAware(PolicyBase):
         ageing and the deadline factor (see the class docstring)."""
         switch_s = 0.0 if m.resident else m.load_cost_s
         waited_s = m.backlog * (age(m, now) + 1e-3)  # about twice the queue's summed waiting
+        # Interactive requests count interactive_weight times (with one class: a common factor).
+        waited_s += (self.interactive_weight - 1.0) * interactive(m) * (interactive_age(m, now) + 1e-3)
         ageing = 1.0 + age(m, now) / self.bound_s(m, cycle_s)
         per_switch = waited_s / max(switch_s + m.batch_cost.batch_cost_s, 1e-6)
         return per_switch * ageing * self._deadline_factor(m, now, cycle_s, switch_s)
@@ -164,17 +179,29 @@ class CostAware(PolicyBase):
         overdue = [m for m in waiting if age(m, now) >= self.bound_s(m, cycle)]
         protected = frozenset(m.name for m in waiting if m.resident and not self.amortised(m))
         current = state.models.get(state.current) if state.current else None
+
+        def most_overdue(m: ModelState) -> tuple[bool, float, bool]:
+            return (interactive(m) > 0, age(m, now) / self.bound_s(m, cycle), m.resident)
+
         if current is not None and current.resident and current.backlog > 0:
             if current.name in protected:
                 return Serve(current.name, current.max_batch_size, "burst")
             others = [m for m in overdue if m.name != current.name]
+            if not others and interactive(current) == 0:
+                # Serving batch work only: interactive work waiting long elsewhere goes first.
+                others = [
+                    m for m in waiting
+                    if m.name != current.name and interactive(m) > 0
+                    and interactive_age(m, now) >= self.interactive_bound_share * self.bound_s(m, cycle)
+                ]  # fmt: skip
+                if others:
+                    target = best(others, lambda m: (interactive_age(m, now) / self.bound_s(m, cycle), m.resident))
+                    return self._visit(state, target, now, protected, cycle, "interactive")
             if not others:
                 return Serve(current.name, current.max_batch_size, "exhaustive")
-            target = best(others, lambda m: (age(m, now) / self.bound_s(m, cycle), m.resident))
-            return self._visit(state, target, now, protected, cycle, "overdue")
+            return self._visit(state, best(others, most_overdue), now, protected, cycle, "overdue")
         if overdue:
-            target = best(overdue, lambda m: (age(m, now) / self.bound_s(m, cycle), m.resident))
-            return self._visit(state, target, now, protected, cycle, "overdue")
+            return self._visit(state, best(overdue, most_overdue), now, protected, cycle, "overdue")
         target = best(waiting, lambda m: (self.score(m, now, cycle), m.resident, -oldest(m, now)))
         return self._visit(state, target, now, protected, cycle, "backlog")
 

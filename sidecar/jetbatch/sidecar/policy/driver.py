@@ -45,6 +45,8 @@ class QueueFacts:
     served_rps: float = 0.0  # what the peers that hold it drain
     deferred: bool = False  # nobody holds it and a peer is its first taker, for now
     pinned: bool = False  # configured to stay resident: never a victim
+    interactive: int | None = None  # of ``waiting``, the interactive class (None: not told apart)
+    interactive_enqueued_at: float | None = None  # the oldest interactive one's enqueue time
 
 
 def reload_tier(tier: Tier, reload_fits_host: bool) -> Tier:
@@ -76,6 +78,7 @@ class Driver:
         if not facts.deferred:
             backlog = self.share(facts.waiting, facts.served_rps, load_cost_s, resident=resident, max_batch_size=facts.max_batch_size)
         head = shared_head(facts.head_enqueued_at, now, facts.served_rps, resident_here=resident)
+        interactive = None if facts.interactive is None else min(facts.interactive, backlog)
         return ModelState(
             name=facts.name,
             backlog=backlog,
@@ -89,6 +92,9 @@ class Driver:
             max_wait_s=facts.max_wait_s,
             last_used_at=facts.last_used_at,
             pinned=facts.pinned,
+            interactive=interactive,
+            # Like the head, a queue peers drain is never urgent for us.
+            interactive_enqueued_at=shared_head(facts.interactive_enqueued_at, now, facts.served_rps, resident_here=resident) if interactive else None,
         )
 
     @staticmethod

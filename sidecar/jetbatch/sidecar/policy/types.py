@@ -32,6 +32,10 @@ class ModelState:
     earliest_deadline: float | None = None  # earliest request deadline among waiting requests, if known
     last_used_at: float | None = None  # when this model last served a batch (for LRU baselines)
     pinned: bool = False  # never evicted (configured `pin = true`)
+    # Of the backlog, requests of the interactive class (``Jetbatch-Priority``) and the oldest
+    # one's enqueue time. None: the caller does not tell classes apart, all count as interactive.
+    interactive: int | None = None
+    interactive_enqueued_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,47 @@ class _Request:
     model: str
     arrival: float
     deadline: float | None
+    interactive: bool = True
+
+
+class _Queue:
+    """One model's queue: two FIFO lines, interactive and batch, as the live worker's two
+    consumers per model (``<prefix>.model.<m>`` and ``<prefix>.model.<m>.batch``). A batch takes
+    the interactive line first."""
+
+    __slots__ = ("urgent", "bulk")
+
+    def __init__(self) -> None:
+        self.urgent: deque[_Request] = deque()
+        self.bulk: deque[_Request] = deque()
+
+    def __len__(self) -> int:
+        return len(self.urgent) + len(self.bulk)
+
+    def __bool__(self) -> bool:
+        return bool(self.urgent) or bool(self.bulk)
+
+    def append(self, r: _Request) -> None:
+        (self.urgent if r.interactive else self.bulk).append(r)
+
+    @property
+    def head(self) -> _Request:
+        """The oldest waiting request (deadlines are arrival + a per-model constant: also the
+        earliest deadline)."""
+        if self.urgent and self.bulk:
+            return self.urgent[0] if self.urgent[0].arrival <= self.bulk[0].arrival else self.bulk[0]
+        return self.urgent[0] if self.urgent else self.bulk[0]
+
+    @property
+    def next(self) -> _Request:
+        return self.urgent[0] if self.urgent else self.bulk[0]
+
+    def pop(self) -> _Request:
+        return self.urgent.popleft() if self.urgent else self.bulk.popleft()
+
+    def __iter__(self) -> Any:
+        yield from self.urgent
+        yield from self.bulk
 
 
 @dataclass(eq=False)
@@ -103,7 +144,9 @@ class _Sim:
         self.rng = random.Random(workload.seed)
         # The control plane's spread draws from its own stream: the device noise stays as it was.
         self.control_rng = random.Random(workload.seed + 7919)
-        self.queues: dict[str, deque[_Request]] = {name: deque() for name in workload.models}
+        self.queues: dict[str, _Queue] = {name: _Queue() for name in workload.models}
+        # Classes are told apart only when the workload gives them (else all are interactive).
+        self.classes = bool(workload.interactive)
         self.windows = {name: BatchWindow(m.max_batch_size, m.max_delay_s) for name, m in workload.models.items()}
         self.arrivals = list(workload.arrivals)
         self.next_arrival = 0
@@ -147,7 +190,8 @@ class _Sim:
         while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival][0] <= upto + 1e-12:
             at, model = self.arrivals[self.next_arrival]
             deadline = self.w.models[model].deadline_s
-            req = _Request(self.next_arrival, model, at, at + deadline if deadline is not None else None)
+            urgent = self.w.interactive[self.next_arrival] if self.classes else True
+            req = _Request(self.next_arrival, model, at, at + deadline if deadline is not None else None, urgent)
             self.queues[model].append(req)
             self.nonempty.add(model)
             self.arrival_log.append(req)
@@ -216,16 +260,16 @@ class _Sim:
                         p.id: (len(p.resident) + (1 if p.loading else 0), sum(self.w.models[r].memory_bytes for r in p.resident))
                         for p in self.workers
                     }
-                until = self._deferred_until(worker, name, q[0].arrival, worker.costs.load_cost_s(name, tier), slots)
+                until = self._deferred_until(worker, name, q.head.arrival, worker.costs.load_cost_s(name, tier), slots)
                 if until > self.t:
                     deferred = True
                     worker.defer_wake = min(worker.defer_wake, until)
             facts.append(QueueFacts(
                 name=name,
                 waiting=len(q),
-                head_enqueued_at=q[0].arrival if q else None,
+                head_enqueued_at=q.head.arrival if q else None,
                 # Deadlines are arrival + a per-model constant, so the queue's head has the earliest.
-                head_deadline=q[0].deadline if q else None,
+                head_deadline=q.head.deadline if q else None,
                 tier=tier,
                 reload_fits_host=resident and self._fits_host(name),  # keep_warm's rule
                 max_batch_size=m.max_batch_size,
@@ -234,6 +278,8 @@ class _Sim:
                 served_rps=served_by.get(name, 0.0),
                 deferred=deferred,
                 pinned=m.pin,
+                interactive=len(q.urgent) if self.classes else None,
+                interactive_enqueued_at=q.urgent[0].arrival if self.classes and q.urgent else None,
             ))  # fmt: skip
         order = None
         if worker.policy.name == "fifo":
@@ -321,16 +367,17 @@ class _Sim:
         limit = max(1, min(decision.max_items, m.max_batch_size))
         # As live: the window closes early enough for the earliest deadline (the head's: deadlines
         # are arrival + a per-model constant), given the batch's estimated time.
-        latest_start = q[0].deadline - worker.costs.deadline_estimate_s(decision.model, limit) if q[0].deadline is not None else None
-        close_at = window.close_at(q[0].arrival, q[0].arrival, latest_start)
+        head = q.head
+        latest_start = head.deadline - worker.costs.deadline_estimate_s(decision.model, limit) if head.deadline is not None else None
+        close_at = window.close_at(head.arrival, head.arrival, latest_start)
         if not window.should_close(min(len(q), limit), close_at, self.t) and len(q) < limit:
             self.wake(worker, max(min(close_at, self.next_arrival_at()), self.t + 1e-9))  # the window is open
             return
         batch: list[_Request] = []
         while q and len(batch) < limit:
-            if decision.before is not None and batch and q[0].arrival >= decision.before:
+            if decision.before is not None and batch and q.next.arrival >= decision.before:
                 break
-            batch.append(q.popleft())
+            batch.append(q.pop())
         if not q:
             self.nonempty.discard(decision.model)
         start = self.t + cost_s + self.control_s("batch_overhead_s")
@@ -374,6 +421,8 @@ class _Sim:
         self.result.waits_s.append(start - r.arrival)
         self.result.latencies_s.append(end - r.arrival)
         self.result.latency_by_model.setdefault(r.model, []).append(end - r.arrival)
+        if self.classes:
+            self.result.latency_by_class.setdefault("interactive" if r.interactive else "batch", []).append(end - r.arrival)
         self.result.completions.append((end, r.arrival))
 
     def load(self, worker: _Worker, decision: Load, cost_s: float = 0.0) -> None:
@@ -382,7 +431,7 @@ class _Sim:
             # As live: a queue whose callers have all given up is answered without a load.
             while q:
                 self.result.deadline_exceeded += 1
-                self._served(q.popleft(), None, None)
+                self._served(q.pop(), None, None)
             self.nonempty.discard(decision.model)
             self.result.reaped_queues += 1
             self.wake(worker, self.t + cost_s)

@@ -31,6 +31,7 @@ class SimResult:
     batches: list[tuple[float, float, str, int, bool]] = field(default_factory=list)  # start, end, model, size, loaded
     latencies_s: list[float] = field(default_factory=list)
     latency_by_model: dict[str, list[float]] = field(default_factory=dict)
+    latency_by_class: dict[str, list[float]] = field(default_factory=dict)  # when the workload gives classes
     waits_s: list[float] = field(default_factory=list)
     completions: list[tuple[float, float]] = field(default_factory=list)  # (completed at, arrived at)
     offered_s: float = 0.0  # the arrival window
@@ -78,6 +79,11 @@ class SimResult:
             "p99_ms_by_model": per_model,
             "worst_model_p99_ms": max(per_model.values()) if per_model else float("nan"),
         }
+        if self.latency_by_class:
+            out["by_class"] = {
+                c: {"completed": len(v), "p50_ms": _pct(v, 50) * 1000, "p99_ms": _pct(v, 99) * 1000, "max_ms": max(v) * 1000}
+                for c, v in sorted(self.latency_by_class.items())
+            }
         if workload.closed:
             bound = lower_bound(workload)
             out["lower_bound_s"] = bound
@@ -127,6 +133,11 @@ def format_table(rows: list[dict[str, Any]], workload: "Workload") -> list[str]:
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     if workload.closed and rows:
         lines.append(f"lower bound: {rows[0]['lower_bound_s']:.2f} s (every model loaded once, full batches)")
+    if any("by_class" in row for row in rows):
+        # Per priority class, one line per policy: p50 / p99 in seconds.
+        for row in rows:
+            parts = [f"{c} p50 {v['p50_ms'] / 1000:.2f} p99 {v['p99_ms'] / 1000:.2f}" for c, v in row.get("by_class", {}).items()]
+            lines.append(f"{row['policy']}: " + "; ".join(parts))
     return lines
 
 

@@ -41,7 +41,8 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     per_model = 64                      # burst: per model, interleaved m1, m2, ... m1, m2
     # poisson: rate (req/s) or utilization; duration_s; mix = {m1 = 0.5} or zipf = 1.1; seed
     # onoff:   as poisson, with on_s and off_s: arrivals only during on periods, at rate / duty
-    # trace:   path = "trace.jsonl" (lines {"t": seconds, "model": "m1"})
+    # trace:   path = "trace.jsonl" (lines {"t": seconds, "model": "m1"}, optionally "priority": "batch")
+    interactive_share = 0.2             # poisson/onoff/burst: the share of interactive requests (rest: batch)
 
 The keys ``load_s``, ``batch_fixed_s`` and ``batch_item_s`` of earlier releases still work, with a
 deprecation line on stderr.
@@ -60,6 +61,8 @@ from typing import Annotated, Any, Literal, Mapping, Sequence
 
 import msgspec
 from msgspec import Meta
+
+from jetbatch.sdk.protocol import Priority
 
 from ..config import DEFAULT_MAX_DELAY_S, describe_validation_error
 from ..errors import SidecarError
@@ -183,6 +186,9 @@ IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0, 0.0, 0.0)
 class Workload:
     models: dict[str, SimModel]
     arrivals: tuple[tuple[float, str], ...]  # (time, model), sorted by time
+    # Per arrival, whether it is of the interactive priority class; empty: classes not used
+    # (every request interactive, the default class).
+    interactive: tuple[bool, ...] = ()
     budget: Budget = Budget(max_models=1)
     closed: bool = False  # every request present at t=0 (a burst)
     resident_at_start: tuple[str, ...] = ()
@@ -276,6 +282,9 @@ class _ArrivalsSpec(_Spec):
     on_s: Annotated[float, Meta(ge=0.001)] | None = None
     off_s: Annotated[float, Meta(ge=0, le=1e6)] | None = None
     path: str | None = None
+    # The share of requests of the interactive priority class (the rest: batch), drawn per
+    # request with its own seed; a trace gives each record's "priority" instead.
+    interactive_share: Annotated[float, Meta(ge=0, le=1)] | None = None
 
 
 class _ControlSpec(_Spec):
@@ -337,7 +346,7 @@ def build_workload(raw: Any, base: Path = Path(".")) -> Workload:
     b = spec.budget or _BudgetSpec()
     budget = Budget(max_bytes=b.max_bytes, max_models=b.max_models if b.max_models is not None or b.max_bytes is not None else 1)
     try:
-        arrivals, closed, horizon = _arrivals(spec.arrivals, models, base)
+        arrivals, closed, horizon, interactive = _arrivals(spec.arrivals, models, base)
     except (ArithmeticError, ValueError) as exc:
         if isinstance(exc, WorkloadError):
             raise
@@ -353,6 +362,7 @@ def build_workload(raw: Any, base: Path = Path(".")) -> Workload:
     return Workload(
         models=models,
         arrivals=arrivals,
+        interactive=interactive,
         budget=budget,
         closed=closed,
         resident_at_start=tuple(start),
@@ -370,7 +380,23 @@ def build_workload(raw: Any, base: Path = Path(".")) -> Workload:
 _MAX_ARRIVALS = 20_000_000  # a workload that would not fit in memory is a typo, not a simulation
 
 
-def _arrivals(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tuple[tuple[tuple[float, str], ...], bool, float]:
+def _arrivals(
+    arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path
+) -> tuple[tuple[tuple[float, str], ...], bool, float, tuple[bool, ...]]:
+    """The arrivals, whether they are a closed burst, the window's end, and each arrival's class."""
+    if arr.kind == "trace":
+        if arr.interactive_share is not None:
+            raise WorkloadError("arrivals.interactive_share: a trace gives each record's \"priority\" instead")
+        return _trace(arr, models, base)
+    out, closed, horizon = _generated(arr, models)
+    if arr.interactive_share is None:
+        return out, closed, horizon, ()
+    # A stream of its own: the same arrivals with or without classes.
+    rng = random.Random(arr.seed + 104_729)
+    return out, closed, horizon, tuple(rng.random() < arr.interactive_share for _ in out)
+
+
+def _generated(arr: _ArrivalsSpec, models: dict[str, SimModel]) -> tuple[tuple[tuple[float, str], ...], bool, float]:
     names = list(models)
     if arr.kind == "burst":
         if arr.per_model * len(names) > _MAX_ARRIVALS:
@@ -414,28 +440,37 @@ def _arrivals(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tu
             if len(out) > _MAX_ARRIVALS:  # a burst rate the duty cycle made absurd
                 raise WorkloadError(f"arrivals: over {_MAX_ARRIVALS} requests (rate {rate:g}/s, on_s {on_s:g}, off_s {off_s:g})")
         return tuple(out), False, duration
-    # trace
+    raise AssertionError(arr.kind)
+
+
+def _trace(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tuple[tuple[tuple[float, str], ...], bool, float, tuple[bool, ...]]:
     if not arr.path:
         raise WorkloadError("arrivals.path: a trace needs the path of its file")
     try:
         lines = (base / arr.path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkloadError(f"arrivals.path: cannot read {arr.path}: {exc}") from None
-    out = []
+    out: list[tuple[float, str, bool]] = []
+    classes = False
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
             t, model = float(rec["t"]), str(rec["model"])
-        except (ValueError, KeyError, TypeError):
+            priority = str(rec.get("priority", Priority.INTERACTIVE.value))
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise WorkloadError(f"arrivals.path: line {n}: expected {{\"t\": seconds, \"model\": name}}") from None
+        if priority not in {p.value for p in Priority}:
+            raise WorkloadError(f"arrivals.path: line {n}: priority must be one of {', '.join(p.value for p in Priority)}")
+        classes = classes or "priority" in rec
         if model not in models:
             raise WorkloadError(f"arrivals.path: line {n}: unknown model {model!r}")
         if not t >= 0 or t == float("inf"):
             raise WorkloadError(f"arrivals.path: line {n}: t must be a finite number >= 0")
-        out.append((t, model))
-    return tuple(sorted(out)), False, 0.0
+        out.append((t, model, priority == Priority.INTERACTIVE.value))
+    out.sort()
+    return tuple((t, m) for t, m, _ in out), False, 0.0, tuple(i for _, _, i in out) if classes else ()
 
 
 def capacity_rps(models: dict[str, SimModel], weights: Sequence[float]) -> float:

@@ -43,7 +43,7 @@ class Batcher:
         *,
         poll_interval_s: float,
         on_trouble: Callable[[], None] | None = None,
-        on_fetched: Callable[[Slot, int, int | None], None] | None = None,
+        on_fetched: Callable[[Slot, int, int | None, bool], None] | None = None,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -52,19 +52,36 @@ class Batcher:
         self._stopping = stopping
         self.poll_interval_s = poll_interval_s
         self._on_trouble = on_trouble
-        # Told of every fetch that got messages (n, and what the consumer says is left): the
-        # queue view's count and head follow (sidecar/worker/queues.py).
+        # Told of every fetch that got messages (n, what the consumer says is left, and whether
+        # from the batch line): the queue view's count and head follow (sidecar/worker/queues.py).
         self._on_fetched = on_fetched
         self.late_s = _INITIAL_LATE_S
         self._clock = clock
         self._counters = Counters() if counters is None else counters
 
     async def fetch(self, slot: Slot, n: int, timeout_s: float) -> list[Msg]:
-        """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure."""
+        """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure. The
+        interactive line first; the batch line when the count says batch requests wait (first,
+        when no interactive one does), topped up from the other line without waiting long."""
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
+        lines = [False]
+        if slot.bulk_psub is not None and slot.bulk > 0:
+            lines = [True, False] if slot.interactive == 0 else [False, True]
+        msgs = await self._pull(slot, lines[0], n, timeout_s)
+        if len(lines) > 1 and len(msgs) < n and not self._stopping.is_set():
+            # The count says requests are stored there: they come within a round trip.
+            more = await self._pull(slot, lines[1], n - len(msgs), min(timeout_s, _STORED_WAIT_S))
+            if not more and lines[1] and self._on_fetched is not None:
+                # Nothing to deliver on the batch line: stop counting it until the next count (or
+                # every later fetch would wait on it).
+                self._on_fetched(slot, 0, 0, True)
+            msgs += more
+        return msgs
+
+    async def _pull(self, slot: Slot, bulk: bool, n: int, timeout_s: float) -> list[Msg]:
         started = self._clock()
-        pulled = await pull(slot.psub, n, timeout_s)
+        pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s)
         if pulled.closed:
             self._stopping.set()
             return []
@@ -82,7 +99,7 @@ class Batcher:
                 self._counters.sample("ready_fetch", self._clock() - started)
             pending = pending_after(msgs[-1])
             if self._on_fetched is not None:
-                self._on_fetched(slot, len(msgs), pending)
+                self._on_fetched(slot, len(msgs), pending, bulk)
             else:
                 slot.backlog = max(0, slot.backlog - len(msgs)) if pending is None else pending
         return msgs

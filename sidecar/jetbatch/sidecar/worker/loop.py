@@ -24,7 +24,7 @@ import anyio.abc
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from jetbatch.sdk.protocol import ErrorCode, SidecarReport, Subjects
+from jetbatch.sdk.protocol import ErrorCode, Priority, SidecarReport, Subjects
 
 from ..cluster import ClusterView
 from ..config import Config, ConfigError
@@ -115,7 +115,7 @@ class Worker:
             counters=self.stats,
             poll_interval_s=config.worker.poll_interval_ms / 1000.0,
             on_trouble=self._note_trouble,
-            on_fetched=self.queues.fetched,
+            on_fetched=lambda slot, n, pending, bulk: self.queues.fetched(slot, n, pending, bulk=bulk),
         )
         self.runner = BatchRunner(
             worker_id=self.worker_id,
@@ -258,6 +258,16 @@ class Worker:
                     slot.consumer_ready_at = now
                 if slot.psub is None:
                     slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
+                # The batch line's consumer: made once batch requests are seen (most models get none).
+                if slot.bulk > 0 or slot.bulk_consumer_ready_at is not None:
+                    stale = streams.consumers == "on-demand" and (slot.bulk_consumer_ready_at is None or now - slot.bulk_consumer_ready_at > streams.consumer_idle_s / 2)
+                    if slot.bulk_consumer_ready_at is None or stale:
+                        await ensure_model_consumer(self.js, self.subjects, streams, slot.name, Priority.BATCH)
+                        slot.bulk_consumer_ready_at = now
+                    if slot.bulk_psub is None:
+                        slot.bulk_psub = await self.js.pull_subscribe_bind(
+                            durable=model_consumer_name(slot.name, Priority.BATCH), stream=self.subjects.models_stream
+                        )
             except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
                 log.warning("consumer for %s not ready: %s", slot.name, exc)
                 self._note_trouble()
@@ -307,11 +317,12 @@ class Worker:
                 await self.residency.unload_all()
                 await self.arrivals.stop()
                 for slot in self.slots.values():
-                    if slot.psub is not None:
-                        try:
-                            await slot.psub.unsubscribe()
-                        except TRANSPORT_ERRORS + (ValueError,):
-                            pass
+                    for psub in (slot.psub, slot.bulk_psub):
+                        if psub is not None:
+                            try:
+                                await psub.unsubscribe()
+                            except TRANSPORT_ERRORS + (ValueError,):
+                                pass
 
     def report(self) -> SidecarReport:
         """What this worker reports: its status (the status subject, ``jetbatch status``) and its
@@ -343,8 +354,9 @@ class Worker:
         """Count every queue (one call), then schedule the next count: every poll interval while
         anything waits or runs, every ``idle_refresh_s`` otherwise (arrivals are events)."""
         mine = self.state.in_flight.by_model(self.subjects.model_from_subject)
+        mine_bulk = self.state.in_flight.by_model(self._bulk_model)
         not_ours = self.peers.not_ours(now)
-        ok = await self.queues.refresh(self.js, self.subjects, now, mine=mine, not_ours=not_ours)
+        ok = await self.queues.refresh(self.js, self.subjects, now, mine=mine, not_ours=not_ours, mine_bulk=mine_bulk)
         self.state.forget_before(now - RECENT_S)
         busy = bool(self.queues.waiting) or bool(self.state.in_flight)
         poll_s = self.config.worker.poll_interval_ms / 1000.0
@@ -352,6 +364,11 @@ class Worker:
         if not ok:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
+
+    def _bulk_model(self, subject: str) -> str | None:
+        """The model of a batch-line subject (None for an interactive one)."""
+        queue = self.subjects.queue_from_subject(subject)
+        return queue[0] if queue is not None and queue[1] is Priority.BATCH else None
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -446,16 +463,22 @@ class Worker:
         stored: left behind in the work queue, never to be delivered."""
         if slot.backlog <= 0:
             return
+        pending = ack_pending = 0
+        lines = [Priority.INTERACTIVE] + ([Priority.BATCH] if slot.bulk_psub is not None else [])
         try:
-            info = await self.js.consumer_info(self.subjects.models_stream, model_consumer_name(slot.name))
+            for line in lines:
+                info = await self.js.consumer_info(self.subjects.models_stream, model_consumer_name(slot.name, line))
+                if info.num_pending and not slot.missed_fetch:
+                    self.queues.fetched(slot, 0, int(info.num_pending), bulk=line is Priority.BATCH)
+                pending += int(info.num_pending or 0)
+                ack_pending += int(info.num_ack_pending or 0)
         except TRANSPORT_ERRORS:
             self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
             return
-        if info.num_pending and not slot.missed_fetch:
+        if pending and not slot.missed_fetch:
             slot.missed_fetch = True
-            self.queues.fetched(slot, 0, int(info.num_pending))
             return
-        unreachable = not info.num_ack_pending
+        unreachable = not ack_pending
         self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
 
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
@@ -604,5 +627,5 @@ def _make_slots(config: Config, device: Any) -> dict[str, Slot]:
 
 def _abandoned(slot: Slot, now: float) -> bool:
     """Every request waiting for ``slot`` is known and past its deadline: its callers have gone."""
-    known = slot.known_times
+    known = [*slot.known_times, *slot.known_bulk]
     return bool(known) and slot.backlog <= len(known) and slot.unknown_head_at is None and all(d is not None and d <= now for _, d in known)

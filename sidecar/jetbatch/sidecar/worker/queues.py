@@ -15,6 +15,10 @@ worker 50x slower than its simulator, and idle it burned a third of a core polli
   ack wait). When a fetch finds the queue empty although the count says otherwise, the rest is
   unfetchable (delivered elsewhere): it is held back from the backlog for one ack wait, by which
   every one of them is due again, and shrinks as they are acked.
+- **Two classes, two lines.** Interactive requests wait on ``<prefix>.model.<m>``, batch ones on
+  ``<prefix>.model.<m>.batch``, each a FIFO line with its own consumer; a worker pulls the
+  interactive line first, and so, the rules assume, do its peers. ``Slot.bulk`` counts the batch
+  line within the backlog, from the same events and the same bulk count.
 - **Ages come from the events.** Each queue keeps the stream timestamps of its newest waiting
   requests in order; the oldest of them is the queue's head. A head nobody saw arrive (requests
   stored before this worker started, or while it was disconnected) is read once with a direct
@@ -35,7 +39,7 @@ from typing import Any, Callable, Mapping
 
 from nats.aio.msg import Msg
 
-from jetbatch.sdk.protocol import ProtocolError, Subjects, deadline_from_headers
+from jetbatch.sdk.protocol import Priority, ProtocolError, Subjects, deadline_from_headers
 
 from ..errors import TRANSPORT_ERRORS
 from .counters import Counters
@@ -91,21 +95,30 @@ class QueueView:
 
     # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
 
-    def arrived(self, slot: Slot, enqueued_at: float, deadline: float | None) -> None:
-        """One request stored for ``slot``'s model."""
+    def arrived(self, slot: Slot, enqueued_at: float, deadline: float | None, *, bulk: bool = False) -> None:
+        """One request stored for ``slot``'s model (``bulk``: of the batch class)."""
         slot.backlog += 1
-        slot.known_times.append((enqueued_at, deadline))
-        if len(slot.known_times) > MAX_KNOWN_TIMES:
-            dropped, _ = slot.known_times.popleft()
+        known = slot.known_bulk if bulk else slot.known_times
+        if bulk:
+            slot.bulk += 1
+        known.append((enqueued_at, deadline))
+        if len(known) > MAX_KNOWN_TIMES:
+            dropped, _ = known.popleft()
             slot.unknown_head_at = dropped if slot.unknown_head_at is None else min(slot.unknown_head_at, dropped)
         if slot.backlog == 1 or slot.oldest_enqueued_at is None:
             self._set_head(slot)
         self.waiting.add(slot.name)
 
-    def fetched(self, slot: Slot, n: int, pending: int | None) -> None:
-        """This worker took ``n`` requests from the head; ``pending``: what the consumer says is
-        still undelivered (None: unknown). Stranded requests come back at the next reconcile."""
-        self._count(slot, max(0, slot.backlog - n) if pending is None else pending)
+    def fetched(self, slot: Slot, n: int, pending: int | None, *, bulk: bool = False) -> None:
+        """This worker took ``n`` requests from the head of one line (``bulk``: the batch one);
+        ``pending``: what its consumer says is still undelivered there (None: unknown). Stranded
+        requests come back at the next reconcile."""
+        line = slot.bulk if bulk else slot.interactive
+        left = max(0, line - n) if pending is None else pending
+        if bulk:
+            self._count(slot, slot.interactive + left, bulk=left)
+        else:
+            self._count(slot, left + slot.bulk)
 
     def peer_took(self, slot: Slot, peer: str, n: int, now: float) -> None:
         """A peer fetched ``n`` of the queue's requests (its take event): they leave this
@@ -116,7 +129,8 @@ class QueueView:
         held = self._peer_held.setdefault(slot.name, {})
         count = held.get(peer, (0, now))[0]
         held[peer] = (min(count + n, MAX_PEER_HELD), now)
-        self._count(slot, slot.backlog - n)
+        # Peers pull the interactive line first, as we do.
+        self._count(slot, slot.backlog - n, bulk=slot.bulk - max(0, n - slot.interactive))
 
     def peer_settled(self, name: str, peer: str, n: int, now: float) -> None:
         """A peer answered (or gave back) ``n`` requests it took."""
@@ -167,10 +181,13 @@ class QueueView:
                 slot.hold_until = max(since + ack_wait_s, now + RECHECK_S)
         self._count(slot, 0)
 
-    def reconcile(self, slot: Slot, stored: int, now: float, *, mine: int, not_ours: int) -> None:
-        """The server's count of ``slot``'s stored messages: the truth the events are checked against."""
+    def reconcile(
+        self, slot: Slot, stored: int, now: float, *, mine: int, not_ours: int, stored_bulk: int = 0, mine_bulk: int = 0
+    ) -> None:
+        """The server's count of ``slot``'s stored messages (``stored_bulk`` of them on the batch
+        line; ``mine_bulk`` of ours in flight from it): the truth the events are checked against."""
         available = max(0, stored - mine - not_ours)
-        slot.stranded = max(0, available - len(slot.known_times))  # an upper bound: arrivals not seen
+        slot.stranded = max(0, available - slot.known)  # an upper bound: arrivals not seen
         if slot.stranded == 0:
             slot.stranded_since = None
         elif slot.stranded_since is None:
@@ -179,24 +196,29 @@ class QueueView:
             slot.unfetchable = 0
         # Held-back messages leave the count as they are acked or redelivered to someone; the
         # arrivals seen since the hold are never among them (found_empty forgot the older ones).
-        slot.unfetchable = min(slot.unfetchable, max(0, available - len(slot.known_times)))
-        self._count(slot, available - slot.unfetchable)
+        slot.unfetchable = min(slot.unfetchable, max(0, available - slot.known))
+        # What peers hold is interactive first (they pull that line first): the batch line's
+        # stored messages, less ours, all wait.
+        self._count(slot, available - slot.unfetchable, bulk=max(0, stored_bulk - mine_bulk))
 
     def needs_head(self, slot: Slot) -> bool:
         """Whether the queue's head was never seen arriving (its age must be read once)."""
-        return slot.backlog > len(slot.known_times) and slot.unknown_head_at is None
+        return slot.backlog > slot.known and slot.unknown_head_at is None
 
     def set_unknown_head(self, slot: Slot, enqueued_at: float, deadline: float | None) -> None:
         slot.unknown_head_at = enqueued_at
         slot.unknown_head_deadline = deadline
         self._set_head(slot)
 
-    def _count(self, slot: Slot, backlog: int) -> None:
+    def _count(self, slot: Slot, backlog: int, *, bulk: int | None = None) -> None:
         slot.backlog = max(0, backlog)
-        # The known times describe the newest requests: drop the oldest beyond the count.
-        while len(slot.known_times) > slot.backlog:
+        slot.bulk = min(slot.bulk if bulk is None else max(0, bulk), slot.backlog)
+        # The known times describe each line's newest requests: drop the oldest beyond its count.
+        while len(slot.known_times) > slot.interactive:
             slot.known_times.popleft()
-        if slot.backlog <= len(slot.known_times):
+        while len(slot.known_bulk) > slot.bulk:
+            slot.known_bulk.popleft()
+        if slot.backlog <= slot.known:
             slot.unknown_head_at = None
             slot.unknown_head_deadline = None
         if slot.backlog == 0:
@@ -211,20 +233,25 @@ class QueueView:
             slot.oldest_enqueued_at = None
             slot.head_deadline = None
             return
-        if slot.backlog > len(slot.known_times):
+        if slot.backlog > slot.known:
             # Older requests than any seen arriving: their head, once read; until then the
             # oldest time seen stands in (an under-estimate of the age that lasts one reconcile).
             if slot.unknown_head_at is not None:
                 slot.oldest_enqueued_at = slot.unknown_head_at
                 slot.head_deadline = slot.unknown_head_deadline
                 return
-        if slot.known_times:
-            slot.oldest_enqueued_at, slot.head_deadline = slot.known_times[0]
+        heads = [known[0] for known in (slot.known_times, slot.known_bulk) if known]
+        if heads:
+            slot.oldest_enqueued_at = min(at for at, _ in heads)
+            deadlines = [d for _, d in heads if d is not None]
+            slot.head_deadline = min(deadlines) if deadlines else None
         # else: keep what was known (a count with no time yet: read at the next reconcile)
 
     # --- the I/O ------------------------------------------------------------------------------
 
-    async def refresh(self, js: Any, subjects: Subjects, now: float, *, mine: Mapping[str, int], not_ours: Mapping[str, int]) -> bool:
+    async def refresh(
+        self, js: Any, subjects: Subjects, now: float, *, mine: Mapping[str, int], not_ours: Mapping[str, int], mine_bulk: Mapping[str, int] = {}
+    ) -> bool:
         """Reconcile every queue with one stream-info call (and read a few unknown heads); False
         when JetStream did not answer (the view is kept as it was)."""
         try:
@@ -233,17 +260,22 @@ class QueueView:
             log.debug("stream info for the backlog failed: %r", exc)
             return False
         counts: dict[str, int] = {}
+        bulk: dict[str, int] = {}
         for subject, n in (getattr(info.state, "subjects", None) or {}).items():
-            name = subjects.model_from_subject(subject)
-            if name is not None:
-                counts[name] = int(n)
+            queue = subjects.queue_from_subject(subject)
+            if queue is not None:
+                counts[queue[0]] = counts.get(queue[0], 0) + int(n)
+                if queue[1] is Priority.BATCH:
+                    bulk[queue[0]] = int(n)
         # A model with no messages is absent from the answer: only those we thought non-empty, or
         # that hold something back, need their count set to zero.
         for name in set(counts) | self.waiting | {n for n, s in self._slots.items() if s.unfetchable}:
             slot = self._slots.get(name)
             if slot is not None:
                 peers = max(not_ours.get(name, 0), self.peers_hold(name, now))  # adverts lag: events are newer
-                self.reconcile(slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=peers)
+                self.reconcile(
+                    slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=peers, stored_bulk=bulk.get(name, 0), mine_bulk=mine_bulk.get(name, 0)
+                )
         reads = [s for s in (self._slots[n] for n in sorted(self.waiting)) if self.needs_head(s)][:MAX_HEAD_READS]
         for slot in reads:
             await self._read_head(js, subjects, slot, now)
@@ -252,8 +284,10 @@ class QueueView:
     async def _read_head(self, js: Any, subjects: Subjects, slot: Slot, now: float) -> None:
         """The first stored message of the model's subject: its enqueue time and deadline. It may
         be delivered already (in flight somewhere): an over-estimate of the age, on the safe side."""
+        # The line with requests nobody saw arrive (the interactive one when both have some).
+        priority = Priority.INTERACTIVE if slot.interactive > len(slot.known_times) else Priority.BATCH
         try:
-            raw = await js.get_msg(subjects.models_stream, seq=1, subject=subjects.model(slot.name), next=True)
+            raw = await js.get_msg(subjects.models_stream, seq=1, subject=subjects.model(slot.name, priority), next=True)
         except TRANSPORT_ERRORS:
             self.set_unknown_head(slot, now, None)
             return
@@ -318,8 +352,9 @@ class ArrivalFeed:
 
     def note(self, subject: str, headers: Mapping[str, str] | None, now: float | None = None) -> None:
         """Count one republished arrival (the subscription's callback, callable from tests)."""
-        slot = self._slots.get(self._subjects.model_from_arrival(subject) or "")
-        if slot is None:
+        queue = self._subjects.queue_from_arrival(subject)
+        slot = self._slots.get(queue[0]) if queue is not None else None
+        if slot is None or queue is None:
             return
         now = time.time() if now is None else now
         headers = headers or {}
@@ -328,7 +363,7 @@ class ArrivalFeed:
             deadline = deadline_from_headers(headers)
         except ProtocolError:
             deadline = None
-        self._view.arrived(slot, min(at, now) if at is not None else now, deadline)
+        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH)
         self.seen += 1
         if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
             self._counters.sample("arrival_delay", now - at)

@@ -90,17 +90,43 @@ class Slot:
     # such miss holds them back like any other (a fetch that never delivers must not spin).
     missed_fetch: bool = False
     stranded_since: float | None = None  # when the count first showed stranded messages
-    # Enqueue times (and deadlines) of the newest waiting requests, oldest first, from the
-    # arrival events; older waiting requests' head, when read (None: not known). See queues.py.
+    # Enqueue times (and deadlines) of the newest waiting interactive requests, oldest first,
+    # from the arrival events; the same for the batch class (``known_bulk``); older waiting
+    # requests' head, when read (None: not known). See queues.py.
     known_times: deque[tuple[float, float | None]] = field(default_factory=deque)
+    known_bulk: deque[tuple[float, float | None]] = field(default_factory=deque)
     unknown_head_at: float | None = None
     unknown_head_deadline: float | None = None
+    # Of the backlog, requests of the batch class (their own subject and consumer, pulled after
+    # the interactive ones): counted like the backlog, from events and the bulk count.
+    bulk: int = 0
+    bulk_psub: Any = None
     consumer_ready_at: float | None = None  # when this worker last made sure the consumer exists
+    bulk_consumer_ready_at: float | None = None  # the same for the batch-class consumer
     consumer_lock: anyio.Lock = field(default_factory=anyio.Lock)  # one creation at a time
 
     @property
     def resident(self) -> bool:
         return self.tier == "resident"
+
+    @property
+    def known(self) -> int:
+        """Waiting requests whose arrival this worker saw (both classes)."""
+        return len(self.known_times) + len(self.known_bulk)
+
+    @property
+    def interactive(self) -> int:
+        """Of the backlog, the interactive requests."""
+        return max(0, self.backlog - self.bulk)
+
+    @property
+    def interactive_enqueued_at(self) -> float | None:
+        """When the oldest waiting interactive request was enqueued (as far as known)."""
+        if self.interactive == 0:
+            return None
+        if self.interactive > len(self.known_times) and self.unknown_head_at is not None:
+            return self.unknown_head_at
+        return self.known_times[0][0] if self.known_times else self.oldest_enqueued_at
 
     def start_batch(self) -> None:
         self.in_flight += 1

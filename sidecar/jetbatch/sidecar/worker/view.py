@@ -98,6 +98,8 @@ def scheduler_state(
             served_rps=served.get(name, 0.0),
             deferred=name in deferred,
             pinned=slots[name].config.pin,
+            interactive=slots[name].interactive,
+            interactive_enqueued_at=slots[name].interactive_enqueued_at,
         )
         for name in names
     )
