@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import emit, processes, server
+from bench.scale import worker_stats
 from jetbatch import sdk
 from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.simulator import Workload, build_workload, simulate
@@ -168,11 +169,13 @@ def live(seed: int, share: float, duration_s: float, scale: float, timeout_s: fl
             config = write_config(Path(tmp), prefix, scale)
             with processes(config, nats.url, classifier=False, store_dir=Path(tmp) / f"store-{label}", http_port=-1):
                 lat = asyncio.run(replay(nats.url, prefix, trace, timeout_s))
+                stats = asyncio.run(worker_stats(nats.url, prefix))
             sim = simulate(trace, "cost-aware")
             sim_lat = _by_class(sim)
             out[label] = {
                 "live": {c: {"n": len(v), "p50_s": percentile(v, 0.5), "p99_s": percentile(v, 0.99)} for c, v in lat.items() if v and c != "failed"},
                 "failed": len(lat["failed"]),
+                "loads": {"live": stats.get("loads"), "simulated": sim.loads},
                 "simulated": {c: {"n": len(v), "p50_s": percentile(v, 0.5), "p99_s": percentile(v, 0.99)} for c, v in sim_lat.items()},
             }  # fmt: skip
     for side in ("live", "simulated"):

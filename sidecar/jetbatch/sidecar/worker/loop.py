@@ -373,6 +373,7 @@ class Worker:
     # --- the loop --------------------------------------------------------------------------
 
     async def _serve_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        revisited = False  # the last decision was a load put off until its victim was free
         while not self._stopping.is_set():
             now = time.time()
             if now >= self.state.next_refresh:
@@ -386,6 +387,7 @@ class Worker:
                     await self.residency.evict(self.slots[name], reason="idle")
                 continue
             decision = self.driver.decide(state, now)
+            revisited = revisited and isinstance(decision, Load)
             # What deciding costs (the simulator charges it too: Workload.control, bench/scale.py).
             self.stats.add("decisions")
             self.stats.add("decision_us", int((time.perf_counter() - started) * 1e6))
@@ -404,6 +406,16 @@ class Worker:
                 self.residency.prefetch(tg, exclude=slot.name, backlog_of=self.peers.share, candidates=sorted(self.queues.waiting))
                 await self._serve(tg, slot, decision)
             elif isinstance(decision, Load):
+                computing = [self.slots[n] for n in decision.evict if self.slots[n].computing]
+                if computing and not revisited:
+                    # Decided while the model to evict still computes (the next batch was
+                    # gathered early): requests that arrive meanwhile would be left for a whole
+                    # cycle. Decide again once it is free, with them counted, as the simulator
+                    # decides only when the device is free.
+                    for victim in computing:
+                        await victim.wait_model_free()
+                    revisited = True
+                    continue
                 await self._load(self.slots[decision.model], decision.evict, reason=decision.reason)
             else:
                 await self._idle(decision)
