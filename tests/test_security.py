@@ -69,11 +69,11 @@ def _server_config(tmp: Path) -> str:
     js_api = ["$JS.API.>", "$JS.ACK.>"]
 
     def tenant(name: str) -> str:
-        # A tenant: publish only to its own ingress (plus the stream lookup behind UnknownModel and
-        # the direct get of its own stored answers), read only its own inbox.
+        # A tenant: publish only to its own ingress and cancel subject (plus the stream lookup
+        # behind UnknownModel and the direct get of its own stored answers), read only its own inbox.
         return user(
             name,
-            [f"{PREFIX}.in.{name}", "$JS.API.STREAM.INFO.*", f"$JS.API.DIRECT.GET.SEC_RESULTS.{PREFIX}.result.{name}.>"],
+            [f"{PREFIX}.in.{name}", f"{PREFIX}.cancel.{name}", "$JS.API.STREAM.INFO.*", f"$JS.API.DIRECT.GET.SEC_RESULTS.{PREFIX}.result.{name}.>"],
             [f"_INBOX.{name}.>"],
         )
 
@@ -91,8 +91,8 @@ def _server_config(tmp: Path) -> str:
         # The sidecars' main identities: JetStream API and acks, queues and dead letters, never a caller's inbox.
         f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>'], ['_INBOX.classifier.>', f'{PREFIX}.status', '$SRV.>'])}\n"
         # The worker also listens to the models stream's republished arrivals (headers only),
-        # and tells its peers what it fetched and settled (jetbatch.taken.>).
-        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>', f'{PREFIX}.taken.>'], ['_INBOX.worker.>', f'{PREFIX}.status', '$SRV.>', f'{PREFIX}.arrived.>', f'{PREFIX}.taken.>'])}\n"
+        # tells its peers what it fetched and settled (jetbatch.taken.>), and hears cancels.
+        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>', f'{PREFIX}.taken.>'], ['_INBOX.worker.>', f'{PREFIX}.status', '$SRV.>', f'{PREFIX}.arrived.>', f'{PREFIX}.taken.>', f'{PREFIX}.cancel', f'{PREFIX}.cancel.*'])}\n"
         # An operator: asks `jetbatch status` and `nats micro`, reads only its own inbox.
         f"    {user('operator', [f'{PREFIX}.status', '$SRV.>'], ['_INBOX.operator.>'])}\n"
         f"    {replies('classifier-replies')}\n"
@@ -151,9 +151,12 @@ async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any
             # Its stored answers, by request id (the direct get its permissions allow).
             again = await client.infer_result({"x": 3}, timeout=20, request_id="sec-retry-1")
             assert (await client.infer_result({"x": 3}, timeout=20, request_id="sec-retry-1")).batch.batch_id == again.batch.batch_id
-            # Refused: straight to a model queue, or to another tenant's ingress.
+            # Refused: straight to a model queue, to another tenant's ingress, or cancelling another
+            # tenant's requests (its own cancel subject is allowed).
             await client.nats.publish(f"{PREFIX}.model.m1", b"direct")
             await client.nats.publish(f"{PREFIX}.in.other", b"impersonation")
+            await client.nats.publish(f"{PREFIX}.cancel.other", b"sec-retry-1")
+            await client.nats.publish(f"{PREFIX}.cancel.producer", b"no-such-request")
             # Refused: listening on another caller's inbox.
             await client.nats.subscribe("_INBOX.other.>")
             await wait_until(lambda: any("subscription" in e.lower() for e in errors), what="the server's -ERR")
@@ -170,6 +173,8 @@ async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any
             await op.close()
     assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.model.m1" in e for e in errors), errors
     assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.in.other" in e for e in errors), errors
+    assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.cancel.other" in e for e in errors), errors
+    assert not any(f"{PREFIX}.cancel.producer" in e for e in errors), errors
     assert any("permissions violation for subscription" in e.lower() and "_inbox.other" in e.lower() for e in errors), errors
     for secret in SECRETS.values():
         assert secret not in caplog.text  # never logged

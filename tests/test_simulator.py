@@ -269,8 +269,10 @@ def test_refused_requests_count_as_demand_in_the_simulator_as_they_do_live() -> 
     policy.on_batch_done = spy  # type: ignore[method-assign]
     raw = {"models": {"a": {"load_cost_s": 0.0, "batch_cost_s": 0.5, "item_cost_s": 0.0, "deadline_s": 0.3}},
            "arrivals": {"kind": "poisson", "rate": 1.0, "duration_s": 20, "seed": 2}}  # fmt: skip
-    result = simulate(build_workload(raw), policy)
-    assert result.deadline_exceeded > 0
+    # Resident from the start: no load to decide, so no queue is reaped before one (which is
+    # answered without a batch, live as simulated).
+    result = simulate(replace(build_workload(raw), resident_at_start=("a",)), policy)
+    assert result.deadline_exceeded > 0 and result.reaped_queues == 0
     assert sum(told) == result.completed + result.deadline_exceeded  # every request taken was told
 
 

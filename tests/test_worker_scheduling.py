@@ -13,7 +13,7 @@ import pytest
 from jetbatch import sdk
 from jetbatch.sidecar.config import Config
 from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams
-from tests.helpers import make_config, running_worker, sleep_model, wait_until
+from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -268,3 +268,59 @@ async def test_a_bad_priority_is_refused_before_anything_is_sent(nats_url: str, 
     async with sdk.Client.connect(nats_url, prefix=prefix) as client:
         with pytest.raises(sdk.BadRequest, match="priority must be one of interactive, batch"):
             await client.infer(b"x", model="m1", priority="urgent")
+
+
+async def _cancel_once_queued(client: sdk.Client, call: Any, queued: int) -> None:
+    """Start ``call`` (an infer), wait until its request sits in the models stream, cancel it."""
+    task = asyncio.ensure_future(call)
+    await _queued(client, queued)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_cancelled_caller_costs_no_load_and_no_compute(nats_url: str, prefix: str) -> None:
+    """A caller cancels while the device is busy with another model: its model is never loaded,
+    the request is answered ``cancelled`` (stored: a retry under its id learns it); a cancelled
+    request of the resident model is answered in its batch without being computed."""
+    busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": 1.0, "item_cost_s": 0.0})
+    late = sleep_model(options={"load_cost_s": 0.0, "batch_cost_s": 0.0, "item_cost_s": 0.0})
+    config = make_config(prefix, {"busy": busy, "late": late}, worker={"max_resident_models": 1})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            hold = asyncio.ensure_future(client.infer(b"b1", model="busy", timeout=30))
+            await wait_until(lambda: worker.stats["loads"] == 1, timeout_s=10)  # busy computes its first batch
+            # Stored counts: b1 (in flight until acked), then b2, then x.
+            await _cancel_once_queued(client, client.infer(b"b2", model="busy", timeout=30, request_id="gone-busy"), 2)
+            await _cancel_once_queued(client, client.infer(b"x", model="late", timeout=30, request_id="gone-late"), 3)
+            await wait_until(lambda: worker.stats["cancels_heard"] == 2, timeout_s=10, what="both notices")
+            assert await hold == b"b1"
+            await wait_until(lambda: worker.stats["reaped"] == 1 and worker.stats["cancelled"] == 1, timeout_s=10)
+            for rid in ("gone-busy", "gone-late"):
+                with pytest.raises(sdk.Cancelled, match="cancelled by its caller"):
+                    await client.infer(b"again", model="busy", timeout=10, request_id=rid)
+        assert worker.stats["loads"] == 1  # late was never loaded
+
+
+async def test_a_cancel_reaches_only_its_own_tenants_requests(nats_url: str, prefix: str) -> None:
+    """Tenant app1's request: a notice on another tenant's cancel subject (or the plain one)
+    under its id changes nothing; one on app1's own cancels it."""
+    busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": 1.0, "item_cost_s": 0.0})
+    config = make_config(
+        prefix, {"busy": busy, "m1": sleep_model()}, worker={"max_resident_models": 1}, classifier={"router": "rules", "rules": [], "default_model": "m1"}
+    )
+    async with running_worker(config, nats_url) as worker, running_classifier(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as other, sdk.Client.connect(nats_url, prefix=prefix, tenant="app1") as app1:
+            hold = asyncio.ensure_future(other.infer(b"b1", model="busy", timeout=30))
+            await wait_until(lambda: worker.stats["loads"] == 1, timeout_s=10)
+            kept = asyncio.ensure_future(app1.infer(b"keep", timeout=30, request_id="r-keep"))
+            gone = asyncio.ensure_future(app1.infer(b"gone", timeout=30, request_id="r-gone"))
+            await _queued(other, 3)  # b1 in flight, both of app1's routed
+            for subject in (config.subjects.cancel("app2"), config.subjects.cancel()):
+                await other.nats.publish(subject, b"r-keep")
+            await app1.nats.publish(config.subjects.cancel("app1"), b"r-gone")
+            await wait_until(lambda: worker.stats["cancels_heard"] == 3, timeout_s=10, what="three notices")
+            assert await hold == b"b1"
+            assert await kept == b"keep"
+            with pytest.raises(sdk.Cancelled):
+                await gone

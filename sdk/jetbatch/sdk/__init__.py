@@ -11,6 +11,7 @@ from .blocking import BlockingClient
 from .client import Client, Result
 from .errors import (
     BadRequest,
+    Cancelled,
     ClientClosed,
     ConnectionFailed,
     DeadlineExceeded,
@@ -29,6 +30,7 @@ __all__ = [
     "BadRequest",
     "BatchInfo",
     "BlockingClient",
+    "Cancelled",
     "Client",
     "ClientClosed",
     "ConnectionFailed",

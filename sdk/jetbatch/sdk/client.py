@@ -269,6 +269,13 @@ class Client:
             if span is not None:
                 _telemetry.record_error(span, exc, exc.code or type(exc).__name__)
             raise
+        except asyncio.CancelledError:
+            status = "cancelled"
+            # The caller's task was cancelled: tell the workers, so they neither compute it nor
+            # load a model for it. Its deadline would tell them too, but only when it comes.
+            # Sent also while the publish was in flight: it may have been stored.
+            self._spawn(self._send_cancel(rid))
+            raise
         finally:
             self._pending.pop(rid, None)
             if not fut.done():
@@ -442,6 +449,13 @@ class Client:
         self._on_reply_sync(msg)
 
     # --- the results store: answers that a disconnect or a retry made us miss ------------------
+
+    async def _send_cancel(self, rid: str) -> None:
+        """Best effort (core NATS): a lost cancel leaves the request to its deadline."""
+        try:
+            await self._nc.publish(self._subjects.cancel(self._tenant), rid.encode())
+        except failures.TRANSPORT_ERRORS:
+            pass
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -74,6 +74,13 @@ class DeadlineExceeded(JetbatchError):
     code = "deadline_exceeded"
 
 
+class Cancelled(JetbatchError):
+    """The caller cancelled the request before it was computed; it was not run. A caller that
+    cancelled is gone, so this is what a retry under the same request id finds in the store."""
+
+    code = "cancelled"
+
+
 class ModelFailed(JetbatchError):
     """The model's handler raised while serving this request."""
 
@@ -96,6 +103,7 @@ _BY_CODE: dict[str, type[JetbatchError]] = {
     "bad_request": BadRequest,
     "unknown_model": UnknownModel,
     "deadline_exceeded": DeadlineExceeded,
+    "cancelled": Cancelled,
     "model_failed": ModelFailed,
     "overloaded": Overloaded,
     "internal": InternalError,

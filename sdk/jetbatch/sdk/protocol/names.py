@@ -71,6 +71,7 @@ class ErrorCode(str, enum.Enum):
     BAD_REQUEST = "bad_request"
     UNKNOWN_MODEL = "unknown_model"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
     MODEL_FAILED = "model_failed"
     OVERLOADED = "overloaded"
     INTERNAL = "internal"
@@ -232,6 +233,28 @@ class Subjects:
         if name is None:
             return None
         return name, Priority.BATCH if subject.endswith(_BATCH_SUFFIX) else Priority.INTERACTIVE
+
+    def cancel(self, tenant: str | None = None) -> str:
+        """Where a caller that gave up says so (core NATS, the request id as the body):
+        ``<prefix>.cancel``, or ``<prefix>.cancel.<tenant>``, which the server's permissions tie
+        to the tenant's identity; a worker cancels only requests of the tenant of the subject."""
+        if tenant:
+            return f"{self.prefix}.cancel.{validate_token(tenant, 'tenant')}"
+        return f"{self.prefix}.cancel"
+
+    @property
+    def cancel_wildcard(self) -> str:
+        """Every tenant's cancel subject (``<prefix>.cancel`` itself needs its own subscription)."""
+        return f"{self.prefix}.cancel.*"
+
+    def tenant_from_cancel(self, subject: str) -> tuple[bool, str | None]:
+        """(is a cancel subject, its tenant or None for ``<prefix>.cancel``)."""
+        if subject == f"{self.prefix}.cancel":
+            return True, None
+        head = f"{self.prefix}.cancel."
+        if subject.startswith(head) and _TOKEN_RE.match(subject[len(head) :]):
+            return True, subject[len(head) :]
+        return False, None
 
     def dead_letter(self, stage: str) -> str:
         return f"{self.prefix}.dlq.{stage}"

@@ -22,6 +22,7 @@ from typing import Iterable, Mapping
 from .costs import CostEstimator, Tier
 from .scheduling import Budget, Decision, ModelState, Policy, SchedulerState
 from .share import effective_backlog, join_horizon_s, shared_head
+from .window import cannot_finish
 
 __all__ = ["Driver", "QueueFacts", "reload_tier"]
 
@@ -112,6 +113,23 @@ class Driver:
             if since is not None and now - since >= limit:
                 out.append(name)
         return sorted(out)
+
+    def callers_gone(
+        self, model: str, tier: Tier, waiting: Iterable[tuple[float | None, bool]], now: float, *, probe: bool = False
+    ) -> tuple[bool, float]:
+        """Just before a load of ``model`` (from ``tier``): whether every waiting request's caller
+        is gone or will be before it could be answered, so the load would serve nobody.
+        ``waiting``: each request's deadline and whether its caller cancelled it. A request is
+        gone when cancelled, or when its deadline passes before the load and one batch would end
+        (the estimates; ``probe``: only deadlines already passed, so that an inflated estimate
+        cannot lock a model out for good). Returns the verdict and the horizon used."""
+        horizon_s = 0.0 if probe else self.costs.load_cost_s(model, tier) + self.costs.deadline_estimate_s(model, 1)
+        seen = False
+        for deadline, cancelled in waiting:
+            seen = True
+            if not cancelled and not cannot_finish(deadline, now, horizon_s):
+                return False, horizon_s
+        return seen, horizon_s
 
     @staticmethod
     def share(waiting: int, served_rps: float, load_cost_s: float, *, resident: bool, max_batch_size: int) -> int:

@@ -64,6 +64,10 @@ class _Request:
     arrival: float
     deadline: float | None
     interactive: bool = True
+    cancel_at: float = math.inf  # when its caller cancels (the SDK's cancel notice), if ever
+
+    def gone(self, now: float) -> bool:
+        return self.cancel_at <= now
 
 
 class _Queue:
@@ -123,6 +127,7 @@ class _Worker:
     defer_wake: float = math.inf  # when the first queue left to a first-taking peer is ours too
     resident_since: dict[str, float] = field(default_factory=dict)  # model -> when it last became resident
     idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
+    reaped_on_prediction: dict[str, int] = field(default_factory=dict)  # loads in a row not paid on the estimates
 
     @property
     def id(self) -> str:
@@ -191,7 +196,8 @@ class _Sim:
             at, model = self.arrivals[self.next_arrival]
             deadline = self.w.models[model].deadline_s
             urgent = self.w.interactive[self.next_arrival] if self.classes else True
-            req = _Request(self.next_arrival, model, at, at + deadline if deadline is not None else None, urgent)
+            cancel = self.w.models[model].cancel_after_s
+            req = _Request(self.next_arrival, model, at, at + deadline if deadline is not None else None, urgent, at + cancel if cancel is not None else math.inf)
             self.queues[model].append(req)
             self.nonempty.add(model)
             self.arrival_log.append(req)
@@ -385,11 +391,15 @@ class _Sim:
         # batches in a row were refused whole on one.
         refusals = worker.refused_on_prediction.get(decision.model, 0)
         predicted_s = 0.0 if refusals >= PROBE_AFTER_REFUSALS else worker.costs.deadline_estimate_s(decision.model, len(batch))
-        live = [r for r in batch if not cannot_finish(r.deadline, start, predicted_s)]
-        worker.refused_on_prediction[decision.model] = refusals + 1 if not live and predicted_s > 0 else 0
+        gone = [r for r in batch if r.gone(self.t)]
+        live = [r for r in batch if not cannot_finish(r.deadline, start, predicted_s) and not r.gone(self.t)]
+        worker.refused_on_prediction[decision.model] = refusals + 1 if not live and len(gone) < len(batch) and predicted_s > 0 else 0
         for r in batch:
             if r not in live:
-                self.result.deadline_exceeded += 1
+                if r.gone(self.t):
+                    self.result.cancelled += 1
+                else:
+                    self.result.deadline_exceeded += 1
                 self._served(r, None, None)
         if not live:
             # As live: a batch refused whole still counts as demand and as use of the model.
@@ -427,15 +437,29 @@ class _Sim:
 
     def load(self, worker: _Worker, decision: Load, cost_s: float = 0.0) -> None:
         q = self.queues[decision.model]
-        if q and decision.model not in worker.resident and all(r.deadline is not None and r.deadline <= self.t for r in q):
-            # As live: a queue whose callers have all given up is answered without a load.
-            while q:
-                self.result.deadline_exceeded += 1
-                self._served(q.pop(), None, None)
-            self.nonempty.discard(decision.model)
-            self.result.reaped_queues += 1
-            self.wake(worker, self.t + cost_s)
-            return
+        if q and decision.model not in worker.resident:
+            # As live: a queue whose callers are all gone, or will be before the load and a batch
+            # end (the estimates; only passed deadlines after PROBE_AFTER_REFUSALS such reaps in
+            # a row), is answered without a load.
+            tier = "warm" if decision.model in worker.warm else "cold"
+            probe = worker.reaped_on_prediction.get(decision.model, 0) >= PROBE_AFTER_REFUSALS
+            waiting = [(r.deadline, r.gone(self.t)) for r in q]
+            gone, _ = worker.driver.callers_gone(decision.model, tier, waiting, self.t, probe=probe)
+            if gone:
+                predicted = any(not c and d is not None and d > self.t for d, c in waiting)
+                worker.reaped_on_prediction[decision.model] = worker.reaped_on_prediction.get(decision.model, 0) + 1 if predicted else 0
+                while q:
+                    r = q.pop()
+                    if r.gone(self.t):
+                        self.result.cancelled += 1
+                    else:
+                        self.result.deadline_exceeded += 1
+                    self._served(r, None, None)
+                self.nonempty.discard(decision.model)
+                self.result.reaped_queues += 1
+                self.wake(worker, self.t + cost_s)
+                return
+            worker.reaped_on_prediction[decision.model] = 0
         if any(p.loading == decision.model for p in self.workers if p is not worker):
             # Another worker holds the load claim: stand back until its load ends.
             self.wake(worker, max(p.busy_until for p in self.workers if p.loading == decision.model) + 1e-6)

@@ -41,6 +41,7 @@ class SimResult:
     late_beyond_bound: int = 0  # requests whose wait exceeded max_wait + one load + one batch
     idle_unloads: int = 0  # resident models evicted for idleness (models.<m>.idle_unload_s)
     reaped_queues: int = 0  # queues whose callers had all given up, answered without a load
+    cancelled: int = 0  # requests not computed because their callers cancelled them
 
     def percentile_ms(self, q: float) -> float:
         return _pct(self.latencies_s, q) * 1000
@@ -67,6 +68,7 @@ class SimResult:
             "loads": self.loads,
             "idle_unloads": self.idle_unloads,
             "reaped_queues": self.reaped_queues,
+            "cancelled": self.cancelled,
             "loads_per_minute": self.loads / (self.makespan_s / 60) if self.makespan_s else 0.0,
             "load_seconds": self.load_seconds,
             "mean_batch": statistics.mean(b[3] for b in self.batches) if self.batches else 0.0,

@@ -35,6 +35,7 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     max_wait_s = 10.0                   # floor of the wait bound (default: from the traffic)
     memory_bytes = 1
     deadline_s = 5.0                    # each request's deadline after its arrival (optional)
+    cancel_after_s = 1.0                # each caller cancels this long after its arrival (optional)
     configured_load_cost_s = 0.5        # what the configuration tells the estimator (default: true)
     [arrivals]
     kind = "burst"                      # burst | poisson | onoff | trace
@@ -90,6 +91,7 @@ class SimModel:
     max_delay_s: float = DEFAULT_MAX_DELAY_S  # the worker's default (config.ModelConfig)
     warm_load_cost_s: float | None = None  # None: a tenth of the cold load
     deadline_s: float | None = None
+    cancel_after_s: float | None = None  # each caller cancels this long after its arrival (the SDK's cancel)
     configured_load_cost_s: float | None = None
     configured_batch_cost_s: float | None = None
     configured_item_cost_s: float | None = None
@@ -243,6 +245,7 @@ class _ModelSpec(_Spec):
     max_delay_s: _NonNeg = DEFAULT_MAX_DELAY_S
     warm_load_cost_s: _NonNeg | None = None
     deadline_s: _Positive | None = None
+    cancel_after_s: _NonNeg | None = None
     configured_load_cost_s: _NonNeg | None = None
     configured_batch_cost_s: _NonNeg | None = None
     configured_item_cost_s: _NonNeg | None = None

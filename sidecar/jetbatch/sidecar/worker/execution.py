@@ -52,10 +52,12 @@ class BatchRunner:
         device_lock: anyio.Lock,
         on_batch: Callable[[BatchReport], None] | None = None,
         clock: Callable[[], float] = time.time,
+        cancelled: Callable[[str | None, str], bool] = lambda tenant, request_id: False,
     ) -> None:
         """``clock``: wall-clock seconds, the scale of deadlines and enqueue times (tests pass a
         fake one); a batch's compute time is measured with the performance counter."""
         self._clock = clock
+        self._cancelled = cancelled  # (tenant, request id): whether its caller said it gave up
         # The id travels inside the ``Jetbatch-Batch`` header, whose fields ``;`` and ``=`` separate.
         self.worker_id = worker_id.replace(";", "_").replace("=", "_")
         self.replier = replier
@@ -127,6 +129,12 @@ class BatchRunner:
 
         predicted_s = self._predicted_s(slot, len(requests))
         rejected, expired, fresh, suspects = _triage(requests, now, predicted_s)
+        # A caller that cancelled is gone: its request is answered, not computed (a suspect too).
+        gone = [r for r in fresh + suspects if self._cancelled(r.meta.tenant, r.meta.request_id)]
+        if gone:
+            fresh = [r for r in fresh if r not in gone]
+            suspects = [r for r in suspects if r not in gone]
+            self._counters.add("cancelled", len(gone))
         # A batch refused whole on a prediction teaches the estimator nothing: after a few in a
         # row one is computed (unless its deadlines really passed), so an inflated estimate
         # cannot lock a model out for good.
@@ -150,6 +158,8 @@ class BatchRunner:
             for r in rejected:
                 r.action = "term"  # a malformed request will not get better on redelivery
                 r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, r.meta.problem or "bad request", extra(r))
+            for r in gone:
+                r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, "cancelled by its caller before it was computed", extra(r))
             for r in expired:
                 left_s = (r.meta.deadline or now) - now
                 why = f"deadline passed {-left_s:.3f}s before compute" if left_s < 0 else f"{left_s:.3f}s left, a batch takes about {predicted_s:.3f}s"
@@ -166,7 +176,7 @@ class BatchRunner:
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
             if not suspects:
                 release_model()
-            await self.finish(slot, rejected + expired + fresh)
+            await self.finish(slot, rejected + expired + gone + fresh)
             await self._run_suspects(slot, suspects, extra)
             release_model()
             self._record_errors(span, requests)

@@ -31,7 +31,21 @@ from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..handlers.modules import warm_start
 from ..errors import TRANSPORT_ERRORS
-from ..policy import RECENT_S, BatchCost, BatchWindow, Budget, Driver, Idle, Load, SchedulerState, Serve, make_policy, visible_models
+from ..policy import (
+    PROBE_AFTER_REFUSALS,
+    RECENT_S,
+    BatchCost,
+    BatchWindow,
+    Budget,
+    Driver,
+    Idle,
+    Load,
+    SchedulerState,
+    Serve,
+    cannot_finish,
+    make_policy,
+    visible_models,
+)
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
@@ -40,6 +54,7 @@ from ..telemetry import WorkerTelemetry
 from .batching import Batcher
 from .coordination import Coordinator
 from .counters import Counters
+from .cancellations import Cancellations
 from .execution import BatchRunner
 from .slots import BatchReport, Slot
 from .state import LoopState
@@ -110,6 +125,8 @@ class Worker:
         self.arrivals = ArrivalFeed(
             nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up, worker_id=self.worker_id, counters=self.stats,
         )  # fmt: skip
+        # Callers that gave up early (their tasks cancelled): the request stops counting at once.
+        self.cancellations = Cancellations(nc, self.subjects, on_cancel=self._on_cancel, counters=self.stats)
         self.batcher = Batcher(
             self._stopping,
             counters=self.stats,
@@ -128,6 +145,7 @@ class Worker:
             counters=self.stats,
             device_lock=self._device_lock,
             on_batch=on_batch,
+            cancelled=self.cancellations.cancelled,
         )
         host_budget = config.worker.host_memory_budget_bytes
         self.residency = Residency(
@@ -214,6 +232,7 @@ class Worker:
                 slot.consumer_ready_at = now
         # Listen before the first count, so no arrival falls between the two.
         await self.arrivals.start()
+        await self.cancellations.start()
         await self.quarantine.start()
         if self.peers.cluster is not None:
             await self.peers.cluster.start()
@@ -316,6 +335,7 @@ class Worker:
                 self.state.in_flight.clear()
                 await self.residency.unload_all()
                 await self.arrivals.stop()
+                await self.cancellations.stop()
                 for slot in self.slots.values():
                     for psub in (slot.psub, slot.bulk_psub):
                         if psub is not None:
@@ -369,6 +389,10 @@ class Worker:
         """The model of a batch-line subject (None for an interactive one)."""
         queue = self.subjects.queue_from_subject(subject)
         return queue[0] if queue is not None and queue[1] is Priority.BATCH else None
+
+    def _on_cancel(self, key: tuple[str, str]) -> None:
+        if self.queues.cancel(key):
+            self._wake_up()  # a queue may now be abandoned, or worth less
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -528,9 +552,16 @@ class Worker:
             # simulator applies the same rule).
             for name in evict:
                 await self.slots[name].wait_model_free()
-            if _abandoned(slot, time.time()):
-                await self._reap(slot)
+            waiting = _known_waiting(slot)
+            probe = slot.reaped_on_prediction >= PROBE_AFTER_REFUSALS
+            gone, horizon_s = self.driver.callers_gone(slot.name, slot.tier, waiting or (), time.time(), probe=probe)
+            if waiting is not None and gone:
+                # Counted toward the probe only when the estimate decided it (no deadline passed yet).
+                predicted = any(not c and (d is None or d > time.time()) for d, c in waiting)
+                slot.reaped_on_prediction = slot.reaped_on_prediction + 1 if predicted else 0
+                await self._reap(slot, horizon_s)
                 return
+            slot.reaped_on_prediction = 0
         if log.isEnabledFor(logging.INFO):
             peers, view_state = self.peers.describe()
             log.info(
@@ -556,14 +587,19 @@ class Worker:
             # Resident now: peers count our drain at once, before the claim is given back.
             await self.peers.loaded(claimed)
 
-    async def _reap(self, slot: Slot) -> None:
-        """One batch of an abandoned queue answered ``deadline_exceeded`` and acked, with no load
-        and no compute; a request that turns out to be still wanted goes back to the queue."""
+    async def _reap(self, slot: Slot, horizon_s: float = 0.0) -> None:
+        """One batch of an abandoned queue answered and acked, with no load and no compute:
+        ``cancelled`` for a caller that cancelled, ``deadline_exceeded`` for one whose deadline
+        passes within ``horizon_s`` (the load and a batch); a request that turns out to be still
+        wanted goes back to the queue."""
 
         def answer(r: Any, now: float) -> Answer | None:
-            if r.meta.deadline is None or r.meta.deadline > now:
+            if self.cancellations.cancelled(r.meta.tenant, r.meta.request_id):
+                return Answer.failure(r.meta, ErrorCode.CANCELLED, "cancelled by its caller before its model was loaded", model=slot.name)
+            if not cannot_finish(r.meta.deadline, now, horizon_s):
                 return None
-            return Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while the model was not loaded", model=slot.name)
+            why = "deadline passed while the model was not loaded" if r.meta.deadline <= now else f"deadline within the model's load ({horizon_s:.3f}s)"
+            return Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, why, model=slot.name)
 
         # A second at most: a consumer made just now may take a moment to deliver what is stored.
         reaped = await self._answer_unloaded(slot, answer, fetch_s=1.0)
@@ -637,7 +673,9 @@ def _make_slots(config: Config, device: Any) -> dict[str, Slot]:
     return slots
 
 
-def _abandoned(slot: Slot, now: float) -> bool:
-    """Every request waiting for ``slot`` is known and past its deadline: its callers have gone."""
-    known = [*slot.known_times, *slot.known_bulk]
-    return bool(known) and slot.backlog <= len(known) and slot.unknown_head_at is None and all(d is not None and d <= now for _, d in known)
+def _known_waiting(slot: Slot) -> list[tuple[float | None, bool]] | None:
+    """Each waiting request's deadline and whether its caller cancelled it; None unless every
+    waiting request is known (one never seen arriving may be wanted)."""
+    if slot.backlog > slot.known or slot.unknown_head_at is not None:
+        return None
+    return [(d, key in slot.cancelled_keys) for _, d, key in (*slot.known_times, *slot.known_bulk)]

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
 from nats.aio.msg import Msg
 
-from jetbatch.sdk.protocol import Priority, ProtocolError, Subjects, deadline_from_headers
+from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, deadline_from_headers
 
 from ..errors import TRANSPORT_ERRORS
 from .counters import Counters
@@ -61,7 +62,19 @@ MAX_PEER_HELD = 100_000
 _MAX_TAKE_CHARS = 8
 _MAX_PEER_ID_CHARS = 128
 WORKER_HEADER = "Jetbatch-Worker"
+_KEY_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MAX_TIMESTAMP_CHARS = 40
+
+
+def _request_key(headers: Mapping[str, str]) -> tuple[str, str] | None:
+    """(tenant, request id) of an arrival, when both headers are well formed (None otherwise:
+    such a request cannot be cancelled while it waits, only when its batch forms)."""
+    rid, tenant = headers.get(Headers.MSG_ID), headers.get(Headers.TENANT)
+    if not isinstance(rid, str) or not _KEY_TOKEN_RE.match(rid):
+        return None
+    if tenant is not None and (not isinstance(tenant, str) or not _KEY_TOKEN_RE.match(tenant)):
+        return None
+    return (tenant or "", rid)
 
 
 def parse_stream_timestamp(text: str | None) -> float | None:
@@ -88,6 +101,8 @@ class QueueView:
 
     def __init__(self, slots: Mapping[str, Slot], *, peer_event_s: float = 2.0) -> None:
         self._slots = slots
+        # Known waiting requests by (tenant, request id): where a cancel notice finds its queue.
+        self._where: dict[tuple[str, str], str] = {}
         self.waiting: set[str] = {name for name, s in slots.items() if s.backlog > 0}
         self.peer_event_s = peer_event_s
         # model -> peer -> (requests it took and has not settled, when last told)
@@ -95,19 +110,42 @@ class QueueView:
 
     # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
 
-    def arrived(self, slot: Slot, enqueued_at: float, deadline: float | None, *, bulk: bool = False) -> None:
-        """One request stored for ``slot``'s model (``bulk``: of the batch class)."""
+    def arrived(
+        self, slot: Slot, enqueued_at: float, deadline: float | None, *, bulk: bool = False, key: tuple[str, str] | None = None
+    ) -> None:
+        """One request stored for ``slot``'s model (``bulk``: of the batch class; ``key``: its
+        tenant and request id, for a later cancel)."""
         slot.backlog += 1
         known = slot.known_bulk if bulk else slot.known_times
         if bulk:
             slot.bulk += 1
-        known.append((enqueued_at, deadline))
+        known.append((enqueued_at, deadline, key))
+        if key is not None:
+            self._where[key] = slot.name
         if len(known) > MAX_KNOWN_TIMES:
-            dropped, _ = known.popleft()
+            dropped = self._drop_oldest(slot, known)
             slot.unknown_head_at = dropped if slot.unknown_head_at is None else min(slot.unknown_head_at, dropped)
         if slot.backlog == 1 or slot.oldest_enqueued_at is None:
             self._set_head(slot)
         self.waiting.add(slot.name)
+
+    def cancel(self, key: tuple[str, str]) -> bool:
+        """A caller cancelled the request ``key``: if it waits in a queue we know, it stops
+        counting there (until it leaves the queue). False when it is not known to wait."""
+        name = self._where.get(key)
+        slot = self._slots.get(name) if name is not None else None
+        if slot is None:
+            return False
+        slot.cancelled_keys.add(key)
+        return True
+
+    def _drop_oldest(self, slot: Slot, known: Any) -> float:
+        """Forget the oldest entry of one line (fetched, or beyond what is tracked)."""
+        at, _, key = known.popleft()
+        if key is not None:
+            self._where.pop(key, None)
+            slot.cancelled_keys.discard(key)
+        return float(at)
 
     def fetched(self, slot: Slot, n: int, pending: int | None, *, bulk: bool = False) -> None:
         """This worker took ``n`` requests from the head of one line (``bulk``: the batch one);
@@ -215,9 +253,9 @@ class QueueView:
         slot.bulk = min(slot.bulk if bulk is None else max(0, bulk), slot.backlog)
         # The known times describe each line's newest requests: drop the oldest beyond its count.
         while len(slot.known_times) > slot.interactive:
-            slot.known_times.popleft()
+            self._drop_oldest(slot, slot.known_times)
         while len(slot.known_bulk) > slot.bulk:
-            slot.known_bulk.popleft()
+            self._drop_oldest(slot, slot.known_bulk)
         if slot.backlog <= slot.known:
             slot.unknown_head_at = None
             slot.unknown_head_deadline = None
@@ -242,8 +280,8 @@ class QueueView:
                 return
         heads = [known[0] for known in (slot.known_times, slot.known_bulk) if known]
         if heads:
-            slot.oldest_enqueued_at = min(at for at, _ in heads)
-            deadlines = [d for _, d in heads if d is not None]
+            slot.oldest_enqueued_at = min(at for at, _, _ in heads)
+            deadlines = [d for _, d, _ in heads if d is not None]
             slot.head_deadline = min(deadlines) if deadlines else None
         # else: keep what was known (a count with no time yet: read at the next reconcile)
 
@@ -363,7 +401,7 @@ class ArrivalFeed:
             deadline = deadline_from_headers(headers)
         except ProtocolError:
             deadline = None
-        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH)
+        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH, key=_request_key(headers))
         self.seen += 1
         if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
             self._counters.sample("arrival_delay", now - at)

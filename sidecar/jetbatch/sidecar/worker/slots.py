@@ -67,6 +67,7 @@ class Slot:
     oldest_enqueued_at: float | None = None
     head_deadline: float | None = None  # the oldest waiting request's deadline (Unix seconds)
     refused_on_prediction: int = 0  # batches in a row refused whole on their predicted time
+    reaped_on_prediction: int = 0  # loads in a row not paid because the estimates said nobody would wait
     in_flight: int = 0
     # Batches that may still run the model (an eviction waits for none; the answers' I/O after
     # the last forward pass does not hold the model).
@@ -93,8 +94,12 @@ class Slot:
     # Enqueue times (and deadlines) of the newest waiting interactive requests, oldest first,
     # from the arrival events; the same for the batch class (``known_bulk``); older waiting
     # requests' head, when read (None: not known). See queues.py.
-    known_times: deque[tuple[float, float | None]] = field(default_factory=deque)
-    known_bulk: deque[tuple[float, float | None]] = field(default_factory=deque)
+    # Each entry: (enqueue time, deadline, (tenant, request id) when the event named one).
+    known_times: deque[tuple[float, float | None, tuple[str, str] | None]] = field(default_factory=deque)
+    known_bulk: deque[tuple[float, float | None, tuple[str, str] | None]] = field(default_factory=deque)
+    # The known waiting requests whose callers cancelled them (worker/cancellations.py): still in
+    # the count until answered, but no load is paid for a queue of them (worker/loop.py, _load).
+    cancelled_keys: set[tuple[str, str]] = field(default_factory=set)
     unknown_head_at: float | None = None
     unknown_head_deadline: float | None = None
     # Of the backlog, requests of the batch class (their own subject and consumer, pulled after

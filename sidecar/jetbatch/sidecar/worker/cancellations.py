@@ -1,0 +1,121 @@
+"""Requests whose callers gave up before their deadline.
+
+A caller whose task is cancelled (the SDK does this on ``asyncio.CancelledError``) publishes the
+request id to ``<prefix>.cancel`` or, for a tenant, ``<prefix>.cancel.<tenant>`` (core NATS, best
+effort). Every worker keeps the ids it heard for a while, keyed by the tenant of the subject the
+notice came on: a tenant's cancel reaches only its own requests (the server's permissions tie the
+subject to the tenant, the classifier stamps the request's tenant; ``docs/security.md``), and a
+notice on the plain subject only requests that came with no tenant.
+
+What a cancel changes: a model is not loaded for a queue whose every caller is gone (cancelled,
+or past its deadline by the time the load would end: ``Driver.callers_gone``), and the request is
+answered ``cancelled`` (stored, acked) instead of computed (``BatchRunner``), its queue's reap
+included. It stays in the backlog count until then: a request taken out of the count would
+never be fetched and answered, and would stay in the stream. A cancel that arrives after the batch
+formed changes nothing: the answer is computed and stored once, as for any request.
+
+Hostile input: the body is one request id (a subject token, at most 64 characters); anything
+else is ignored. The table is bounded (``max_entries``, oldest first out) and forgets an id after
+``ttl_s``: a flood of notices can only make the workers forget older ones, which are then
+computed as if never cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+from nats.aio.msg import Msg
+
+from jetbatch.sdk.protocol import Subjects
+
+from ..errors import TRANSPORT_ERRORS
+from .counters import Counters
+
+__all__ = ["Cancellations", "RequestKey", "request_key"]
+
+log = logging.getLogger("jetbatch.worker")
+
+RequestKey = tuple[str, str]  # (tenant, or "" for none; request id)
+_ID_RE = re.compile(rb"^[A-Za-z0-9_-]{1,64}$")
+
+
+def request_key(tenant: str | None, request_id: str) -> RequestKey:
+    return (tenant or "", request_id)
+
+
+class Cancellations:
+    """The cancel notices this worker heard, for ``ttl_s`` each (at most ``max_entries``)."""
+
+    def __init__(
+        self,
+        nc: Any,
+        subjects: Subjects,
+        *,
+        on_cancel: Callable[[RequestKey], None] = lambda key: None,
+        max_entries: int = 100_000,
+        ttl_s: float = 900.0,
+        counters: Counters | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._nc = nc
+        self._subjects = subjects
+        self._on_cancel = on_cancel
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._counters = Counters() if counters is None else counters
+        self._expires: OrderedDict[RequestKey, float] = OrderedDict()
+        self._subs: list[Any] = []
+
+    async def start(self) -> None:
+        """Subscribe (once: a retried startup calls it again)."""
+        if not self._subs and self._nc is not None:
+            for subject in (self._subjects.cancel(), self._subjects.cancel_wildcard):
+                self._subs.append(await self._nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=100_000))
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except TRANSPORT_ERRORS + (ValueError,):
+                pass
+        self._subs = []
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self.note(msg.subject, msg.data)
+
+    def note(self, subject: str, data: bytes) -> bool:
+        """One notice (the subscription's callback, callable from tests); False when ignored."""
+        ok, tenant = self._subjects.tenant_from_cancel(subject)
+        if not ok or not isinstance(data, (bytes, bytearray)) or not _ID_RE.match(data):
+            return False
+        key = request_key(tenant, data.decode())
+        now = self._clock()
+        self._forget_expired(now)
+        self._expires.pop(key, None)
+        self._expires[key] = now + self.ttl_s
+        while len(self._expires) > self.max_entries:
+            self._expires.popitem(last=False)
+        self._counters.add("cancels_heard")
+        self._on_cancel(key)
+        return True
+
+    def cancelled(self, tenant: str | None, request_id: str) -> bool:
+        """Whether the caller of ``request_id`` (of ``tenant``) said it gave up."""
+        expires = self._expires.get(request_key(tenant, request_id))
+        return expires is not None and expires > self._clock()
+
+    def __len__(self) -> int:
+        return len(self._expires)
+
+    def _forget_expired(self, now: float) -> None:
+        # One ttl for all: insertion order is expiry order.
+        while self._expires:
+            key, expires = next(iter(self._expires.items()))
+            if expires > now:
+                break
+            del self._expires[key]
