@@ -76,7 +76,7 @@ async def _burst(url: str, cfg: Any, deadline_s: float, gone: str) -> dict[str, 
             await asyncio.sleep(0.1)
         ok = [r for r in results.values() if isinstance(r, sdk.Result)]
         paid = {r.batch.batch_id for r in ok if r.batch.model_loaded}
-        stats = dict(worker.stats)
+        stats = worker.stats.snapshot()
     gave_up = [rid for rid, r in results.items() if not isinstance(r, sdk.Result)]
     return {
         "loads": stats.get("loads", 0),

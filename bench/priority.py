@@ -23,6 +23,7 @@ request sent at its trace time with its class; the simulator runs the same trace
     python -m bench.priority --seeds 1,2,3                  # the simulator, the issue's workload
     python -m bench.priority --seeds 1 --live               # and the live worker beside it
     python -m bench.priority --variants 1.0,0.5,0.25        # interactive_bound_share trade-off
+    python -m bench.priority --seeds 2 --duration 10 --live --live-duration 30 --live-layout in-process
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.harness import emit, processes, server
+from bench.harness import emit, in_process, processes, server
 from bench.scale import worker_stats
 from jetbatch import sdk
+from jetbatch.sidecar.config import load_config
 from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.simulator import Workload, build_workload, simulate
 from jetbatch.sidecar.simulator.report import SimResult
@@ -159,17 +161,27 @@ async def replay(url: str, prefix: str, w: Workload, timeout_s: float) -> dict[s
     return latencies
 
 
-def live(seed: int, share: float, duration_s: float, scale: float, timeout_s: float) -> dict[str, Any]:
-    """The shrunk workload, without and with classes, live and simulated on the same traces."""
+async def _in_process(url: str, config: Path, prefix: str, trace: Workload, timeout_s: float) -> tuple[dict[str, list[float]], dict[str, int]]:
+    async with in_process(load_config(str(config)), url) as worker:
+        lat = await replay(url, prefix, trace, timeout_s)
+        return lat, worker.stats.snapshot()
+
+
+def live(seed: int, share: float, duration_s: float, scale: float, timeout_s: float, layout: str = "processes") -> dict[str, Any]:
+    """The shrunk workload, without and with classes, live and simulated on the same traces;
+    ``layout``: the worker in its own process, or on the producer's event loop."""
     w = workload(seed, share, duration_s, scale)
     out: dict[str, Any] = {}
     with server() as nats, tempfile.TemporaryDirectory() as tmp:
         for label, trace in (("no_classes", replace(w, interactive=())), ("classes", w)):
             prefix = f"prio{label[:2]}{seed}"
             config = write_config(Path(tmp), prefix, scale)
-            with processes(config, nats.url, classifier=False, store_dir=Path(tmp) / f"store-{label}", http_port=-1):
-                lat = asyncio.run(replay(nats.url, prefix, trace, timeout_s))
-                stats = asyncio.run(worker_stats(nats.url, prefix))
+            if layout == "in-process":
+                lat, stats = asyncio.run(_in_process(nats.url, config, prefix, trace, timeout_s))
+            else:
+                with processes(config, nats.url, classifier=False, store_dir=Path(tmp) / f"store-{label}", http_port=-1):
+                    lat = asyncio.run(replay(nats.url, prefix, trace, timeout_s))
+                    stats = asyncio.run(worker_stats(nats.url, prefix))
             sim = simulate(trace, "cost-aware")
             sim_lat = _by_class(sim)
             out[label] = {
@@ -193,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--live", action="store_true", help="also run the shrunk workload live, beside its simulation")
     parser.add_argument("--live-scale", type=float, default=0.25, help="load costs × this, live")
     parser.add_argument("--live-duration", type=float, default=90.0)
+    parser.add_argument("--live-layout", choices=["processes", "in-process"], default="processes", help="the worker in its own process, or on the producer's loop")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--json", help="append the record to this file (one JSON object per line)")
     args = parser.parse_args(argv)
@@ -203,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             record["runs"].append({"seed": seed, "options": options, **simulated(seed, args.share, args.duration, options)})
     if args.live:
-        record["live"] = {seed: live(seed, args.share, args.live_duration, args.live_scale, args.timeout) for seed in seeds}
+        record["live"] = {seed: live(seed, args.share, args.live_duration, args.live_scale, args.timeout, args.live_layout) for seed in seeds}
     emit(record, args.json)
     return 0
 
