@@ -171,7 +171,7 @@ def test_keda_scales_the_workers_on_the_model_consumers_lag() -> None:
     triggers = scaled["spec"]["triggers"]
     assert {t["type"] for t in triggers} == {"nats-jetstream"}
     assert {t["metadata"]["stream"] for t in triggers} == {Subjects("jetbatch").models_stream}
-    assert {t["metadata"]["consumer"] for t in triggers} == {model_consumer_name(m) for m in EXAMPLE_MODELS}
+    assert {t["metadata"]["consumer"] for t in triggers} == {model_consumer_name(m, p) for m in EXAMPLE_MODELS for p in ("interactive", "batch")}
     # Lag triggers need every model's consumer to exist: the workers keep them all.
     env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["JETBATCH_STREAMS__CONSUMERS"] == "eager"

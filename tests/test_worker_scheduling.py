@@ -324,3 +324,20 @@ async def test_a_cancel_reaches_only_its_own_tenants_requests(nats_url: str, pre
             assert await kept == b"keep"
             with pytest.raises(sdk.Cancelled):
                 await gone
+
+
+async def test_eager_consumers_include_every_models_batch_line(nats_url: str, prefix: str) -> None:
+    """With ``consumers = "eager"`` (what lag triggers need) both lines' consumers exist once the
+    worker is ready; on demand, the batch line's only once a batch request was seen."""
+    from jetbatch.sidecar.streams import model_consumer_name
+
+    for mode in ("eager", "on-demand"):
+        config = make_config(f"{prefix}{mode[0]}", {"m1": sleep_model(), "m2": sleep_model()}, streams={"consumers": mode})
+        async with running_worker(config, nats_url):
+            nc = await nats.connect(nats_url)
+            try:
+                names = {c.name for c in await nc.jetstream().consumers_info(config.subjects.models_stream)}
+            finally:
+                await nc.close()
+        wanted = {model_consumer_name(m, p) for m in ("m1", "m2") for p in ("interactive", "batch")}
+        assert names == (wanted if mode == "eager" else set()), mode

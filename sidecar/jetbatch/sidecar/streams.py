@@ -301,18 +301,24 @@ async def ensure_model_consumer(
 
 
 async def ensure_model_consumers(
-    js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, models: Iterable[str], *, concurrency: int = 16
+    js: JetStreamContext,
+    subjects: Subjects,
+    cfg: StreamsConfig,
+    models: Iterable[str],
+    *,
+    concurrency: int = 16,
+    priorities: Iterable[Priority] = (Priority.INTERACTIVE,),
 ) -> None:
-    """:func:`ensure_model_consumer` for many models, ``concurrency`` calls in flight: on a
-    replicated stream each creation waits for a Raft group, and one at a time a thousand models
-    took 67 s where 16 at a time take 9 s (docs/scaleout.md)."""
+    """:func:`ensure_model_consumer` for many models (and ``priorities``' lines), ``concurrency``
+    calls in flight: on a replicated stream each creation waits for a Raft group, and one at a
+    time a thousand models took 67 s where 16 at a time take 9 s (docs/scaleout.md)."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(model: str) -> None:
+    async def one(model: str, priority: Priority) -> None:
         async with gate:
-            await ensure_model_consumer(js, subjects, cfg, model)
+            await ensure_model_consumer(js, subjects, cfg, model, priority)
 
-    await asyncio.gather(*(one(m) for m in models))
+    await asyncio.gather(*(one(m, p) for m in models for p in priorities))
 
 
 async def _ensure_consumer(js: JetStreamContext, stream: str, wanted: ConsumerConfig) -> None:

@@ -226,10 +226,11 @@ class Worker:
     async def _setup(self) -> Any:
         await ensure_streams(self.js, self.subjects, self.config.streams, self.slots, self.config.replies)
         if self.config.streams.consumers == "eager":
-            await ensure_model_consumers(self.js, self.subjects, self.config.streams, self.slots)
+            # Both lines: lag triggers (KEDA) need every consumer they name to exist.
+            await ensure_model_consumers(self.js, self.subjects, self.config.streams, self.slots, priorities=tuple(Priority))
             now = time.time()
             for slot in self.slots.values():
-                slot.consumer_ready_at = now
+                slot.consumer_ready_at = slot.bulk_consumer_ready_at = now
         # Listen before the first count, so no arrival falls between the two.
         await self.arrivals.start()
         await self.cancellations.start()
