@@ -239,3 +239,19 @@ async def test_the_classifier_keeps_a_request_priority(nats_url: str, prefix: st
             async with running_worker(cfg, nats_url):
                 result = await sent
     assert result.batch.model == "m1" and result.output == {"kind": "a"}
+
+
+async def test_two_tenants_may_choose_the_same_request_id(nats_url: str, prefix: str) -> None:
+    """JetStream dedupes on Nats-Msg-Id across a stream: a tenant's ids carry its name there, so
+    tenant b's request under a's id is its own request, answered with its own payload (it used
+    to be taken for a retry of a's, and time out)."""
+    cfg = config(prefix, {"router": "rules", "rules": [], "default_model": "m1"})
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix, tenant="a") as a, sdk.Client.connect(nats_url, prefix=prefix, tenant="b") as b:
+            first = await a.infer({"from": "a"}, timeout=20, request_id="same-1")
+            second = await b.infer({"from": "b"}, timeout=20, request_id="same-1")
+            again = await a.infer({"from": "a, again"}, timeout=20, request_id="same-1")  # a's retry: a's answer
+            js = a.nats.jetstream()
+            stored = {t: await js.get_msg(cfg.subjects.results_stream, subject=cfg.subjects.result("same-1", t), direct=True) for t in "ab"}
+    assert (first, second, again) == ({"from": "a"}, {"from": "b"}, {"from": "a"})
+    assert all(m.headers[Headers.STATUS] == "ok" for m in stored.values())

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jetbatch.sdk.protocol import (
+    Priority,
     BatchInfo,
     ContentType,
     ErrorCode,
@@ -247,3 +248,32 @@ def test_structured_tensors_are_checked_with_limits() -> None:
     # value stays msgpack too.
     assert encode_payload([torch.zeros(1).tolist()])[1] is ContentType.MSGPACK
     assert encode_payload({"a": 1})[1] is ContentType.MSGPACK
+
+
+_tokens = st.from_regex(r"\A[A-Za-z0-9_-]{1,64}\Z")
+
+
+@given(_tokens, _tokens, _tokens)
+def test_a_tenants_dedupe_id_gives_back_its_request_id_and_no_other_tenants(tenant: str, other: str, rid: str) -> None:
+    from jetbatch.sdk.protocol import ReplyPolicy, dedupe_id, parse_request_headers, request_id_of
+
+    msg_id = dedupe_id(tenant, rid)
+    assert request_id_of(msg_id, tenant) == rid and dedupe_id(None, rid) == rid
+    meta = parse_request_headers({"Nats-Msg-Id": msg_id}, policy=ReplyPolicy(), tenant=tenant, fallback_id="fb")
+    assert (meta.request_id, meta.problem) == (rid, None)
+    if other != tenant:
+        # Another tenant's prefix is not taken off: the dot makes it no request id.
+        forged = parse_request_headers({"Nats-Msg-Id": msg_id}, policy=ReplyPolicy(), tenant=other, fallback_id="fb")
+        assert forged.request_id == "fb" and forged.problem is not None
+
+
+def test_queue_and_cancel_subjects_name_their_model_class_and_tenant() -> None:
+    s = Subjects("jb")
+    assert s.queue_from_subject(s.model("m-1", "batch")) == ("m-1", Priority.BATCH)
+    assert s.queue_from_subject(s.model("m-1")) == ("m-1", Priority.INTERACTIVE)
+    assert s.queue_from_arrival(s.arrived("m", "batch")) == ("m", Priority.BATCH)
+    assert s.queue_from_subject("jb.in") is None
+    assert (s.tenant_from_cancel(s.cancel()), s.tenant_from_cancel(s.cancel("t1"))) == ((True, None), (True, "t1"))
+    assert s.tenant_from_cancel("jb.cancel.a.b") == (False, None) and s.tenant_from_cancel("jb.cancelx") == (False, None)
+    with pytest.raises(ValueError):
+        s.model("m", "urgent")

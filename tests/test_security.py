@@ -69,11 +69,12 @@ def _server_config(tmp: Path) -> str:
     js_api = ["$JS.API.>", "$JS.ACK.>"]
 
     def tenant(name: str) -> str:
-        # A tenant: publish only to its own ingress and cancel subject (plus the stream lookup
-        # behind UnknownModel and the direct get of its own stored answers), read only its own inbox.
+        # A tenant: publish only to its own ingress and cancel subject (plus the stream-name
+        # lookup behind StreamNotFound and the direct get of its own stored answers), read only
+        # its own inbox. No stream info: it lists a stream's subjects, other tenants' ids among them.
         return user(
             name,
-            [f"{PREFIX}.in.{name}", f"{PREFIX}.cancel.{name}", "$JS.API.STREAM.INFO.*", f"$JS.API.DIRECT.GET.SEC_RESULTS.{PREFIX}.result.{name}.>"],
+            [f"{PREFIX}.in.{name}", f"{PREFIX}.cancel.{name}", "$JS.API.STREAM.NAMES", f"$JS.API.DIRECT.GET.SEC_RESULTS.{PREFIX}.result.{name}.>"],
             [f"_INBOX.{name}.>"],
         )
 
@@ -156,6 +157,8 @@ async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any
             await client.nats.publish(f"{PREFIX}.model.m1", b"direct")
             await client.nats.publish(f"{PREFIX}.in.other", b"impersonation")
             await client.nats.publish(f"{PREFIX}.cancel.other", b"sec-retry-1")
+            # Refused: another tenant's request ids, worker ids and queue depths (stream info).
+            await client.nats.publish("$JS.API.STREAM.INFO.SEC_RESULTS", b'{"subjects_filter": ">"}')
             await client.nats.publish(f"{PREFIX}.cancel.producer", b"no-such-request")
             # Refused: listening on another caller's inbox.
             await client.nats.subscribe("_INBOX.other.>")
@@ -175,6 +178,7 @@ async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any
     assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.in.other" in e for e in errors), errors
     assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.cancel.other" in e for e in errors), errors
     assert not any(f"{PREFIX}.cancel.producer" in e for e in errors), errors
+    assert any("permissions violation for publish" in e.lower() and "$js.api.stream.info.sec_results" in e.lower() for e in errors), errors
     assert any("permissions violation for subscription" in e.lower() and "_inbox.other" in e.lower() for e in errors), errors
     for secret in SECRETS.values():
         assert secret not in caplog.text  # never logged
@@ -206,8 +210,8 @@ async def test_the_reply_identity_cannot_reach_the_jetstream_api_or_the_queues(s
         finally:
             await nc.close()
         async with sdk.Client.connect(url, prefix=PREFIX, tenant="producer", user="producer", password=SECRETS["producer"], tls=_tls(tmp)) as client:
-            info = await client.nats.jetstream().stream_info("SEC_MODELS")  # still there
-            assert info.config.name == "SEC_MODELS"
+            # Still there (asked the one way a tenant may: which stream takes a subject).
+            assert await client.nats.jetstream().find_stream_name_by_subject(f"{PREFIX}.model.m1") == "SEC_MODELS"
 
 
 async def test_without_a_client_certificate_or_with_a_wrong_password_connection_fails(secure_server: Any) -> None:

@@ -32,10 +32,10 @@ from .protocol import (
     ContentType,
     Headers,
     Priority,
+    dedupe_id,
     ProtocolError,
     Status,
     Subjects,
-    subject_matches,
     batch_info_from_headers,
     deadline_header,
     decode_error,
@@ -307,7 +307,7 @@ class Client:
         except ProtocolError as exc:
             raise BadRequest(str(exc), request_id=rid) from exc
 
-        hdrs[Headers.MSG_ID] = rid
+        hdrs[Headers.MSG_ID] = dedupe_id(self._tenant, rid)  # a tenant's ids are its own
         hdrs[Headers.REPLY_TO] = f"{self._inbox}.{rid}"
         hdrs[Headers.CONTENT_TYPE] = ctype.value
         hdrs.setdefault(Headers.DEADLINE, deadline_header(timeout))
@@ -408,31 +408,31 @@ class Client:
     async def _no_stream_error(self, subject: str, model: str | None, rid: str) -> JetbatchError | None:
         """Why no stream took the message published to ``subject``.
 
-        The stream that should hold it (the models stream for ``<prefix>.model.<name>``, the
-        ingress stream otherwise, a tenant's ``<prefix>.in.<tenant>`` included) is asked for its
-        configuration: ``StreamNotFound`` when it does not exist; ``UnknownModel`` when it is the
-        models stream and none of its subjects captures ``subject`` (nobody serves the model);
-        None (transient: the caller retries until its deadline) when JetStream did not answer,
-        or when the stream does capture ``subject``: then the publish found no responder only
-        because the stream was briefly unavailable (a leader election, a restart).
+        JetStream is asked which stream captures ``subject`` (``$JS.API.STREAM.NAMES`` with a
+        subject filter: the one lookup a producer's permissions need, and it tells nothing of
+        other tenants' requests; stream info would list a stream's subjects). A stream does: it
+        was briefly unavailable (a leader election, a restart), None, the caller retries until
+        its deadline. None does: for a model subject, ``UnknownModel`` when the models stream
+        exists (nobody serves that model), else ``StreamNotFound``; for the ingress,
+        ``StreamNotFound``. None as well when JetStream did not answer.
         """
         on_model_subject = self._subjects.model_from_subject(subject) is not None
-        stream = self._subjects.models_stream if on_model_subject else self._subjects.ingress_stream
         try:
-            info = await self._js.stream_info(stream)
+            await self._js.find_stream_name_by_subject(subject)
+            return None  # a stream takes this subject: it was unavailable, not missing
         except failures.NOT_FOUND:
-            return StreamNotFound(
-                f"no JetStream stream captures {subject}: start a jetbatch sidecar on this server first",
-                request_id=rid,
-            )
+            pass
         except failures.TRANSPORT_ERRORS:
             return None
-        patterns = info.config.subjects or []
-        if any(subject_matches(pattern, subject) for pattern in patterns):
-            return None  # the stream takes this subject: it was unavailable, not missing
         if on_model_subject:
-            return UnknownModel(f"no model named {model!r} is served", request_id=rid)
-        return None  # the ingress stream does not take it: no definite answer, retry until the deadline
+            try:
+                await self._js.find_stream_name_by_subject(self._subjects.models_wildcard)
+                return UnknownModel(f"no model named {model!r} is served", request_id=rid)
+            except failures.NOT_FOUND:
+                pass
+            except failures.TRANSPORT_ERRORS:
+                return None
+        return StreamNotFound(f"no JetStream stream captures {subject}: start a jetbatch sidecar on this server first", request_id=rid)
 
     def _on_reply_sync(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]

@@ -46,12 +46,14 @@ from .requests import (
     ReplyPolicy,
     RequestMeta,
     deadline_from_headers,
+    dedupe_id,
     forwardable_headers,
     header_bytes,
     message_bytes,
     new_request_id,
     parse_request_headers,
     priority_from_headers,
+    request_id_of,
 )
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "batch_header",
     "batch_info_from_headers",
     "deadline_from_headers",
+    "dedupe_id",
     "deadline_header",
     "decode_error",
     "decode_payload",
@@ -90,6 +93,7 @@ __all__ = [
     "new_request_id",
     "parse_request_headers",
     "priority_from_headers",
+    "request_id_of",
     "subject_matches",
     "validate_model_name",
     "validate_token",

@@ -92,6 +92,22 @@ class RequestMeta:
     priority: Priority = Priority.INTERACTIVE
 
 
+def dedupe_id(tenant: str | None, request_id: str) -> str:
+    """The ``Nats-Msg-Id`` a request is published under. JetStream dedupes on it across a whole
+    stream, so a tenant's ids carry the tenant (``<tenant>.<request id>``): two tenants that
+    choose the same request id are two requests, not a retry of one."""
+    return f"{tenant}.{request_id}" if tenant else request_id
+
+
+def request_id_of(msg_id: str | None, tenant: str | None) -> str | None:
+    """The request id in a ``Nats-Msg-Id`` (see :func:`dedupe_id`): the tenant's prefix taken off
+    when ``tenant`` is the request's (from the subject or the classifier, never the producer's
+    word). Any other dot is left in place, so the id fails validation as it should."""
+    if msg_id and tenant and msg_id.startswith(f"{tenant}."):
+        return msg_id[len(tenant) + 1 :]
+    return msg_id
+
+
 def new_request_id() -> str:
     """A fresh request id: 32 hex characters (a random UUID)."""
     return uuid.uuid4().hex
@@ -110,7 +126,7 @@ def parse_request_headers(
     ``Nats-Msg-Id`` is missing or invalid."""
     h = headers or {}
     problems: list[str] = []
-    rid = h.get(Headers.MSG_ID)
+    rid = request_id_of(h.get(Headers.MSG_ID), tenant)
     if rid is None or rid == "":
         rid = fallback_id() if callable(fallback_id) else fallback_id
     try:

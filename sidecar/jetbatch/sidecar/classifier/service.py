@@ -33,6 +33,7 @@ from jetbatch.sdk.protocol import (
     RequestMeta,
     SidecarReport,
     Subjects,
+    dedupe_id,
     subject_matches,
     forwardable_headers,
     message_bytes,
@@ -274,7 +275,7 @@ class Classifier:
         # the producer's steers the republish (Nats-Expected-*, Nats-Rollup, ...); and the request
         # id the classifier parsed (a fallback one when the producer sent none) is the dedupe key.
         headers = {k: v for k, v in forwardable_headers(msg.headers).items() if k != Headers.TENANT}
-        headers[Headers.MSG_ID] = meta.request_id
+        headers[Headers.MSG_ID] = dedupe_id(meta.tenant, meta.request_id)
         if meta.tenant is not None:
             headers[Headers.TENANT] = meta.tenant
         if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):

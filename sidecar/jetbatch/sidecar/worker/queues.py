@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 from nats.aio.msg import Msg
 
-from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, deadline_from_headers
+from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, deadline_from_headers, request_id_of
 
 from ..errors import TRANSPORT_ERRORS
 from .counters import Counters
@@ -69,10 +69,11 @@ _MAX_TIMESTAMP_CHARS = 40
 def _request_key(headers: Mapping[str, str]) -> tuple[str, str] | None:
     """(tenant, request id) of an arrival, when both headers are well formed (None otherwise:
     such a request cannot be cancelled while it waits, only when its batch forms)."""
-    rid, tenant = headers.get(Headers.MSG_ID), headers.get(Headers.TENANT)
-    if not isinstance(rid, str) or not _KEY_TOKEN_RE.match(rid):
-        return None
+    tenant = headers.get(Headers.TENANT)
     if tenant is not None and (not isinstance(tenant, str) or not _KEY_TOKEN_RE.match(tenant)):
+        return None
+    rid = request_id_of(headers.get(Headers.MSG_ID), tenant)
+    if not isinstance(rid, str) or not _KEY_TOKEN_RE.match(rid):
         return None
     return (tenant or "", rid)
 
