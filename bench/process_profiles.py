@@ -97,7 +97,8 @@ async def wait_for_streams(url: str, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                await nc.jetstream().consumer_info("JETBATCH_MODELS", "model-m")
+                # The stream (consumers are made on demand, at the first request's load).
+                await nc.jetstream().stream_info("JETBATCH_MODELS")
                 return
             except Exception:  # noqa: BLE001 - not created yet
                 if time.monotonic() > deadline:

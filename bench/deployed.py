@@ -1,0 +1,197 @@
+"""The hot path as deployed: producer, sidecars and nats-server each in its own process.
+
+``bench.overhead`` runs producer, worker and server on one event loop. Here each is a process, as
+in ``compose.yaml``: nats-server, a ``jetbatch worker`` (and a ``jetbatch classifier``), and the
+producer (this process, the SDK). The raw baseline is laid out the same way: a consumer process
+doing the least a JetStream request/reply needs (fetch up to 64, publish each reply, ack each;
+``--raw-consumer``) and this process publishing with JetStream and awaiting replies on one
+inbox. Same payloads, requests and concurrency; rounds alternate raw / jetbatch / classified.
+
+Reported per round: throughput, and each process's CPU seconds per request (from /proc): the
+producer, the consumer side (raw consumer, or worker, and the classifier), nats-server.
+
+    python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from bench import harness
+from jetbatch import sdk
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- the raw consumer (its own process) ----------------------------------------------------------
+
+
+async def raw_consumer(url: str, prefix: str) -> None:
+    """Fetch up to 64, publish each reply, ack each, until killed."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+    print("ready", flush=True)
+    while True:
+        try:
+            msgs = await psub.fetch(64, timeout=0.2)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
+            continue
+        for m in msgs:
+            await nc.publish(m.headers["Reply"], m.data)
+        for m in msgs:
+            await m.ack()
+
+
+# --- the rounds ------------------------------------------------------------------------------------
+
+
+async def _raw_producer(url: str, prefix: str, n: int, concurrency: int, payload: bytes) -> float:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    inbox = nc.new_inbox()
+    waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def on_reply(msg: Any) -> None:
+        fut = waiting.get(msg.subject.rsplit(".", 1)[-1])
+        if fut and not fut.done():
+            fut.set_result(None)
+
+    await nc.subscribe(f"{inbox}.*", cb=on_reply)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        rid = f"r{i}"
+        async with gate:
+            fut = asyncio.get_running_loop().create_future()
+            waiting[rid] = fut
+            await js.publish(f"{prefix}.q", payload, headers={"Nats-Msg-Id": rid, "Reply": f"{inbox}.{rid}"})
+            await asyncio.wait_for(fut, 30)
+
+    await one(-1)  # warm
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    elapsed = time.perf_counter() - started
+    await nc.close()
+    return elapsed
+
+
+def raw_round(url: str, server_pid: int, n: int, concurrency: int, payload: bytes) -> dict[str, Any]:
+    prefix = f"raw{uuid.uuid4().hex[:6]}"
+
+    async def setup() -> None:
+        nc = await nats.connect(url)
+        await nc.jetstream().add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+        await nc.close()
+
+    asyncio.run(setup())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.deployed", "--raw-consumer", url, prefix], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        before = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
+        elapsed = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload))
+        after = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
+    finally:
+        proc.kill()
+        proc.wait()
+    return _record("raw", n, elapsed, before, after)
+
+
+def _config(directory: Path, prefix: str, classifier: bool) -> Path:
+    text = (
+        f'[nats]\nprefix = "{prefix}"\n[worker]\npoll_interval_ms = 250\n'
+        '[models.ident]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_s = 0.002\n'
+    )
+    if classifier:
+        text += '[classifier]\nrouter = "rules"\ndefault_model = "ident"\nmax_batch_size = 64\nmax_delay_s = 0.002\n'
+    path = directory / f"{prefix}.toml"
+    path.write_text(text)
+    return path
+
+
+async def _sdk_producer(url: str, prefix: str, n: int, concurrency: int, payload: bytes, model: str | None) -> float:
+    async with sdk.Client.connect(url, prefix=prefix) as client:
+        await client.infer(payload, model=model, timeout=60)  # the model loaded before timing
+        run = await harness.gather(lambda: client.infer(payload, model=model, timeout=60), n, concurrency)
+    return run.elapsed_s
+
+
+def jetbatch_round(url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, classifier: bool) -> dict[str, Any]:
+    prefix = f"dep{uuid.uuid4().hex[:6]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = _config(Path(tmp), prefix, classifier)
+        with harness.processes(config, url, classifier=classifier, store_dir=Path(tmp) / "store", http_port=-1) as dep:
+            sidecars = [p.pid for name, p in sorted(dep.procs.items())]
+            before = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
+            elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, None if classifier else "ident"))
+            after = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
+    return _record("classified" if classifier else "jetbatch", n, elapsed, before, after)
+
+
+def _record(kind: str, n: int, elapsed: float, before: tuple[float, ...], after: tuple[float, ...]) -> dict[str, Any]:
+    producer, consumer, server = (a - b for a, b in zip(after, before))
+    # The producer's CPU includes its warm-up request and the set-up around the timed part: one
+    # request in thousands.
+    return {
+        "kind": kind, "requests": n, "rate": n / elapsed,
+        "producer_us": producer / n * 1e6, "consumer_us": consumer / n * 1e6, "server_us": server / n * 1e6,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--payload", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="append the record to this file (one JSON object per line)")
+    args = parser.parse_args(argv)
+    if args.raw_consumer:
+        asyncio.run(raw_consumer(*args.raw_consumer))
+        return 0
+    payload = os.urandom(args.payload)
+    rounds: list[dict[str, Any]] = []
+    with harness.server() as server:
+        for _ in range(args.rounds):
+            rounds.append(raw_round(server.url, server.pid, args.requests, args.concurrency, payload))
+            rounds.append(jetbatch_round(server.url, server.pid, args.requests, args.concurrency, payload, classifier=False))
+            rounds.append(jetbatch_round(server.url, server.pid, args.requests, args.concurrency, payload, classifier=True))
+
+    def med(kind: str, key: str) -> float:
+        return statistics.median(r[key] for r in rounds if r["kind"] == kind)
+
+    summary = {
+        kind: {key: med(kind, key) for key in ("rate", "producer_us", "consumer_us", "server_us")} for kind in ("raw", "jetbatch", "classified")
+    }
+    per_round = [
+        {"jetbatch_over_raw": j["rate"] / r["rate"], "classified_over_raw": c["rate"] / r["rate"], "worker_cpu_over_raw_consumer": j["consumer_us"] / r["consumer_us"]}
+        for r, j, c in zip(rounds[0::3], rounds[1::3], rounds[2::3])
+    ]  # fmt: skip
+    harness.emit({"bench": "deployed", "requests": args.requests, "concurrency": args.concurrency, "payload": args.payload,
+                  "median": summary, "ratios": per_round, "rounds": rounds}, args.json)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
