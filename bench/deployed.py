@@ -30,35 +30,22 @@ from typing import Any
 import nats
 
 from bench import harness
+from bench.overhead import raw_replies
+from bench.scale import cpu_s
 from jetbatch import sdk
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- the raw consumer (its own process) ----------------------------------------------------------
 
 
 async def raw_consumer(url: str, prefix: str) -> None:
-    """Fetch up to 64, publish each reply, ack each, until killed."""
+    """``bench.overhead``'s raw consumer in a process of its own, until killed."""
     nc = await nats.connect(url)
-    js = nc.jetstream()
-    psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+    psub = await nc.jetstream().pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
     print("ready", flush=True)
-    while True:
-        try:
-            msgs = await psub.fetch(64, timeout=0.2)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
-            continue
-        for m in msgs:
-            await nc.publish(m.headers["Reply"], m.data)
-        for m in msgs:
-            await m.ack()
+    await raw_replies(nc, psub)
 
 
 # --- the rounds ------------------------------------------------------------------------------------

@@ -48,6 +48,20 @@ def pct(values: list[float], q: float) -> float:
     return percentile(values, q / 100)
 
 
+async def raw_replies(nc: Any, psub: Any, stop: asyncio.Event | None = None) -> None:
+    """The raw consumer: fetch up to 64, publish each reply (to its ``Reply`` header), ack each;
+    until ``stop`` is set (or forever)."""
+    while stop is None or not stop.is_set():
+        try:
+            msgs = await psub.fetch(64, timeout=0.2)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
+            continue
+        for m in msgs:
+            await nc.publish(m.headers["Reply"], m.data)
+        for m in msgs:
+            await m.ack()
+
+
 async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple[float, list[float]]:
     """Producer: JetStream publish with a reply-to header, await the reply on one inbox.
     Consumer: fetch up to 64, publish each reply, ack each."""
@@ -68,15 +82,7 @@ async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple
     stop = asyncio.Event()
 
     async def consumer() -> None:
-        while not stop.is_set():
-            try:
-                msgs = await psub.fetch(64, timeout=0.2)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
-                continue
-            for m in msgs:
-                await nc.publish(m.headers["Reply"], m.data)
-            for m in msgs:
-                await m.ack()
+        await raw_replies(nc, psub, stop)
 
     latencies: list[float] = []
     gate = asyncio.Semaphore(concurrency)
