@@ -47,6 +47,14 @@ def test_cannot_finish_uses_the_predicted_batch_time() -> None:
     assert cannot_finish(99.0, 100.0, 0.0)
 
 
+def test_the_batch_line_goes_first_once_in_every_few_batches_while_both_wait() -> None:
+    from jetbatch.sidecar.policy import BATCH_LINE_EVERY, batch_line_first
+
+    assert not batch_line_first(5, 0, 100)  # nothing on the batch line
+    assert batch_line_first(0, 3, 0)  # only batch work waits
+    assert [batch_line_first(5, 3, run) for run in range(BATCH_LINE_EVERY)] == [False] * (BATCH_LINE_EVERY - 1) + [True]
+
+
 @given(st.integers(0, 64), st.floats(0, 5), st.floats(0, 5), st.floats(0, 10))
 def test_window_never_holds_a_full_batch(count: int, delay: float, enqueued: float, now: float) -> None:
     w = BatchWindow(max_batch_size=16, max_delay_s=delay)

@@ -341,3 +341,33 @@ async def test_eager_consumers_include_every_models_batch_line(nats_url: str, pr
                 await nc.close()
         wanted = {model_consumer_name(m, p) for m in ("m1", "m2") for p in ("interactive", "batch")}
         assert names == (wanted if mode == "eager" else set()), mode
+
+
+async def test_interactive_traffic_cannot_starve_a_models_batch_line(nats_url: str, prefix: str) -> None:
+    """20 interactive requests and 2 batch ones wait (max batch 2): of every BATCH_LINE_EVERY
+    batches formed while both lines wait, one takes the batch line first, so a batch request is
+    answered before the interactive line is empty, as the simulator does."""
+    from jetbatch.sidecar.policy import BATCH_LINE_EVERY
+
+    config = make_config(prefix, {"m1": sleep_model(max_batch_size=2, max_concurrent_batches=1)})
+    await _prepare_streams(config, nats_url)
+    order: list[str] = []
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        results: dict[str, sdk.Result] = {}
+
+        async def send(name: str, priority: str) -> None:
+            results[name] = await client.infer_result(name.encode(), model="m1", timeout=30, priority=priority)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(send, f"b{i}", "batch")
+            await _queued(client, 2)
+            for i in range(20):
+                tg.start_soon(send, f"i{i:02d}", "interactive")
+            await _queued(client, 22)
+            async with running_worker(config, nats_url, on_batch=lambda r: order.append(r.batch_id)):
+                await wait_until(lambda: len(results) == 22, timeout_s=20, what="all replies")
+    position = {name: order.index(r.batch.batch_id) for name, r in results.items()}
+    first_batch_class = min(position["b0"], position["b1"])
+    assert first_batch_class == BATCH_LINE_EVERY - 1  # the 8th batch, with 7 interactive ones before it
+    assert max(position[f"i{i:02d}"] for i in range(20)) > first_batch_class

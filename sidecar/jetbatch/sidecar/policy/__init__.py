@@ -26,13 +26,14 @@ from .scheduling import (
 )
 from .share import MIN_DEFER_STEP_S, MIN_JOIN_S, deferred_until, drain_rps, effective_backlog, first_taker_rank, has_room, join_horizon_s, shared_head
 from .visible import RECENT_S, visible_models
-from .window import PROBE_AFTER_REFUSALS, BatchWindow, cannot_finish
+from .window import BATCH_LINE_EVERY, PROBE_AFTER_REFUSALS, BatchWindow, batch_line_first, cannot_finish
 
 __all__ = [
     "MIN_DEFER_STEP_S",
     "MIN_JOIN_S",
     "POLICIES",
     "PROBE_AFTER_REFUSALS",
+    "BATCH_LINE_EVERY",
     "RECENT_S",
     "BatchCost",
     "BatchWindow",
@@ -49,6 +50,7 @@ __all__ = [
     "Serve",
     "Tier",
     "cannot_finish",
+    "batch_line_first",
     "deferred_until",
     "drain_rps",
     "effective_backlog",

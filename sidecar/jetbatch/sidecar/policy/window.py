@@ -19,8 +19,20 @@ from dataclasses import dataclass
 
 # After this many batches in a row refused whole on a predicted time, compute the next one.
 PROBE_AFTER_REFUSALS = 8
+# Within a model, interactive requests go first, but of every this many batches formed while
+# both lines wait, one takes the batch line first: a model whose interactive traffic alone keeps
+# it busy still serves its batch class (at least 1/8 of its batches), as the bound promises.
+BATCH_LINE_EVERY = 8
 
-__all__ = ["PROBE_AFTER_REFUSALS", "BatchWindow", "cannot_finish"]
+__all__ = ["BATCH_LINE_EVERY", "PROBE_AFTER_REFUSALS", "BatchWindow", "batch_line_first", "cannot_finish"]
+
+
+def batch_line_first(interactive_waiting: int, batch_waiting: int, interactive_run: int) -> bool:
+    """Whether the next batch of a model takes its batch line first: when only batch requests
+    wait, or when ``interactive_run`` batches in a row went interactive first while both waited."""
+    if batch_waiting <= 0:
+        return False
+    return interactive_waiting <= 0 or interactive_run >= BATCH_LINE_EVERY - 1
 
 
 @dataclass(frozen=True)

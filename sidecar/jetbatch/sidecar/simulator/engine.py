@@ -40,6 +40,7 @@ from ..policy import (
     PROBE_AFTER_REFUSALS,
     Serve,
     Driver,
+    batch_line_first,
     QueueFacts,
     Tier,
     cannot_finish,
@@ -75,11 +76,12 @@ class _Queue:
     consumers per model (``<prefix>.model.<m>`` and ``<prefix>.model.<m>.batch``). A batch takes
     the interactive line first."""
 
-    __slots__ = ("urgent", "bulk")
+    __slots__ = ("urgent", "bulk", "run")
 
     def __init__(self) -> None:
         self.urgent: deque[_Request] = deque()
         self.bulk: deque[_Request] = deque()
+        self.run = 0  # batches in a row that took the interactive line first while both waited
 
     def __len__(self) -> int:
         return len(self.urgent) + len(self.bulk)
@@ -102,8 +104,18 @@ class _Queue:
     def next(self) -> _Request:
         return self.urgent[0] if self.urgent else self.bulk[0]
 
-    def pop(self) -> _Request:
+    def pop(self, bulk_first: bool = False) -> _Request:
+        if bulk_first and self.bulk:
+            return self.bulk.popleft()
         return self.urgent.popleft() if self.urgent else self.bulk.popleft()
+
+    def start_batch(self) -> bool:
+        """Whether the batch now forming takes the batch line first (the live worker's rule,
+        ``policy.batch_line_first``), counting it."""
+        first = batch_line_first(len(self.urgent), len(self.bulk), self.run)
+        if self.urgent and self.bulk:
+            self.run = 0 if first else self.run + 1
+        return first
 
     def __iter__(self) -> Any:
         yield from self.urgent
@@ -380,10 +392,11 @@ class _Sim:
             self.wake(worker, max(min(close_at, self.next_arrival_at()), self.t + 1e-9))  # the window is open
             return
         batch: list[_Request] = []
+        bulk_first = q.start_batch()
         while q and len(batch) < limit:
             if decision.before is not None and batch and q.next.arrival >= decision.before:
                 break
-            batch.append(q.pop())
+            batch.append(q.pop(bulk_first))
         if not q:
             self.nonempty.discard(decision.model)
         start = self.t + cost_s + self.control_s("batch_overhead_s")

@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from jetbatch.sdk.protocol import ProtocolError, deadline_from_headers
 
 from ..errors import TRANSPORT_ERRORS, pull
+from ..policy import batch_line_first
 from .counters import Counters
 from .slots import Slot, enqueued_at, pending_after
 
@@ -59,15 +60,17 @@ class Batcher:
         self._clock = clock
         self._counters = Counters() if counters is None else counters
 
-    async def fetch(self, slot: Slot, n: int, timeout_s: float) -> list[Msg]:
+    async def fetch(self, slot: Slot, n: int, timeout_s: float, *, bulk_first: bool | None = None) -> list[Msg]:
         """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure. The
-        interactive line first; the batch line when the count says batch requests wait (first,
-        when no interactive one does), topped up from the other line without waiting long."""
+        interactive line first; the batch line when the count says batch requests wait (first
+        when ``bulk_first``, by default when no interactive one waits), topped up from the other
+        line without waiting long."""
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
         lines = [False]
         if slot.bulk_psub is not None and slot.bulk > 0:
-            lines = [True, False] if slot.interactive == 0 else [False, True]
+            first = slot.interactive == 0 if bulk_first is None else bulk_first
+            lines = [True, False] if first else [False, True]
         msgs = await self._pull(slot, lines[0], n, timeout_s)
         if len(lines) > 1 and len(msgs) < n and not self._stopping.is_set():
             # The count says requests are stored there: they come within a round trip.
@@ -112,6 +115,12 @@ class Batcher:
         only ``compute_s`` (the batch's estimated time): waiting longer would make it late."""
         window = slot.window
         msgs: list[Msg] = list(first or [])
+        # Which line this batch takes first (policy/window.py: one batch in BATCH_LINE_EVERY goes
+        # to the batch line while both wait, so interactive traffic cannot starve it).
+        both = slot.bulk_psub is not None and slot.bulk > 0 and slot.interactive > 0
+        bulk_first = batch_line_first(slot.interactive, slot.bulk if slot.bulk_psub is not None else 0, slot.interactive_run)
+        if both:
+            slot.interactive_run = 0 if bulk_first else slot.interactive_run + 1
         close_at: float | None = None
         opened_at: float | None = None  # when the batch's first request was enqueued (or seen)
         due: float | None = None  # the earliest deadline gathered
@@ -145,7 +154,7 @@ class Batcher:
                 # host, a pull split by the server) is topped up from the backlog it reported.
                 if slot.backlog <= 0:
                     break
-                got = await self.fetch(slot, min(max_items - len(msgs), slot.backlog), min(max(2 * self.late_s, _TOP_UP_S), _MAX_LATE_S))
+                got = await self.fetch(slot, min(max_items - len(msgs), slot.backlog), min(max(2 * self.late_s, _TOP_UP_S), _MAX_LATE_S), bulk_first=bulk_first)
                 if not got:
                     break  # another worker of the shared queue took them
                 msgs.extend(got)
@@ -154,7 +163,7 @@ class Batcher:
             # With a batch open, aim the fetch early by what fetches overrun, so it ends at the window.
             timeout_s = max(wait_s - early_s, 0.001) if msgs else max(wait_s, 0.001)
             started = self._clock()
-            got = await self.fetch(slot, max_items - len(msgs), timeout_s)
+            got = await self.fetch(slot, max_items - len(msgs), timeout_s, bulk_first=bulk_first)
             if not got and msgs:
                 overrun = min(max(self._clock() - started - timeout_s, 0.0), _MAX_LATE_S)
                 self.late_s += _LATE_WEIGHT * (overrun - self.late_s)

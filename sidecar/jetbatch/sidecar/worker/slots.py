@@ -106,6 +106,7 @@ class Slot:
     # the interactive ones): counted like the backlog, from events and the bulk count.
     bulk: int = 0
     bulk_psub: Any = None
+    interactive_run: int = 0  # batches in a row that took the interactive line first while both waited
     consumer_ready_at: float | None = None  # when this worker last made sure the consumer exists
     bulk_consumer_ready_at: float | None = None  # the same for the batch-class consumer
     consumer_lock: anyio.Lock = field(default_factory=anyio.Lock)  # one creation at a time
