@@ -91,3 +91,19 @@ def test_callers_are_gone_when_cancelled_or_due_before_the_load_and_a_batch_end(
     # A probe counts only deadlines already passed, so an inflated estimate cannot lock a model out.
     assert not driver.callers_gone("m1", "cold", [(101.05, False)], now, probe=True)[0]
     assert driver.callers_gone("m1", "cold", [(99.0, False), (None, True)], now, probe=True) == (True, 0.0)
+
+
+def test_a_cancel_heard_before_the_arrival_event_still_counts() -> None:
+    """A tenant's request reaches the workers through the classifier, its cancel straight: the
+    arrival of a request already cancelled is marked at once (no load for it)."""
+    from jetbatch.sidecar.worker.queues import ArrivalFeed
+
+    slot = _slot()
+    view = QueueView({"m1": slot})
+    cancels = Cancellations(None, SUBJECTS, on_cancel=lambda key: view.cancel(key))
+    feed = ArrivalFeed(None, SUBJECTS, {"m1": slot}, view, on_arrival=lambda: None, cancelled=cancels.cancelled)
+    cancels.note("jb.cancel.t1", b"r1")
+    feed.note("jb.arrived.m1", {"Nats-Msg-Id": "t1.r1", "Jetbatch-Tenant": "t1"}, now=5.0)
+    feed.note("jb.arrived.m1", {"Nats-Msg-Id": "r2"}, now=5.0)
+    assert slot.cancelled_keys == {("t1", "r1")} and slot.backlog == 2
+    assert not cancels.note("jb.cancel", b"r3\n")  # a trailing newline is no request id

@@ -64,6 +64,11 @@ def test_two_classes_count_as_two_lines_and_the_interactive_head_is_its_own() ->
     # The count: 3 stored on the batch line, 1 of them ours in flight; 1 interactive stored.
     view.reconcile(s, 4, now=7.0, mine=1, not_ours=0, stored_bulk=3, mine_bulk=1)
     assert (s.backlog, s.bulk, s.interactive) == (3, 2, 1)
+    # A peer holds 32 of the batch line's: the one interactive request stays interactive (the
+    # peers' share is counted against the batch line first).
+    view.arrived(s, 8.0, None)
+    view.reconcile(s, 133, now=9.0, mine=0, not_ours=32, stored_bulk=132, mine_bulk=0)
+    assert (s.backlog, s.bulk, s.interactive, s.interactive_enqueued_at) == (101, 100, 1, 8.0)
 
 
 def test_the_feed_counts_a_batch_line_arrival_as_batch() -> None:

@@ -330,6 +330,12 @@ def test_a_queue_with_interactive_work_comes_before_a_batch_only_one() -> None:
     overdue = dataclasses.replace(ms("a", 8, oldest=-100.0, max_wait_s=5.0), interactive=0)
     d = policy.decide(state([overdue, urgent], None, max_models=1), now=1.0)
     assert isinstance(d, sched.Load) and (d.model, d.reason) == ("a", "overdue")
+    # Both overdue: interactive work counts twice as late, never more (no batch-only starvation).
+    late_urgent = dataclasses.replace(ms("b", 8, oldest=-5.0, max_wait_s=5.0), interactive=1, interactive_enqueued_at=-5.0)
+    for a_oldest, winner in ((-10.0, "b"), (-14.0, "a")):  # a 2.2x or 3.0x its bound, against b 1.2x (counted 2.4x)
+        a = dataclasses.replace(ms("a", 8, oldest=a_oldest, max_wait_s=5.0), interactive=0)
+        d = sched.make_policy("cost-aware").decide(state([a, late_urgent], None, max_models=1), now=1.0)
+        assert isinstance(d, sched.Load) and d.model == winner, (a_oldest, d)
 
 
 def test_a_visit_serving_only_batch_work_yields_to_interactive_work_waiting_long() -> None:

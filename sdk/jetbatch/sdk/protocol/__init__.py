@@ -52,7 +52,6 @@ from .requests import (
     message_bytes,
     new_request_id,
     parse_request_headers,
-    priority_from_headers,
     request_id_of,
 )
 
@@ -92,7 +91,6 @@ __all__ = [
     "message_bytes",
     "new_request_id",
     "parse_request_headers",
-    "priority_from_headers",
     "request_id_of",
     "subject_matches",
     "validate_model_name",

@@ -94,7 +94,7 @@ class ProtocolError(JetbatchError, ValueError):
     code = "bad_request"
 
 
-_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOKEN_RE = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would let a trailing newline in
 # The last token of a batch-class queue subject (model names have no dots: unambiguous).
 BATCH_TOKEN = "batch"
 _BATCH_SUFFIX = "." + BATCH_TOKEN

@@ -197,16 +197,6 @@ def deadline_from_headers(headers: Mapping[str, str] | None) -> float | None:
     return int(raw) / 1000.0
 
 
-def priority_from_headers(headers: Mapping[str, str] | None) -> Priority:
-    """A request's priority class for counting, never raising: absent is interactive, anything
-    malformed counts as batch (the request itself is refused as bad_request when parsed), so a
-    forged value can never rank above what a valid one could."""
-    raw = (headers or {}).get(Headers.PRIORITY)
-    if raw is None:
-        return Priority.INTERACTIVE
-    return Priority.BATCH if raw != Priority.INTERACTIVE.value else Priority.INTERACTIVE
-
-
 def forwardable_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     """A request's headers as a sidecar may copy them onto its own publish (a republish, a dead
     letter): every ``Nats-*`` header dropped, whatever its case. The server acts on those

@@ -51,12 +51,12 @@ class CostAware(PolicyBase):
       eviction onto a model worth more: when the model that should make room is mid-burst, the
       scheduler serves it first rather than evicting a costly model in steady use.
     - **Priority classes.** An interactive request counts ``interactive_weight`` times a batch
-      request in the score (its queue comes up sooner), an overdue queue holding interactive work
-      goes before an overdue batch-only one, and a visit that serves only batch work yields, once
-      amortised, to a queue whose oldest interactive request has waited ``interactive_bound_share``
-      of its bound. Every class keeps the same wait bound, so batch work never starves; with one
-      class all of this scales every score alike and changes nothing. Within a queue requests
-      keep their arrival order (one consumer per model delivers in stream order).
+      request in the score (its queue comes up sooner); an overdue queue holding interactive work
+      counts twice as overdue as a batch-only one (which, past twice its bound, still goes
+      first); and a visit that serves only batch work yields, once amortised, to a queue whose
+      oldest interactive request has waited ``interactive_bound_share`` of its bound. Batch work
+      never starves: its queues age like any other. With one class all of this scales every
+      queue alike and changes nothing.
     - **Gather window.** With ``gather_size`` > 0, wait until that many requests are queued in all
       or the oldest has waited ``gather_delay_s``.
     """
@@ -180,8 +180,10 @@ class CostAware(PolicyBase):
         protected = frozenset(m.name for m in waiting if m.resident and not self.amortised(m))
         current = state.models.get(state.current) if state.current else None
 
-        def most_overdue(m: ModelState) -> tuple[bool, float, bool]:
-            return (interactive(m) > 0, age(m, now) / self.bound_s(m, cycle), m.resident)
+        def most_overdue(m: ModelState) -> tuple[float, bool]:
+            # Interactive work counts twice as overdue: ahead of batch-only queues as late, never
+            # of one past twice its bound (with one class: every queue alike).
+            return ((2.0 if interactive(m) > 0 else 1.0) * age(m, now) / self.bound_s(m, cycle), m.resident)
 
         if current is not None and current.resident and current.backlog > 0:
             if current.name in protected:

@@ -109,13 +109,14 @@ class _Queue:
             return self.bulk.popleft()
         return self.urgent.popleft() if self.urgent else self.bulk.popleft()
 
-    def start_batch(self) -> bool:
-        """Whether the batch now forming takes the batch line first (the live worker's rule,
-        ``policy.batch_line_first``), counting it."""
-        first = batch_line_first(len(self.urgent), len(self.bulk), self.run)
+    def first(self, bulk_first: bool) -> _Request:
+        """The request a batch taking ``bulk_first`` (``policy.batch_line_first``) takes first."""
+        return self.bulk[0] if bulk_first and self.bulk else self.next
+
+    def count_batch(self, bulk_first: bool) -> None:
+        """A batch formed while both lines waited went to one line first (the live rule's count)."""
         if self.urgent and self.bulk:
-            self.run = 0 if first else self.run + 1
-        return first
+            self.run = 0 if bulk_first else self.run + 1
 
     def __iter__(self) -> Any:
         yield from self.urgent
@@ -383,16 +384,18 @@ class _Sim:
             return
         window = self.windows[decision.model]
         limit = max(1, min(decision.max_items, m.max_batch_size))
-        # As live: the window closes early enough for the earliest deadline (the head's: deadlines
-        # are arrival + a per-model constant), given the batch's estimated time.
-        head = q.head
+        # As live: the window opens at the first request the batch takes (its line's head) and
+        # closes early enough for its deadline (deadlines are arrival + a per-model constant),
+        # given the batch's estimated time.
+        bulk_first = batch_line_first(len(q.urgent), len(q.bulk), q.run)
+        head = q.first(bulk_first)
         latest_start = head.deadline - worker.costs.deadline_estimate_s(decision.model, limit) if head.deadline is not None else None
         close_at = window.close_at(head.arrival, head.arrival, latest_start)
         if not window.should_close(min(len(q), limit), close_at, self.t) and len(q) < limit:
             self.wake(worker, max(min(close_at, self.next_arrival_at()), self.t + 1e-9))  # the window is open
             return
         batch: list[_Request] = []
-        bulk_first = q.start_batch()
+        q.count_batch(bulk_first)
         while q and len(batch) < limit:
             if decision.before is not None and batch and q.next.arrival >= decision.before:
                 break
@@ -406,7 +409,8 @@ class _Sim:
         predicted_s = 0.0 if refusals >= PROBE_AFTER_REFUSALS else worker.costs.deadline_estimate_s(decision.model, len(batch))
         gone = [r for r in batch if r.gone(self.t)]
         live = [r for r in batch if not cannot_finish(r.deadline, start, predicted_s) and not r.gone(self.t)]
-        worker.refused_on_prediction[decision.model] = refusals + 1 if not live and len(gone) < len(batch) and predicted_s > 0 else 0
+        # As live: refused whole only when every request was refused on the prediction.
+        worker.refused_on_prediction[decision.model] = refusals + 1 if not live and not gone and predicted_s > 0 else 0
         for r in batch:
             if r not in live:
                 if r.gone(self.t):
@@ -455,7 +459,9 @@ class _Sim:
             # end (the estimates; only passed deadlines after PROBE_AFTER_REFUSALS such reaps in
             # a row), is answered without a load.
             tier = "warm" if decision.model in worker.warm else "cold"
-            probe = worker.reaped_on_prediction.get(decision.model, 0) >= PROBE_AFTER_REFUSALS
+            # As live: a peer holding or loading the model may serve them in time.
+            peer_serves = any(decision.model in p.resident or p.loading == decision.model for p in self.workers if p is not worker)
+            probe = worker.reaped_on_prediction.get(decision.model, 0) >= PROBE_AFTER_REFUSALS or peer_serves
             waiting = [(r.deadline, r.gone(self.t)) for r in q]
             gone, _ = worker.driver.callers_gone(decision.model, tier, waiting, self.t, probe=probe)
             if gone:

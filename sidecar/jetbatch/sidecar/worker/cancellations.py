@@ -40,7 +40,7 @@ __all__ = ["Cancellations", "RequestKey", "request_key"]
 log = logging.getLogger("jetbatch.worker")
 
 RequestKey = tuple[str, str]  # (tenant, or "" for none; request id)
-_ID_RE = re.compile(rb"^[A-Za-z0-9_-]{1,64}$")
+_ID_RE = re.compile(rb"\A[A-Za-z0-9_-]{1,64}\Z")
 
 
 def request_key(tenant: str | None, request_id: str) -> RequestKey:

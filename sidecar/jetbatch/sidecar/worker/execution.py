@@ -129,9 +129,11 @@ class BatchRunner:
 
         predicted_s = self._predicted_s(slot, len(requests))
         rejected, expired, fresh, suspects = _triage(requests, now, predicted_s)
-        # A caller that cancelled is gone: its request is answered, not computed (a suspect too).
-        gone = [r for r in fresh + suspects if self._cancelled(r.meta.tenant, r.meta.request_id)]
+        # A caller that cancelled is gone: its request is answered `cancelled`, not computed (a
+        # suspect, or one late anyway, too), as the simulator counts it.
+        gone = [r for r in expired + fresh + suspects if self._cancelled(r.meta.tenant, r.meta.request_id)]
         if gone:
+            expired = [r for r in expired if r not in gone]
             fresh = [r for r in fresh if r not in gone]
             suspects = [r for r in suspects if r not in gone]
             self._counters.add("cancelled", len(gone))

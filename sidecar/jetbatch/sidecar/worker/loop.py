@@ -122,11 +122,13 @@ class Worker:
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
         # A peer's take event counts until it settles, or for two heartbeats (its advert tells then).
         self.queues = QueueView(self.slots, peer_event_s=2 * config.worker.heartbeat_s)
+        # Callers that gave up early (their tasks cancelled): no load is paid for them.
+        self.cancellations = Cancellations(nc, self.subjects, on_cancel=self._on_cancel, counters=self.stats)
         self.arrivals = ArrivalFeed(
             nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up, worker_id=self.worker_id, counters=self.stats,
+            cancelled=self.cancellations.cancelled,
         )  # fmt: skip
-        # Callers that gave up early (their tasks cancelled): the request stops counting at once.
-        self.cancellations = Cancellations(nc, self.subjects, on_cancel=self._on_cancel, counters=self.stats)
+
         self.batcher = Batcher(
             self._stopping,
             counters=self.stats,
@@ -278,16 +280,25 @@ class Worker:
                     slot.consumer_ready_at = now
                 if slot.psub is None:
                     slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
-                # The batch line's consumer: made once batch requests are seen (most models get none).
-                if slot.bulk > 0 or slot.bulk_consumer_ready_at is not None:
-                    stale = streams.consumers == "on-demand" and (slot.bulk_consumer_ready_at is None or now - slot.bulk_consumer_ready_at > streams.consumer_idle_s / 2)
-                    if slot.bulk_consumer_ready_at is None or stale:
+                # The batch line's consumer: made while batch requests are seen (most models get
+                # none); left to the server's idle removal once they stop.
+                bulk_stale = streams.consumers == "on-demand" and (
+                    slot.bulk_consumer_ready_at is None or now - slot.bulk_consumer_ready_at > streams.consumer_idle_s / 2
+                )
+                if slot.bulk > 0:
+                    if slot.bulk_consumer_ready_at is None or bulk_stale:
                         await ensure_model_consumer(self.js, self.subjects, streams, slot.name, Priority.BATCH)
                         slot.bulk_consumer_ready_at = now
                     if slot.bulk_psub is None:
                         slot.bulk_psub = await self.js.pull_subscribe_bind(
                             durable=model_consumer_name(slot.name, Priority.BATCH), stream=self.subjects.models_stream
                         )
+                elif slot.bulk_psub is not None and bulk_stale:
+                    psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
+                    try:
+                        await psub.unsubscribe()
+                    except TRANSPORT_ERRORS + (ValueError,):
+                        pass
             except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
                 log.warning("consumer for %s not ready: %s", slot.name, exc)
                 self._note_trouble()
@@ -442,6 +453,7 @@ class Worker:
                     revisited = True
                     continue
                 await self._load(self.slots[decision.model], decision.evict, reason=decision.reason)
+                revisited = False
             else:
                 await self._idle(decision)
 
@@ -554,7 +566,9 @@ class Worker:
             for name in evict:
                 await self.slots[name].wait_model_free()
             waiting = _known_waiting(slot)
-            probe = slot.reaped_on_prediction >= PROBE_AFTER_REFUSALS
+            # The estimates say nothing of a peer that holds (or is loading) the model: it may
+            # serve these callers in time, so then only callers already gone count.
+            probe = slot.reaped_on_prediction >= PROBE_AFTER_REFUSALS or self.peers.served().get(slot.name, 0.0) > 0
             gone, horizon_s = self.driver.callers_gone(slot.name, slot.tier, waiting or (), time.time(), probe=probe)
             if waiting is not None and gone:
                 # Counted toward the probe only when the estimate decided it (no deadline passed yet).

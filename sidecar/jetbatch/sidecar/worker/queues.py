@@ -62,7 +62,7 @@ MAX_PEER_HELD = 100_000
 _MAX_TAKE_CHARS = 8
 _MAX_PEER_ID_CHARS = 128
 WORKER_HEADER = "Jetbatch-Worker"
-_KEY_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_KEY_TOKEN_RE = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 _MAX_TIMESTAMP_CHARS = 40
 
 
@@ -129,6 +129,12 @@ class QueueView:
         if slot.backlog == 1 or slot.oldest_enqueued_at is None:
             self._set_head(slot)
         self.waiting.add(slot.name)
+
+    def cancelled_before(self, slot: Slot, key: tuple[str, str]) -> None:
+        """A request whose cancel came before its arrival event (a tenant's request goes through
+        the classifier, the notice straight to the workers): counted as cancelled at once."""
+        if self._where.get(key) == slot.name:
+            slot.cancelled_keys.add(key)
 
     def cancel(self, key: tuple[str, str]) -> bool:
         """A caller cancelled the request ``key``: if it waits in a queue we know, it stops
@@ -236,9 +242,12 @@ class QueueView:
         # Held-back messages leave the count as they are acked or redelivered to someone; the
         # arrivals seen since the hold are never among them (found_empty forgot the older ones).
         slot.unfetchable = min(slot.unfetchable, max(0, available - slot.known))
-        # What peers hold is interactive first (they pull that line first): the batch line's
-        # stored messages, less ours, all wait.
-        self._count(slot, available - slot.unfetchable, bulk=max(0, stored_bulk - mine_bulk))
+        # Which line the peers' share comes from is not told: count it against the batch line
+        # first, so interactive requests are never hidden behind batch ones a peer holds (at
+        # worst interactive work is over-counted until the next count, and visited sooner).
+        waiting = available - slot.unfetchable
+        interactive = min(max(0, (stored - stored_bulk) - (mine - mine_bulk)), max(0, waiting))
+        self._count(slot, waiting, bulk=waiting - interactive)
 
     def needs_head(self, slot: Slot) -> bool:
         """Whether the queue's head was never seen arriving (its age must be read once)."""
@@ -358,12 +367,14 @@ class ArrivalFeed:
         on_arrival: Callable[[], None],
         worker_id: str = "",
         counters: Counters | None = None,
+        cancelled: Callable[[str | None, str], bool] = lambda tenant, request_id: False,
     ) -> None:
         self._nc = nc
         self._subjects = subjects
         self._slots = slots
         self._view = view
         self._on_arrival = on_arrival
+        self._cancelled = cancelled  # whether a cancel notice for (tenant, request id) came already
         self._worker_id = worker_id
         self._sub: Any = None
         self._taken_sub: Any = None
@@ -402,7 +413,10 @@ class ArrivalFeed:
             deadline = deadline_from_headers(headers)
         except ProtocolError:
             deadline = None
-        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH, key=_request_key(headers))
+        key = _request_key(headers)
+        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH, key=key)
+        if key is not None and self._cancelled(key[0] or None, key[1]):
+            self._view.cancelled_before(slot, key)
         self.seen += 1
         if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
             self._counters.sample("arrival_delay", now - at)
