@@ -40,5 +40,5 @@ async def pull(psub: Any, n: int, timeout_s: float) -> Pulled:
         return Pulled()
     except failures.CLOSED:
         return Pulled(closed=True)
-    except TRANSPORT_ERRORS as exc:
+    except TRANSPORT_ERRORS + (SidecarError,) as exc:  # SidecarError: pulling.PullError, a status
         return Pulled(trouble=exc)

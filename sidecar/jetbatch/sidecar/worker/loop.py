@@ -46,6 +46,7 @@ from ..policy import (
     make_policy,
     visible_models,
 )
+from ..pulling import Puller
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
@@ -279,7 +280,7 @@ class Worker:
                     self.stats.sample("consumer_create", time.perf_counter() - started)
                     slot.consumer_ready_at = now
                 if slot.psub is None:
-                    slot.psub = await self.js.pull_subscribe_bind(durable=model_consumer_name(slot.name), stream=self.subjects.models_stream)
+                    slot.psub = await Puller(self.nc, self.subjects.models_stream, model_consumer_name(slot.name)).start()
                 # The batch line's consumer: made while batch requests are seen (most models get
                 # none); left to the server's idle removal once they stop.
                 bulk_stale = streams.consumers == "on-demand" and (
@@ -290,9 +291,7 @@ class Worker:
                         await ensure_model_consumer(self.js, self.subjects, streams, slot.name, Priority.BATCH)
                         slot.bulk_consumer_ready_at = now
                     if slot.bulk_psub is None:
-                        slot.bulk_psub = await self.js.pull_subscribe_bind(
-                            durable=model_consumer_name(slot.name, Priority.BATCH), stream=self.subjects.models_stream
-                        )
+                        slot.bulk_psub = await Puller(self.nc, self.subjects.models_stream, model_consumer_name(slot.name, Priority.BATCH)).start()
                 elif slot.bulk_psub is not None and bulk_stale:
                     psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
                     try:

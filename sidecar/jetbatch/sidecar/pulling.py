@@ -1,0 +1,112 @@
+"""Pulling a consumer's messages without a task per message.
+
+nats-py's pull ``fetch`` awaits each message of a batch with ``next_msg``, an ``asyncio.wait_for``
+that makes a task every time: in the worker's profile that was 3 tasks and 2 ``wait_for`` calls a
+request (docs/benchmarks.md, "As deployed"). A :class:`Puller` sends the same pull requests
+(``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>``) with replies to an inbox of its own, and
+its callback buffers what arrives: a fetch waits on one event with one deadline.
+
+The semantics are nats-py's: a fetch first asks for what is stored (``no_wait``) and returns it;
+when nothing is, it asks again with ``expires`` and returns once the batch is full, the request
+ends (the server's 408 at its expiry, 404, 409) or the wait runs out. Messages that arrive after
+a fetch returned (a request that outlived its wait) are handed out first by the next fetch, as
+nats-py's pending queue did; on ``unsubscribe`` they are left to their ack wait, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from .errors import SidecarError
+
+__all__ = ["PullError", "Puller"]
+
+# Status codes that end a pull request without an error (nats-py treats them the same way).
+_END = frozenset({"404", "408", "409"})
+_HEARTBEAT = "100"
+
+
+class PullError(SidecarError):
+    """JetStream answered a pull request with an error status (the worker backs off, as for any
+    trouble on the way to the server)."""
+
+
+class Puller:
+    """Fetches from one durable pull consumer of ``stream``."""
+
+    def __init__(self, nc: Any, stream: str, durable: str) -> None:
+        self._nc = nc
+        self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self._inbox = nc.new_inbox()
+        self._buffer: deque[Msg] = deque()
+        self._changed = asyncio.Event()
+        self._sub: Any = None
+        self._seq = 0
+        self._current = ""  # the token of the pull request a fetch waits on
+        self._ended = False  # that request was ended by a status
+        self._error: str | None = None
+
+    async def start(self) -> "Puller":
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg, pending_msgs_limit=100_000)
+        return self
+
+    async def unsubscribe(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        status = headers.get("Status") if not msg.data else None
+        if status:
+            if status == _HEARTBEAT:
+                return
+            if msg.subject.rsplit(".", 1)[-1] == self._current:
+                self._ended = True
+            if status not in _END:
+                self._error = f"{status} {headers.get('Description', '')}".strip()
+        else:
+            self._buffer.append(msg)
+        self._changed.set()
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        """Up to ``batch`` messages within ``timeout`` seconds ([] when none came)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise PullError(f"JetStream refused a pull: {error}")
+        if self._buffer:
+            return self._take(batch)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        # What is stored comes at once (the server ends a no_wait request with 404 when it has
+        # fewer than asked for); only when nothing is does a request wait for arrivals.
+        await self._request({"batch": batch, "no_wait": True})
+        await self._wait(batch, deadline)
+        if not self._buffer and loop.time() < deadline and self._error is None:
+            await self._request({"batch": batch, "expires": int(max(deadline - loop.time(), 0.001) * 1e9)})
+            await self._wait(batch, deadline)
+        return self._take(batch)
+
+    async def _request(self, body: dict[str, Any]) -> None:
+        self._seq += 1
+        self._current, self._ended = str(self._seq), False
+        await self._nc.publish(self._api, json.dumps(body).encode(), reply=f"{self._inbox}.{self._current}")
+
+    async def _wait(self, batch: int, deadline: float) -> None:
+        """Until the batch is full, the current request ends, or ``deadline`` (loop time)."""
+        try:
+            async with asyncio.timeout_at(deadline):  # one timer, no task
+                while len(self._buffer) < batch and not self._ended:
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            pass
+
+    def _take(self, batch: int) -> list[Msg]:
+        n = min(batch, len(self._buffer))
+        return [self._buffer.popleft() for _ in range(n)]

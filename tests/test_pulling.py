@@ -1,0 +1,67 @@
+"""The worker's pull (sidecar/pulling.py) against a real nats-server: what is stored comes at
+once, arrivals are waited for within the timeout, late deliveries go to the next fetch, and a
+consumer removed under a waiting pull ends it instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from jetbatch.sidecar.pulling import Puller
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+async def _queue(url: str, prefix: str) -> tuple[object, object]:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+    await js.add_consumer(prefix.upper(), durable_name="c", ack_policy="explicit")
+    return nc, js
+
+
+async def _pull_waiting(js: object, prefix: str) -> None:
+    async def waiting() -> bool:
+        return bool((await js.consumer_info(prefix.upper(), "c")).num_waiting)  # type: ignore[attr-defined]
+
+    await wait_until(waiting, timeout_s=10, what="a pull request waiting at the server")
+
+
+async def test_stored_messages_come_at_once_and_arrivals_within_the_wait(nats_url: str, prefix: str) -> None:
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        for i in range(3):
+            await js.publish(f"{prefix}.q", str(i).encode())  # type: ignore[attr-defined]
+        started = time.monotonic()
+        got = await puller.fetch(64, timeout=5.0)
+        assert [m.data for m in got] == [b"0", b"1", b"2"]
+        assert time.monotonic() - started < 2.0  # stored: not the 5 s wait for a full batch
+        assert got[0].metadata.sequence.stream == 1  # a JetStream message: metadata, acks
+        for m in got:
+            await m.ack()
+        assert await puller.fetch(8, timeout=0.2) == []  # nothing stored, nothing arrived
+
+        fetch = asyncio.ensure_future(puller.fetch(1, timeout=5.0))
+        await _pull_waiting(js, prefix)  # the fetch waits at the server: now one arrives
+        await js.publish(f"{prefix}.q", b"late")  # type: ignore[attr-defined]
+        assert [m.data for m in await fetch] == [b"late"]
+        await puller.unsubscribe()
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_removed_consumer_ends_a_waiting_pull(nats_url: str, prefix: str) -> None:
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        fetch = asyncio.ensure_future(puller.fetch(4, timeout=30.0))
+        await _pull_waiting(js, prefix)
+        await js.delete_consumer(prefix.upper(), "c")  # type: ignore[attr-defined]
+        assert await asyncio.wait_for(fetch, 10) == []  # 409 Consumer Deleted ends it
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
