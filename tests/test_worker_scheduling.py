@@ -234,34 +234,39 @@ async def test_no_load_is_paid_for_a_queue_whose_callers_gave_up(nats_url: str, 
         assert "late" not in worker.residency.resident_names()
 
 
-async def test_interactive_requests_of_a_model_go_before_its_batch_requests(nats_url: str, prefix: str) -> None:
-    """Batch-class requests queued first, interactive ones after: the worker takes the
-    interactive line first (every interactive batch before any batch-class one), and the batch
-    class is still served."""
+async def _serve_queued_classes(nats_url: str, prefix: str, n_batch: int, n_interactive: int) -> dict[str, int]:
+    """Queue ``n_batch`` batch-class requests of m1 (max batch 2), then ``n_interactive``
+    interactive ones, start a worker, and return each request's batch position (b0.., i00..)."""
     config = make_config(prefix, {"m1": sleep_model(max_batch_size=2, max_concurrent_batches=1)})
     await _prepare_streams(config, nats_url)
     order: list[str] = []
+    results: dict[str, sdk.Result] = {}
     async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-        results: dict[str, sdk.Result] = {}
 
         async def send(name: str, priority: str) -> None:
             results[name] = await client.infer_result(name.encode(), model="m1", timeout=30, priority=priority)
 
         async with anyio.create_task_group() as tg:
-            for i in range(6):
+            for i in range(n_batch):
                 tg.start_soon(send, f"b{i}", "batch")
-            await _queued(client, 6)
-            for i in range(4):
-                tg.start_soon(send, f"i{i}", "interactive")
-            await _queued(client, 10)
+            await _queued(client, n_batch)
+            for i in range(n_interactive):
+                tg.start_soon(send, f"i{i:02d}", "interactive")
+            await _queued(client, n_batch + n_interactive)
             stored = await client.nats.jetstream().stream_info(client.subjects.models_stream, subjects_filter=client.subjects.models_wildcard)
-            assert stored.state.subjects == {client.subjects.model("m1"): 4, client.subjects.model("m1", "batch"): 6}
+            assert stored.state.subjects == {client.subjects.model("m1"): n_interactive, client.subjects.model("m1", "batch"): n_batch}
             async with running_worker(config, nats_url, on_batch=lambda r: order.append(r.batch_id)):
-                await wait_until(lambda: len(results) == 10, timeout_s=20, what="all replies")
-    position = {r.request_id: order.index(r.batch.batch_id) for r in results.values()}
-    by_name = {name: position[r.request_id] for name, r in results.items()}
-    assert max(by_name[f"i{i}"] for i in range(4)) < min(by_name[f"b{i}"] for i in range(6))
+                await wait_until(lambda: len(results) == n_batch + n_interactive, timeout_s=20, what="all replies")
     assert all(r.output == name.encode() for name, r in results.items())
+    return {name: order.index(r.batch.batch_id) for name, r in results.items()}
+
+
+async def test_interactive_requests_of_a_model_go_before_its_batch_requests(nats_url: str, prefix: str) -> None:
+    """Batch-class requests queued first, interactive ones after: the worker takes the
+    interactive line first (every interactive batch before any batch-class one), and the batch
+    class is still served."""
+    position = await _serve_queued_classes(nats_url, prefix, 6, 4)
+    assert max(position[f"i{i:02d}"] for i in range(4)) < min(position[f"b{i}"] for i in range(6))
 
 
 async def test_a_bad_priority_is_refused_before_anything_is_sent(nats_url: str, prefix: str) -> None:
@@ -349,25 +354,7 @@ async def test_interactive_traffic_cannot_starve_a_models_batch_line(nats_url: s
     answered before the interactive line is empty, as the simulator does."""
     from jetbatch.sidecar.policy import BATCH_LINE_EVERY
 
-    config = make_config(prefix, {"m1": sleep_model(max_batch_size=2, max_concurrent_batches=1)})
-    await _prepare_streams(config, nats_url)
-    order: list[str] = []
-    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-        results: dict[str, sdk.Result] = {}
-
-        async def send(name: str, priority: str) -> None:
-            results[name] = await client.infer_result(name.encode(), model="m1", timeout=30, priority=priority)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(2):
-                tg.start_soon(send, f"b{i}", "batch")
-            await _queued(client, 2)
-            for i in range(20):
-                tg.start_soon(send, f"i{i:02d}", "interactive")
-            await _queued(client, 22)
-            async with running_worker(config, nats_url, on_batch=lambda r: order.append(r.batch_id)):
-                await wait_until(lambda: len(results) == 22, timeout_s=20, what="all replies")
-    position = {name: order.index(r.batch.batch_id) for name, r in results.items()}
+    position = await _serve_queued_classes(nats_url, prefix, 2, 20)
     first_batch_class = min(position["b0"], position["b1"])
     assert first_batch_class == BATCH_LINE_EVERY - 1  # the 8th batch, with 7 interactive ones before it
     assert max(position[f"i{i:02d}"] for i in range(20)) > first_batch_class
