@@ -8,9 +8,10 @@ its callback buffers what arrives: a fetch waits on one event with one deadline.
 
 The semantics are nats-py's: a fetch first asks for what is stored (``no_wait``) and returns it;
 when nothing is, it asks again with ``expires`` and returns once the batch is full, the request
-ends (the server's 408 at its expiry, 404, 409) or the wait runs out. Messages that arrive after
-a fetch returned (a request that outlived its wait) are handed out first by the next fetch, as
-nats-py's pending queue did; on ``unsubscribe`` they are left to their ack wait, as before.
+ends (the server's 408 at its expiry, 404, 409) or the wait runs out; like nats-py, it has the
+server expire a waiting request just before it stops listening, and it listens for that end. A
+message that still arrives after a fetch returned (its end lost) is handed out first by the next
+fetch, as nats-py's pending queue did; on ``unsubscribe`` it is left to its ack wait.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ __all__ = ["PullError", "Puller"]
 # Status codes that end a pull request without an error (nats-py treats them the same way).
 _END = frozenset({"404", "408", "409"})
 _HEARTBEAT = "100"
+_EXPIRES_EARLY_S = 0.002  # a waiting request expires this much before the fetch's deadline ...
+_END_GRACE_S = 0.05  # ... and the fetch listens this long past it for the request's end
 
 
 class PullError(SidecarError):
@@ -88,8 +91,13 @@ class Puller:
         await self._request({"batch": batch, "no_wait": True})
         await self._wait(batch, deadline)
         if not self._buffer and loop.time() < deadline and self._error is None:
-            await self._request({"batch": batch, "expires": int(max(deadline - loop.time(), 0.001) * 1e9)})
-            await self._wait(batch, deadline)
+            # The server ends the request a little before we stop listening, and we wait for its
+            # end (408): nothing is delivered to a request nobody waits on any more. A message
+            # delivered late would sit in this buffer, unacked, until the next fetch of this
+            # model, or its ack wait if this worker moved on to other models.
+            expires_s = max(deadline - loop.time() - _EXPIRES_EARLY_S, 0.001)
+            await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
+            await self._wait(batch, deadline + _END_GRACE_S)
         return self._take(batch)
 
     async def _request(self, body: dict[str, Any]) -> None:
