@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import nats
 
 from bench import harness
-from bench.overhead import raw_replies
+from bench.overhead import raw_replies, raw_requests
 from bench.scale import cpu_s
 from jetbatch import sdk
 
@@ -52,32 +51,13 @@ async def raw_consumer(url: str, prefix: str) -> None:
 
 
 async def _raw_producer(url: str, prefix: str, n: int, concurrency: int, payload: bytes) -> float:
+    """``bench.overhead``'s raw producer, one warm-up request before the timed ones."""
     nc = await nats.connect(url)
-    js = nc.jetstream()
-    inbox = nc.new_inbox()
-    waiting: dict[str, asyncio.Future[None]] = {}
-
-    async def on_reply(msg: Any) -> None:
-        fut = waiting.get(msg.subject.rsplit(".", 1)[-1])
-        if fut and not fut.done():
-            fut.set_result(None)
-
-    await nc.subscribe(f"{inbox}.*", cb=on_reply)
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(i: int) -> None:
-        rid = f"r{i}"
-        async with gate:
-            fut = asyncio.get_running_loop().create_future()
-            waiting[rid] = fut
-            await js.publish(f"{prefix}.q", payload, headers={"Nats-Msg-Id": rid, "Reply": f"{inbox}.{rid}"})
-            await asyncio.wait_for(fut, 30)
-
-    await one(-1)  # warm
-    started = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(n)))
-    elapsed = time.perf_counter() - started
-    await nc.close()
+    try:
+        await raw_requests(nc, prefix, 1, 1, payload, first=n)  # warm
+        elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload)
+    finally:
+        await nc.close()
     return elapsed
 
 

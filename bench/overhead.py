@@ -62,14 +62,10 @@ async def raw_replies(nc: Any, psub: Any, stop: asyncio.Event | None = None) -> 
             await m.ack()
 
 
-async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple[float, list[float]]:
-    """Producer: JetStream publish with a reply-to header, await the reply on one inbox.
-    Consumer: fetch up to 64, publish each reply, ack each."""
-    prefix = f"raw{uuid.uuid4().hex[:6]}"
-    nc = await nats.connect(url)
+async def raw_requests(nc: Any, prefix: str, n: int, concurrency: int, payload: bytes, *, first: int = 0) -> tuple[float, list[float]]:
+    """The raw producer: ``n`` JetStream publishes to ``<prefix>.q`` with a reply-to header, at
+    most ``concurrency`` awaiting their reply on one inbox. Returns the seconds and latencies."""
     js = nc.jetstream()
-    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
-    psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
     inbox = nc.new_inbox()
     waiting: dict[str, asyncio.Future[None]] = {}
 
@@ -78,12 +74,7 @@ async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple
         if fut and not fut.done():
             fut.set_result(None)
 
-    await nc.subscribe(f"{inbox}.*", cb=on_reply)
-    stop = asyncio.Event()
-
-    async def consumer() -> None:
-        await raw_replies(nc, psub, stop)
-
+    sub = await nc.subscribe(f"{inbox}.*", cb=on_reply)
     latencies: list[float] = []
     gate = asyncio.Semaphore(concurrency)
 
@@ -97,10 +88,24 @@ async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple
             await asyncio.wait_for(fut, 30)
             latencies.append(time.perf_counter() - t)
 
-    task = asyncio.create_task(consumer())
     started = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(n)))
+    await asyncio.gather(*(one(i) for i in range(first, first + n)))
     elapsed = time.perf_counter() - started
+    await sub.unsubscribe()
+    return elapsed, latencies
+
+
+async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple[float, list[float]]:
+    """Producer: JetStream publish with a reply-to header, await the reply on one inbox.
+    Consumer: fetch up to 64, publish each reply, ack each."""
+    prefix = f"raw{uuid.uuid4().hex[:6]}"
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+    psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+    stop = asyncio.Event()
+    task = asyncio.create_task(raw_replies(nc, psub, stop))
+    elapsed, latencies = await raw_requests(nc, prefix, n, concurrency, payload)
     stop.set()
     await task
     await js.delete_stream(prefix.upper())

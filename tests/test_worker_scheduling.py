@@ -216,19 +216,30 @@ async def test_pinned_and_preloaded_models_and_idle_unload(nats_url: str, prefix
         assert "other" not in worker.report().resident and "pinned" in worker.report().resident
 
 
+def _busy_config(prefix: str, batch_cost_s: float, other: str, **sections: Any) -> Config:
+    """One slot, a model ``busy`` whose batches of one take ``batch_cost_s``, and ``other``."""
+    busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": batch_cost_s, "item_cost_s": 0.0})
+    free = sleep_model(options={"load_cost_s": 0.0, "batch_cost_s": 0.0, "item_cost_s": 0.0})
+    return make_config(prefix, {"busy": busy, other: free}, worker={"max_resident_models": 1}, **sections)
+
+
+async def _occupy(worker: Any, client: sdk.Client) -> "asyncio.Future[Any]":
+    """A request of ``busy``, once ``busy`` is on the device computing it."""
+    hold = asyncio.ensure_future(client.infer(b"b1", model="busy", timeout=30))
+    await wait_until(lambda: worker.stats["loads"] == 1, timeout_s=10, what="busy on the device")
+    return hold
+
+
 async def test_no_load_is_paid_for_a_queue_whose_callers_gave_up(nats_url: str, prefix: str) -> None:
     """Requests whose callers timed out while the device was busy with another model are answered
     deadline_exceeded and acked, and their model is never loaded."""
-    busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": 1.5, "item_cost_s": 0.0})
-    late = sleep_model(options={"load_cost_s": 0.0, "batch_cost_s": 0.0, "item_cost_s": 0.0})
-    config = make_config(prefix, {"busy": busy, "late": late}, worker={"max_resident_models": 1})
+    config = _busy_config(prefix, 1.5, "late")
     async with running_worker(config, nats_url) as worker:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-            hold = asyncio.ensure_future(client.infer(b"b", model="busy", timeout=30))
-            await wait_until(lambda: worker.stats["loads"] == 1, timeout_s=10)  # busy is on the device, computing
+            hold = await _occupy(worker, client)
             gave_up = await asyncio.gather(*(client.infer(b"x", model="late", timeout=0.3) for _ in range(4)), return_exceptions=True)
             assert all(isinstance(r, sdk.RequestTimeout) for r in gave_up)
-            assert await hold == b"b"
+            assert await hold == b"b1"
             await wait_until(lambda: worker.stats["reaped"] == 4, timeout_s=10)
         assert worker.stats["loads"] == 1  # only busy: late's callers were gone before it could load
         assert "late" not in worker.residency.resident_names()
@@ -288,13 +299,10 @@ async def test_a_cancelled_caller_costs_no_load_and_no_compute(nats_url: str, pr
     """A caller cancels while the device is busy with another model: its model is never loaded,
     the request is answered ``cancelled`` (stored: a retry under its id learns it); a cancelled
     request of the resident model is answered in its batch without being computed."""
-    busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": 1.0, "item_cost_s": 0.0})
-    late = sleep_model(options={"load_cost_s": 0.0, "batch_cost_s": 0.0, "item_cost_s": 0.0})
-    config = make_config(prefix, {"busy": busy, "late": late}, worker={"max_resident_models": 1})
+    config = _busy_config(prefix, 1.0, "late")
     async with running_worker(config, nats_url) as worker:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-            hold = asyncio.ensure_future(client.infer(b"b1", model="busy", timeout=30))
-            await wait_until(lambda: worker.stats["loads"] == 1, timeout_s=10)  # busy computes its first batch
+            hold = await _occupy(worker, client)
             # Stored counts: b1 (in flight until acked), then b2, then x.
             await _cancel_once_queued(client, client.infer(b"b2", model="busy", timeout=30, request_id="gone-busy"), 2)
             await _cancel_once_queued(client, client.infer(b"x", model="late", timeout=30, request_id="gone-late"), 3)
@@ -310,14 +318,10 @@ async def test_a_cancelled_caller_costs_no_load_and_no_compute(nats_url: str, pr
 async def test_a_cancel_reaches_only_its_own_tenants_requests(nats_url: str, prefix: str) -> None:
     """Tenant app1's request: a notice on another tenant's cancel subject (or the plain one)
     under its id changes nothing; one on app1's own cancels it."""
-    busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": 1.0, "item_cost_s": 0.0})
-    config = make_config(
-        prefix, {"busy": busy, "m1": sleep_model()}, worker={"max_resident_models": 1}, classifier={"router": "rules", "rules": [], "default_model": "m1"}
-    )
+    config = _busy_config(prefix, 1.0, "m1", classifier={"router": "rules", "rules": [], "default_model": "m1"})
     async with running_worker(config, nats_url) as worker, running_classifier(config, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as other, sdk.Client.connect(nats_url, prefix=prefix, tenant="app1") as app1:
-            hold = asyncio.ensure_future(other.infer(b"b1", model="busy", timeout=30))
-            await wait_until(lambda: worker.stats["loads"] == 1, timeout_s=10)
+            hold = await _occupy(worker, other)
             kept = asyncio.ensure_future(app1.infer(b"keep", timeout=30, request_id="r-keep"))
             gone = asyncio.ensure_future(app1.infer(b"gone", timeout=30, request_id="r-gone"))
             await _queued(other, 3)  # b1 in flight, both of app1's routed

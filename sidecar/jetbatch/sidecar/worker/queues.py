@@ -130,12 +130,6 @@ class QueueView:
             self._set_head(slot)
         self.waiting.add(slot.name)
 
-    def cancelled_before(self, slot: Slot, key: tuple[str, str]) -> None:
-        """A request whose cancel came before its arrival event (a tenant's request goes through
-        the classifier, the notice straight to the workers): counted as cancelled at once."""
-        if self._where.get(key) == slot.name:
-            slot.cancelled_keys.add(key)
-
     def cancel(self, key: tuple[str, str]) -> bool:
         """A caller cancelled the request ``key``: if it waits in a queue we know, it stops
         counting there (until it leaves the queue). False when it is not known to wait."""
@@ -416,7 +410,9 @@ class ArrivalFeed:
         key = _request_key(headers)
         self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH, key=key)
         if key is not None and self._cancelled(key[0] or None, key[1]):
-            self._view.cancelled_before(slot, key)
+            # Its cancel came before this event (a tenant's request goes through the classifier,
+            # the notice straight to the workers): counted as cancelled at once.
+            self._view.cancel(key)
         self.seen += 1
         if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
             self._counters.sample("arrival_delay", now - at)
