@@ -56,7 +56,7 @@ async def run_scenario(name: str, rate: float, duration_s: float, seed: int) -> 
                     rid = msg.subject.rsplit(".", 1)[-1]
                     answers[rid] = answers.get(rid, 0) + 1
 
-                await client.nats.subscribe(f"{client._inbox}.*", cb=count)
+                await client.nats.subscribe(f"{client.subjects.prefix}.result.>", cb=count)  # every answer, live
                 calls: list[asyncio.Future[Any]] = []
                 stop = time.monotonic() + duration_s
 

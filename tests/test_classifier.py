@@ -252,6 +252,6 @@ async def test_two_tenants_may_choose_the_same_request_id(nats_url: str, prefix:
             second = await b.infer({"from": "b"}, timeout=20, request_id="same-1")
             again = await a.infer({"from": "a, again"}, timeout=20, request_id="same-1")  # a's retry: a's answer
             js = a.nats.jetstream()
-            stored = {t: await js.get_msg(cfg.subjects.results_stream, subject=cfg.subjects.result("same-1", t), direct=True) for t in "ab"}
+            stored = {t: await js.get_msg(cfg.subjects.results_stream, subject=cfg.subjects.answer_anywhere("same-1", t), direct=True) for t in "ab"}
     assert (first, second, again) == ({"from": "a"}, {"from": "b"}, {"from": "a"})
     assert all(m.headers[Headers.STATUS] == "ok" for m in stored.values())

@@ -42,7 +42,7 @@ async def test_an_answer_without_a_pubAck_is_stored_again_not_left_to_be_recompu
     meta = RequestMeta(request_id="r1", reply_to=None, deadline=None, content_type=None, model="m1", tenant=None)
     answer = Answer.ok(meta, b"out", ContentType.BYTES)
     never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()  # its PubAck never comes
-    await replier._store_finish([(answer, never)])
+    await replier._store_finish([([answer], never)])
     assert answer.stored and replier.safe(answer)
     assert js.published == [Subjects("t").result("r1")]
 
@@ -63,6 +63,6 @@ async def test_an_answer_stored_again_is_sent_again() -> None:
     meta = RequestMeta(request_id="r2", reply_to="_INBOX.c.r2", deadline=None, content_type=None, model="m1", tenant=None)
     answer = Answer.ok(meta, b"out", ContentType.BYTES)
     never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    await replier._store_finish([(answer, never)])
+    await replier._store_finish([([answer], never)])
     assert answer.stored
     assert sent == [("_INBOX.c.r2", b"out")]

@@ -207,7 +207,7 @@ async def test_duplicate_replies_are_dropped(nats_url: str, prefix: str) -> None
         await js.add_stream(name=f"{prefix.upper()}_IN", subjects=[f"{prefix}.in"])
 
         async def responder(msg) -> None:  # type: ignore[no-untyped-def]
-            reply_to = msg.headers[Headers.REPLY_TO]
+            reply_to = client.subjects.answer(msg.headers[Headers.MSG_ID], msg.headers[Headers.REPLY_KEY])
             for body in (b"first", b"second"):
                 await nc.publish(reply_to, body, headers={Headers.STATUS: "ok", Headers.CONTENT_TYPE: "application/octet-stream"})
 
@@ -268,17 +268,21 @@ async def test_after_a_reconnect_the_stored_answer_is_looked_for_until_found(nat
     async with sdk.Client.connect(nats_url, prefix=prefix) as client:
         call = asyncio.ensure_future(client.infer(b"x", model="m1", request_id="lost-live-1", timeout=60))
         await wait_until(lambda: "lost-live-1" in client._pending, timeout_s=10, what="the request published")
-        # The answer is stored (as a worker stores it before replying); its live reply is gone.
+        # The answer is stored, and its live delivery is lost (as in a reconnect).
+        lost: list[object] = []
+        client._on_reply_sync = lost.append  # type: ignore[method-assign]
         js = client.nats.jetstream()
-        await js.publish(client.subjects.result("lost-live-1"), b"stored answer", headers={"Content-Type": "application/octet-stream"})
+        await js.publish(client.subjects.answer("lost-live-1", client._key), b"stored answer", headers={"Content-Type": "application/octet-stream"})
+        await wait_until(lambda: len(lost) == 1, timeout_s=10, what="the live answer lost")
+        del client._on_reply_sync
         real = client._stored_answer
         misses = {"n": 0}
 
-        async def electing(rid: str) -> object:
+        async def electing(rid: str, **kw: bool) -> object:
             if misses["n"] < 3:  # the results stream does not answer the first looks
                 misses["n"] += 1
                 return None
-            return await real(rid)
+            return await real(rid, **kw)
 
         client._stored_answer = electing  # type: ignore[method-assign]
         client.nats.stats["reconnects"] += 1  # what nats-py counts when it reconnects

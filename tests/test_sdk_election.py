@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jetbatch import sdk
-from jetbatch.sdk.protocol import Headers, Subjects, subject_matches
+from jetbatch.sdk.protocol import Headers, Subjects, request_id_of, subject_matches
 
 # --- the subject matcher -----------------------------------------------------------------------
 
@@ -103,12 +103,13 @@ async def _ingress_stream(js: Any, subjects: Subjects) -> None:
     await js.add_stream(name=subjects.ingress_stream, subjects=[subjects.ingress, subjects.tenant_ingress_wildcard])
 
 
-async def _echo(nc: Any, subject: str) -> Any:
+async def _echo(nc: Any, subjects: Subjects, subject: str, tenant: str | None) -> Any:
     """A stand-in worker: answers each request on ``subject`` with its own payload."""
 
     async def answer(msg: Any) -> None:
+        rid = request_id_of(msg.headers[Headers.MSG_ID], tenant)
         await nc.publish(
-            msg.headers[Headers.REPLY_TO],
+            subjects.answer(rid, msg.headers[Headers.REPLY_KEY], tenant),
             msg.data,
             headers={Headers.STATUS: "ok", Headers.CONTENT_TYPE: msg.headers[Headers.CONTENT_TYPE]},
         )
@@ -172,7 +173,7 @@ async def test_no_responder_while_the_stream_captures_the_subject_is_retried_unt
 ) -> None:
     async with sdk.Client.connect(nats_url, prefix=prefix, tenant=tenant) as client:
         await _both_streams(client)
-        sub = await _echo(client.nats, _subject(client.subjects, tenant, model))
+        sub = await _echo(client.nats, client.subjects, _subject(client.subjects, tenant, model), tenant)
         election = _Election(client, monkeypatch, unanswered=3)
         try:
             assert await client.infer(b"through the election", model=model, timeout=10) == b"through the election"

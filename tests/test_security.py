@@ -70,12 +70,13 @@ def _server_config(tmp: Path) -> str:
 
     def tenant(name: str) -> str:
         # A tenant: publish only to its own ingress and cancel subject (plus the stream-name
-        # lookup behind StreamNotFound and the direct get of its own stored answers), read only
-        # its own inbox. No stream info: it lists a stream's subjects, other tenants' ids among them.
+        # lookup behind StreamNotFound and the direct get of its own stored answers), receive only
+        # its own answers and its own inbox (JetStream's replies). No stream info: it lists a
+        # stream's subjects, other tenants' ids among them.
         return user(
             name,
             [f"{PREFIX}.in.{name}", f"{PREFIX}.cancel.{name}", "$JS.API.STREAM.NAMES", f"$JS.API.DIRECT.GET.SEC_RESULTS.{PREFIX}.result.{name}.>"],
-            [f"_INBOX.{name}.>"],
+            [f"_INBOX.{name}.>", f"{PREFIX}.result.{name}.>"],
         )
 
     def replies(name: str) -> str:
@@ -160,9 +161,15 @@ async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any
             # Refused: another tenant's request ids, worker ids and queue depths (stream info).
             await client.nats.publish("$JS.API.STREAM.INFO.SEC_RESULTS", b'{"subjects_filter": ">"}')
             await client.nats.publish(f"{PREFIX}.cancel.producer", b"no-such-request")
-            # Refused: listening on another caller's inbox.
-            await client.nats.subscribe("_INBOX.other.>")
-            await wait_until(lambda: any("subscription" in e.lower() for e in errors), what="the server's -ERR")
+            # Refused: another tenant's stored answers, by its scope or by a wildcard over scopes
+            # (what its own lookups use within its scope: <prefix>.result.producer.*.<id>).
+            await client.nats.publish(f"$JS.API.DIRECT.GET.SEC_RESULTS.{PREFIX}.result.other.*.sec-retry-1", b"")
+            await client.nats.publish(f"$JS.API.DIRECT.GET.SEC_RESULTS.{PREFIX}.result.*.*.sec-retry-1", b"")
+            # Refused: listening on another caller's inbox, another tenant's answers, or the
+            # answers of callers with no tenant.
+            for subject in ("_INBOX.other.>", f"{PREFIX}.result.other.>", f"{PREFIX}.result._.>", f"{PREFIX}.result.>"):
+                await client.nats.subscribe(subject)
+            await wait_until(lambda: sum("subscription" in e.lower() for e in errors) >= 4, what="the server's -ERR")
         # An operator sees both sidecars through the status subject and the micro-services
         # protocol: the answers come on the reply identities, the only ones allowed to publish to
         # inboxes here.
@@ -179,7 +186,10 @@ async def test_least_privilege_producer_and_sidecars_over_tls(secure_server: Any
     assert any("permissions violation for publish" in e.lower() and f"{PREFIX}.cancel.other" in e for e in errors), errors
     assert not any(f"{PREFIX}.cancel.producer" in e for e in errors), errors
     assert any("permissions violation for publish" in e.lower() and "$js.api.stream.info.sec_results" in e.lower() for e in errors), errors
-    assert any("permissions violation for subscription" in e.lower() and "_inbox.other" in e.lower() for e in errors), errors
+    for refused in (f"{PREFIX}.result.other.*.sec-retry-1", f"{PREFIX}.result.*.*.sec-retry-1"):
+        assert any("permissions violation for publish" in e.lower() and refused in e for e in errors), errors
+    for refused in ("_inbox.other.>", f"{PREFIX}.result.other.>", f"{PREFIX}.result._.>", f'"{PREFIX}.result.>"'):
+        assert any("permissions violation for subscription" in e.lower() and refused in e.lower() for e in errors), (refused, errors)
     for secret in SECRETS.values():
         assert secret not in caplog.text  # never logged
 

@@ -244,7 +244,7 @@ async def test_a_results_stream_briefly_gone_delays_the_ack_instead_of_redeliver
 
         async def stored() -> bool:
             try:
-                await js.get_msg(subjects.results_stream, subject=subjects.result("elect-1"), direct=True)
+                await js.get_msg(subjects.results_stream, subject=subjects.answer_anywhere("elect-1"), direct=True)
                 return True
             except nats.js.errors.NotFoundError:
                 return False

@@ -1,4 +1,5 @@
-"""The producer client: publish requests to JetStream, await typed replies on one shared inbox."""
+"""The producer client: publish requests to JetStream, await typed answers on one subscription
+to the client's own answer subjects (protocol 3, docs/protocol.md)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from .protocol import (
     encode_payload,
     message_bytes,
     new_request_id,
+    validate_tenant,
     validate_token,
 )
 
@@ -67,8 +69,9 @@ class Client:
     """An asyncio client for jetbatch.
 
     Use ``async with Client.connect("nats://host:4222") as client:`` then
-    ``await client.infer(payload, model="m1")``. One inbox subscription serves every request: each
-    request registers a future under its request id before it is published.
+    ``await client.infer(payload, model="m1")``. One subscription, to the client's own answer
+    subjects, serves every request: each request registers a future under its request id before
+    it is published.
     """
 
     def __init__(
@@ -77,10 +80,13 @@ class Client:
         self._nc = nc
         self._js = nc.jetstream()
         self._subjects = Subjects(prefix)
-        self._tenant = validate_token(tenant, "tenant") if tenant is not None else None
+        self._tenant = validate_tenant(tenant) if tenant is not None else None
         self._owns_connection = owns_connection
         self._pending: dict[str, asyncio.Future[Any]] = {}
-        self._inbox = nc.new_inbox()
+        # This client's key among its tenant's answers: workers publish each answer once, to
+        # <prefix>.result.<tenant or _>.<key>.<request id>, where the results stream stores it
+        # and this client's one subscription receives it.
+        self._key = new_request_id()
         self._sub: Any = None
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -106,7 +112,8 @@ class Client:
         ``url`` defaults to ``$NATS_URL`` or ``nats://127.0.0.1:4222``. ``connect_timeout_s``
         bounds the whole connect, TLS negotiation included. ``tenant`` (in a multi-tenant
         deployment, see docs/security.md) sends every request through ``<prefix>.in.<tenant>``
-        and receives replies under ``_INBOX.<tenant>.`` (unless ``inbox_prefix`` says otherwise).
+        and receives its answers under ``<prefix>.result.<tenant>.`` and JetStream's replies under
+        ``_INBOX.<tenant>.`` (unless ``inbox_prefix`` says otherwise).
         Extra keyword arguments go to ``nats.connect`` (``user``/``password``, ``token``,
         ``nkeys_seed``, ``user_credentials``, ``tls``, ...). Raises :class:`ConnectionFailed` if
         no server answers.
@@ -127,7 +134,7 @@ class Client:
     ) -> "Client":
         if tenant is not None:
             try:
-                validate_token(tenant, "tenant")
+                validate_tenant(tenant)
             except ProtocolError as exc:
                 raise BadRequest(str(exc)) from None
             nats_options.setdefault("inbox_prefix", f"_INBOX.{tenant}")
@@ -144,7 +151,7 @@ class Client:
         return client
 
     async def _start(self) -> None:
-        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        self._sub = await self._nc.subscribe(self._subjects.answers(self._key, self._tenant), cb=self._on_reply)
         self._reconnects_seen = self._nc.stats.get("reconnects", 0)
         self._spawn(self._watch_reconnects())
 
@@ -237,7 +244,7 @@ class Client:
             # A caller's own id is usually a retry: its answer may be stored already. JetStream
             # forgets the ids of finished requests when the server restarts, so the PubAck alone
             # would not say "duplicate" and the request would be computed again.
-            stored = await self._look_up(rid)
+            stored = await self._look_up(rid, anywhere=True)
             if stored is not None:
                 return self._to_result(stored, rid, time.monotonic() - started)
         loop = asyncio.get_running_loop()
@@ -249,15 +256,16 @@ class Client:
             duplicate = await self._send(span, subject, data, hdrs, rid, model, deadline=started + timeout)
             if duplicate:
                 # JetStream already holds (or held) this request id: a retry of a request that is
-                # running or finished. Its answer is in the results store, now or soon.
-                self._spawn(self._poll_stored_result(rid))
+                # running or finished, maybe sent by another process (under another key). Its
+                # answer is in the results store, now or soon.
+                self._spawn(self._poll_stored_result(rid, anywhere=True))
             try:
                 msg = await _within(fut, timeout - (time.monotonic() - started))
             except TimeoutError:
                 # One look in the results store before giving up: the live reply can miss us where
                 # the stored answer does not (this id already answered through another path, a
                 # reply lost in a reconnect the client did not notice).
-                msg = await self._look_up(rid)
+                msg = await self._look_up(rid, anywhere=True)
                 if msg is None:
                     raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
             result = self._to_result(msg, rid, time.monotonic() - started)
@@ -290,7 +298,7 @@ class Client:
         the caller gave is checked here (typed ``BadRequest``), before anything is sent."""
         try:
             if own_id:
-                validate_token(rid, "request id")  # it becomes the last token of the inbox and result subjects
+                validate_token(rid, "request id")  # it becomes the last token of the answer subject
             timeout = check_timeout(timeout)
             try:
                 priority = Priority(priority)
@@ -308,7 +316,7 @@ class Client:
             raise BadRequest(str(exc), request_id=rid) from exc
 
         hdrs[Headers.MSG_ID] = dedupe_id(self._tenant, rid)  # a tenant's ids are its own
-        hdrs[Headers.REPLY_TO] = f"{self._inbox}.{rid}"
+        hdrs[Headers.REPLY_KEY] = self._key
         hdrs[Headers.CONTENT_TYPE] = ctype.value
         hdrs.setdefault(Headers.DEADLINE, deadline_header(timeout))
         if priority is Priority.BATCH:
@@ -390,7 +398,7 @@ class Client:
             no_stream=lambda: self._no_stream_error(subject, model, rid),
         )  # fmt: skip
         # A retry after a lost PubAck is also a "duplicate" of our own first attempt: its reply
-        # still comes to our inbox, and the results store has it once computed.
+        # still comes to our subscription, and the results store has it once computed.
         return bool(ack.duplicate)
 
     async def _publish_once(self, subject: str, data: bytes, hdrs: dict[str, str], deadline: float) -> dict[str, Any] | None:
@@ -462,40 +470,49 @@ class Client:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _stored_answer(self, rid: str) -> Any | None:
+    async def _stored_answer(self, rid: str, *, anywhere: bool = False) -> Any | None:
         """The request's answer from the results stream, or None: not stored (yet), no results
-        stream, or JetStream busy (the live reply may still come)."""
-        try:
-            raw = await self._js.get_msg(
-                self._subjects.results_stream, subject=self._subjects.result(rid, self._tenant), direct=True
-            )
-        except failures.TRANSPORT_ERRORS + (ProtocolError,):
-            return None
-        if raw.data is None:
-            raw.data = b""
-        return raw
+        stream, or JetStream busy (the live answer may still come). Under this client's key,
+        or with ``anywhere`` under any key of its tenant (the id sent first by another process:
+        a direct get of the last message on ``<prefix>.result.<tenant or _>.*.<id>``), then
+        where a worker of protocol 2 stored it (``<prefix>.result.[<tenant>.]<id>``)."""
+        if anywhere:
+            subjects = [self._subjects.answer_anywhere(rid, self._tenant), self._subjects.result(rid, self._tenant)]
+        else:
+            subjects = [self._subjects.answer(rid, self._key, self._tenant)]
+        for subject in subjects:
+            try:
+                raw = await self._js.get_msg(self._subjects.results_stream, subject=subject, direct=True)
+            except failures.NOT_FOUND + (ProtocolError,):
+                continue
+            except failures.TRANSPORT_ERRORS:
+                return None
+            if raw.data is None:
+                raw.data = b""
+            return raw
+        return None
 
-    async def _look_up(self, rid: str) -> Any | None:
+    async def _look_up(self, rid: str, *, anywhere: bool = False) -> Any | None:
         """:meth:`_stored_answer` within ``_LAST_LOOK_S`` (a lookup on the caller's own time)."""
         # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that lands
         # as the lookup finishes, and a cancelled caller must stay cancelled.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_LAST_LOOK_S):
-                return await self._stored_answer(rid)
+                return await self._stored_answer(rid, anywhere=anywhere)
         return None
 
-    async def _fetch_stored_result(self, rid: str) -> bool:
+    async def _fetch_stored_result(self, rid: str, *, anywhere: bool = False) -> bool:
         """Look the request's answer up in the results stream; resolve its future if found."""
-        raw = await self._stored_answer(rid)
+        raw = await self._stored_answer(rid, anywhere=anywhere)
         if raw is None:
             return False
         self._resolve(rid, raw)
         return True
 
-    async def _poll_stored_result(self, rid: str) -> None:
+    async def _poll_stored_result(self, rid: str, *, anywhere: bool = False) -> None:
         delay_s = 0.05
         while rid in self._pending and not self._pending[rid].done():
-            if await self._fetch_stored_result(rid):
+            if await self._fetch_stored_result(rid, anywhere=anywhere):
                 return
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, 1.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -27,7 +28,10 @@ from . import failures
 from .errors import BadRequest, ConnectionFailed, JetbatchError, Overloaded, PayloadTooLarge, RequestTimeout
 from .protocol import JS_MSG_TOO_BIG, JS_STREAM_FULL
 
-__all__ = ["PubAcks", "PublishRefused", "publish_with_retries", "settled"]
+__all__ = ["ATOMIC_BATCH_MAX", "PubAcks", "PublishRefused", "publish_with_retries", "settled"]
+
+# The server's limit on the messages of one atomic batch (nats-server 2.12+, ADR-50).
+ATOMIC_BATCH_MAX = 1000
 
 # The longest pause between two attempts: a leader election or a server restart lasts seconds,
 # and the caller's deadline, not a count of attempts, bounds how long we keep trying.
@@ -120,6 +124,43 @@ class PubAcks:
             fut.cancel()
             raise
         return fut
+
+    async def publish_atomic(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> asyncio.Future[dict[str, Any]]:
+        """Send 2 to :data:`ATOMIC_BATCH_MAX` messages as one atomic batch (a stream with
+        ``allow_atomic``, nats-server 2.12+): the stream stores all of them or none, and one
+        PubAck, on the last, answers for the batch. The future resolves to that PubAck, checked
+        to cover every message (a server that ignores batch headers stores each alone and
+        answers the last only: :class:`PublishRefused`, and the caller stores them one by one),
+        or fails with :class:`PublishRefused`. The messages' headers are copied, not changed.
+        Subscribers of the subjects receive each message as it is sent, like any publish."""
+        if not 2 <= len(messages) <= ATOMIC_BATCH_MAX:
+            raise ValueError(f"an atomic batch holds 2 to {ATOMIC_BATCH_MAX} messages, not {len(messages)}")
+        batch_id = uuid.uuid4().hex[:16]
+        last = len(messages) - 1
+        for i, (subject, body, headers) in enumerate(messages[:last]):
+            marked = {**headers, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(i + 1)}
+            await self._nc.publish(subject, body, headers=marked)
+        subject, body, headers = messages[last]
+        marked = {**headers, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(last + 1), "Nats-Batch-Commit": "1"}
+        fut = await self.publish(subject, body, marked)
+        checked: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+
+        def check(done: asyncio.Future[dict[str, Any]]) -> None:
+            if checked.done():
+                return
+            if done.cancelled():
+                checked.cancel()
+            elif done.exception() is not None:
+                checked.set_exception(done.exception())  # type: ignore[arg-type]
+            elif done.result().get("batch") != batch_id or done.result().get("count") != len(messages):
+                checked.set_exception(PublishRefused(f"the stream did not store the batch atomically ({done.result()})"))
+            else:
+                checked.set_result(done.result())
+
+        fut.add_done_callback(check)
+        # Giving up on the batch gives up on its PubAck.
+        checked.add_done_callback(lambda c: fut.cancel() if c.cancelled() else None)
+        return checked
 
     async def close(self) -> None:
         """Stop listening for PubAcks; futures still waiting are cancelled."""

@@ -1,10 +1,16 @@
 """The reply path shared by the worker and the classifier: answers, their durable copies, dead
 letters, and settling each message (ack, term, nak) without ever raising into a serving loop.
 
-Order for every answer (docs/reliability.md): publish its stored copy to the results stream,
-publish it to the caller's reply subject right behind, wait for the store's PubAck, and only then
-let the caller of this module ack the request. A crash before the PubAck redelivers the request;
-a crash after it leaves the answer where the caller (or the next worker) finds it by request id.
+Protocol 3 (the request has a ``Jetbatch-Reply-Key``): each answer is published **once**, to
+``<prefix>.result.<tenant or _>.<key>.<request id>``. The results stream stores it and the
+caller, subscribed to its key's answers, receives the same message live; the answers of a batch
+go out as one atomic batch, so one PubAck confirms them all. Protocol 2 (a ``Jetbatch-Reply-To``
+and no key): the stored copy is published to ``<prefix>.result.[<tenant>.]<request id>`` and the
+live reply to the caller's reply subject right behind it.
+
+Either way, the caller of this module acks a request only once the store's PubAck confirms its
+answer (docs/reliability.md). A crash before the PubAck redelivers the request; a crash after it
+leaves the answer where the caller (or the next worker) finds it by request id.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from jetbatch.sdk.protocol import (
     message_bytes,
 )
 from jetbatch.sdk.errors import JetbatchError
-from jetbatch.sdk.publishing import PublishRefused, PubAcks, publish_with_retries, settled
+from jetbatch.sdk.publishing import ATOMIC_BATCH_MAX, PublishRefused, PubAcks, publish_with_retries, settled
 
 from .errors import TRANSPORT_ERRORS
 from .config import RepliesConfig
@@ -44,6 +50,9 @@ log = logging.getLogger("jetbatch.replies")
 
 _STORE_TIMEOUT_S = 5.0
 _SETTLE_ATTEMPTS = 3
+# JetStream's "atomic publish is disabled" (a results stream made without allow_atomic).
+_ATOMIC_DISABLED = 10174
+_BATCH_HEADERS_BYTES = 128
 _PATH_RE = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-+@~]+){2,}")
 
 
@@ -95,6 +104,7 @@ class Replier:
     reply_nc: NATS | None = None
     _js: Any = field(init=False, default=None)
     _acks: PubAcks | None = field(init=False, default=None)
+    _atomic: bool = field(init=False, default=True)  # the results stream takes atomic batches
 
     def __post_init__(self) -> None:
         self._js = (self.reply_nc or self.nc).jetstream()
@@ -106,26 +116,36 @@ class Replier:
     def fit(self, answer: Answer) -> Answer:
         """An answer the server would refuse (over ``max_payload``, headers counted) becomes a
         ``model_failed`` error: sending it would close the connection."""
-        limit = self.out.max_payload or 1024 * 1024
+        # Room for the atomic batch's headers (Nats-Batch-Id, -Sequence, -Commit), added on the way out.
+        limit = (self.out.max_payload or 1024 * 1024) - _BATCH_HEADERS_BYTES
         if message_bytes(answer.headers, answer.body) <= limit:
             return answer
         size = message_bytes(answer.headers, answer.body)
         extra = {k: v for k, v in answer.headers.items() if k.startswith("Jetbatch-") and k not in (Headers.STATUS, Headers.ERROR_CODE)}
         return Answer.failure(answer.meta, ErrorCode.MODEL_FAILED, f"output of {size} bytes is over the server's max payload ({limit})", extra)
 
+    def subject_of(self, meta: RequestMeta) -> str:
+        """Where the answer of the request ``meta`` is stored: its caller's answer subject
+        (protocol 3), else the request id's results subject (protocol 2)."""
+        if meta.reply_key is not None:
+            return self.subjects.answer(meta.request_id, meta.reply_key, meta.tenant)
+        return self.subjects.result(meta.request_id, meta.tenant)
+
     async def deliver(self, answers: list[Answer]) -> None:
         """Store every answer durably (when enabled) and send each to its caller. Sets
         ``stored``/``sent`` on each; never raises.
 
-        The stored copies are published first and the replies right behind them on the same
-        connection, and only then are the PubAcks awaited: a caller gets its answer without
-        waiting for the store's round trip, while the request is still acked only once its
-        stored copy is confirmed (``safe``). A reply that arrives before a store that then fails
-        is harmless: the request is redelivered, and the caller ignores a second answer."""
+        Every stored copy is published first (one atomic batch when there are several), the
+        protocol-2 replies right behind them on the same connection, and only then are the
+        PubAcks awaited: a caller gets its answer without waiting for the store's round trip,
+        while the request is still acked only once its stored copy is confirmed (``safe``). An
+        answer that arrives before a store that then fails is harmless: the request is
+        redelivered, and the caller ignores a second answer."""
         answers[:] = [self.fit(a) for a in answers]
         stores = await self._store_start(answers) if self.config.durable else []
         for a in answers:
-            await self._send(a)
+            if a.meta.reply_key is None or not self.config.durable:
+                await self._send(a)
         try:
             await self.out.flush(timeout=5)
         except TRANSPORT_ERRORS as exc:
@@ -139,11 +159,17 @@ class Replier:
         await self._send(answer)
 
     async def _send(self, answer: Answer) -> None:
-        """Publish ``answer`` to its caller (if it has a reply subject); sets ``sent``."""
-        if answer.meta.reply_to is None:
+        """Publish ``answer`` live (core NATS) to its caller: to its answer subject (protocol 3;
+        the results stream, if any, stores this copy too) or to its reply subject (protocol 2).
+        Sets ``sent``; nothing happens for a request that named neither."""
+        if answer.meta.reply_key is not None:
+            subject = self.subject_of(answer.meta)
+        elif answer.meta.reply_to is not None:
+            subject = answer.meta.reply_to
+        else:
             return
         try:
-            await self.out.publish(answer.meta.reply_to, answer.body, headers=answer.headers)
+            await self.out.publish(subject, answer.body, headers=answer.headers)
             answer.sent = True
         except TRANSPORT_ERRORS as exc:
             # Reconnecting with a full buffer, or closed: the stored copy still answers.
@@ -152,41 +178,62 @@ class Replier:
     def safe(self, answer: Answer) -> bool:
         """Whether the request may be acked: its answer is stored (or, without the results store,
         was handed to the connection)."""
-        return answer.stored if self.config.durable else answer.sent or answer.meta.reply_to is None
+        if self.config.durable:
+            return answer.stored
+        return answer.sent or (answer.meta.reply_to is None and answer.meta.reply_key is None)
 
-    async def _store_start(self, answers: list[Answer]) -> list[tuple[Answer, asyncio.Future[Any]]]:
-        """Publish each answer's stored copy; the PubAcks are awaited by :meth:`_store_finish`."""
+    async def _store_start(self, answers: list[Answer]) -> list[tuple[list[Answer], asyncio.Future[Any]]]:
+        """Publish each answer's stored copy; the PubAcks are awaited by :meth:`_store_finish`.
+        Several answers go out as atomic batches (one PubAck each) while the stream allows it.
+        A protocol-3 answer counts as sent once its copy is handed to the connection: that
+        publish is its live delivery."""
         if self._acks is None:
             self._acks = PubAcks(self.out)
-        futures: list[tuple[Answer, asyncio.Future[Any]]] = []
-        for a in answers:
+        groups: list[tuple[list[Answer], asyncio.Future[Any]]] = []
+        size = ATOMIC_BATCH_MAX if self._atomic else 1
+        for i in range(0, len(answers), size):
+            group = answers[i : i + size]
             try:
-                subject = self.subjects.result(a.meta.request_id, a.meta.tenant)
-                fut = await self._acks.publish(subject, a.body, a.headers)
-            except Exception as exc:  # noqa: BLE001 - any failure leaves the request for redelivery
-                log.warning("storing the answer of %s failed: %r", a.meta.request_id, exc)
+                if len(group) == 1:
+                    a = group[0]
+                    fut = await self._acks.publish(self.subject_of(a.meta), a.body, a.headers)
+                else:
+                    fut = await self._acks.publish_atomic([(self.subject_of(a.meta), a.body, a.headers) for a in group])
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the requests for redelivery
+                log.warning("storing %d answers (the first of %s) failed: %r", len(group), group[0].meta.request_id, exc)
                 continue
-            futures.append((a, fut))
-        return futures
+            for a in group:
+                a.sent = a.sent or a.meta.reply_key is not None
+            groups.append((group, fut))
+        return groups
 
-    async def _store_finish(self, futures: list[tuple[Answer, asyncio.Future[Any]]]) -> None:
+    async def _store_finish(self, groups: list[tuple[list[Answer], asyncio.Future[Any]]]) -> None:
         started = time.monotonic()
-        await settled([f for _, f in futures], min(_STORE_TIMEOUT_S, self.config.store_timeout_s / 2))
+        await settled([f for _, f in groups], min(_STORE_TIMEOUT_S, self.config.store_timeout_s / 2))
         unanswered: list[Answer] = []
-        for a, fut in futures:
+        for group, fut in groups:
             if fut.cancelled():
                 # No PubAck yet: the server is down or restarting. The answer went out live, so it
                 # is stored again (same content) rather than left for a redelivery that computes
                 # it anew, maybe past its deadline, contradicting the reply already sent.
-                unanswered.append(a)
+                unanswered.extend(group)
                 continue
             exc = fut.exception()
             if exc is None:
-                a.stored = True
+                for a in group:
+                    a.stored = True
+            elif len(group) > 1 and isinstance(exc, PublishRefused):
+                # The batch as a whole was refused (too many batches in flight on the stream, or a
+                # stream or server without atomic batches: then one by one from now on). Nothing
+                # of it was stored; each answer is stored alone.
+                if exc.err_code in (None, _ATOMIC_DISABLED) and self._atomic:
+                    self._atomic = False
+                    log.info("the results stream takes no atomic batches (%s): answers are stored one by one", exc)
+                unanswered.extend(group)
             elif isinstance(exc, PublishRefused) and exc.err_code is None:
-                unanswered.append(a)
+                unanswered.extend(group)
             else:
-                log.warning("the results stream refused the answer of %s: %r", a.meta.request_id, exc)
+                log.warning("the results stream refused the answer of %s: %r", group[0].meta.request_id, exc)
         if unanswered:
             # No stream answered: a leader election or a restart. Retried within
             # replies.store_timeout_s, so an outage of that long delays these acks instead of
@@ -196,12 +243,15 @@ class Replier:
             await asyncio.gather(*(self._store_again(a, deadline) for a in unanswered))
 
     async def _store_again(self, answer: Answer, deadline: float) -> None:
-        subject = self.subjects.result(answer.meta.request_id, answer.meta.tenant)
+        subject = self.subject_of(answer.meta)
         try:
             await publish_with_retries(self._js, subject, answer.body, answer.headers, deadline=deadline, request_id=answer.meta.request_id)
             answer.stored = True
         except JetbatchError as exc:
             log.warning("storing the answer of %s failed: %s", answer.meta.request_id, exc.message)
+            return
+        if answer.meta.reply_key is not None:
+            answer.sent = True  # that publish reached the caller's subscription too
             return
         # Whatever lost the first store's PubAck (a node gone with our connection) may have lost
         # the live reply sent right behind it; a caller whose own connection never broke would
@@ -214,12 +264,12 @@ class Replier:
         if not self.config.durable:
             return None
         try:
-            raw = await self._js.get_msg(
-                self.subjects.results_stream, subject=self.subjects.result(meta.request_id, meta.tenant), direct=True
-            )
+            raw = await self._js.get_msg(self.subjects.results_stream, subject=self.subject_of(meta), direct=True)
         except TRANSPORT_ERRORS:
             return None
-        headers = dict(raw.headers or {})
+        # Without the server's Nats-* headers (the stream's, a batch's): sent again they would
+        # steer the server (a Nats-Batch-Id opens a batch that never commits).
+        headers = forwardable_headers(raw.headers)
         code = headers.get(Headers.ERROR_CODE)
         answer = Answer(meta, raw.data or b"", headers, error=ErrorCode(code) if code in ErrorCode._value2member_map_ else None)
         answer.stored = True

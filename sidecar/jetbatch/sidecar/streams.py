@@ -67,8 +67,9 @@ def ingress_stream_config(subjects: Subjects, cfg: StreamsConfig) -> StreamConfi
 
 
 def results_stream_config(subjects: Subjects, cfg: StreamsConfig, replies: RepliesConfig) -> StreamConfig:
-    """``<prefix>.result.[<tenant>.]<request id>``: every final answer, kept ``max_age_s`` so a
-    caller that missed the live reply (a reconnect, a retry under the same id) fetches it by id
+    """``<prefix>.result.>``: every final answer (protocol 3: ``<tenant or _>.<reply key>.<request
+    id>``, which the caller also receives live; protocol 2: ``[<tenant>.]<request id>``), kept
+    ``max_age_s`` so a caller that missed it (a reconnect, a retry under the same id) fetches it
     with a direct get (which a server permission can scope to one tenant's results)."""
     return StreamConfig(
         name=subjects.results_stream,
@@ -82,6 +83,9 @@ def results_stream_config(subjects: Subjects, cfg: StreamsConfig, replies: Repli
         max_age=replies.max_age_s,
         max_msg_size=cfg.max_msg_size + 64 * 1024,
         allow_direct=True,
+        # A batch's answers are stored as one atomic batch, confirmed by one PubAck
+        # (nats-server 2.12+; sidecar/replies.py stores them one by one where it is refused).
+        allow_atomic=True,
         num_replicas=cfg.replicas,
         duplicate_window=min(cfg.duplicate_window_s, replies.max_age_s),
     )
@@ -200,7 +204,7 @@ _SETUP_ATTEMPTS = 8
 
 _COMPARED = (
     "retention", "storage", "discard", "max_msgs", "max_bytes", "max_msg_size",
-    "duplicate_window", "num_replicas", "max_age", "allow_direct", "max_msgs_per_subject", "republish",
+    "duplicate_window", "num_replicas", "max_age", "allow_direct", "max_msgs_per_subject", "republish", "allow_atomic",
 )  # fmt: skip
 
 

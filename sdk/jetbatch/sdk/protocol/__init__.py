@@ -13,6 +13,7 @@ from .names import (
     DEFAULT_PREFIX,
     JS_MSG_TOO_BIG,
     JS_STREAM_FULL,
+    NO_TENANT,
     ContentType,
     ErrorCode,
     Headers,
@@ -22,6 +23,7 @@ from .names import (
     Subjects,
     subject_matches,
     validate_model_name,
+    validate_tenant,
     validate_token,
 )
 from .payloads import (
@@ -62,6 +64,7 @@ __all__ = [
     "JS_MSG_TOO_BIG",
     "JS_STREAM_FULL",
     "MAX_REPLY_SUBJECT_BYTES",
+    "NO_TENANT",
     "TENSOR_DTYPES",
     "BatchInfo",
     "ContentType",
@@ -94,5 +97,6 @@ __all__ = [
     "request_id_of",
     "subject_matches",
     "validate_model_name",
+    "validate_tenant",
     "validate_token",
 ]

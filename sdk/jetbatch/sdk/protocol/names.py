@@ -16,7 +16,11 @@ class Headers:
     """NATS header names. Routing metadata travels in headers so the `nats` CLI and tracing see it."""
 
     MSG_ID = "Nats-Msg-Id"  # request id; JetStream dedupes republished/retried messages on it
-    REPLY_TO = "Jetbatch-Reply-To"  # caller's inbox; the JetStream publish reply field carries the PubAck
+    REPLY_TO = "Jetbatch-Reply-To"  # protocol 2: caller's inbox; the JetStream publish reply field carries the PubAck
+    # Protocol 3: the caller's key among its tenant's answers. The answer is published once, to
+    # <prefix>.result.<tenant or _>.<key>.<request id>: stored there, and delivered live to the
+    # caller subscribed to <prefix>.result.<tenant or _>.<key>.*.
+    REPLY_KEY = "Jetbatch-Reply-Key"
     DEADLINE = "Jetbatch-Deadline"  # absolute Unix time in integer milliseconds
     PRIORITY = "Jetbatch-Priority"  # a Priority class; absent: interactive
     CONTENT_TYPE = "Content-Type"
@@ -95,6 +99,9 @@ class ProtocolError(JetbatchError, ValueError):
 
 
 _TOKEN_RE = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would let a trailing newline in
+# The tenant token of the answers of requests with no tenant (protocol 3): never a tenant's name,
+# so a permission on <prefix>.result.<tenant>.> never covers them.
+NO_TENANT = "_"
 # The last token of a batch-class queue subject (model names have no dots: unambiguous).
 BATCH_TOKEN = "batch"
 _BATCH_SUFFIX = "." + BATCH_TOKEN
@@ -107,6 +114,15 @@ def validate_token(value: str, what: str) -> str:
         shown = value[:80] + "..." if isinstance(value, str) and len(value) > 80 else value
         raise ProtocolError(f"invalid {what} {shown!r}: use 1-64 characters from A-Z a-z 0-9 _ -")
     return value
+
+
+def validate_tenant(name: str) -> str:
+    """Return ``name`` if it can name a tenant: one subject token, not ``_`` (which stands for
+    "no tenant" in answer subjects); else raise :class:`ProtocolError`."""
+    validate_token(name, "tenant")
+    if name == NO_TENANT:
+        raise ProtocolError(f"invalid tenant {name!r}: {NO_TENANT!r} is reserved (it stands for no tenant)")
+    return name
 
 
 def validate_model_name(name: str) -> str:
@@ -144,7 +160,7 @@ class Subjects:
     def tenant_ingress(self, tenant: str) -> str:
         """A tenant's own ingress subject: the server's permissions tie it to the producer, so the
         sidecars learn the tenant from where a request arrived, not from what it claims."""
-        return f"{self.prefix}.in.{validate_token(tenant, 'tenant')}"
+        return f"{self.prefix}.in.{validate_tenant(tenant)}"
 
     @property
     def tenant_ingress_wildcard(self) -> str:
@@ -155,15 +171,34 @@ class Subjects:
         head = f"{self.prefix}.in."
         if subject.startswith(head):
             tenant = subject[len(head) :]
-            return tenant if _TOKEN_RE.match(tenant) else None
+            return tenant if _TOKEN_RE.match(tenant) and tenant != NO_TENANT else None
         return None
 
+    def answer(self, request_id: str, key: str, tenant: str | None = None) -> str:
+        """Protocol 3: where a request's final answer is published, once. The results stream
+        stores it, and the caller, subscribed to :meth:`answers` of its ``key``, receives it live:
+        one publish, one PubAck, one delivery. The tenant comes first, so one server permission
+        (``<prefix>.result.<tenant>.>``) gives a tenant its own answers and nobody else's."""
+        scope = validate_tenant(tenant) if tenant else NO_TENANT
+        return f"{self.prefix}.result.{scope}.{validate_token(key, 'reply key')}.{validate_token(request_id, 'request id')}"
+
+    def answers(self, key: str, tenant: str | None = None) -> str:
+        """What a caller with reply key ``key`` subscribes to: its own answers, live."""
+        scope = validate_tenant(tenant) if tenant else NO_TENANT
+        return f"{self.prefix}.result.{scope}.{validate_token(key, 'reply key')}.*"
+
+    def answer_anywhere(self, request_id: str, tenant: str | None = None) -> str:
+        """A request's answer under any caller's key: the filter of a direct get (last message by
+        subject) that finds an answer a retry from another process (another key) was given."""
+        scope = validate_tenant(tenant) if tenant else NO_TENANT
+        return f"{self.prefix}.result.{scope}.*.{validate_token(request_id, 'request id')}"
+
     def result(self, request_id: str, tenant: str | None = None) -> str:
-        """Where a request's final answer is stored (the results stream), so a caller that missed
-        the reply (a reconnect, a retry with the same request id) can fetch it by id."""
+        """Protocol 2: where a request's final answer is stored when the caller gave a reply
+        subject (``Jetbatch-Reply-To``) and no key; the live reply goes to that subject."""
         rid = validate_token(request_id, "request id")
         if tenant:
-            return f"{self.prefix}.result.{validate_token(tenant, 'tenant')}.{rid}"
+            return f"{self.prefix}.result.{validate_tenant(tenant)}.{rid}"
         return f"{self.prefix}.result.{rid}"
 
     @property
@@ -239,7 +274,7 @@ class Subjects:
         ``<prefix>.cancel``, or ``<prefix>.cancel.<tenant>``, which the server's permissions tie
         to the tenant's identity; a worker cancels only requests of the tenant of the subject."""
         if tenant:
-            return f"{self.prefix}.cancel.{validate_token(tenant, 'tenant')}"
+            return f"{self.prefix}.cancel.{validate_tenant(tenant)}"
         return f"{self.prefix}.cancel"
 
     @property

@@ -80,6 +80,8 @@ class RequestMeta:
 
     ``problem`` is set when a header is invalid: the request gets ``bad_request`` (sent to
     ``reply_to`` only when the reply subject itself passed the policy) and is not run.
+    ``reply_key`` (protocol 3) names where the answer goes: :meth:`Subjects.answer`, under the
+    deployment's own prefix and the request's tenant, so no header can aim it anywhere else.
     """
 
     request_id: str
@@ -90,6 +92,7 @@ class RequestMeta:
     tenant: str | None
     problem: str | None = None
     priority: Priority = Priority.INTERACTIVE
+    reply_key: str | None = None
 
 
 def dedupe_id(tenant: str | None, request_id: str) -> str:
@@ -141,6 +144,13 @@ def parse_request_headers(
             reply_to = policy.check(raw_reply, tenant=tenant)
         except ProtocolError as exc:
             problems.append(str(exc))
+    reply_key: str | None = None
+    raw_key = h.get(Headers.REPLY_KEY)
+    if raw_key is not None:
+        try:
+            reply_key = validate_token(raw_key, f"header {Headers.REPLY_KEY}:")
+        except ProtocolError as exc:
+            problems.append(str(exc))
     deadline: float | None = None
     raw_deadline = h.get(Headers.DEADLINE)
     if raw_deadline is not None:
@@ -184,6 +194,7 @@ def parse_request_headers(
         tenant=tenant,
         problem="; ".join(problems) if problems else None,
         priority=priority,
+        reply_key=reply_key,
     )
 
 

@@ -12,6 +12,7 @@ JetStream, and the ingress message is acked only after JetStream confirmed the r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -177,6 +178,10 @@ class Classifier:
         headers = msg.headers or {}
         tenant = self.subjects.tenant_from_subject(msg.subject)
         meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=lambda: _fallback_id(msg))
+        if tenant is None and msg.subject != self.subjects.ingress and meta.problem is None:
+            # A tenant's ingress whose token names no tenant (``_`` stands for "no tenant"): never
+            # served as untenanted.
+            meta = dataclasses.replace(meta, problem=f"ingress subject {msg.subject[:80]!r} names no valid tenant")
         item = Item(headers=headers, data=msg.data, content_type=meta.content_type)
         return item, meta
 

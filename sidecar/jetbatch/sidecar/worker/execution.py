@@ -21,7 +21,7 @@ import anyio
 from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import (
-    ContentType, ErrorCode, Headers, ReplyPolicy, batch_header, decode_payload, encode_payload, new_request_id, parse_request_headers, validate_token,
+    ContentType, ErrorCode, Headers, ReplyPolicy, batch_header, decode_payload, encode_payload, new_request_id, parse_request_headers, validate_tenant,
 )  # fmt: skip
 
 from ..handlers import BadInput
@@ -83,7 +83,7 @@ class BatchRunner:
         tenant_problem = None
         if tenant is not None:
             try:
-                validate_token(tenant, "tenant")
+                validate_tenant(tenant)
             except Exception as exc:  # noqa: BLE001 - ProtocolError; any failure is the request's
                 tenant_problem, tenant = str(exc), None
         meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=new_request_id)
