@@ -74,7 +74,8 @@ def test_readme_snippet_runs_as_written(deployment: Deployment) -> None:
 @pytest.mark.anyio
 async def test_protocol_doc_json_request_gets_a_readable_json_answer(deployment: Deployment) -> None:
     """docs/protocol.md's raw NATS example: a JSON body of 16 numbers published with the documented
-    headers is answered, on the reply subject it named, in JSON (the probabilities as a list)."""
+    headers is answered live on the caller's answer subject, in JSON (the probabilities as a
+    list), and the same answer is in the results store under that subject."""
     import nats
 
     text = (ROOT / "docs" / "protocol.md").read_text()
@@ -82,13 +83,17 @@ async def test_protocol_doc_json_request_gets_a_readable_json_answer(deployment:
     assert body, "the nats pub example is gone from docs/protocol.md"
     nc = await nats.connect(deployment.url)
     try:
-        sub = await nc.subscribe("_INBOX.me.>")
-        headers = {"Nats-Msg-Id": "doc-req-1", "Jetbatch-Reply-To": "_INBOX.me.doc-req-1", "Content-Type": "application/json"}
+        assert "nats sub 'jetbatch.result._.me.*'" in text and "-H Jetbatch-Reply-Key:me" in text
+        sub = await nc.subscribe("exm.result._.me.*")
+        headers = {"Nats-Msg-Id": "doc-req-1", "Jetbatch-Reply-Key": "me", "Content-Type": "application/json"}
         await nc.publish("exm.model.sentiment", body.group(1).encode(), headers=headers)
         msg = await sub.next_msg(timeout=60)
+        assert msg.subject == "exm.result._.me.doc-req-1"
         assert msg.headers and msg.headers.get("Content-Type") == "application/json"
         probs = json.loads(msg.data)
         assert len(probs) == 3 and abs(sum(probs) - 1.0) < 1e-4
+        stored = await nc.request("$JS.API.DIRECT.GET.EXM_RESULTS.exm.result._.me.doc-req-1", b"", timeout=10)
+        assert json.loads(stored.data) == probs
     finally:
         await nc.close()
     async with sdk.Client.connect(deployment.url, prefix="exm") as client:

@@ -108,6 +108,7 @@ class Replier:
 
     def __post_init__(self) -> None:
         self._js = (self.reply_nc or self.nc).jetstream()
+        self._atomic = self.config.atomic_batches
 
     @property
     def out(self) -> NATS:
