@@ -255,3 +255,24 @@ async def test_two_tenants_may_choose_the_same_request_id(nats_url: str, prefix:
             stored = {t: await js.get_msg(cfg.subjects.results_stream, subject=cfg.subjects.answer_anywhere("same-1", t), direct=True) for t in "ab"}
     assert (first, second, again) == ({"from": "a"}, {"from": "b"}, {"from": "a"})
     assert all(m.headers[Headers.STATUS] == "ok" for m in stored.values())
+
+
+async def test_an_ingress_whose_tenant_is_the_no_tenant_token_is_refused_never_served_untenanted(nats_url: str, prefix: str) -> None:
+    """``_`` stands for "no tenant" in answer subjects: a request on ``<prefix>.in._`` would
+    otherwise be answered where untenanted callers' answers live. It gets ``bad_request``, and
+    the SDK refuses ``tenant="_"`` before connecting."""
+    cfg = config(prefix, {"router": "rules", "rules": [], "default_model": "m1"})
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            answers = await nc.subscribe(cfg.subjects.answers("k1"), max_msgs=1)
+            headers = {Headers.MSG_ID: "r-no-tenant", Headers.REPLY_KEY: "k1", Headers.CONTENT_TYPE: "application/json"}
+            await nc.jetstream().publish(f"{prefix}.in._", b"{}", headers=headers)
+            answer = await answers.next_msg(timeout=10)
+        finally:
+            await nc.close()
+    assert answer.subject == cfg.subjects.answer("r-no-tenant", "k1")
+    assert answer.headers[Headers.ERROR_CODE] == "bad_request"
+    assert "names no valid tenant" in msgspec.json.decode(answer.data)["message"]
+    with pytest.raises(sdk.BadRequest, match="reserved"):
+        await sdk.Client.connect(nats_url, prefix=prefix, tenant="_")

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jetbatch import sdk
-from jetbatch.sdk.protocol import DEFAULT_REPLY_PREFIXES, Headers, ProtocolError, ReplyPolicy, Subjects, parse_request_headers
+from jetbatch.sdk.protocol import DEFAULT_REPLY_PREFIXES, Headers, ProtocolError, ReplyPolicy, Subjects, parse_request_headers, subject_matches
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until, worker_reports
 
 pytestmark = pytest.mark.anyio
@@ -223,12 +223,20 @@ def test_reply_policy_allows_inboxes_and_binds_tenants() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from([Headers.MSG_ID, Headers.REPLY_TO, Headers.DEADLINE, Headers.CONTENT_TYPE, Headers.MODEL,
-                                        Headers.TRACEPARENT, Headers.TRACESTATE, "X-Other"]),
-                       st.text(max_size=600)))  # fmt: skip
-def test_header_parser_never_raises_and_keeps_its_limits(headers: dict[str, str]) -> None:
-    meta = parse_request_headers(headers, policy=POLICY, fallback_id="fallback")
+@given(st.dictionaries(st.sampled_from([Headers.MSG_ID, Headers.REPLY_TO, Headers.REPLY_KEY, Headers.DEADLINE, Headers.CONTENT_TYPE,
+                                        Headers.MODEL, Headers.TRACEPARENT, Headers.TRACESTATE, "X-Other"]),
+                       st.one_of(st.text(max_size=600), st.sampled_from(["k1", "a.b", "*", ">", "_INBOX.x", "k\n", "x" * 65]))),
+       st.sampled_from([None, "t1"]))  # fmt: skip
+def test_header_parser_never_raises_and_keeps_its_limits(headers: dict[str, str], tenant: str | None) -> None:
+    meta = parse_request_headers(headers, policy=POLICY, fallback_id="fallback", tenant=tenant)
     assert meta.reply_to is None or (meta.reply_to.startswith("_INBOX.") and len(meta.reply_to) <= 255)
+    if meta.reply_key is not None:
+        # Wherever the answer goes, it is one of the deployment's answer subjects, under the
+        # tenant the sidecar knows: exactly five tokens, the last three never wildcards.
+        subject = Subjects("jb").answer(meta.request_id, meta.reply_key, meta.tenant)
+        tokens = subject.split(".")
+        assert tokens[:3] == ["jb", "result", tenant or "_"] and len(tokens) == 5
+        assert not {"*", ">"} & set(tokens) and subject_matches("jb.result.*.*.*", subject)
     assert meta.deadline is None or 0 <= meta.deadline < 10**13
     assert 1 <= len(meta.request_id) <= 64
     if meta.problem is None:

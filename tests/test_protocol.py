@@ -25,7 +25,9 @@ from jetbatch.sdk.protocol import (
     decode_payload,
     encode_error,
     encode_payload,
+    subject_matches,
     validate_model_name,
+    validate_tenant,
 )
 
 json_values = st.recursive(
@@ -277,3 +279,26 @@ def test_queue_and_cancel_subjects_name_their_model_class_and_tenant() -> None:
     assert s.tenant_from_cancel("jb.cancel.a.b") == (False, None) and s.tenant_from_cancel("jb.cancelx") == (False, None)
     with pytest.raises(ValueError):
         s.model("m", "urgent")
+
+
+def test_answer_subjects_put_the_tenant_first_and_never_a_wildcard_from_the_caller() -> None:
+    """Protocol 3: one subject per answer, ``<prefix>.result.<tenant or _>.<key>.<id>``; a client
+    subscribes to its key's, a lookup from another process filters over keys within the tenant,
+    and ``_`` (no tenant) can never be a tenant's name, so no tenant's permission covers it."""
+    s = Subjects("jb")
+    assert s.answer("r1", "k1") == "jb.result._.k1.r1" and s.answer("r1", "k1", "app1") == "jb.result.app1.k1.r1"
+    assert subject_matches(s.answers("k1", "app1"), s.answer("r1", "k1", "app1"))
+    assert not subject_matches(s.answers("k1", "app1"), s.answer("r1", "k2", "app1"))
+    assert subject_matches(s.answer_anywhere("r1", "app1"), s.answer("r1", "k2", "app1"))
+    assert not subject_matches(s.answer_anywhere("r1", "app1"), s.answer("r1", "k2", "app2"))
+    assert not subject_matches("jb.result.app1.>", s.answer("r1", "app1"))  # a key named like a tenant
+    for bad in ("*", ">", "a.b", "", "k\n"):
+        with pytest.raises(ProtocolError):
+            s.answer("r1", bad)
+        with pytest.raises(ProtocolError):
+            s.answers(bad)
+    with pytest.raises(ProtocolError, match="reserved"):
+        validate_tenant("_")
+    with pytest.raises(ProtocolError):
+        s.answer("r1", "k1", "_")
+    assert s.tenant_from_subject("jb.in._") is None and s.tenant_from_subject("jb.in.app1") == "app1"

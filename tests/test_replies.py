@@ -1,4 +1,5 @@
-"""The results store's bookkeeping on its own (sidecar/replies.py), with a stand-in connection."""
+"""The results store's bookkeeping (sidecar/replies.py): with a stand-in connection, and the one
+publish per answer (protocol 3) against a real server."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from typing import Any
 import msgspec
 import pytest
 
+import nats
+
 from jetbatch.sdk.protocol import ContentType, RequestMeta, Subjects
-from jetbatch.sidecar.config import RepliesConfig
+from jetbatch.sidecar.config import RepliesConfig, StreamsConfig
 from jetbatch.sidecar.replies import Answer, Replier
+from jetbatch.sidecar.streams import results_stream_config
 
 pytestmark = pytest.mark.anyio
 
@@ -66,3 +70,54 @@ async def test_an_answer_stored_again_is_sent_again() -> None:
     await replier._store_finish([([answer], never)])
     assert answer.stored
     assert sent == [("_INBOX.c.r2", b"out")]
+
+
+def _keyed(rid: str, key: str = "k1", tenant: str | None = None) -> Answer:
+    meta = RequestMeta(request_id=rid, reply_to=None, deadline=None, content_type=None, model="m1", tenant=tenant, reply_key=key)
+    return Answer.ok(meta, rid.encode(), ContentType.BYTES)
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+async def test_each_answer_is_one_message_stored_and_received_live_with_one_pubAck_a_batch(nats_url: str, prefix: str, atomic: bool) -> None:
+    """Protocol 3: the caller's subscription receives each answer once, the results stream holds
+    it under the same subject, and the worker waits for one PubAck for the whole batch. A stream
+    made without ``allow_atomic`` refuses the batch: the answers are stored one by one, and the
+    replier stops trying batches."""
+    subjects = Subjects(prefix)
+    config = RepliesConfig()
+    nc = await nats.connect(nats_url)
+    try:
+        stream = results_stream_config(subjects, StreamsConfig(), config)
+        stream.allow_atomic = atomic
+        await nc.jetstream().add_stream(stream)
+        live: list[str] = []
+
+        async def heard(msg: Any) -> None:
+            live.append(msg.subject)
+
+        await nc.subscribe(subjects.answers("k1"), cb=heard)
+        await nc.subscribe(subjects.answers("k2", "t1"), cb=heard)
+        replier = Replier(nc, subjects, config)
+        answers = [_keyed(f"r{i}") for i in range(5)] + [_keyed("r5", "k2", "t1")]
+        await replier.deliver(answers)
+        acks = replier._acks
+        assert all(a.stored and a.sent and replier.safe(a) for a in answers)
+        await nc.flush()
+        assert set(live) == {subjects.answer(a.meta.request_id, a.meta.reply_key, a.meta.tenant) for a in answers}
+        # Once each; where the refused batch's answers are stored again one by one, twice (the
+        # caller drops the second).
+        assert len(live) == (6 if atomic else 12)
+        for a in answers:
+            stored = await nc.jetstream().get_msg(subjects.results_stream, subject=subjects.answer_anywhere(a.meta.request_id, a.meta.tenant), direct=True)
+            assert stored.data == a.body
+        info = await nc.jetstream().stream_info(subjects.results_stream)
+        assert info.state.messages == 6
+        assert replier._atomic is atomic
+        assert acks is not None
+        published = acks._next
+        await replier.deliver([_keyed("r6"), _keyed("r7")])
+        assert (await nc.jetstream().stream_info(subjects.results_stream)).state.messages == 8
+        assert acks._next - published == (1 if atomic else 2)  # PubAcks waited for: one a batch, else one an answer
+    finally:
+        await nc.close()
+
