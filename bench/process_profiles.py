@@ -1,8 +1,9 @@
 """A profile of each process of SDK → worker: the producer (this process) and the worker (its own
 process, as deployed, under ``python -m cProfile``), the same load as ``bench/overhead.py``
-(identity handler, 256-byte payloads, 64 in flight). Run:
+(identity handler, 256-byte payloads, 64 in flight); with ``--classifier``, SDK → classifier →
+worker, the classifier profiled in its own process too. Run:
 
-    python -m bench.process_profiles [--requests 10000] [--out DIR]
+    python -m bench.process_profiles [--requests 10000] [--classifier] [--out DIR]
 
 Prints, for each process, where its CPU went (grouped by package), its CPU time per request and
 the calls per request that matter on the hot path (messages published and received, header
@@ -70,14 +71,14 @@ def summary(path: Path, requests: int) -> tuple[dict[str, float], dict[str, floa
     return dict(groups), {k: v / requests for k, v in calls.items()}
 
 
-async def drive(url: str, n: int, profile: Path) -> tuple[float, float]:
+async def drive(url: str, n: int, profile: Path, model: str | None = "m") -> tuple[float, float]:
     async with sdk.Client.connect(url) as client:
-        await client.infer(b"warm", model="m", timeout=60)
+        await client.infer(b"warm", model=model, timeout=60)
         gate = asyncio.Semaphore(64)
 
         async def one() -> None:
             async with gate:
-                await client.infer(b"x" * 256, model="m", timeout=60)
+                await client.infer(b"x" * 256, model=model, timeout=60)
 
         profiler = cProfile.Profile()
         started, cpu = time.perf_counter(), time.process_time()
@@ -89,7 +90,7 @@ async def drive(url: str, n: int, profile: Path) -> tuple[float, float]:
     return n / elapsed, cpu / n * 1e6
 
 
-async def wait_for_streams(url: str, timeout_s: float = 60.0) -> None:
+async def wait_for_streams(url: str, streams: tuple[str, ...], timeout_s: float = 60.0) -> None:
     import nats
 
     nc = await nats.connect(url)
@@ -97,8 +98,9 @@ async def wait_for_streams(url: str, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                # The stream (consumers are made on demand, at the first request's load).
-                await nc.jetstream().stream_info("JETBATCH_MODELS")
+                # The streams (consumers are made on demand, at the first request's load).
+                for stream in streams:
+                    await nc.jetstream().stream_info(stream)
                 return
             except Exception:  # noqa: BLE001 - not created yet
                 if time.monotonic() > deadline:
@@ -111,28 +113,38 @@ async def wait_for_streams(url: str, timeout_s: float = 60.0) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=10000)
+    ap.add_argument("--classifier", action="store_true", help="through a classifier process (profiled too)")
     ap.add_argument("--out", default=None, help="keep the .pstats files here (default: a temporary folder)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="jetbatch-profiles-"))
     out.mkdir(parents=True, exist_ok=True)
     cfg = out / "m.toml"
-    cfg.write_text('[models.m]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_ms = 2\n')
+    cfg.write_text(
+        '[models.m]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_ms = 2\n'
+        '[classifier]\nrouter = "rules"\ndefault_model = "m"\nmax_batch_size = 64\nmax_delay_s = 0.002\n'
+    )
+    roles = ("worker", "classifier") if args.classifier else ("worker",)
     env = dict(os.environ, JETBATCH_UVLOOP="0", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
     with EmbeddedNats() as server:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "cProfile", "-o", str(out / "worker.pstats"), "-m", "jetbatch", "worker", "--config", str(cfg),
-             "--nats-url", server.url, "--http-port", "off"],
-            env=env, cwd=ROOT,
-        )  # fmt: skip
+        sidecars = [
+            subprocess.Popen(
+                [sys.executable, "-m", "cProfile", "-o", str(out / f"{role}.pstats"), "-m", "jetbatch", role, "--config", str(cfg),
+                 "--nats-url", server.url, "--http-port", "off"],
+                env=env, cwd=ROOT,
+            )  # fmt: skip
+            for role in roles
+        ]
         try:
-            asyncio.run(wait_for_streams(server.url))
-            rps, producer_us = asyncio.run(drive(server.url, args.requests, out / "producer.pstats"))
+            asyncio.run(wait_for_streams(server.url, ("JETBATCH_MODELS", "JETBATCH_IN") if args.classifier else ("JETBATCH_MODELS",)))
+            rps, producer_us = asyncio.run(drive(server.url, args.requests, out / "producer.pstats", None if args.classifier else "m"))
         finally:
-            worker.send_signal(signal.SIGINT)  # the CLI exits cleanly, and cProfile writes its file
-            worker.wait(60)
-    print(f"{args.requests} requests, {rps:.0f} req/s (both processes profiled); profiles in {out}")
-    for name in ("producer", "worker"):
+            for proc in sidecars:
+                proc.send_signal(signal.SIGINT)  # the CLI exits cleanly, and cProfile writes its file
+            for proc in sidecars:
+                proc.wait(60)
+    print(f"{args.requests} requests, {rps:.0f} req/s (every process profiled); profiles in {out}")
+    for name in ("producer", *roles):
         groups, calls = summary(out / f"{name}.pstats", args.requests)
         startup = groups.pop("start-up (imports)", 0.0)
         busy = sum(v for k, v in groups.items() if not k.startswith("idle"))

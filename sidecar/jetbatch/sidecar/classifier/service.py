@@ -46,6 +46,7 @@ from jetbatch.sdk.publishing import PubAcks, publish_with_retries, settled
 from ..errors import TRANSPORT_ERRORS, pull
 from ..config import Config, ConfigError
 from ..policy import BatchWindow
+from ..pulling import Puller
 from ..replies import Answer, Replier, client_message, settle
 from ..runtime import retry_startup
 from ..status import serve_status
@@ -111,7 +112,8 @@ class Classifier:
 
     async def _setup(self) -> Any:
         await ensure_classifier_streams(self.js, self.subjects, self.config.streams, self.config.replies)
-        return await self.js.pull_subscribe_bind(durable=classifier_consumer_name(), stream=self.subjects.ingress_stream)
+        # The worker's pull (sidecar/pulling.py): nats-py's fetch made a task per message.
+        return await Puller(self.nc, self.subjects.ingress_stream, classifier_consumer_name()).start()
 
     async def run(self) -> None:
         psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
