@@ -65,3 +65,23 @@ async def test_a_removed_consumer_ends_a_waiting_pull(nats_url: str, prefix: str
         assert await asyncio.wait_for(fetch, 10) == []  # 409 Consumer Deleted ends it
     finally:
         await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_an_idle_fetch_with_linger_returns_at_the_first_arrival_and_leaves_no_request_behind(nats_url: str, prefix: str) -> None:
+    """The classifier's idle wait: a fetch for a whole batch, lingering for one, returns when one
+    request comes (not at its 30 s timeout, nor when 64 came), and its waiting request, satisfied,
+    takes nothing more: the next arrival stays in the stream for the next fetch."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        fetch = asyncio.ensure_future(puller.fetch(64, timeout=30.0, linger=1))
+        await _pull_waiting(js, prefix)
+        await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
+        assert [m.data for m in await asyncio.wait_for(fetch, 10)] == [b"first"]
+        await js.publish(f"{prefix}.q", b"second")  # type: ignore[attr-defined]
+        info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+        assert (info.num_pending, info.num_waiting) == (1, 0)
+        assert [m.data for m in await puller.fetch(64, timeout=5.0)] == [b"second"]
+        await puller.unsubscribe()
+    finally:
+        await nc.close()  # type: ignore[attr-defined]

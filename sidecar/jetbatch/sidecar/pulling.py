@@ -77,8 +77,10 @@ class Puller:
             self._buffer.append(msg)
         self._changed.set()
 
-    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
-        """Up to ``batch`` messages within ``timeout`` seconds ([] when none came)."""
+    async def fetch(self, batch: int, timeout: float, *, linger: int | None = None) -> list[Msg]:
+        """Up to ``batch`` messages within ``timeout`` seconds ([] when none came). ``linger``:
+        when nothing is stored, the waiting request asks for that many (fewer than ``batch``) and
+        the fetch returns once they came: an idle caller's wait for its first message."""
         if self._error is not None:
             error, self._error = self._error, None
             raise PullError(f"JetStream refused a pull: {error}")
@@ -96,8 +98,9 @@ class Puller:
             # delivered late would sit in this buffer, unacked, until the next fetch of this
             # model, or its ack wait if this worker moved on to other models.
             expires_s = max(deadline - loop.time() - _EXPIRES_EARLY_S, 0.001)
-            await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
-            await self._wait(batch, deadline + _END_GRACE_S)
+            wanted = min(batch, linger) if linger else batch
+            await self._request({"batch": wanted, "expires": int(expires_s * 1e9)})
+            await self._wait(wanted, deadline + _END_GRACE_S)
         return self._take(batch)
 
     async def _request(self, body: dict[str, Any]) -> None:

@@ -156,7 +156,10 @@ class Classifier:
             wait_s = self.window.wait_s(len(msgs), close_at, now, idle_wait_s=0.25)
             if msgs and wait_s <= 0.0005:
                 break
-            pulled = await pull(psub, self.cfg.max_batch_size - len(msgs), max(wait_s, 0.001))
+            # Idle (nothing stored), the wait is for the first request only: a waiting pull for a
+            # whole batch would hold a lone request until the batch filled or the idle wait ran
+            # out. Its window opens when it comes; the next pulls fill the batch within it.
+            pulled = await pull(psub, self.cfg.max_batch_size - len(msgs), max(wait_s, 0.001), linger=1 if not msgs else None)
             if pulled.closed:
                 self._stopping.set()
                 break
