@@ -58,6 +58,12 @@ class Puller:
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg, pending_msgs_limit=100_000)
         return self
 
+    @property
+    def buffered(self) -> int:
+        """Messages delivered to this puller that no fetch has handed out yet (they came after
+        their fetch returned): ours, not a peer's, and the next fetch returns them at once."""
+        return len(self._buffer)
+
     async def unsubscribe(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None
