@@ -77,18 +77,18 @@ def _keyed(rid: str, key: str = "k1", tenant: str | None = None) -> Answer:
     return Answer.ok(meta, rid.encode(), ContentType.BYTES)
 
 
-@pytest.mark.parametrize("atomic", [True, False])
-async def test_each_answer_is_one_message_stored_and_received_live_with_one_pubAck_a_batch(nats_url: str, prefix: str, atomic: bool) -> None:
-    """Protocol 3: the caller's subscription receives each answer once, the results stream holds
-    it under the same subject, and the worker waits for one PubAck for the whole batch. A stream
-    made without ``allow_atomic`` refuses the batch: the answers are stored one by one, and the
-    replier stops trying batches."""
+@pytest.mark.parametrize(("setting", "allowed"), [(False, True), (True, True), (True, False)])
+async def test_each_answer_is_one_message_stored_and_received_live(nats_url: str, prefix: str, setting: bool, allowed: bool) -> None:
+    """Protocol 3: the caller's subscription receives each answer once, and the results stream
+    holds it under the same subject. By default the worker waits for a PubAck an answer; with
+    ``atomic_batches``, one for the whole batch. A stream made without ``allow_atomic`` refuses
+    the batch: the answers are stored one by one, and the replier stops trying batches."""
     subjects = Subjects(prefix)
-    config = RepliesConfig()
+    config = msgspec.convert({"atomic_batches": setting}, RepliesConfig)
     nc = await nats.connect(nats_url)
     try:
         stream = results_stream_config(subjects, StreamsConfig(), config)
-        stream.allow_atomic = atomic
+        stream.allow_atomic = allowed
         await nc.jetstream().add_stream(stream)
         live: list[str] = []
 
@@ -104,20 +104,19 @@ async def test_each_answer_is_one_message_stored_and_received_live_with_one_pubA
         assert all(a.stored and a.sent and replier.safe(a) for a in answers)
         await nc.flush()
         assert set(live) == {subjects.answer(a.meta.request_id, a.meta.reply_key, a.meta.tenant) for a in answers}
-        # Once each; where the refused batch's answers are stored again one by one, twice (the
+        # Once each; where a refused batch's answers are stored again one by one, twice (the
         # caller drops the second).
-        assert len(live) == (6 if atomic else 12)
+        assert len(live) == (12 if setting and not allowed else 6)
         for a in answers:
             stored = await nc.jetstream().get_msg(subjects.results_stream, subject=subjects.answer_anywhere(a.meta.request_id, a.meta.tenant), direct=True)
             assert stored.data == a.body
         info = await nc.jetstream().stream_info(subjects.results_stream)
         assert info.state.messages == 6
-        assert replier._atomic is atomic
+        assert replier._atomic is (setting and allowed)
         assert acks is not None
         published = acks._next
         await replier.deliver([_keyed("r6"), _keyed("r7")])
         assert (await nc.jetstream().stream_info(subjects.results_stream)).state.messages == 8
-        assert acks._next - published == (1 if atomic else 2)  # PubAcks waited for: one a batch, else one an answer
+        assert acks._next - published == (1 if setting and allowed else 2)  # PubAcks waited for: one a batch, else one an answer
     finally:
         await nc.close()
-

@@ -83,8 +83,9 @@ def results_stream_config(subjects: Subjects, cfg: StreamsConfig, replies: Repli
         max_age=replies.max_age_s,
         max_msg_size=cfg.max_msg_size + 64 * 1024,
         allow_direct=True,
-        # A batch's answers are stored as one atomic batch, confirmed by one PubAck
-        # (nats-server 2.12+; sidecar/replies.py stores them one by one where it is refused).
+        # With replies.atomic_batches, a batch's answers are stored as one atomic batch,
+        # confirmed by one PubAck (nats-server 2.12+; sidecar/replies.py stores them one by one
+        # where it is refused). Allowed either way, so sidecars may differ in that setting.
         allow_atomic=True,
         num_replicas=cfg.replicas,
         duplicate_window=min(cfg.duplicate_window_s, replies.max_age_s),
