@@ -120,3 +120,44 @@ async def test_each_answer_is_one_message_stored_and_received_live(nats_url: str
         assert acks._next - published == (1 if setting and allowed else 2)  # PubAcks waited for: one a batch, else one an answer
     finally:
         await nc.close()
+
+
+async def test_a_batch_refused_in_an_election_is_stored_one_by_one_and_batches_go_on() -> None:
+    """No stream answering a batch (an election) is passing: its answers are stored one by one,
+    and the next batch is atomic again. A server that stored the batch's messages one by one
+    (it knows no atomic batches) turns batches off for good."""
+    from jetbatch.sdk.publishing import BatchIgnored, PublishRefused
+
+    for refusal, atomic_after in ((PublishRefused("no stream answered (status 503)"), True), (BatchIgnored("not atomic"), False)):
+        js = BackLaterJetStream(failures=0)
+        nc = SimpleNamespace(jetstream=lambda js=js: js, max_payload=1 << 20)
+        replier = Replier(nc, Subjects("t"), msgspec.convert({"atomic_batches": True}, RepliesConfig))  # type: ignore[arg-type]
+        group = [_keyed("r1"), _keyed("r2")]
+        refused: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        refused.set_exception(refusal)
+        await replier._store_finish([(group, refused)])
+        assert all(a.stored and a.sent for a in group)
+        assert js.published == [Subjects("t").answer("r1", "k1"), Subjects("t").answer("r2", "k1")]
+        assert replier._atomic is atomic_after
+
+
+async def test_stored_answers_are_looked_up_on_the_main_identity() -> None:
+    """A reply identity may only publish answers: a direct get from it would wait out a
+    permission violation, and a redelivered request be computed again."""
+
+    class Lookups:
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        async def get_msg(self, stream: str, subject: str, direct: bool) -> Any:
+            self.asked.append(subject)
+            return SimpleNamespace(data=b"out", headers={"Jetbatch-Status": "ok", "Nats-Batch-Id": "b1", "Nats-Sequence": "9"})
+
+    main, replies = Lookups(), Lookups()
+    nc = SimpleNamespace(jetstream=lambda: main, max_payload=1 << 20)
+    reply_nc = SimpleNamespace(jetstream=lambda: replies, max_payload=1 << 20)
+    replier = Replier(nc, Subjects("t"), RepliesConfig(), reply_nc=reply_nc)  # type: ignore[arg-type]
+    found = await replier.stored_answer(_keyed("r1").meta)
+    assert found is not None and found.stored
+    assert (main.asked, replies.asked) == ([Subjects("t").answer("r1", "k1")], [])
+    assert found.headers == {"Jetbatch-Status": "ok"}  # no Nats-* header is sent again

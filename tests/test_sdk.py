@@ -108,7 +108,7 @@ async def test_a_bad_timeout_is_bad_request(nats_url: str, prefix: str, timeout:
 @pytest.mark.anyio
 async def test_bad_header_names_and_reserved_headers_are_bad_request(nats_url: str, prefix: str) -> None:
     async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-        for headers in ({"bad name": "v"}, {"X-Ok": 5}, {"Jetbatch-Reply-To": "_INBOX.elsewhere"}, {"Nats-Msg-Id": "x"}):
+        for headers in ({"bad name": "v"}, {"X-Ok": 5}, {"Jetbatch-Reply-To": "_INBOX.elsewhere"}, {"jetbatch-reply-key": "theirs"}, {"Nats-Msg-Id": "x"}):
             with pytest.raises(sdk.BadRequest):
                 await client.infer(b"x", model="m1", timeout=5, headers=headers)  # type: ignore[arg-type]
 

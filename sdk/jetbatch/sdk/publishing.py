@@ -28,7 +28,7 @@ from . import failures
 from .errors import BadRequest, ConnectionFailed, JetbatchError, Overloaded, PayloadTooLarge, RequestTimeout
 from .protocol import JS_MSG_TOO_BIG, JS_STREAM_FULL
 
-__all__ = ["ATOMIC_BATCH_MAX", "PubAcks", "PublishRefused", "publish_with_retries", "settled"]
+__all__ = ["ATOMIC_BATCH_MAX", "BatchIgnored", "PubAcks", "PublishRefused", "publish_with_retries", "settled"]
 
 # The server's limit on the messages of one atomic batch (nats-server 2.12+, ADR-50).
 ATOMIC_BATCH_MAX = 1000
@@ -97,6 +97,11 @@ class PublishRefused(Exception):
         self.err_code = err_code
 
 
+class BatchIgnored(PublishRefused):
+    """The server stored an atomic batch's messages one by one (it does not know atomic
+    batches): only the last was confirmed."""
+
+
 class PubAcks:
     """Publish to JetStream on ``nc`` and collect the PubAcks. A future the caller gives up on
     (cancels) is forgotten here too; a PubAck that arrives later is dropped."""
@@ -130,7 +135,7 @@ class PubAcks:
         ``allow_atomic``, nats-server 2.12+): the stream stores all of them or none, and one
         PubAck, on the last, answers for the batch. The future resolves to that PubAck, checked
         to cover every message (a server that ignores batch headers stores each alone and
-        answers the last only: :class:`PublishRefused`, and the caller stores them one by one),
+        answers the last only: :class:`BatchIgnored`, and the caller stores them one by one),
         or fails with :class:`PublishRefused`. The messages' headers are copied, not changed.
         Subscribers of the subjects receive each message as it is sent, like any publish."""
         if not 2 <= len(messages) <= ATOMIC_BATCH_MAX:
@@ -153,7 +158,7 @@ class PubAcks:
             elif done.exception() is not None:
                 checked.set_exception(done.exception())  # type: ignore[arg-type]
             elif done.result().get("batch") != batch_id or done.result().get("count") != len(messages):
-                checked.set_exception(PublishRefused(f"the stream did not store the batch atomically ({done.result()})"))
+                checked.set_exception(BatchIgnored(f"the stream did not store the batch atomically ({done.result()})"))
             else:
                 checked.set_result(done.result())
 

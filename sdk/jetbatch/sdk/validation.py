@@ -12,7 +12,7 @@ __all__ = ["MAX_TIMEOUT_S", "check_timeout", "user_headers"]
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a deadline further out is a bug, not a request
 _HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}$")  # what NATS can carry as a header name
-_RESERVED_HEADERS = frozenset(h.lower() for h in (Headers.MSG_ID, Headers.REPLY_TO, Headers.TENANT, Headers.PRIORITY))
+_RESERVED_HEADERS = frozenset(h.lower() for h in (Headers.MSG_ID, Headers.REPLY_KEY, Headers.REPLY_TO, Headers.TENANT, Headers.PRIORITY))
 
 
 def check_timeout(timeout: Any) -> float:

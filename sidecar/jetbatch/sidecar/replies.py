@@ -39,7 +39,7 @@ from jetbatch.sdk.protocol import (
     message_bytes,
 )
 from jetbatch.sdk.errors import JetbatchError
-from jetbatch.sdk.publishing import ATOMIC_BATCH_MAX, PublishRefused, PubAcks, publish_with_retries, settled
+from jetbatch.sdk.publishing import ATOMIC_BATCH_MAX, BatchIgnored, PublishRefused, PubAcks, publish_with_retries, settled
 
 from .errors import TRANSPORT_ERRORS
 from .config import RepliesConfig
@@ -103,11 +103,15 @@ class Replier:
     config: RepliesConfig
     reply_nc: NATS | None = None
     _js: Any = field(init=False, default=None)
+    _lookup_js: Any = field(init=False, default=None)
     _acks: PubAcks | None = field(init=False, default=None)
     _atomic: bool = field(init=False, default=True)  # the results stream takes atomic batches
 
     def __post_init__(self) -> None:
         self._js = (self.reply_nc or self.nc).jetstream()
+        # Lookups go out on the main identity: a reply identity may only publish answers (a
+        # direct get from it waited out a permission violation, and the request ran again).
+        self._lookup_js = self.nc.jetstream()
         self._atomic = self.config.atomic_batches
 
     @property
@@ -224,10 +228,10 @@ class Replier:
                 for a in group:
                     a.stored = True
             elif len(group) > 1 and isinstance(exc, PublishRefused):
-                # The batch as a whole was refused (too many batches in flight on the stream, or a
-                # stream or server without atomic batches: then one by one from now on). Nothing
-                # of it was stored; each answer is stored alone.
-                if exc.err_code in (None, _ATOMIC_DISABLED) and self._atomic:
+                # The batch as a whole was refused (too many batches in flight, no stream
+                # answering during an election) or not stored as one: each answer is stored
+                # alone. A stream or server without atomic batches: one by one from now on.
+                if (isinstance(exc, BatchIgnored) or exc.err_code == _ATOMIC_DISABLED) and self._atomic:
                     self._atomic = False
                     log.info("the results stream takes no atomic batches (%s): answers are stored one by one", exc)
                 unanswered.extend(group)
@@ -265,7 +269,7 @@ class Replier:
         if not self.config.durable:
             return None
         try:
-            raw = await self._js.get_msg(self.subjects.results_stream, subject=self.subject_of(meta), direct=True)
+            raw = await self._lookup_js.get_msg(self.subjects.results_stream, subject=self.subject_of(meta), direct=True)
         except TRANSPORT_ERRORS:
             return None
         # Without the server's Nats-* headers (the stream's, a batch's): sent again they would

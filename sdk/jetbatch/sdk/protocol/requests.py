@@ -137,18 +137,20 @@ def parse_request_headers(
     except ProtocolError as exc:
         problems.append(str(exc))
         rid = fallback_id() if callable(fallback_id) else fallback_id
-    reply_to: str | None = None
-    raw_reply = h.get(Headers.REPLY_TO)
-    if raw_reply is not None:
-        try:
-            reply_to = policy.check(raw_reply, tenant=tenant)
-        except ProtocolError as exc:
-            problems.append(str(exc))
     reply_key: str | None = None
     raw_key = h.get(Headers.REPLY_KEY)
     if raw_key is not None:
         try:
             reply_key = validate_token(raw_key, f"header {Headers.REPLY_KEY}:")
+        except ProtocolError as exc:
+            problems.append(str(exc))
+    reply_to: str | None = None
+    raw_reply = h.get(Headers.REPLY_TO)
+    if raw_reply is not None and raw_key is None:
+        # With a key (protocol 3) the answer goes to the key's subject: a reply subject beside
+        # it is never used, so it is not checked either.
+        try:
+            reply_to = policy.check(raw_reply, tenant=tenant)
         except ProtocolError as exc:
             problems.append(str(exc))
     deadline: float | None = None

@@ -305,7 +305,7 @@ class Classifier:
         for msg, meta, route in failed:
             assert route.error is not None
             code, message = route.error
-            refused = Headers.REPLY_TO in (msg.headers or {}) and meta.reply_to is None
+            refused = Headers.REPLY_TO in (msg.headers or {}) and meta.reply_to is None and meta.reply_key is None
             if code is ErrorCode.UNKNOWN_MODEL or refused:
                 # Kept for an operator before the caller hears of it.
                 await self.replier.dead_letter(msg, message, "classifier")

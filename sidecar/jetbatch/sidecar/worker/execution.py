@@ -95,7 +95,7 @@ class BatchRunner:
             deliveries=deliveries(msg),
             seq=stream_seq(msg),
             enqueued_at=enqueued_at(msg, now),
-            reply_refused=Headers.REPLY_TO in headers and meta.reply_to is None,
+            reply_refused=meta.reply_key is None and Headers.REPLY_TO in headers and meta.reply_to is None,
         )
 
     # --- one batch ------------------------------------------------------------------------------
