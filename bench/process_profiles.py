@@ -35,6 +35,7 @@ CALLS = {
     "_send_publish": "messages published",
     "_process_msg": "messages received",
     "_parse_header_lines": "header blocks parsed",
+    "parse_header_lines": "header blocks parsed",  # jetbatch's own, on the connections it opens (sdk/connection.py)
     "wait_for": "asyncio.wait_for calls",
     "create_task": "tasks created",
 }

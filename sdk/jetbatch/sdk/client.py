@@ -65,6 +65,9 @@ class Result:
     latency_s: float
 
 
+_NO_BATCH = BatchInfo(batch_id="", batch_size=0, queue_wait_ms=0.0, model_loaded=False, model="")
+
+
 class Client:
     """An asyncio client for jetbatch.
 
@@ -215,9 +218,9 @@ class Client:
         (bulk jobs): a worker takes a model's interactive requests first and visits a model
         with interactive work waiting sooner; batch requests keep the same bounded wait.
         """
-        result = await self.infer_result(
-            payload, model=model, timeout=timeout, content_type=content_type, request_id=request_id, headers=headers, priority=priority
-        )
+        # No batch metadata: reading the Jetbatch-Batch header was a tenth of the SDK's own
+        # time a request, for a value infer() drops.
+        result = await self._call(payload, model, timeout, content_type, request_id, headers, priority, with_batch=False)
         return result.output
 
     async def infer_result(
@@ -232,6 +235,20 @@ class Client:
         priority: Priority | str = Priority.INTERACTIVE,
     ) -> Result:
         """Like :meth:`infer`, but return a :class:`Result` with the batch metadata."""
+        return await self._call(payload, model, timeout, content_type, request_id, headers, priority, with_batch=True)
+
+    async def _call(
+        self,
+        payload: Any,
+        model: str | None,
+        timeout: float,
+        content_type: ContentType | str | None,
+        request_id: str | None,
+        headers: Mapping[str, str] | None,
+        priority: Priority | str,
+        *,
+        with_batch: bool,
+    ) -> Result:
         if self._closed:
             raise ClientClosed("client is closed")
         started = time.monotonic()
@@ -246,7 +263,7 @@ class Client:
             # would not say "duplicate" and the request would be computed again.
             stored = await self._look_up(rid, anywhere=True)
             if stored is not None:
-                return self._to_result(stored, rid, time.monotonic() - started)
+                return self._to_result(stored, rid, time.monotonic() - started, with_batch)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending[rid] = fut
@@ -268,7 +285,7 @@ class Client:
                 msg = await self._look_up(rid, anywhere=True)
                 if msg is None:
                     raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
-            result = self._to_result(msg, rid, time.monotonic() - started)
+            result = self._to_result(msg, rid, time.monotonic() - started, with_batch)
             status = "ok"
             return result
         except JetbatchError as exc:
@@ -531,7 +548,7 @@ class Client:
                 for rid in list(self._pending):
                     self._spawn(self._poll_stored_result(rid))
 
-    def _to_result(self, msg: Any, rid: str, latency_s: float) -> Result:
+    def _to_result(self, msg: Any, rid: str, latency_s: float, with_batch: bool = True) -> Result:
         headers = msg.headers or {}
         if headers.get(Headers.STATUS, Status.OK.value) == Status.ERROR.value:
             body = decode_error(msg.data)
@@ -540,7 +557,8 @@ class Client:
             output = decode_payload(msg.data, headers.get(Headers.CONTENT_TYPE))
         except ProtocolError as exc:
             raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
-        return Result(request_id=rid, output=output, batch=batch_info_from_headers(headers), latency_s=latency_s)
+        batch = batch_info_from_headers(headers) if with_batch else _NO_BATCH
+        return Result(request_id=rid, output=output, batch=batch, latency_s=latency_s)
 
 
 async def _within(fut: asyncio.Future[Any], timeout_s: float) -> Any:
