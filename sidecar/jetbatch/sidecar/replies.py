@@ -3,8 +3,9 @@ letters, and settling each message (ack, term, nak) without ever raising into a 
 
 Protocol 3 (the request has a ``Jetbatch-Reply-Key``): each answer is published **once**, to
 ``<prefix>.result.<tenant or _>.<key>.<request id>``. The results stream stores it and the
-caller, subscribed to its key's answers, receives the same message live; the answers of a batch
-go out as one atomic batch, so one PubAck confirms them all. Protocol 2 (a ``Jetbatch-Reply-To``
+caller, subscribed to its key's answers, receives the same message live (with
+``replies.atomic_batches``, a batch's answers go out as one atomic batch, one PubAck confirming
+them all). Protocol 2 (a ``Jetbatch-Reply-To``
 and no key): the stored copy is published to ``<prefix>.result.[<tenant>.]<request id>`` and the
 live reply to the caller's reply subject right behind it.
 
@@ -140,7 +141,7 @@ class Replier:
         """Store every answer durably (when enabled) and send each to its caller. Sets
         ``stored``/``sent`` on each; never raises.
 
-        Every stored copy is published first (one atomic batch when there are several), the
+        Every stored copy is published first (one atomic batch, with ``atomic_batches``), the
         protocol-2 replies right behind them on the same connection, and only then are the
         PubAcks awaited: a caller gets its answer without waiting for the store's round trip,
         while the request is still acked only once its stored copy is confirmed (``safe``). An
