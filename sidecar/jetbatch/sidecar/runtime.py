@@ -4,6 +4,7 @@ SIGINT asks for a graceful stop, drain the connections. Shared by ``jetbatch wor
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import time
@@ -93,6 +94,7 @@ async def serve_sidecar(
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, stop)
+                tg.start_soon(_freeze_when_ready, sidecar)
                 await sidecar.run()
                 tg.cancel_scope.cancel()
         finally:
@@ -102,6 +104,18 @@ async def serve_sidecar(
                         await _drain(conn)
             probes.cancel_scope.cancel()
     return 0
+
+
+async def _freeze_when_ready(sidecar: Sidecar) -> None:
+    """Once the sidecar is ready, move every object it made while starting (torch and the other
+    libraries, the configuration, the warm start, the preloaded models) out of the cyclic
+    collector's reach (``gc.freeze``). A full collection otherwise walks them all: in a worker
+    that was a 65-75 ms stop of the event loop, and of the handler thread through the GIL, every
+    time one ran (the p99 of a burst). Objects freed by reference counting still are; only
+    cyclic garbage made before ready stays (none is expected)."""
+    await sidecar.ready.wait()
+    gc.freeze()
+    log.debug("%d objects frozen out of the cyclic collector", gc.get_freeze_count())
 
 
 def _model_count(config: Config) -> int:
