@@ -94,7 +94,7 @@ async def serve_sidecar(
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, stop)
-                tg.start_soon(_freeze_when_ready, sidecar)
+                freeze_start_up_heap()
                 await sidecar.run()
                 tg.cancel_scope.cancel()
         finally:
@@ -106,14 +106,15 @@ async def serve_sidecar(
     return 0
 
 
-async def _freeze_when_ready(sidecar: Sidecar) -> None:
-    """Once the sidecar is ready, move every object it made while starting (torch and the other
-    libraries, the configuration, the warm start, the preloaded models) out of the cyclic
-    collector's reach (``gc.freeze``). A full collection otherwise walks them all: in a worker
-    that was a 65-75 ms stop of the event loop, and of the handler thread through the GIL, every
-    time one ran (the p99 of a burst). Objects freed by reference counting still are; only
-    cyclic garbage made before ready stays (none is expected)."""
-    await sidecar.ready.wait()
+def freeze_start_up_heap() -> None:
+    """Move every object the process made so far (torch and the other libraries it imported, the
+    configuration) out of the cyclic collector's reach (``gc.freeze``). A full collection
+    otherwise walks them all: in a worker that was a 65-80 ms stop of the event loop, and of the
+    handler thread through the GIL, each time one ran (the p99 of every burst), and CPU besides.
+
+    Called before the sidecar runs, so before any model is loaded: a model's objects stay
+    collectable, and an evicted model whose module graph holds reference cycles is still freed
+    (frozen, its tensors would never be). Objects freed by reference counting always are."""
     gc.freeze()
     log.debug("%d objects frozen out of the cyclic collector", gc.get_freeze_count())
 
