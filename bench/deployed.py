@@ -6,11 +6,14 @@ producer (this process, the SDK). The raw baseline is laid out the same way: a c
 doing the least a JetStream request/reply needs (fetch up to 64, publish each reply, ack each;
 ``--raw-consumer``) and this process publishing with JetStream and awaiting replies on one
 inbox. Same payloads, requests and concurrency; rounds alternate raw / jetbatch / classified.
+After each SDK -> worker run, ``--lone`` requests one at a time: a lone request's median latency
+beyond its batch window (``lone_p50_over_max_delay_ms``).
 
 Reported per round: throughput, and each process's CPU seconds per request (from /proc): the
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server.
 
-    python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3]
+    python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
+                             [--max-delay-s 0.002]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from bench.scale import cpu_s
 from jetbatch import sdk
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_DELAY_S = 0.002  # the worker's batch window unless --max-delay-s says otherwise
 
 
 # --- the raw consumer (its own process) ----------------------------------------------------------
@@ -84,10 +89,10 @@ def raw_round(url: str, server_pid: int, n: int, concurrency: int, payload: byte
     return _record("raw", n, elapsed, before, after)
 
 
-def _config(directory: Path, prefix: str, classifier: bool) -> Path:
+def _config(directory: Path, prefix: str, classifier: bool, max_delay_s: float = MAX_DELAY_S) -> Path:
     text = (
         f'[nats]\nprefix = "{prefix}"\n[worker]\npoll_interval_ms = 250\n'
-        '[models.ident]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_s = 0.002\n'
+        f'[models.ident]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_s = {max_delay_s}\n'
     )
     if classifier:
         text += '[classifier]\nrouter = "rules"\ndefault_model = "ident"\nmax_batch_size = 64\nmax_delay_s = 0.002\n'
@@ -103,16 +108,35 @@ async def _sdk_producer(url: str, prefix: str, n: int, concurrency: int, payload
     return run.elapsed_s
 
 
-def jetbatch_round(url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, classifier: bool) -> dict[str, Any]:
+async def _lone_requests(url: str, prefix: str, n: int, payload: bytes, model: str | None) -> list[float]:
+    """``n`` requests one at a time, each alone in its batch window: their latencies."""
+    latencies: list[float] = []
+    async with sdk.Client.connect(url, prefix=prefix) as client:
+        for _ in range(n):
+            started = time.perf_counter()
+            await client.infer(payload, model=model, timeout=60)
+            latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+def jetbatch_round(
+    url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, classifier: bool, lone: int = 0, max_delay_s: float = MAX_DELAY_S
+) -> dict[str, Any]:
     prefix = f"dep{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(Path(tmp), prefix, classifier)
+        config = _config(Path(tmp), prefix, classifier, max_delay_s)
         with harness.processes(config, url, classifier=classifier, store_dir=Path(tmp) / "store", http_port=-1) as dep:
             sidecars = [p.pid for name, p in sorted(dep.procs.items())]
             before = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
-            elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, None if classifier else "ident"))
+            model = None if classifier else "ident"
+            elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, model))
             after = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
-    return _record("classified" if classifier else "jetbatch", n, elapsed, before, after)
+            alone = asyncio.run(_lone_requests(url, prefix, lone, payload, model)) if lone else []
+    record = _record("classified" if classifier else "jetbatch", n, elapsed, before, after)
+    if alone:
+        # A lone request waits its whole batch window (max_delay); what it takes beyond is the path.
+        record["lone_p50_over_max_delay_ms"] = (statistics.median(alone) - max_delay_s) * 1000
+    return record
 
 
 def _record(kind: str, n: int, elapsed: float, before: tuple[float, ...], after: tuple[float, ...]) -> dict[str, Any]:
@@ -131,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--payload", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lone", type=int, default=20, help="requests sent one at a time after each SDK -> worker run")
+    parser.add_argument("--max-delay-s", type=float, default=MAX_DELAY_S, help="the worker's batch window (max_delay_s)")
     parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help="append the record to this file (one JSON object per line)")
     args = parser.parse_args(argv)
@@ -142,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     with harness.server() as server:
         for _ in range(args.rounds):
             rounds.append(raw_round(server.url, server.pid, args.requests, args.concurrency, payload))
-            rounds.append(jetbatch_round(server.url, server.pid, args.requests, args.concurrency, payload, classifier=False))
-            rounds.append(jetbatch_round(server.url, server.pid, args.requests, args.concurrency, payload, classifier=True))
+            rounds.append(jetbatch_round(server.url, server.pid, args.requests, args.concurrency, payload, classifier=False, lone=args.lone, max_delay_s=args.max_delay_s))
+            rounds.append(jetbatch_round(server.url, server.pid, args.requests, args.concurrency, payload, classifier=True, max_delay_s=args.max_delay_s))
 
     def med(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in rounds if r["kind"] == kind)
@@ -151,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         kind: {key: med(kind, key) for key in ("rate", "producer_us", "consumer_us", "server_us")} for kind in ("raw", "jetbatch", "classified")
     }
+    lone = [r["lone_p50_over_max_delay_ms"] for r in rounds if "lone_p50_over_max_delay_ms" in r]
+    if lone:
+        summary["jetbatch"]["lone_p50_over_max_delay_ms"] = statistics.median(lone)
     per_round = [
         {"jetbatch_over_raw": j["rate"] / r["rate"], "classified_over_raw": c["rate"] / r["rate"], "worker_cpu_over_raw_consumer": j["consumer_us"] / r["consumer_us"]}
         for r, j, c in zip(rounds[0::3], rounds[1::3], rounds[2::3])

@@ -55,6 +55,24 @@ async def test_stored_messages_come_at_once_and_arrivals_within_the_wait(nats_ur
         await nc.close()  # type: ignore[attr-defined]
 
 
+async def test_an_empty_fetch_waits_its_whole_timeout(nats_url: str, prefix: str) -> None:
+    """The server ends the pull request a hair before the fetch's deadline, not milliseconds
+    before: the batch window aims its last fetch at the window's end by how late fetches return,
+    and a fetch that ends early by design would teach it nothing (a lone request waited 1 ms
+    more). A lower bound only: how late it ends depends on the host."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        for timeout_s in (0.05, 0.02):
+            started = time.monotonic()
+            assert await puller.fetch(8, timeout=timeout_s) == []
+            assert time.monotonic() - started >= timeout_s - 0.0005
+        info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+        assert info.num_waiting == 0  # each request ended at the server before its fetch returned
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
 async def test_a_removed_consumer_ends_a_waiting_pull(nats_url: str, prefix: str) -> None:
     nc, js = await _queue(nats_url, prefix)
     try:

@@ -30,7 +30,11 @@ __all__ = ["PullError", "Puller"]
 # Status codes that end a pull request without an error (nats-py treats them the same way).
 _END = frozenset({"404", "408", "409"})
 _HEARTBEAT = "100"
-_EXPIRES_EARLY_S = 0.002  # a waiting request expires this much before the fetch's deadline ...
+# A waiting request expires this much before the fetch's deadline (nats-py's margin too) ...
+# Not more: a fetch that ends early by design teaches the batch window's aim (worker/batching.py)
+# nothing about how late fetches really end, and the window closes with a second short fetch;
+# at 2 ms early, a lone request waited its window plus 1 ms more than at 0.1 ms.
+_EXPIRES_EARLY_S = 0.0001
 _END_GRACE_S = 0.05  # ... and the fetch listens this long past it for the request's end
 
 
