@@ -5,7 +5,10 @@ in ``compose.yaml``: nats-server, a ``jetbatch worker`` (and a ``jetbatch classi
 producer (this process, the SDK). The raw baseline is laid out the same way: a consumer process
 doing the least a JetStream request/reply needs (fetch up to 64, publish each reply, ack each;
 ``--raw-consumer``) and this process publishing with JetStream and awaiting replies on one
-inbox. Same payloads, requests and concurrency; rounds alternate raw / jetbatch / classified.
+inbox. Same payloads, requests and concurrency; rounds alternate raw / jetbatch / classified. With
+``--raw-stored``, each round also runs the raw loop storing its replies (a JetStream publish into
+a results stream, the requests acked once the PubAcks came; the producer listens on the results
+subjects), the least a loop does that acks a request only once its answer is safe.
 After each SDK -> worker run, ``--lone`` requests one at a time: a lone request's median latency
 beyond its batch window (``lone_p50_over_max_delay_ms``).
 
@@ -13,7 +16,7 @@ Reported per round: throughput, and each process's CPU seconds per request (from
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
-                             [--max-delay-s 0.002]
+                             [--max-delay-s 0.002] [--raw-stored]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 import nats
 
 from bench import harness
-from bench.overhead import raw_replies, raw_requests
+from bench.overhead import add_raw_streams, raw_replies, raw_requests
 from bench.scale import cpu_s
 from jetbatch import sdk
 
@@ -44,49 +47,50 @@ MAX_DELAY_S = 0.002  # the worker's batch window unless --max-delay-s says other
 # --- the raw consumer (its own process) ----------------------------------------------------------
 
 
-async def raw_consumer(url: str, prefix: str) -> None:
+async def raw_consumer(url: str, prefix: str, stored: bool) -> None:
     """``bench.overhead``'s raw consumer in a process of its own, until killed."""
     nc = await nats.connect(url)
     psub = await nc.jetstream().pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
     print("ready", flush=True)
-    await raw_replies(nc, psub)
+    await raw_replies(nc, psub, stored=stored)
 
 
 # --- the rounds ------------------------------------------------------------------------------------
 
 
-async def _raw_producer(url: str, prefix: str, n: int, concurrency: int, payload: bytes) -> float:
+async def _raw_producer(url: str, prefix: str, n: int, concurrency: int, payload: bytes, stored: bool) -> float:
     """``bench.overhead``'s raw producer, one warm-up request before the timed ones."""
     nc = await nats.connect(url)
     try:
-        await raw_requests(nc, prefix, 1, 1, payload, first=n)  # warm
-        elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload)
+        await raw_requests(nc, prefix, 1, 1, payload, first=n, stored=stored)  # warm
+        elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, stored=stored)
     finally:
         await nc.close()
     return elapsed
 
 
-def raw_round(url: str, server_pid: int, n: int, concurrency: int, payload: bytes) -> dict[str, Any]:
+def raw_round(url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, stored: bool = False) -> dict[str, Any]:
     prefix = f"raw{uuid.uuid4().hex[:6]}"
 
     async def setup() -> None:
         nc = await nats.connect(url)
-        await nc.jetstream().add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+        await add_raw_streams(nc.jetstream(), prefix, stored=stored)
         await nc.close()
 
     asyncio.run(setup())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.deployed", "--raw-consumer", url, prefix], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "bench.deployed", "--raw-consumer", url, prefix, *(["--stored"] if stored else [])],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         before = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
-        elapsed = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload))
+        elapsed = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored))
         after = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
     finally:
         proc.kill()
         proc.wait()
-    return _record("raw", n, elapsed, before, after)
+    return _record("raw_stored" if stored else "raw", n, elapsed, before, after)
 
 
 def _config(directory: Path, prefix: str, classifier: bool, max_delay_s: float = MAX_DELAY_S) -> Path:
@@ -157,37 +161,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lone", type=int, default=20, help="requests sent one at a time after each SDK -> worker run")
     parser.add_argument("--max-delay-s", type=float, default=MAX_DELAY_S, help="the worker's batch window (max_delay_s)")
+    parser.add_argument("--raw-stored", action="store_true", help="also the raw loop with its replies stored (PubAck before the ack)")
     parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
+    parser.add_argument("--stored", action="store_true", help=argparse.SUPPRESS)  # the raw consumer's
     parser.add_argument("--json", help="append the record to this file (one JSON object per line)")
     args = parser.parse_args(argv)
     if args.raw_consumer:
-        asyncio.run(raw_consumer(*args.raw_consumer))
+        asyncio.run(raw_consumer(*args.raw_consumer, stored=args.stored))
         return 0
     payload = os.urandom(args.payload)
-    rounds: list[dict[str, Any]] = []
+    rounds: list[dict[str, dict[str, Any]]] = []  # each round: its records by kind
     with harness.server() as server:
         for _ in range(args.rounds):
-            rounds.append(raw_round(server.url, server.pid, args.requests, args.concurrency, payload))
-            rounds.append(jetbatch_round(server.url, server.pid, args.requests, args.concurrency, payload, classifier=False, lone=args.lone, max_delay_s=args.max_delay_s))
-            rounds.append(jetbatch_round(server.url, server.pid, args.requests, args.concurrency, payload, classifier=True, max_delay_s=args.max_delay_s))
+            by_kind = {"raw": raw_round(server.url, server.pid, args.requests, args.concurrency, payload)}
+            if args.raw_stored:
+                by_kind["raw_stored"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True)
+            for kind, classifier in (("jetbatch", False), ("classified", True)):
+                by_kind[kind] = jetbatch_round(
+                    server.url, server.pid, args.requests, args.concurrency, payload,
+                    classifier=classifier, lone=0 if classifier else args.lone, max_delay_s=args.max_delay_s,
+                )  # fmt: skip
+            rounds.append(by_kind)
 
-    def med(kind: str, key: str) -> float:
-        return statistics.median(r[key] for r in rounds if r["kind"] == kind)
-
+    kinds = list(rounds[0])
     summary = {
-        kind: {key: med(kind, key) for key in ("rate", "producer_us", "consumer_us", "server_us")} for kind in ("raw", "jetbatch", "classified")
+        kind: {key: statistics.median(r[kind][key] for r in rounds) for key in ("rate", "producer_us", "consumer_us", "server_us")} for kind in kinds
     }
-    lone = [r["lone_p50_over_max_delay_ms"] for r in rounds if "lone_p50_over_max_delay_ms" in r]
+    lone = [r["jetbatch"]["lone_p50_over_max_delay_ms"] for r in rounds if "lone_p50_over_max_delay_ms" in r["jetbatch"]]
     if lone:
         summary["jetbatch"]["lone_p50_over_max_delay_ms"] = statistics.median(lone)
-    per_round = [
-        {"jetbatch_over_raw": j["rate"] / r["rate"], "classified_over_raw": c["rate"] / r["rate"], "worker_cpu_over_raw_consumer": j["consumer_us"] / r["consumer_us"]}
-        for r, j, c in zip(rounds[0::3], rounds[1::3], rounds[2::3])
-    ]  # fmt: skip
+    per_round = []
+    for r in rounds:
+        ratios = {
+            "jetbatch_over_raw": r["jetbatch"]["rate"] / r["raw"]["rate"],
+            "classified_over_raw": r["classified"]["rate"] / r["raw"]["rate"],
+            "worker_cpu_over_raw_consumer": r["jetbatch"]["consumer_us"] / r["raw"]["consumer_us"],
+        }
+        if "raw_stored" in r:
+            ratios["raw_stored_over_raw"] = r["raw_stored"]["rate"] / r["raw"]["rate"]
+            ratios["jetbatch_over_raw_stored"] = r["jetbatch"]["rate"] / r["raw_stored"]["rate"]
+            ratios["worker_cpu_over_raw_stored_consumer"] = r["jetbatch"]["consumer_us"] / r["raw_stored"]["consumer_us"]
+        per_round.append(ratios)
     harness.emit({"bench": "deployed", "requests": args.requests, "concurrency": args.concurrency, "payload": args.payload,
-                  "median": summary, "ratios": per_round, "rounds": rounds}, args.json)  # fmt: skip
+                  "median": summary, "ratios": per_round, "rounds": [rec for r in rounds for rec in r.values()]}, args.json)  # fmt: skip
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,6 +5,7 @@ number of requests and the same producer concurrency; the raw side is the least 
 request/reply needs (no scheduling, no handler thread, no batching window). Run:
 
     python -m bench.overhead [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier] [--compare-durable]
+                             [--raw-stored]
                              [--uvloop] [--profile out.pstats [--profile-only raw|jetbatch|classified]]
 """
 
@@ -49,25 +50,43 @@ def pct(values: list[float], q: float) -> float:
     return percentile(values, q / 100)
 
 
-async def raw_replies(nc: Any, psub: Any, stop: asyncio.Event | None = None) -> None:
+async def raw_replies(nc: Any, psub: Any, stop: asyncio.Event | None = None, *, stored: bool = False) -> None:
     """The raw consumer: fetch up to 64, publish each reply (to its ``Reply`` header), ack each;
-    until ``stop`` is set (or forever)."""
+    until ``stop`` is set (or forever). ``stored``: each reply is a JetStream publish into a
+    results stream, and the batch's requests are acked once every reply's PubAck came: the least
+    a loop does that acks a request only when its answer is safe (as jetbatch does)."""
+    js = nc.jetstream()
     while stop is None or not stop.is_set():
         try:
             msgs = await psub.fetch(64, timeout=0.2)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
             continue
-        for m in msgs:
-            await nc.publish(m.headers["Reply"], m.data)
+        if stored:
+            await asyncio.gather(*[await js.publish_async(m.headers["Reply"], m.data) for m in msgs])
+        else:
+            for m in msgs:
+                await nc.publish(m.headers["Reply"], m.data)
         for m in msgs:
             await m.ack()
 
 
-async def raw_requests(nc: Any, prefix: str, n: int, concurrency: int, payload: bytes, *, first: int = 0) -> tuple[float, list[float]]:
+async def add_raw_streams(js: Any, prefix: str, *, stored: bool) -> None:
+    """The raw loop's request stream, and with ``stored`` its results stream (file storage, as
+    jetbatch's)."""
+    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+    if stored:
+        await js.add_stream(name=f"{prefix.upper()}_R", subjects=[f"{prefix}.r.>"], max_age=60)
+
+
+async def raw_requests(
+    nc: Any, prefix: str, n: int, concurrency: int, payload: bytes, *, first: int = 0, stored: bool = False
+) -> tuple[float, list[float]]:
     """The raw producer: ``n`` JetStream publishes to ``<prefix>.q`` with a reply-to header, at
-    most ``concurrency`` awaiting their reply on one inbox. Returns the seconds and latencies."""
+    most ``concurrency`` awaiting their reply on one inbox (with ``stored``: on subjects of the
+    results stream, where the replies are stored and delivered live at once, as jetbatch's
+    answers are). Returns the seconds and latencies."""
     js = nc.jetstream()
-    inbox = nc.new_inbox()
+    inbox = f"{prefix}.r.{uuid.uuid4().hex}" if stored else nc.new_inbox()
     waiting: dict[str, asyncio.Future[None]] = {}
 
     async def on_reply(msg: nats.aio.msg.Msg) -> None:
@@ -96,20 +115,22 @@ async def raw_requests(nc: Any, prefix: str, n: int, concurrency: int, payload: 
     return elapsed, latencies
 
 
-async def raw_round(url: str, n: int, concurrency: int, payload: bytes) -> tuple[float, list[float]]:
+async def raw_round(url: str, n: int, concurrency: int, payload: bytes, *, stored: bool = False) -> tuple[float, list[float]]:
     """Producer: JetStream publish with a reply-to header, await the reply on one inbox.
-    Consumer: fetch up to 64, publish each reply, ack each."""
+    Consumer: fetch up to 64, publish each reply (``stored``: into a results stream), ack each."""
     prefix = f"raw{uuid.uuid4().hex[:6]}"
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+    await add_raw_streams(js, prefix, stored=stored)
     psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
     stop = asyncio.Event()
-    task = asyncio.create_task(raw_replies(nc, psub, stop))
-    elapsed, latencies = await raw_requests(nc, prefix, n, concurrency, payload)
+    task = asyncio.create_task(raw_replies(nc, psub, stop, stored=stored))
+    elapsed, latencies = await raw_requests(nc, prefix, n, concurrency, payload, stored=stored)
     stop.set()
     await task
     await js.delete_stream(prefix.upper())
+    if stored:
+        await js.delete_stream(f"{prefix.upper()}_R")
     await nc.close()
     return n / elapsed, latencies
 
@@ -161,6 +182,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     payload = bytes(range(256)) * (args.payload // 256) + bytes(args.payload % 256)
     results: dict[str, list[float]] = {
         "raw_rps": [], "jb_rps": [], "ratio": [], "classified_rps": [], "classified_ratio": [], "volatile_rps": [], "durable_ratio": [],
+        "stored_rps": [], "stored_ratio": [], "jb_over_stored": [],
     }  # fmt: skip
     cls_lat: list[float] = []
     raw_lat: list[float] = []
@@ -174,6 +196,11 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             results["raw_rps"].append(raw_rps)
             results["jb_rps"].append(jb_rps)
             results["ratio"].append(jb_rps / raw_rps)
+            if args.raw_stored:
+                s_rps, _ = await raw_round(server.url, args.requests, args.concurrency, payload, stored=True)
+                results["stored_rps"].append(s_rps)
+                results["stored_ratio"].append(s_rps / raw_rps)
+                results["jb_over_stored"].append(jb_rps / s_rps)
             if args.compare_durable:
                 v_rps, _, _ = await jetbatch_round(server.url, args.requests, args.concurrency, payload, args.max_batch, durable=False)
                 results["volatile_rps"].append(v_rps)
@@ -202,6 +229,12 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "jetbatch_mean_batch": statistics.mean(batch_means),
         "lone_request_overhead_ms_beyond_max_delay": lone,
     }
+    if args.raw_stored:
+        summary.update({
+            "raw_stored_rps_median": statistics.median(results["stored_rps"]),
+            "raw_stored_over_raw": [round(r, 3) for r in results["stored_ratio"]],
+            "jetbatch_over_raw_stored": [round(r, 3) for r in results["jb_over_stored"]],
+        })  # fmt: skip
     if args.compare_durable:
         summary.update({
             "results_store_off_rps_median": statistics.median(results["volatile_rps"]),
@@ -228,6 +261,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--policy", default="cost-aware")
     parser.add_argument("--classifier", action="store_true", help="also SDK → classifier → worker (requests without a model)")
+    parser.add_argument("--raw-stored", action="store_true", help="also the raw loop with its replies stored (PubAck before the ack)")
     parser.add_argument("--compare-durable", action="store_true", help="also run with the results store off (replies.durable = false)")
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--uvloop", action="store_true", help="run everything on uvloop's event loop (jetbatch[fast])")

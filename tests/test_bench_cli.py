@@ -57,10 +57,15 @@ def test_interrupted_bench_still_reports_what_it_measured(tmp_path: Path) -> Non
     """Ctrl-C during the run: the summary of what was measured until then, and exit 130 (as wrk
     and locust print partial stats)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jetbatch", "bench", "--rate", "50", "--duration", "600", "--mix", "m1=1", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    # Files, not pipes: the deployment's sidecars inherit them, and a pipe would keep a reader
+    # waiting on them. -X faulthandler: a bench stuck after the interrupt is asked for its
+    # threads' stacks (SIGABRT) so the failure says where it hung.
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    with open(out_path, "wb") as out_file, open(err_path, "wb") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", "jetbatch", "bench", "--rate", "50", "--duration", "600", "--mix", "m1=1", "--json"],
+            stdout=out_file, stderr=err_file, env=env,
+        )  # fmt: skip
     try:
         # Interrupt once requests have been answered: find the embedded deployment's worker in
         # the process tree, then ask it (status) until it has served some.
@@ -78,12 +83,18 @@ def test_interrupted_bench_still_reports_what_it_measured(tmp_path: Path) -> Non
         while asyncio.run(served()) < 20 and time.monotonic() < deadline:
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=30)
+            pytest.fail("the bench did not end within 60 s of Ctrl-C:\n" + err_path.read_text(errors="replace")[-6000:])
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = err_path.read_text(errors="replace")
     assert proc.returncode == 130, err[-2000:]
-    summary = json.loads(out)
+    summary = json.loads(out_path.read_text())
     assert summary["interrupted"] is True and summary["answered"] > 0
     assert summary["elapsed_s"] < 600
 
