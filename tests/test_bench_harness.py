@@ -3,13 +3,16 @@ without touching sys.path, and the harness's in-process layout serves a real bur
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 from pathlib import Path
 
+import nats
 import pytest
 
 from bench import harness
+from bench.overhead import add_raw_streams, raw_replies, raw_requests
 from jetbatch import sdk
 
 pytestmark = pytest.mark.anyio
@@ -50,3 +53,24 @@ async def test_in_process_worker_serves_a_gathered_burst(nats_url: str) -> None:
         assert run.results == [b"abc"] * 40
         assert run.rate > 0
         assert worker.stats["loads"] == 1
+
+
+async def test_the_stored_raw_loop_stores_every_reply_and_acks_every_request(nats_url: str, prefix: str) -> None:
+    """The baseline of ``--raw-stored``: every reply lands in the results stream, on the subjects
+    its caller listens on (every caller answered), and every request is acked (the work queue
+    empty)."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await add_raw_streams(js, prefix, stored=True)
+        psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+        stop = asyncio.Event()
+        consumer = asyncio.create_task(raw_replies(nc, psub, stop, stored=True))
+        _, latencies = await raw_requests(nc, prefix, 30, 8, b"x", stored=True)
+        stop.set()
+        await consumer
+        assert len(latencies) == 30
+        assert (await js.stream_info(f"{prefix.upper()}_R")).state.messages == 30
+        assert (await js.stream_info(prefix.upper())).state.messages == 0
+    finally:
+        await nc.close()
