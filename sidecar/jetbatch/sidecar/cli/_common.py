@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
-from typing import Any, Callable, Coroutine, Iterator
+from typing import Any, Callable, Coroutine
 
 from jetbatch.sdk.errors import JetbatchError
 
@@ -142,22 +140,6 @@ def setup_telemetry(role: str, args: argparse.Namespace, worker_id: str | None =
     from jetbatch.sidecar.otel import setup_telemetry as setup
 
     return setup(role, console=bool(getattr(args, "trace_console", False)), worker_id=worker_id, prometheus=prometheus)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM (``kill``, ``docker stop``, a CI timeout) ends the command as
-    Ctrl-C does, so what it started (an embedded nats-server, sidecar processes) is stopped on the
-    way out instead of left running without a parent."""
-
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> int:

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..interrupts import run_interruptible, sigterm_as_interrupt
 from ._common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -20,7 +21,6 @@ from ._common import (
     add_prefix,
     positive_float,
     positive_int,
-    sigterm_as_interrupt,
     writable_file,
 )
 
@@ -45,8 +45,6 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from jetbatch.sidecar.dev.loadtest import BenchError, BenchResult, parse_mix, plot_timeline, print_table, run_bench, sleep_config
 
     try:
@@ -72,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
                 deployment = Deployment(config, log_level=args.log_level).start()
                 url = deployment.url
-            asyncio.run(
+            run_interruptible(
                 run_bench(
                     url, mix=mix, duration_s=args.duration, concurrency=args.concurrency, rate=args.rate,
                     payload=args.payload, timeout_s=args.timeout, prefix=args.prefix, progress=not args.json, result=result,

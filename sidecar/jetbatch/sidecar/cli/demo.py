@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import add_log_level, add_nats_url, non_negative_int, positive_int, sigterm_as_interrupt, usable_dir
+from ..interrupts import sigterm_as_interrupt
+from ._common import add_log_level, add_nats_url, non_negative_int, positive_int, usable_dir
 
 
 def register(sub: Any) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from jetbatch import sdk
 from jetbatch.sdk.protocol import Tensor
 
+from ..interrupts import run_interruptible
 from ..percentiles import percentile
 
 from .deployment import Deployment
@@ -109,7 +110,7 @@ def run_demo(args: argparse.Namespace) -> int:
         interrupted = False
         previous = signal.getsignal(signal.SIGINT)
         try:
-            summary = asyncio.run(_workload(dep.url, args.requests, args.concurrency, args.quiet, classify))
+            summary = run_interruptible(_workload(dep.url, args.requests, args.concurrency, args.quiet, classify))
         except KeyboardInterrupt:
             interrupted = True
             summary = None

@@ -21,6 +21,7 @@ from jetbatch.sdk.protocol import SidecarReport
 
 from ..config import load_config
 from ..errors import SidecarError
+from ..interrupts import run_interruptible
 from .natsserver import EmbeddedNats
 
 __all__ = ["Deployment", "DeploymentError"]
@@ -145,7 +146,7 @@ class Deployment:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            asyncio.run(self._wait_ready(timeout_s))
+            run_interruptible(self._wait_ready(timeout_s))
             return
         # Called from async code (a benchmark, a test): check on a private loop in a thread.
         import concurrent.futures
