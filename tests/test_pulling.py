@@ -103,3 +103,28 @@ async def test_an_idle_fetch_with_linger_returns_at_the_first_arrival_and_leaves
         await puller.unsubscribe()
     finally:
         await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_delivery_to_a_cancelled_fetch_is_a_leftover_to_hand_back(nats_url: str, prefix: str) -> None:
+    """A fetch cancelled while its pull request waits at the server (a stop, a cancelled batch)
+    leaves that request live: what it is delivered lands in the buffer. The next fetch returns it,
+    or ``leftovers()`` hands it to a caller that naks it back to the queue at once."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        fetch = asyncio.ensure_future(puller.fetch(1, timeout=30.0))
+        await _pull_waiting(js, prefix)
+        fetch.cancel()
+        await js.publish(f"{prefix}.q", b"late")  # type: ignore[attr-defined]
+
+        async def buffered() -> bool:
+            return puller.buffered == 1
+
+        await wait_until(buffered, timeout_s=10, what="the late delivery in the puller's buffer")
+        (msg,) = puller.leftovers()
+        assert msg.data == b"late" and puller.buffered == 0
+        await msg.nak()
+        again = await puller.fetch(1, timeout=5.0)  # back in the queue, for any puller
+        assert [m.data for m in again] == [b"late"] and again[0].metadata.num_delivered == 2
+    finally:
+        await nc.close()  # type: ignore[attr-defined]

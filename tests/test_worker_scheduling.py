@@ -388,3 +388,40 @@ async def test_an_empty_fetch_with_requests_in_our_own_puller_holds_nothing_back
             assert slot.hold_until > 0.0
         finally:
             slot.psub = real
+
+
+async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats_url: str, prefix: str) -> None:
+    """A request delivered to a pull after its fetch returned waits in that model's puller for
+    the next fetch. For a model this worker no longer holds, the next count hands it back (nak)
+    for whoever serves the model now, instead of leaving it to its ack wait (30 s)."""
+    from jetbatch.sidecar.pulling import Puller
+    from tests.helpers import worker_and_jetstream
+
+    async with worker_and_jetstream(prefix, nats_url) as (worker, js):
+        # A queue of its own, so the worker's loop never pulls it: only the hand-back touches it.
+        stream = f"{prefix.upper()}_LEFT"
+        await js.add_stream(name=stream, subjects=[f"{prefix}.left"], retention="workqueue")
+        await js.add_consumer(stream, durable_name="c", ack_policy="explicit")
+        nc = await nats.connect(nats_url)
+        puller = await Puller(nc, stream, "c").start()
+        fetch = asyncio.ensure_future(puller.fetch(1, timeout=30.0))
+        await wait_until(lambda: _num_waiting(js, stream), timeout_s=10, what="the pull waiting at the server")
+        fetch.cancel()
+        await js.publish(f"{prefix}.left", b"late")
+        await wait_until(lambda: puller.buffered == 1, timeout_s=10, what="the late delivery in the buffer")
+
+        slot = worker.slots["m1"]
+        assert not slot.resident
+        real, slot.psub = slot.psub, puller
+        try:
+            await worker._hand_back_leftovers()
+        finally:
+            slot.psub = real
+        assert puller.buffered == 0 and worker.stats["leftovers_handed_back"] == 1
+        again = await puller.fetch(1, timeout=5.0)
+        assert [m.data for m in again] == [b"late"] and again[0].metadata.num_delivered == 2
+        await nc.close()
+
+
+async def _num_waiting(js: Any, stream: str) -> bool:
+    return bool((await js.consumer_info(stream, "c")).num_waiting)

@@ -68,6 +68,14 @@ class Puller:
         their fetch returned): ours, not a peer's, and the next fetch returns them at once."""
         return len(self._buffer)
 
+    def leftovers(self) -> list[Msg]:
+        """The messages delivered after their fetch returned (or was cancelled) that no fetch took,
+        taken out of the buffer: the caller hands them back (nak) when it will not fetch from this
+        consumer again soon, or they wait out their ack wait."""
+        msgs = list(self._buffer)
+        self._buffer.clear()
+        return msgs
+
     async def unsubscribe(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None

@@ -354,6 +354,8 @@ class Worker:
                                 await psub.unsubscribe()
                             except TRANSPORT_ERRORS + (ValueError,):
                                 pass
+                            for msg in psub.leftovers():
+                                await settle(msg, "nak")  # delivered to a fetch cancelled by the stop
 
     def report(self) -> SidecarReport:
         """What this worker reports: its status (the status subject, ``jetbatch status``) and its
@@ -388,6 +390,7 @@ class Worker:
         mine_bulk = self.state.in_flight.by_model(self._bulk_model)
         not_ours = self.peers.not_ours(now)
         ok = await self.queues.refresh(self.js, self.subjects, now, mine=mine, not_ours=not_ours, mine_bulk=mine_bulk)
+        await self._hand_back_leftovers()
         self.state.forget_before(now - RECENT_S)
         busy = bool(self.queues.waiting) or bool(self.state.in_flight)
         poll_s = self.config.worker.poll_interval_ms / 1000.0
@@ -395,6 +398,19 @@ class Worker:
         if not ok:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
+
+    async def _hand_back_leftovers(self) -> None:
+        """Requests delivered to a pull after its fetch returned wait in that model's puller for
+        its next fetch, which a model no longer resident here may not get: they go back to the
+        queue (nak) for whoever serves it now, not after their ack wait."""
+        for slot in self.slots.values():
+            if slot.resident:
+                continue
+            for psub in (slot.psub, slot.bulk_psub):
+                if psub is not None and psub.buffered:
+                    for msg in psub.leftovers():
+                        await settle(msg, "nak")
+                        self.stats.add("leftovers_handed_back")
 
     def _bulk_model(self, subject: str) -> str | None:
         """The model of a batch-line subject (None for an interactive one)."""
