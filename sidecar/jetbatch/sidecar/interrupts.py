@@ -3,8 +3,8 @@ demo``, ``jetbatch bench``, the embedded deployment they start).
 
 Python raises ``KeyboardInterrupt`` from a signal handler at whatever bytecode runs. Inside the
 constructor of an event loop that leaves half an object, whose finalizer prints a traceback
-(``'_UnixSelectorEventLoop' object has no attribute '_thread_id'``) on the way out; so the loops
-these commands run are built while the signals wait, and delivered right after.
+(``'_UnixSelectorEventLoop' object has no attribute '_thread_id'``) on the way out. So the loops
+these commands run are built while the signals wait; they are delivered right after.
 """
 
 from __future__ import annotations
