@@ -117,3 +117,12 @@ __all__ = [
     "wait_until",
     "worker_reports",
 ]
+
+
+async def pull_waiting(js: Any, stream: str, durable: str = "c") -> None:
+    """Until a pull request of ``durable`` waits at the server (a fetch is listening)."""
+
+    async def waiting() -> bool:
+        return bool((await js.consumer_info(stream, durable)).num_waiting)
+
+    await wait_until(waiting, timeout_s=10, what="a pull request waiting at the server")

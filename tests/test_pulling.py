@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from jetbatch.sidecar.pulling import Puller
-from tests.helpers import wait_until
+from tests.helpers import pull_waiting, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -22,13 +22,6 @@ async def _queue(url: str, prefix: str) -> tuple[object, object]:
     await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
     await js.add_consumer(prefix.upper(), durable_name="c", ack_policy="explicit")
     return nc, js
-
-
-async def _pull_waiting(js: object, prefix: str) -> None:
-    async def waiting() -> bool:
-        return bool((await js.consumer_info(prefix.upper(), "c")).num_waiting)  # type: ignore[attr-defined]
-
-    await wait_until(waiting, timeout_s=10, what="a pull request waiting at the server")
 
 
 async def test_stored_messages_come_at_once_and_arrivals_within_the_wait(nats_url: str, prefix: str) -> None:
@@ -47,7 +40,7 @@ async def test_stored_messages_come_at_once_and_arrivals_within_the_wait(nats_ur
         assert await puller.fetch(8, timeout=0.2) == []  # nothing stored, nothing arrived
 
         fetch = asyncio.ensure_future(puller.fetch(1, timeout=5.0))
-        await _pull_waiting(js, prefix)  # the fetch waits at the server: now one arrives
+        await pull_waiting(js, prefix.upper())  # the fetch waits at the server: now one arrives
         await js.publish(f"{prefix}.q", b"late")  # type: ignore[attr-defined]
         assert [m.data for m in await fetch] == [b"late"]
         await puller.unsubscribe()
@@ -78,7 +71,7 @@ async def test_a_removed_consumer_ends_a_waiting_pull(nats_url: str, prefix: str
     try:
         puller = await Puller(nc, prefix.upper(), "c").start()
         fetch = asyncio.ensure_future(puller.fetch(4, timeout=30.0))
-        await _pull_waiting(js, prefix)
+        await pull_waiting(js, prefix.upper())
         await js.delete_consumer(prefix.upper(), "c")  # type: ignore[attr-defined]
         assert await asyncio.wait_for(fetch, 10) == []  # 409 Consumer Deleted ends it
     finally:
@@ -93,7 +86,7 @@ async def test_an_idle_fetch_with_linger_returns_at_the_first_arrival_and_leaves
     try:
         puller = await Puller(nc, prefix.upper(), "c").start()
         fetch = asyncio.ensure_future(puller.fetch(64, timeout=30.0, linger=1))
-        await _pull_waiting(js, prefix)
+        await pull_waiting(js, prefix.upper())
         await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
         assert [m.data for m in await asyncio.wait_for(fetch, 10)] == [b"first"]
         await js.publish(f"{prefix}.q", b"second")  # type: ignore[attr-defined]
@@ -113,7 +106,7 @@ async def test_a_delivery_to_a_cancelled_fetch_is_a_leftover_to_hand_back(nats_u
     try:
         puller = await Puller(nc, prefix.upper(), "c").start()
         fetch = asyncio.ensure_future(puller.fetch(1, timeout=30.0))
-        await _pull_waiting(js, prefix)
+        await pull_waiting(js, prefix.upper())
         fetch.cancel()
         await js.publish(f"{prefix}.q", b"late")  # type: ignore[attr-defined]
 

@@ -395,7 +395,7 @@ async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats
     the next fetch. For a model this worker no longer holds, the next count hands it back (nak)
     for whoever serves the model now, instead of leaving it to its ack wait (30 s)."""
     from jetbatch.sidecar.pulling import Puller
-    from tests.helpers import worker_and_jetstream
+    from tests.helpers import pull_waiting, worker_and_jetstream
 
     async with worker_and_jetstream(prefix, nats_url) as (worker, js):
         # A queue of its own, so the worker's loop never pulls it: only the hand-back touches it.
@@ -405,7 +405,7 @@ async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats
         nc = await nats.connect(nats_url)
         puller = await Puller(nc, stream, "c").start()
         fetch = asyncio.ensure_future(puller.fetch(1, timeout=30.0))
-        await wait_until(lambda: _num_waiting(js, stream), timeout_s=10, what="the pull waiting at the server")
+        await pull_waiting(js, stream)
         fetch.cancel()
         await js.publish(f"{prefix}.left", b"late")
         await wait_until(lambda: puller.buffered == 1, timeout_s=10, what="the late delivery in the buffer")
@@ -422,6 +422,3 @@ async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats
         assert [m.data for m in again] == [b"late"] and again[0].metadata.num_delivered == 2
         await nc.close()
 
-
-async def _num_waiting(js: Any, stream: str) -> bool:
-    return bool((await js.consumer_info(stream, "c")).num_waiting)
