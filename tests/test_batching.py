@@ -52,7 +52,7 @@ class LateQueue:
 
 def _slot(queue: Any, max_delay_s: float) -> Any:
     config = SimpleNamespace(max_concurrent_batches=1)
-    return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, config=config, backlog=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0)
+    return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, computing=0, config=config, backlog=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0)
 
 
 async def test_the_batcher_learns_how_late_fetches_return_and_closes_batches_near_max_delay() -> None:

@@ -150,6 +150,21 @@ def test_gather_window_waits_for_enough_requests_or_the_delay() -> None:
     assert not isinstance(policy.decide(many, now=10.01), sched.Idle)  # N reached (N > max batch)
 
 
+def test_a_model_pipelines_a_bounded_number_of_batches() -> None:
+    """The next batch of a model is gathered while one computes and while earlier ones store
+    their answers, but not while a gathered one still waits for the model, nor beyond
+    ANSWERING_BATCHES batches storing answers."""
+    from jetbatch.sidecar.policy import ANSWERING_BATCHES, pipeline_has_room
+
+    assert ANSWERING_BATCHES == 2
+    assert pipeline_has_room(0, 0, 1)  # idle
+    assert pipeline_has_room(1, 1, 1)  # gather the next while one computes
+    assert pipeline_has_room(3, 1, 1)  # ... and two store their answers
+    assert not pipeline_has_room(4, 1, 1)  # three storing: wait for the oldest
+    assert not pipeline_has_room(2, 2, 1)  # one gathered waits for the model already
+    assert pipeline_has_room(2, 2, 2) and not pipeline_has_room(5, 2, 2)  # two may run at once
+
+
 def test_round_robin_visits_every_model_in_turn() -> None:
     models = {n: model(n, load_cost_s=0.0) for n in ("a", "b", "c")}
     workload = Workload(models=models, arrivals=tuple((0.0, n) for n in ["a", "b", "c"] * 32), closed=True)

@@ -173,6 +173,27 @@ def test_the_simulated_worker_pays_the_control_plane() -> None:
     assert build_workload({**raw, "control": {"decision_s": 0.0}}).control.decision_s == 0.0
 
 
+def test_the_simulated_device_computes_while_answers_are_stored_up_to_the_live_bound() -> None:
+    """As live (policy.pipeline_has_room): a batch's answers stored after its compute do not
+    hold the device, but at most ANSWERING_BATCHES + 1 of a model's batches store answers while
+    the next one computes; the one after waits for the oldest answers."""
+    from dataclasses import replace
+
+    from jetbatch.sidecar.policy import ANSWERING_BATCHES
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    raw = {"models": {"a": {"load_cost_s": 0.0, "batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 1, "max_delay_s": 0.0}},
+           "arrivals": {"kind": "burst", "per_model": 8}}  # fmt: skip
+    result = simulate(replace(build_workload(raw), control=replace(IDEAL_CONTROL, answer_s=1.0), resident_at_start=("a",)), "cost-aware")
+    starts = [start for start, *_ in result.batches]
+    free = ANSWERING_BATCHES + 2  # the batch computing beside them, and the one just gathered
+    # Back to back while the answers pile up...
+    assert starts[:free] == pytest.approx([0.01 * i for i in range(free)])
+    # ...then each waits for the oldest batch's answers (its compute end + 1 s).
+    assert starts[free] == pytest.approx(0.01 + 1.0)
+    assert result.completed == 8
+
+
 def _first_taker(model: str, workers: list[str]) -> str:
     from jetbatch.sidecar.policy import first_taker_rank
 

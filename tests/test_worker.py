@@ -8,7 +8,8 @@ import pytest
 
 from jetbatch import sdk
 from jetbatch.sdk.protocol import ContentType, Headers
-from tests.helpers import make_config, running_worker, sleep_model
+from jetbatch.sidecar.streams import model_consumer_name
+from tests.helpers import make_config, running_worker, sleep_model, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -257,3 +258,37 @@ async def test_a_results_stream_briefly_gone_delays_the_ack_instead_of_redeliver
 async def _settled(js: object, stream: str, consumer: str) -> bool:
     info = await js.consumer_info(stream, consumer)  # type: ignore[attr-defined]
     return info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_the_next_batch_computes_while_the_answers_before_it_are_stored(nats_url: str, prefix: str) -> None:
+    """Storing a batch's answers is a round trip that needs no device: while the first batch's
+    answers wait on the results store, the next batch computes and answers (the simulator's
+    model of the worker). Each request is acked only once its own answer is stored."""
+    import asyncio
+
+    config = make_config(prefix, {"m1": sleep_model(max_batch_size=1, max_delay_ms=1)})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"warm", model="m1", timeout=10)
+            deliver = worker.replier.deliver
+            release = asyncio.Event()
+            entered: list[bytes] = []
+
+            async def held_first(answers: list) -> None:  # type: ignore[type-arg]
+                entered.append(answers[0].body)
+                if len(entered) == 1:
+                    await asyncio.wait_for(release.wait(), 20)
+                await deliver(answers)
+
+            worker.replier.deliver = held_first  # type: ignore[method-assign]
+            first = asyncio.ensure_future(client.infer(b"first", model="m1", timeout=20))
+            await wait_until(lambda: entered == [b"first"], what="the first batch's answers held at the store")
+            assert await client.infer(b"second", model="m1", timeout=10) == b"second"
+            assert not first.done()
+            slot = worker.slots["m1"]
+            await wait_until(lambda: slot.in_flight == 1, what="the second batch settled")
+            assert slot.computing == 0  # the first still holds its request, not the model
+            info = await client.nats.jetstream().consumer_info(worker.subjects.models_stream, model_consumer_name("m1"))
+            assert info.num_ack_pending == 1  # unacked until its answer is stored
+            release.set()
+            assert await first == b"first"

@@ -26,9 +26,10 @@ from .scheduling import (
 )
 from .share import MIN_DEFER_STEP_S, MIN_JOIN_S, deferred_until, drain_rps, effective_backlog, first_taker_rank, has_room, join_horizon_s, shared_head
 from .visible import RECENT_S, visible_models
-from .window import BATCH_LINE_EVERY, PROBE_AFTER_REFUSALS, BatchWindow, batch_line_first, cannot_finish
+from .window import ANSWERING_BATCHES, BATCH_LINE_EVERY, PROBE_AFTER_REFUSALS, BatchWindow, batch_line_first, cannot_finish, pipeline_has_room
 
 __all__ = [
+    "ANSWERING_BATCHES",
     "MIN_DEFER_STEP_S",
     "MIN_JOIN_S",
     "POLICIES",
@@ -50,6 +51,7 @@ __all__ = [
     "Serve",
     "Tier",
     "cannot_finish",
+    "pipeline_has_room",
     "batch_line_first",
     "deferred_until",
     "drain_rps",

@@ -11,6 +11,10 @@ estimated batch time) is answered ``deadline_exceeded`` instead of computed: the
 to requests someone still waits for. The estimate is capped by the fastest batch seen, and after
 ``PROBE_AFTER_REFUSALS`` batches in a row refused whole on a prediction the next one is computed
 anyway: a refused batch measures nothing, so an inflated estimate must not lock a model out.
+
+Batches of a model pipeline: the next one is gathered while one computes, and computes while
+earlier ones' answers are still being stored (a round trip to the server that needs no device),
+up to ``ANSWERING_BATCHES`` of them: each holds its requests unacked, so their number is bounded.
 """
 
 from __future__ import annotations
@@ -23,8 +27,19 @@ PROBE_AFTER_REFUSALS = 8
 # both lines wait, one takes the batch line first: a model whose interactive traffic alone keeps
 # it busy still serves its batch class (at least 1/8 of its batches), as the bound promises.
 BATCH_LINE_EVERY = 8
+# Batches of one model whose answers may still be being stored while a later one is gathered.
+ANSWERING_BATCHES = 2
 
-__all__ = ["BATCH_LINE_EVERY", "PROBE_AFTER_REFUSALS", "BatchWindow", "batch_line_first", "cannot_finish"]
+__all__ = ["ANSWERING_BATCHES", "BATCH_LINE_EVERY", "PROBE_AFTER_REFUSALS", "BatchWindow", "batch_line_first", "cannot_finish", "pipeline_has_room"]
+
+
+def pipeline_has_room(in_flight: int, computing: int, max_concurrent: int) -> bool:
+    """Whether a model's next batch may be gathered, given its batches ``in_flight`` (gathered
+    and not yet answered and settled) and, of those, the ones ``computing`` (gathered and still
+    needing the model): while no more than the ``max_concurrent`` the model may run at once still
+    need it, and no more than ``ANSWERING_BATCHES`` beyond those are storing answers. So a
+    model has at most ``max_concurrent + ANSWERING_BATCHES + 1`` batches in flight."""
+    return computing <= max_concurrent and in_flight <= max_concurrent + ANSWERING_BATCHES
 
 
 def batch_line_first(interactive_waiting: int, batch_waiting: int, interactive_run: int) -> bool:

@@ -49,6 +49,7 @@ from ..policy import (
     first_taker_rank,
     has_room,
     make_policy,
+    pipeline_has_room,
     visible_models,
     warm_copy_value,
 )
@@ -141,6 +142,7 @@ class _Worker:
     resident_since: dict[str, float] = field(default_factory=dict)  # model -> when it last became resident
     idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
     reaped_on_prediction: dict[str, int] = field(default_factory=dict)  # loads in a row not paid on the estimates
+    answering: dict[str, list[float]] = field(default_factory=dict)  # model -> when its batches' answers are stored
 
     @property
     def id(self) -> str:
@@ -382,6 +384,12 @@ class _Sim:
         if not q:
             self.wake(worker, max(self.next_arrival_at(), self.t + 1e-6) if self.next_arrival_at() < math.inf else self.t + 1e-3)
             return
+        # As live: a batch computes while earlier ones' answers are stored, a bounded number of
+        # them (the device is free here, so none is computing).
+        answering = worker.answering[decision.model] = [t for t in worker.answering.get(decision.model, ()) if t > self.t]
+        if not pipeline_has_room(len(answering), 0, 1):
+            self.wake(worker, min(answering))
+            return
         window = self.windows[decision.model]
         limit = max(1, min(decision.max_items, m.max_batch_size))
         # As live: the window opens at the first request the batch takes (its line's head) and
@@ -428,6 +436,7 @@ class _Sim:
         duration = self.noisy(m.batch_s(len(live)))
         end = start + duration
         answered = end + self.control_s("answer_s")  # the caller has it once stored and sent
+        answering.append(answered)
         self.consumers[m.name] = start
         for r in live:
             self._served(r, start, answered)

@@ -141,7 +141,7 @@ class Batcher:
             first_wait_s = min(first_wait_s, max(_STORED_WAIT_S, 4 * self.late_s))
         while len(msgs) < max_items and not self._stopping.is_set():
             now = self._clock()
-            busy = slot.in_flight >= slot.config.max_concurrent_batches
+            busy = slot.computing >= slot.config.max_concurrent_batches  # answers being stored need no device
             wait_s = window.wait_s(len(msgs), close_at, now, device_busy=busy, idle_wait_s=first_wait_s)
             # Never aim earlier than half the window (one stall must not close every batch at
             # once), and not while the device is busy: then the batch fills until it is free.

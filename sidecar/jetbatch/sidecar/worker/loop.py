@@ -498,9 +498,9 @@ class Worker:
         self._wake = anyio.Event()
 
     async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve) -> None:
-        # Pipelining: gather the next batch while the previous one computes, but never hold more
-        # than one gathered batch beyond the ones the model may run at once.
-        await slot.wait_in_flight_at_most(slot.config.max_concurrent_batches)
+        # Pipelining: gather the next batch while the previous one computes, and compute while
+        # earlier answers are stored (a bounded number: policy/window.py).
+        await slot.wait_pipeline_room()
         max_items = max(1, min(decision.max_items, slot.config.max_batch_size))
         if decision.before is not None:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
@@ -552,18 +552,25 @@ class Worker:
         self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
 
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
-        released = False
+        released = limited = False
 
         def release_model() -> None:
-            nonlocal released
+            # The model's share (``max_concurrent_batches``) is held while the batch computes,
+            # not while its answers are stored: the next batch computes meanwhile.
+            nonlocal released, limited
+            if limited:
+                limited = False
+                slot.limiter.release()
             if not released:
                 released = True
                 slot.end_computing()
 
         try:
-            async with slot.limiter:
-                await self.runner.run(slot, msgs, loaded, reason, release_model=release_model)
+            await slot.limiter.acquire()
+            limited = True
+            await self.runner.run(slot, msgs, loaded, reason, release_model=release_model)
         except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
+            release_model()
             log.exception("batch of %s failed; its requests are redelivered", slot.name)
             for m in msgs:
                 await settle(m, "nak", delay_s=1.0)

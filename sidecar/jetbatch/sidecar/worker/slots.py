@@ -14,7 +14,7 @@ from jetbatch.sdk.protocol import RequestMeta
 
 from ..config import ModelConfig
 from ..handlers import Handler
-from ..policy import BatchWindow, Tier
+from ..policy import BatchWindow, Tier, pipeline_has_room
 from ..replies import Answer
 from ..telemetry import LoadRecord
 
@@ -75,6 +75,7 @@ class Slot:
     # Set (and replaced) each time one of this model's batches ends, or stops needing the model:
     # what the pipelining gate and an eviction wait on, instead of polling.
     batch_ended: anyio.Event = field(default_factory=anyio.Event)
+    # Batches computing at once (``max_concurrent_batches``): held for the forward passes only.
     limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
     last_used_at: float | None = None
     resident_since: float | None = None  # when it last became resident (idle unloads count from it too)
@@ -156,6 +157,12 @@ class Slot:
         """Until at most ``n`` batches of this model are in flight. Batches end by themselves (a
         batch is bounded by its requests' deadlines and the drain), so this needs no timer."""
         while self.in_flight > n:
+            await self.batch_ended.wait()
+
+    async def wait_pipeline_room(self) -> None:
+        """Until this model's next batch may be gathered (``policy.pipeline_has_room``): the
+        batches before it compute and store their answers by themselves, so no timer."""
+        while not pipeline_has_room(self.in_flight, self.computing, self.config.max_concurrent_batches):
             await self.batch_ended.wait()
 
     async def wait_model_free(self) -> None:
