@@ -315,6 +315,56 @@ async def test_a_cancelled_caller_costs_no_load_and_no_compute(nats_url: str, pr
         assert worker.stats["loads"] == 1  # late was never loaded
 
 
+async def test_a_batch_is_checked_and_decoded_while_the_one_before_computes(nats_url: str, prefix: str) -> None:
+    """The next batch's own CPU work (headers, deadlines, decoding) overlaps the forward pass
+    before it; only the forward pass waits for the model (bench.device_busy measures the gain)."""
+    config = _busy_config(prefix, 1.0, "other")
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            handler = worker.slots["busy"].handler
+            predict, decode = handler.predict, handler.decode
+            running: list[bytes] = []  # inputs of the forward pass running now
+            decoded_during: list[list[bytes]] = []
+
+            def watched_predict(inputs: list[Any]) -> list[Any]:
+                running[:] = inputs
+                try:
+                    return predict(inputs)
+                finally:
+                    running.clear()
+
+            def watched_decode(data: bytes, content_type: str | None) -> Any:
+                decoded_during.append(list(running))
+                return decode(data, content_type)
+
+            handler.predict, handler.decode = watched_predict, watched_decode
+            hold = await _occupy(worker, client)
+            await wait_until(lambda: running == [b"b1"], what="b1 computing")
+            assert await client.infer(b"b2", model="busy", timeout=30) == b"b2"
+            assert await hold == b"b1"
+    assert decoded_during == [[], [b"b1"]]  # b1 decoded before any compute; b2 while b1 computed
+
+
+async def test_a_deadline_that_passes_while_the_batch_before_computes_is_not_computed(nats_url: str, prefix: str) -> None:
+    """b2 is gathered, checked and decoded while b1 computes (pipelining); its deadline passes
+    before b1 ends, so at its forward pass it is answered ``deadline_exceeded``, not computed."""
+    config = _busy_config(prefix, 1.0, "other")
+    reports: list[Any] = []
+    async with running_worker(config, nats_url, on_batch=reports.append) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            hold = await _occupy(worker, client)
+            with pytest.raises(sdk.RequestTimeout):
+                await client.infer(b"b2", model="busy", timeout=0.4, request_id="late-b2")
+            assert worker.slots["busy"].in_flight == 2  # b2 gathered behind b1, not refused at once
+            assert await hold == b"b1"
+            await wait_until(lambda: len(reports) == 2, what="b2's batch")
+            with pytest.raises(sdk.DeadlineExceeded):
+                await client.infer(b"again", model="busy", timeout=10, request_id="late-b2")
+    b2 = reports[1]
+    assert (b2.size, b2.ok, b2.errors) == (1, 0, 1)
+    assert b2.compute_s < 0.5  # not run (a batch of busy takes 1 s)
+
+
 async def test_a_cancel_reaches_only_its_own_tenants_requests(nats_url: str, prefix: str) -> None:
     """Tenant app1's request: a notice on another tenant's cancel subject (or the plain one)
     under its id changes nothing; one on app1's own cancels it."""

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import anyio
 from nats.aio.msg import Msg
@@ -35,6 +35,10 @@ from .quarantine import Evidence, Quarantine, Verdict, groups
 __all__ = ["BatchRunner"]
 
 log = logging.getLogger("jetbatch.worker")
+
+
+async def _ready() -> None:
+    """The model is always this batch's to use (tests that run a batch alone)."""
 
 
 class BatchRunner:
@@ -110,11 +114,20 @@ class BatchRunner:
         return self.costs.deadline_estimate_s(slot.name, n)
 
     async def run(
-        self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str, *, release_model: Callable[[], None] = lambda: None
+        self,
+        slot: Slot,
+        msgs: list[Msg],
+        loaded: bool,
+        reason: str,
+        *,
+        take_model: Callable[[], Awaitable[None]] = _ready,
+        release_model: Callable[[], None] = lambda: None,
     ) -> None:
-        """Check, compute, answer and settle one batch. ``release_model`` is called once the model
-        is no longer needed (after the last forward pass, before the answers' I/O), so that an
-        eviction waits for the device work only."""
+        """Check, compute, answer and settle one batch. ``take_model`` is awaited right before
+        the first forward pass (it waits for the model's turn: the batch before may still
+        compute, and this one's checks and decoding overlap it); ``release_model`` is called once
+        the model is no longer needed (after the last forward pass, before the answers' I/O), so
+        that an eviction, and the next batch, wait for the device work only."""
         batch_id = uuid.uuid4().hex[:16]
         now = self._clock()
         requests = [self.parse(m, now) for m in msgs]
@@ -141,10 +154,12 @@ class BatchRunner:
         # row one is computed (unless its deadlines really passed), so an inflated estimate
         # cannot lock a model out for good.
         refused_whole = bool(expired) and len(expired) == len(requests) and predicted_s > 0
-        slot.refused_on_prediction = slot.refused_on_prediction + 1 if refused_whole else 0
+        refusals = slot.refused_on_prediction
+        slot.refused_on_prediction = refusals + 1 if refused_whole else 0
         load_record = slot.pending_load if loaded else None
         slot.pending_load = None
         compute_s = 0.0
+        computed = 0
         with self.telemetry.batch_span(
             slot.name,
             [r.msg.headers for r in requests],
@@ -163,18 +178,35 @@ class BatchRunner:
             for r in gone:
                 r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, "cancelled by its caller before it was computed", extra(r))
             for r in expired:
-                left_s = (r.meta.deadline or now) - now
-                why = f"deadline passed {-left_s:.3f}s before compute" if left_s < 0 else f"{left_s:.3f}s left, a batch takes about {predicted_s:.3f}s"
-                r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, why, extra(r))
+                r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, _too_late(r, now, predicted_s), extra(r))
             started = time.perf_counter()
-            if fresh:
-                self._decode(slot, fresh, extra)
-                good = [r for r in fresh if r.answer is None]
-                if good:
-                    with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": len(good)}):
-                        await self._predict_isolating(slot, good, extra)
-            compute_s = time.perf_counter() - started
-            if fresh:
+            self._decode(slot, fresh, extra)
+            good = [r for r in fresh if r.answer is None]
+            compute_s = time.perf_counter() - started  # decoding counts; waiting for the model does not
+            if good or suspects:
+                await take_model()
+            if good:
+                # Checked again at the forward pass, as the simulator checks at a batch's start:
+                # a caller may have cancelled, or a deadline come closer, while the batch before
+                # computed.
+                now = self._clock()
+                late = 0
+                for r in good:
+                    if self._cancelled(r.meta.tenant, r.meta.request_id):
+                        r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, "cancelled by its caller before it was computed", extra(r))
+                        self._counters.add("cancelled")
+                    elif cannot_finish(r.meta.deadline, now, predicted_s):
+                        r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, _too_late(r, now, predicted_s), extra(r))
+                        late += 1
+                good = [r for r in good if r.answer is None]
+                if late and predicted_s > 0 and len(expired) + late == len(requests):
+                    slot.refused_on_prediction = refusals + 1  # refused whole after all
+            if good:
+                started = time.perf_counter()
+                with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": len(good)}):
+                    await self._predict_isolating(slot, good, extra)
+                compute_s += time.perf_counter() - started
+                computed = len(good)
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
             if not suspects:
                 release_model()
@@ -184,7 +216,7 @@ class BatchRunner:
             self._record_errors(span, requests)
         slot.last_used_at = self._clock()
         # What ran teaches the estimator; every request taken counts as demand (policy/driver.py).
-        self.driver.batch_done(slot.name, taken=len(requests), computed=len(fresh), seconds=compute_s, now=self._clock())
+        self.driver.batch_done(slot.name, taken=len(requests), computed=computed, seconds=compute_s, now=self._clock())
         self._counters.add("batches")
         self._counters.add("requests", len(requests))
         if self.on_batch is not None:
@@ -344,6 +376,12 @@ def _suspicion(evidence: Evidence) -> tuple[int, int]:
     if evidence.crashed_in_group is None:
         return (0, 0)
     return (1 if evidence.alone_crashes == 0 else 2, evidence.alone_crashes)
+
+
+def _too_late(r: Request, now: float, predicted_s: float) -> str:
+    """Why a request is answered ``deadline_exceeded`` instead of computed."""
+    left_s = (r.meta.deadline or now) - now
+    return f"deadline passed {-left_s:.3f}s before compute" if left_s < 0 else f"{left_s:.3f}s left, a batch takes about {predicted_s:.3f}s"
 
 
 def _with_problem(meta: Any, problem: str) -> Any:

@@ -554,9 +554,16 @@ class Worker:
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
         released = limited = False
 
+        async def take_model() -> None:
+            # The model's share (``max_concurrent_batches``) is taken for the forward passes
+            # only: the batch is checked and decoded while the one before still computes, and
+            # stores its answers while the next one computes.
+            nonlocal limited
+            if not limited:
+                await slot.limiter.acquire()
+                limited = True
+
         def release_model() -> None:
-            # The model's share (``max_concurrent_batches``) is held while the batch computes,
-            # not while its answers are stored: the next batch computes meanwhile.
             nonlocal released, limited
             if limited:
                 limited = False
@@ -566,9 +573,7 @@ class Worker:
                 slot.end_computing()
 
         try:
-            await slot.limiter.acquire()
-            limited = True
-            await self.runner.run(slot, msgs, loaded, reason, release_model=release_model)
+            await self.runner.run(slot, msgs, loaded, reason, take_model=take_model, release_model=release_model)
         except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
             release_model()
             log.exception("batch of %s failed; its requests are redelivered", slot.name)
