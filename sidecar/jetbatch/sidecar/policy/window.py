@@ -13,8 +13,9 @@ to requests someone still waits for. The estimate is capped by the fastest batch
 anyway: a refused batch measures nothing, so an inflated estimate must not lock a model out.
 
 Batches of a model pipeline: the next one is gathered while one computes, and computes while
-earlier ones' answers are still being stored (a round trip to the server that needs no device),
-up to ``ANSWERING_BATCHES`` of them: each holds its requests unacked, so their number is bounded.
+earlier ones' answers are still being stored (a round trip to the server that needs no device):
+a new batch is gathered while at most ``max_concurrent + ANSWERING_BATCHES`` are in flight, so
+each model holds a bounded number of batches (their requests unacked).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ PROBE_AFTER_REFUSALS = 8
 # both lines wait, one takes the batch line first: a model whose interactive traffic alone keeps
 # it busy still serves its batch class (at least 1/8 of its batches), as the bound promises.
 BATCH_LINE_EVERY = 8
-# Batches of one model whose answers may still be being stored while a later one is gathered.
+# Batches of one model beyond the computing ones that may be in flight (mostly storing answers)
+# while a later one is gathered.
 ANSWERING_BATCHES = 2
 
 __all__ = ["ANSWERING_BATCHES", "BATCH_LINE_EVERY", "PROBE_AFTER_REFUSALS", "BatchWindow", "batch_line_first", "cannot_finish", "pipeline_has_room"]
