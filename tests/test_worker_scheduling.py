@@ -365,6 +365,81 @@ async def test_a_deadline_that_passes_while_the_batch_before_computes_is_not_com
     assert b2.compute_s < 0.5  # not run (a batch of busy takes 1 s)
 
 
+async def test_a_batchs_compute_time_is_its_forward_pass_alone(nats_url: str, prefix: str) -> None:
+    """What the estimator learns (and the simulator charges the device) is the forward pass:
+    decoding overlaps the batch before it, so it does not count (a fake timer that only the
+    handler's decode and predict move)."""
+    reports: list[Any] = []
+    async with running_worker(make_config(prefix, {"m1": sleep_model()}), nats_url, on_batch=reports.append) as worker:
+        handler = worker.slots["m1"].handler
+        predict, decode = handler.predict, handler.decode
+        fake = [100.0]
+
+        def slow_decode(data: bytes, content_type: str | None) -> Any:
+            fake[0] += 5.0
+            return decode(data, content_type)
+
+        def timed_predict(inputs: list[Any]) -> list[Any]:
+            fake[0] += 0.25
+            return predict(inputs)
+
+        handler.predict, handler.decode = timed_predict, slow_decode
+        worker.runner.timer = lambda: fake[0]
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"x", model="m1", timeout=30) == b"x"
+    assert [r.compute_s for r in reports] == [0.25]
+
+
+async def test_a_redelivered_requests_lookups_leave_the_model_to_other_batches(
+    nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redelivered request is looked up in the results store (and the quarantine) before it
+    runs: I/O, during which the model is not held, so another batch may compute; it is taken
+    for the request's own forward pass."""
+    from jetbatch.sidecar.handlers.simple import SleepHandler
+    from jetbatch.sidecar.replies import Replier
+    from jetbatch.sidecar.streams import model_consumer_name
+    from jetbatch.sidecar.worker import Worker
+
+    config = make_config(prefix, {"m1": sleep_model()})
+    await _prepare_streams(config, nats_url)
+    workers: list[Any] = []
+    held_at_lookup: list[int] = []
+    held_at_predict: list[int] = []
+    lookup, predict = Replier.stored_answer, SleepHandler.predict
+
+    async def watched_lookup(self: Replier, meta: Any) -> Any:
+        held_at_lookup.append(int(workers[0].slots["m1"].limiter.borrowed_tokens))
+        return await lookup(self, meta)
+
+    def watched_predict(self: SleepHandler, inputs: list[Any]) -> list[Any]:
+        held_at_predict.append(int(workers[0].slots["m1"].limiter.borrowed_tokens))
+        return predict(self, inputs)
+
+    def watched_init(self: Worker, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        workers.append(self)  # before it runs: its first batch may come before the test sees it
+
+    made = Worker.__init__
+    monkeypatch.setattr(Worker, "__init__", watched_init)
+    monkeypatch.setattr(Replier, "stored_answer", watched_lookup)
+    monkeypatch.setattr(SleepHandler, "predict", watched_predict)
+    nc = await nats.connect(nats_url)
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            call = asyncio.ensure_future(client.infer(b"again", model="m1", timeout=30))
+            await _queued(client, 1)
+            # Delivered once (to this pull, as if to a worker that then died) and given back.
+            psub = await nc.jetstream().pull_subscribe_bind(model_consumer_name("m1"), config.subjects.models_stream)
+            [msg] = await psub.fetch(1, timeout=10)
+            await msg.nak()
+            async with running_worker(config, nats_url):
+                assert await call == b"again"
+    finally:
+        await nc.close()
+    assert held_at_lookup == [0] and held_at_predict == [1]
+
+
 async def test_a_cancel_reaches_only_its_own_tenants_requests(nats_url: str, prefix: str) -> None:
     """Tenant app1's request: a notice on another tenant's cancel subject (or the plain one)
     under its id changes nothing; one on app1's own cancels it."""

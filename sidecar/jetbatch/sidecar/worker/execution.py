@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import anyio
 from nats.aio.msg import Msg
@@ -29,16 +29,14 @@ from ..policy import PROBE_AFTER_REFUSALS, Driver, cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
 from .counters import Counters
-from .slots import BatchReport, Request, Slot, deliveries, enqueued_at, stream_seq
+from .slots import BatchReport, ModelTurn, Request, Slot, deliveries, enqueued_at, stream_seq
 from .quarantine import Evidence, Quarantine, Verdict, groups
 
 __all__ = ["BatchRunner"]
 
+_CANCELLED = "cancelled by its caller before it was computed"
+
 log = logging.getLogger("jetbatch.worker")
-
-
-async def _ready() -> None:
-    """The model is always this batch's to use (tests that run a batch alone)."""
 
 
 class BatchRunner:
@@ -59,8 +57,10 @@ class BatchRunner:
         cancelled: Callable[[str | None, str], bool] = lambda tenant, request_id: False,
     ) -> None:
         """``clock``: wall-clock seconds, the scale of deadlines and enqueue times (tests pass a
-        fake one); a batch's compute time is measured with the performance counter."""
+        fake one); a batch's compute time is measured with :attr:`timer`."""
         self._clock = clock
+        # What a forward pass is timed with (the device time the estimator learns); tests replace it.
+        self.timer: Callable[[], float] = time.perf_counter
         self._cancelled = cancelled  # (tenant, request id): whether its caller said it gave up
         # The id travels inside the ``Jetbatch-Batch`` header, whose fields ``;`` and ``=`` separate.
         self.worker_id = worker_id.replace(";", "_").replace("=", "_")
@@ -119,15 +119,15 @@ class BatchRunner:
         msgs: list[Msg],
         loaded: bool,
         reason: str,
-        *,
-        take_model: Callable[[], Awaitable[None]] = _ready,
-        release_model: Callable[[], None] = lambda: None,
+        turn: ModelTurn,
     ) -> None:
-        """Check, compute, answer and settle one batch. ``take_model`` is awaited right before
-        the first forward pass (it waits for the model's turn: the batch before may still
-        compute, and this one's checks and decoding overlap it); ``release_model`` is called once
-        the model is no longer needed (after the last forward pass, before the answers' I/O), so
-        that an eviction, and the next batch, wait for the device work only."""
+        """Check, compute, answer and settle one batch. The model is taken (``turn.take``) right
+        before each forward pass: the batch before may still compute, and this one's checks,
+        decoding and stored-answer lookups overlap it. It is given up once no forward pass
+        follows (before the answers' I/O), so that an eviction, and the next batch, wait for the
+        device work only. ``compute_s`` (what the estimator learns, and the simulator charges the
+        device) is the first-time requests' forward pass alone: the wait for the model and the
+        decoding that overlaps the batch before do not count."""
         batch_id = uuid.uuid4().hex[:16]
         now = self._clock()
         requests = [self.parse(m, now) for m in msgs]
@@ -176,16 +176,13 @@ class BatchRunner:
                 r.action = "term"  # a malformed request will not get better on redelivery
                 r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, r.meta.problem or "bad request", extra(r))
             for r in gone:
-                r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, "cancelled by its caller before it was computed", extra(r))
+                r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, _CANCELLED, extra(r))
             for r in expired:
                 r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, _too_late(r, now, predicted_s), extra(r))
-            started = time.perf_counter()
             self._decode(slot, fresh, extra)
             good = [r for r in fresh if r.answer is None]
-            compute_s = time.perf_counter() - started  # decoding counts; waiting for the model does not
-            if good or suspects:
-                await take_model()
             if good:
+                await turn.take()
                 # Checked again at the forward pass, as the simulator checks at a batch's start:
                 # a caller may have cancelled, or a deadline come closer, while the batch before
                 # computed.
@@ -193,7 +190,7 @@ class BatchRunner:
                 late = 0
                 for r in good:
                     if self._cancelled(r.meta.tenant, r.meta.request_id):
-                        r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, "cancelled by its caller before it was computed", extra(r))
+                        r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, _CANCELLED, extra(r))
                         self._counters.add("cancelled")
                     elif cannot_finish(r.meta.deadline, now, predicted_s):
                         r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, _too_late(r, now, predicted_s), extra(r))
@@ -202,17 +199,19 @@ class BatchRunner:
                 if late and predicted_s > 0 and len(expired) + late == len(requests):
                     slot.refused_on_prediction = refusals + 1  # refused whole after all
             if good:
-                started = time.perf_counter()
+                started = self.timer()
                 with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": len(good)}):
                     await self._predict_isolating(slot, good, extra)
-                compute_s += time.perf_counter() - started
+                compute_s = self.timer() - started
                 computed = len(good)
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
-            if not suspects:
-                release_model()
+            if suspects:
+                turn.lend()  # their lookups are I/O: another batch may compute meanwhile
+            else:
+                turn.release()
             await self.finish(slot, rejected + expired + gone + fresh)
-            await self._run_suspects(slot, suspects, extra)
-            release_model()
+            await self._run_suspects(slot, suspects, extra, turn)
+            turn.release()
             self._record_errors(span, requests)
         slot.last_used_at = self._clock()
         # What ran teaches the estimator; every request taken counts as demand (policy/driver.py).
@@ -283,10 +282,11 @@ class BatchRunner:
             except Exception as exc:  # noqa: BLE001
                 r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, f"cannot encode output: {client_message(exc)}", extra(r))
 
-    async def _run_suspects(self, slot: Slot, suspects: list[Request], extra: Callable[[Request], dict[str, str]]) -> None:
+    async def _run_suspects(self, slot: Slot, suspects: list[Request], extra: Callable[[Request], dict[str, str]], turn: ModelTurn) -> None:
         """Redelivered requests: answered from the results store if an earlier delivery was
         computed, convicted on evidence, given up on after too many deliveries, or run in the
-        groups their evidence allows (``quarantine.groups``)."""
+        groups their evidence allows (``quarantine.groups``). The model is taken for each
+        group's forward pass only, not for the lookups."""
         if not suspects:
             return
         to_run: list[tuple[Request, Evidence]] = []
@@ -328,8 +328,10 @@ class BatchRunner:
                 for r, ev in runnable:
                     await self.quarantine.begin(slot.name, r.seq, ev, len(runnable))
                 attrs = {"jetbatch.model": slot.name, "jetbatch.batch.size": len(runnable), "jetbatch.redelivered": True}
+                await turn.take()
                 with self.telemetry.child_span("infer", **attrs):
                     await self._predict_isolating(slot, [r for r, _ in runnable], extra)
+                turn.lend()
                 for r, _ in runnable:
                     await self.quarantine.clear(slot.name, r.seq)
             await self.finish(slot, members)

@@ -57,7 +57,7 @@ from .coordination import Coordinator
 from .counters import Counters
 from .cancellations import Cancellations
 from .execution import BatchRunner
-from .slots import BatchReport, Slot
+from .slots import BatchReport, ModelTurn, Slot
 from .state import LoopState
 from .quarantine import Quarantine
 from .queues import ArrivalFeed, QueueView
@@ -552,36 +552,20 @@ class Worker:
         self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
 
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
-        released = limited = False
-
-        async def take_model() -> None:
-            # The model's share (``max_concurrent_batches``) is taken for the forward passes
-            # only: the batch is checked and decoded while the one before still computes, and
-            # stores its answers while the next one computes.
-            nonlocal limited
-            if not limited:
-                await slot.limiter.acquire()
-                limited = True
-
-        def release_model() -> None:
-            nonlocal released, limited
-            if limited:
-                limited = False
-                slot.limiter.release()
-            if not released:
-                released = True
-                slot.end_computing()
-
+        # The model's share (``max_concurrent_batches``) is taken for the forward passes only:
+        # the batch is checked and decoded while the one before still computes, and stores its
+        # answers while the next one computes.
+        turn = ModelTurn(slot)
         try:
-            await self.runner.run(slot, msgs, loaded, reason, take_model=take_model, release_model=release_model)
+            await self.runner.run(slot, msgs, loaded, reason, turn)
         except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
-            release_model()
+            turn.release()
             log.exception("batch of %s failed; its requests are redelivered", slot.name)
             for m in msgs:
                 await settle(m, "nak", delay_s=1.0)
         finally:
             self.state.in_flight.settled(msgs)
-            release_model()
+            turn.release()
             slot.end_batch()
             with anyio.CancelScope(shield=True):
                 await self.arrivals.settled(slot.name, len(msgs))

@@ -1,5 +1,6 @@
-"""What the worker's parts share: one served model (:class:`Slot`), one request in a batch
-(:class:`Request`), and the report of a finished batch."""
+"""What the worker's parts share: one served model (:class:`Slot`), one batch's use of it
+(:class:`ModelTurn`), one request in a batch (:class:`Request`), and the report of a finished
+batch."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ..policy import BatchWindow, Tier, pipeline_has_room
 from ..replies import Answer
 from ..telemetry import LoadRecord
 
-__all__ = ["BatchReport", "Request", "Slot", "enqueued_at", "stream_seq"]
+__all__ = ["BatchReport", "ModelTurn", "Request", "Slot", "enqueued_at", "stream_seq"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,43 @@ class Slot:
         """Until no batch may still run the model (before it is evicted)."""
         while self.computing > 0:
             await self.batch_ended.wait()
+
+
+class ModelTurn:
+    """One batch's use of its model, from :meth:`Slot.start_batch` on.
+
+    Only forward passes take the model's share (``max_concurrent_batches``, the slot's limiter):
+    a batch's checks, decoding, stored-answer lookups and answers are I/O or host work that
+    overlaps the forward passes of the batches around it. :meth:`take` before a forward pass
+    (waits for the share), :meth:`lend` after one when the batch may run another (redelivered
+    requests, after their lookups), :meth:`release` once it needs the model no more: then the
+    slot stops counting it as computing, and an eviction waiting for the model may go on."""
+
+    def __init__(self, slot: Slot) -> None:
+        self._slot = slot
+        self._held = False
+        self._done = False
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    async def take(self) -> None:
+        if not self._held:
+            await self._slot.limiter.acquire()
+            self._held = True
+
+    def lend(self) -> None:
+        if self._held:
+            self._held = False
+            self._slot.limiter.release()
+
+    def release(self) -> None:
+        """Idempotent: the batch's error path calls it again."""
+        self.lend()
+        if not self._done:
+            self._done = True
+            self._slot.end_computing()
 
 
 def stream_seq(msg: Msg) -> int:
