@@ -74,3 +74,24 @@ async def test_the_stored_raw_loop_stores_every_reply_and_acks_every_request(nat
         assert (await js.stream_info(prefix.upper())).state.messages == 0
     finally:
         await nc.close()
+
+
+def test_sampled_stacks_are_charged_to_the_package_on_top_and_idle_waits_left_out(tmp_path: Path) -> None:
+    """bench.process_profiles --sampler py-spy: each busy sample counts for the function on top
+    of its stack (a socket write to asyncio, not to the jetbatch code that published); the
+    event loop's epoll wait and an idle pool thread are not busy."""
+    from bench.process_profiles import spy_summary
+
+    raw = tmp_path / "worker.spy"
+    raw.write_text(
+        "run (sidecar/cli/worker.py:17);BaseEventLoop._run_once (asyncio/base_events.py:1910);EpollSelector.select (selectors.py:468) 50\n"
+        "run (sidecar/cli/worker.py:17);Replier.deliver (sidecar/replies.py:140);_SelectorSocketTransport.write (asyncio/selector_events.py:1057) 7\n"
+        "run (sidecar/cli/worker.py:17);parse_header_lines (sdk/connection.py:81) 2\n"
+        "run (sidecar/cli/worker.py:17);parse_header_lines (sdk/connection.py:86) 1\n"
+        "_bootstrap (threading.py:1002);WorkerThread.run (anyio/_backends/_asyncio.py:900);Condition.wait (threading.py:327) 40\n"
+        "Parser.parse (nats/protocol/parser.py:193) 4\n"
+    )
+    busy, groups, functions = spy_summary(raw)
+    assert busy == 14
+    assert groups == {"asyncio": 7, "jetbatch SDK": 3, "nats-py": 4}
+    assert functions["parse_header_lines (sdk/connection.py)"] == 3  # lines of one function together

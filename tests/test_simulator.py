@@ -194,6 +194,26 @@ def test_the_simulated_device_computes_while_answers_are_stored_up_to_the_live_b
     assert result.completed == 8
 
 
+def test_a_batch_refused_whole_stores_its_answers_within_the_same_bound() -> None:
+    """As live, where a batch whose every request is refused still stores those answers: its
+    answers take a place in the pipeline too. Every batch below is refused on its prediction (10 s
+    against 5 s deadlines) until the probe after PROBE_AFTER_REFUSALS of them; with storing
+    answers taking 1 s, four refusals go at once, four a second later, the probe a second after."""
+    from dataclasses import replace
+
+    from jetbatch.sidecar.policy import ANSWERING_BATCHES, PROBE_AFTER_REFUSALS
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    raw = {"models": {"a": {"load_cost_s": 0.0, "batch_cost_s": 10.0, "item_cost_s": 0.0, "max_batch_size": 1, "max_delay_s": 0.0,
+                            "deadline_s": 5.0}},
+           "arrivals": {"kind": "burst", "per_model": PROBE_AFTER_REFUSALS + 1}}  # fmt: skip
+    result = simulate(replace(build_workload(raw), control=replace(IDEAL_CONTROL, answer_s=1.0), resident_at_start=("a",)), "cost-aware")
+    free = ANSWERING_BATCHES + 2
+    assert PROBE_AFTER_REFUSALS == 2 * free  # the arithmetic of the timings below
+    assert result.deadline_exceeded == PROBE_AFTER_REFUSALS
+    assert [start for start, *_ in result.batches] == pytest.approx([2.0])
+
+
 def _first_taker(model: str, workers: list[str]) -> str:
     from jetbatch.sidecar.policy import first_taker_rank
 

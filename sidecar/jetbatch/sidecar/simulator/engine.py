@@ -427,7 +427,9 @@ class _Sim:
                     self.result.deadline_exceeded += 1
                 self._served(r, None, None)
         if not live:
-            # As live: a batch refused whole still counts as demand and as use of the model.
+            # As live: a batch refused whole still counts as demand and as use of the model, and
+            # stores its answers (the refusals) within the same pipeline bound.
+            answering.append(start + self.control_s("answer_s"))
             worker.last_used[decision.model] = self.t
             worker.driver.batch_done(decision.model, taken=len(batch), computed=0, seconds=0.0, now=self.t)
             self.wake(worker, self.t)
