@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import nats.errors
 import pytest
+from nats.aio.msg import Msg
 
 from jetbatch.sidecar.policy import BatchWindow
 from jetbatch.sidecar.worker.batching import Batcher
@@ -30,6 +31,11 @@ class FakeClock:
         return self.now
 
 
+def _delivered(at_ns: int, pending: int, headers: dict[str, str] | None = None) -> Msg:
+    """A JetStream delivery as a pull returns it: stored at ``at_ns``, ``pending`` left after it."""
+    return Msg(None, subject="m", reply=f"$JS.ACK.S.C.1.1.1.{at_ns}.{pending}", data=b"", headers=headers)  # type: ignore[arg-type]
+
+
 class LateQueue:
     def __init__(self, clock: FakeClock, overrun_s: float, headers: dict[str, str] | None = None) -> None:
         self.clock = clock
@@ -42,9 +48,9 @@ class LateQueue:
         await anyio.sleep(0)
         if self.queued:
             self.queued -= 1
-            now = self.clock()
-            metadata = SimpleNamespace(timestamp=SimpleNamespace(timestamp=lambda: now), num_pending=0)
-            return [SimpleNamespace(metadata=metadata, headers=self.headers)]
+            at_ns = round(self.clock() * 1e9)
+            self.clock.now = at_ns / 1e9  # on the ack subject's nanosecond grid: stored "now" exactly
+            return [_delivered(at_ns, 0, self.headers)]
         self.timeouts.append(timeout)
         self.clock.now += timeout + self.overrun_s
         raise nats.errors.TimeoutError
@@ -109,10 +115,7 @@ class ShortQueue:
             raise nats.errors.TimeoutError  # an empty queue: the fetch times out
         n = min(batch, self.per_fetch, self.queued)
         self.queued -= n
-        return [
-            SimpleNamespace(metadata=SimpleNamespace(timestamp=SimpleNamespace(timestamp=lambda: self.enqueued_at), num_pending=self.queued + n - 1 - k))
-            for k in range(n)
-        ]
+        return [_delivered(round(self.enqueued_at * 1e9), self.queued + n - 1 - k) for k in range(n)]
 
 
 async def test_a_closed_window_still_fills_the_batch_from_the_queued_backlog() -> None:

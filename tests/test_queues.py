@@ -183,6 +183,35 @@ def test_a_forged_timestamp_never_raises(text: str) -> None:
     assert at is None or isinstance(at, float)
 
 
+def _timestamp_as_before(text: str) -> float | None:
+    """The parser before its per-minute shortcut: a datetime for every timestamp."""
+    from datetime import datetime, timezone
+
+    if not text or len(text) > 40 or not text.endswith("Z"):
+        return None
+    base, _, frac = text[:-1].partition(".")
+    if frac and not frac.isdigit():
+        return None
+    try:
+        seconds = datetime.fromisoformat(base).replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+    return seconds + (float(f"0.{frac}") if frac else 0.0)
+
+
+_DIGITS = st.sampled_from("0123456789") | st.sampled_from(["٣", "²", " ", ":", "T", "-", "6", "9"])
+
+
+@given(st.datetimes(), st.lists(_DIGITS, min_size=0, max_size=3), st.integers(min_value=0, max_value=18), st.text("0123456789", max_size=10))
+def test_a_timestamp_reads_as_it_did_before_the_shortcut(at: Any, noise: list[str], where: int, frac: str) -> None:
+    """Valid timestamps, and ones with a character or three forged into them."""
+    text = at.strftime("%Y-%m-%dT%H:%M:%S")
+    forged = text[:where] + "".join(noise) + text[where + len(noise):] if noise else text
+    for candidate in (text, forged):
+        full = candidate + (f".{frac}" if frac else "") + "Z"
+        assert parse_stream_timestamp(full) == _timestamp_as_before(full)
+
+
 def test_stream_timestamps_parse_to_unix_seconds() -> None:
     assert parse_stream_timestamp("1970-01-01T00:00:01.5Z") == 1.5
     assert parse_stream_timestamp("2026-12-04T16:07:39.458084362Z") == pytest.approx(1796400459.458084362)

@@ -116,6 +116,11 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+# What a refusal names (built once: they are arguments of every request's checks).
+_RID_WHAT = f"request id ({Headers.MSG_ID})"
+_KEY_WHAT = f"header {Headers.REPLY_KEY}:"
+
+
 def parse_request_headers(
     headers: Mapping[str, str] | None,
     *,
@@ -133,7 +138,7 @@ def parse_request_headers(
     if rid is None or rid == "":
         rid = fallback_id() if callable(fallback_id) else fallback_id
     try:
-        validate_token(rid, f"request id ({Headers.MSG_ID})")
+        validate_token(rid, _RID_WHAT)
     except ProtocolError as exc:
         problems.append(str(exc))
         rid = fallback_id() if callable(fallback_id) else fallback_id
@@ -141,7 +146,7 @@ def parse_request_headers(
     raw_key = h.get(Headers.REPLY_KEY)
     if raw_key is not None:
         try:
-            reply_key = validate_token(raw_key, f"header {Headers.REPLY_KEY}:")
+            reply_key = validate_token(raw_key, _KEY_WHAT)
         except ProtocolError as exc:
             problems.append(str(exc))
     reply_to: str | None = None

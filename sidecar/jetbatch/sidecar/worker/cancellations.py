@@ -106,6 +106,8 @@ class Cancellations:
 
     def cancelled(self, tenant: str | None, request_id: str) -> bool:
         """Whether the caller of ``request_id`` (of ``tenant``) said it gave up."""
+        if not self._expires:
+            return False  # asked for every arrival and every request: mostly nothing was heard
         expires = self._expires.get(request_key(tenant, request_id))
         return expires is not None and expires > self._clock()
 

@@ -24,9 +24,17 @@ STEPS = {
 def add_sample(stats: MutableMapping[str, int], step: str, seconds: float) -> None:
     """Count one ``step`` that took ``seconds``."""
     us = max(0, int(seconds * 1e6))
-    stats[f"{step}_n"] = stats.get(f"{step}_n", 0) + 1
-    stats[f"{step}_us"] = stats.get(f"{step}_us", 0) + us
-    stats[f"{step}_us2"] = stats.get(f"{step}_us2", 0) + us * us
+    n, total, squares = _KEYS.get(step) or _keys(step)  # once an arrival: names built once
+    stats[n] = stats.get(n, 0) + 1
+    stats[total] = stats.get(total, 0) + us
+    stats[squares] = stats.get(squares, 0) + us * us
+
+
+def _keys(step: str) -> tuple[str, str, str]:
+    return (f"{step}_n", f"{step}_us", f"{step}_us2")
+
+
+_KEYS = {step: _keys(step) for step in STEPS}
 
 
 class Counters:

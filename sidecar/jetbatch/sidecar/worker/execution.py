@@ -29,7 +29,7 @@ from ..policy import PROBE_AFTER_REFUSALS, Driver, cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
 from .counters import Counters
-from .slots import BatchReport, ModelTurn, Request, Slot, deliveries, enqueued_at, stream_seq
+from .slots import BatchReport, ModelTurn, Request, Slot, ack_info
 from .quarantine import Evidence, Quarantine, Verdict, groups
 
 __all__ = ["BatchRunner"]
@@ -93,12 +93,13 @@ class BatchRunner:
         meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=new_request_id)
         if tenant_problem:
             meta = _with_problem(meta, f"header {Headers.TENANT}: {tenant_problem}")
+        ack = ack_info(msg)
         return Request(
             msg=msg,
             meta=meta,
-            deliveries=deliveries(msg),
-            seq=stream_seq(msg),
-            enqueued_at=enqueued_at(msg, now),
+            deliveries=1 if ack is None else ack.delivered,
+            seq=0 if ack is None else ack.stream_seq,
+            enqueued_at=now if ack is None else min(ack.stored_at_s, now),
             reply_refused=meta.reply_key is None and Headers.REPLY_TO in headers and meta.reply_to is None,
         )
 

@@ -87,11 +87,37 @@ def parse_stream_timestamp(text: str | None) -> float | None:
     base, _, frac = text[:-1].partition(".")
     if frac and not frac.isdigit():
         return None
-    try:
-        seconds = datetime.fromisoformat(base).replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
+    # Every arrival event carries one, and a minute's arrivals share the date, hour and minute:
+    # those are read once a minute (a datetime for each event was a quarter of the feed's cost).
+    if len(base) == 19 and base[16] == ":" and base[17:].isascii() and base[17:].isdigit() and base[17:] < "60":
+        minute = _minute_at(base[:16])
+        seconds = None if minute is None else minute + int(base[17:])
+    else:
+        seconds = _iso_seconds(base)
+    if seconds is None:
         return None
     return seconds + (float(f"0.{frac}") if frac else 0.0)
+
+
+def _iso_seconds(base: str) -> float | None:
+    try:
+        return datetime.fromisoformat(base).replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+
+
+_MINUTES: dict[str, float | None] = {}
+
+
+def _minute_at(prefix: str) -> float | None:
+    """Unix seconds of ``YYYY-MM-DDTHH:MM`` (UTC), None when it is no such time; the last few kept."""
+    at = _MINUTES.get(prefix, -1.0)
+    if at == -1.0:
+        at = _iso_seconds(prefix + ":00")
+        if len(_MINUTES) >= 4:  # forged ones must not grow it: only the current minute repeats
+            _MINUTES.clear()
+        _MINUTES[prefix] = at
+    return at
 
 
 class QueueView:
