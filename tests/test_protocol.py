@@ -302,3 +302,11 @@ def test_answer_subjects_put_the_tenant_first_and_never_a_wildcard_from_the_call
     with pytest.raises(ProtocolError):
         s.answer("r1", "k1", "_")
     assert s.tenant_from_subject("jb.in._") is None and s.tenant_from_subject("jb.in.app1") == "app1"
+
+
+def test_a_fresh_request_id_is_one_token_of_32_hex_characters_and_never_repeats() -> None:
+    from jetbatch.sdk.protocol import new_request_id, validate_token
+
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(len(i) == 32 and set(i) <= set("0123456789abcdef") and validate_token(i, "id") == i for i in ids)

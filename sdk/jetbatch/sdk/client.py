@@ -352,7 +352,7 @@ class Client:
 
     async def _send(self, span: Any, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float) -> bool:
         """Publish under a send span; True when JetStream already had this request id."""
-        send = _telemetry.start_send_span(span, subject, rid, hdrs, len(data), self._server_address())
+        send = _telemetry.start_send_span(span, subject, rid, hdrs, len(data), self._server_address() if span is not None else None)
         try:
             duplicate = await self._publish(subject, data, hdrs, rid, model, deadline=deadline)
         except JetbatchError as exc:

@@ -9,8 +9,8 @@ reply policy (an allowlist of reply prefixes).
 from __future__ import annotations
 
 import functools
+import os
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -112,8 +112,9 @@ def request_id_of(msg_id: str | None, tenant: str | None) -> str | None:
 
 
 def new_request_id() -> str:
-    """A fresh request id: 32 hex characters (a random UUID)."""
-    return uuid.uuid4().hex
+    """A fresh request id: 32 hex characters, 128 random bits (``uuid4().hex`` costs four
+    times as much for six fixed bits, once a request)."""
+    return os.urandom(16).hex()
 
 
 # What a refusal names (built once: they are arguments of every request's checks).
