@@ -193,16 +193,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.sampler == "py-spy":
         return sampled(args)
-    out = Path(args.out or tempfile.mkdtemp(prefix="jetbatch-profiles-"))
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = out / "m.toml"
-    cfg.write_text(
-        '[models.m]\nhandler = "identity"\nmax_batch_size = 64\nmax_delay_ms = 2\n'
-        '[classifier]\nrouter = "rules"\ndefault_model = "m"\nmax_batch_size = 64\nmax_delay_s = 0.002\n'
-    )
-    roles = ("worker", "classifier") if args.classifier else ("worker",)
-    env = dict(os.environ, JETBATCH_UVLOOP="0", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
+    out, cfg, roles, env = _setup(args, "jetbatch-profiles-")
     with EmbeddedNats() as server:
         sidecars = [
             subprocess.Popen(
@@ -232,9 +223,9 @@ def main() -> None:
     print(f"\n(producer process CPU, unprofiled share included: {producer_us:.0f} µs a request)")
 
 
-def sampled(args: argparse.Namespace) -> None:
-    """The same load, each process sampled by py-spy from outside (unprofiled, full speed)."""
-    out = Path(args.out or tempfile.mkdtemp(prefix="jetbatch-samples-"))
+def _setup(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, tuple[str, ...], dict[str, str]]:
+    """The output folder, the sidecars' config, their roles and environment (both samplers)."""
+    out = Path(args.out or tempfile.mkdtemp(prefix=prefix))
     out.mkdir(parents=True, exist_ok=True)
     cfg = out / "m.toml"
     cfg.write_text(
@@ -244,6 +235,12 @@ def sampled(args: argparse.Namespace) -> None:
     roles = ("worker", "classifier") if args.classifier else ("worker",)
     env = dict(os.environ, JETBATCH_UVLOOP="0", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
+    return out, cfg, roles, env
+
+
+def sampled(args: argparse.Namespace) -> None:
+    """The same load, each process sampled by py-spy from outside (unprofiled, full speed)."""
+    out, cfg, roles, env = _setup(args, "jetbatch-samples-")
     with EmbeddedNats() as server:
         sidecars = {
             role: subprocess.Popen(
