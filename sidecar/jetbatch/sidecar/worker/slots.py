@@ -19,7 +19,7 @@ from ..policy import BatchWindow, Tier, pipeline_has_room
 from ..replies import Answer
 from ..telemetry import LoadRecord
 
-__all__ = ["AckInfo", "BatchReport", "ModelTurn", "Request", "Slot", "ack_info", "deliveries", "enqueued_at", "pending_after", "stream_seq"]
+__all__ = ["AckInfo", "BatchReport", "ModelTurn", "Request", "Slot", "ack_info", "enqueued_at", "pending_after"]
 
 
 @dataclass(frozen=True)
@@ -187,10 +187,6 @@ class ModelTurn:
         self._held = False
         self._done = False
 
-    @property
-    def held(self) -> bool:
-        return self._held
-
     async def take(self) -> None:
         if not self._held:
             await self._slot.limiter.acquire()
@@ -241,20 +237,10 @@ def ack_info(msg: Msg) -> AckInfo | None:
         return None
 
 
-def stream_seq(msg: Msg) -> int:
-    info = ack_info(msg)
-    return 0 if info is None else info.stream_seq
-
-
 def enqueued_at(msg: Msg, fallback: float) -> float:
     """When the stream stored ``msg``, never later than ``fallback`` (now, to the caller)."""
     info = ack_info(msg)
     return fallback if info is None else min(info.stored_at_s, fallback)
-
-
-def deliveries(msg: Msg) -> int:
-    info = ack_info(msg)
-    return 1 if info is None else info.delivered
 
 
 def pending_after(msg: Msg) -> int | None:
