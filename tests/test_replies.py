@@ -14,8 +14,9 @@ import nats
 
 from jetbatch.sdk.protocol import ContentType, RequestMeta, Subjects
 from jetbatch.sidecar.config import RepliesConfig, StreamsConfig
-from jetbatch.sidecar.replies import Answer, Replier
+from jetbatch.sidecar.replies import PUBLISH_CHUNK, Answer, Replier
 from jetbatch.sidecar.streams import results_stream_config
+from tests.helpers import record_buffered
 
 pytestmark = pytest.mark.anyio
 
@@ -118,6 +119,29 @@ async def test_each_answer_is_one_message_stored_and_received_live(nats_url: str
         await replier.deliver([_keyed("r6"), _keyed("r7")])
         assert (await nc.jetstream().stream_info(subjects.results_stream)).state.messages == 8
         assert acks._next - published == (1 if setting and allowed else 2)  # PubAcks waited for: one a batch, else one an answer
+    finally:
+        await nc.close()
+
+
+async def test_a_batchs_answers_reach_the_socket_in_chunks(nats_url: str, prefix: str) -> None:
+    """A batch's answers were all published before any was written: a closed loop of callers
+    then waited for the whole batch, and the worker for all their next requests, one batch in
+    lockstep at a time (bench.deployed: every batch 64). Each chunk now reaches the socket before
+    the next is published, and every answer is stored as before."""
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.jetstream().add_stream(results_stream_config(subjects, StreamsConfig(), RepliesConfig()))
+        buffered: list[int] = []
+        record_buffered(nc, f"{prefix}.result.", buffered)
+        replier = Replier(nc, subjects, RepliesConfig())
+        answers = [_keyed(f"r{i}") for i in range(2 * PUBLISH_CHUNK + 1)]
+        await replier.deliver(answers)
+        assert all(a.stored and a.sent for a in answers)
+        assert len(buffered) == len(answers)
+        written_before = [i for i in range(1, len(buffered)) if buffered[i] < buffered[i - 1]]
+        assert written_before == [PUBLISH_CHUNK, 2 * PUBLISH_CHUNK]
+        assert (await nc.jetstream().stream_info(subjects.results_stream)).state.messages == len(answers)
     finally:
         await nc.close()
 

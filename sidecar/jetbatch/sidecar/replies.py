@@ -45,11 +45,14 @@ from jetbatch.sdk.publishing import ATOMIC_BATCH_MAX, BatchIgnored, PublishRefus
 from .errors import TRANSPORT_ERRORS
 from .config import RepliesConfig
 
-__all__ = ["Answer", "Replier", "client_message"]
+__all__ = ["PUBLISH_CHUNK", "Answer", "Replier", "client_message"]
 
 log = logging.getLogger("jetbatch.replies")
 
 _STORE_TIMEOUT_S = 5.0
+# Messages published back to back before the connection is given a chance to write them
+# (answers in ``Replier.deliver``, the classifier's republishes).
+PUBLISH_CHUNK = 32
 _SETTLE_ATTEMPTS = 3
 # JetStream's "atomic publish is disabled" (a results stream made without allow_atomic).
 _ATOMIC_DISABLED = 10174
@@ -141,17 +144,28 @@ class Replier:
         """Store every answer durably (when enabled) and send each to its caller. Sets
         ``stored``/``sent`` on each; never raises.
 
-        Every stored copy is published first (one atomic batch, with ``atomic_batches``), the
-        protocol-2 replies right behind them on the same connection, and only then are the
-        PubAcks awaited: a caller gets its answer without waiting for the store's round trip,
+        The answers go out in chunks of :data:`PUBLISH_CHUNK` (with ``atomic_batches``, one
+        atomic batch), each chunk's stored copies first and its protocol-2 replies right behind
+        them on the same connection, and only then are the PubAcks awaited: a caller gets its answer without waiting for the store's round trip,
         while the request is still acked only once its stored copy is confirmed (``safe``). An
         answer that arrives before a store that then fails is harmless: the request is
         redelivered, and the caller ignores a second answer."""
         answers[:] = [self.fit(a) for a in answers]
-        stores = await self._store_start(answers) if self.config.durable else []
-        for a in answers:
-            if a.meta.reply_key is None or not self.config.durable:
-                await self._send(a)
+        stores: list[tuple[list[Answer], asyncio.Future[Any]]] = []
+        # In chunks, each handed to the socket before the next is published: the first callers
+        # have their answers (and send their next requests) while the rest go out. A batch sent
+        # whole kept a closed loop of callers in lockstep with the worker, one batch at a time
+        # (docs/benchmarks.md, "Answers in chunks"). An atomic batch is one group, not split.
+        size = ATOMIC_BATCH_MAX if self._atomic and self.config.durable else PUBLISH_CHUNK
+        for i in range(0, len(answers), size):
+            chunk = answers[i : i + size]
+            if i:
+                await asyncio.sleep(0)  # nats-py's flusher writes what is published so far
+            if self.config.durable:
+                stores += await self._store_start(chunk)
+            for a in chunk:
+                if a.meta.reply_key is None or not self.config.durable:
+                    await self._send(a)
         try:
             await self.out.flush(timeout=5)
         except TRANSPORT_ERRORS as exc:
