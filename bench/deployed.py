@@ -16,7 +16,7 @@ Reported per round: throughput, and each process's CPU seconds per request (from
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
-                             [--max-delay-s 0.002] [--raw-stored]
+                             [--max-delay-s 0.002] [--raw-stored] [--batch-sizes]
 """
 
 from __future__ import annotations
@@ -105,11 +105,18 @@ def _config(directory: Path, prefix: str, classifier: bool, max_delay_s: float =
     return path
 
 
-async def _sdk_producer(url: str, prefix: str, n: int, concurrency: int, payload: bytes, model: str | None) -> float:
+async def _sdk_producer(
+    url: str, prefix: str, n: int, concurrency: int, payload: bytes, model: str | None, batch_sizes: list[int] | None = None
+) -> float:
+    """The timed requests; with ``batch_sizes``, each answer's batch size is appended to it (read
+    from the answer's batch headers, which costs the producer a little CPU)."""
     async with sdk.Client.connect(url, prefix=prefix) as client:
         await client.infer(payload, model=model, timeout=60)  # the model loaded before timing
-        run = await harness.gather(lambda: client.infer(payload, model=model, timeout=60), n, concurrency)
-    return run.elapsed_s
+        if batch_sizes is None:
+            return (await harness.gather(lambda: client.infer(payload, model=model, timeout=60), n, concurrency)).elapsed_s
+        run = await harness.gather(lambda: client.infer_result(payload, model=model, timeout=60), n, concurrency)
+        batch_sizes.extend(r.batch.batch_size for r in run.results)
+        return run.elapsed_s
 
 
 async def _lone_requests(url: str, prefix: str, n: int, payload: bytes, model: str | None) -> list[float]:
@@ -124,7 +131,8 @@ async def _lone_requests(url: str, prefix: str, n: int, payload: bytes, model: s
 
 
 def jetbatch_round(
-    url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, classifier: bool, lone: int = 0, max_delay_s: float = MAX_DELAY_S
+    url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, classifier: bool, lone: int = 0, max_delay_s: float = MAX_DELAY_S,
+    batch_sizes: bool = False,
 ) -> dict[str, Any]:
     prefix = f"dep{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,10 +141,13 @@ def jetbatch_round(
             sidecars = [p.pid for name, p in sorted(dep.procs.items())]
             before = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
             model = None if classifier else "ident"
-            elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, model))
+            sizes: list[int] | None = [] if batch_sizes else None
+            elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, model, sizes))
             after = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
             alone = asyncio.run(_lone_requests(url, prefix, lone, payload, model)) if lone else []
     record = _record("classified" if classifier else "jetbatch", n, elapsed, before, after)
+    if sizes:
+        record["mean_batch"] = statistics.mean(sizes)
     if alone:
         # A lone request waits its whole batch window (max_delay); what it takes beyond is the path.
         record["lone_p50_over_max_delay_ms"] = (statistics.median(alone) - max_delay_s) * 1000
@@ -164,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw-stored", action="store_true", help="also the raw loop with its replies stored (PubAck before the ack)")
     parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
     parser.add_argument("--stored", action="store_true", help=argparse.SUPPRESS)  # the raw consumer's
+    parser.add_argument(
+        "--batch-sizes", action="store_true", help="report each jetbatch round's mean batch size (read from every answer: a little more producer CPU)"
+    )
     parser.add_argument("--json", help="append the record to this file (one JSON object per line)")
     args = parser.parse_args(argv)
     if args.raw_consumer:
@@ -179,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind, classifier in (("jetbatch", False), ("classified", True)):
                 by_kind[kind] = jetbatch_round(
                     server.url, server.pid, args.requests, args.concurrency, payload,
-                    classifier=classifier, lone=0 if classifier else args.lone, max_delay_s=args.max_delay_s,
+                    classifier=classifier, lone=0 if classifier else args.lone, max_delay_s=args.max_delay_s, batch_sizes=args.batch_sizes,
                 )  # fmt: skip
             rounds.append(by_kind)
 

@@ -34,9 +34,8 @@ def sleep_model(**overrides: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def running_sidecar(make: Callable[[Any, Any], Any], config: Config, url: str) -> AsyncIterator[Any]:
-    """Run the sidecar ``make(nc, reply_nc)`` builds (worker or classifier) in this event loop
-    until the block ends."""
+async def _running(make: Callable[[Any], Any], config: Config, url: str) -> AsyncIterator[Any]:
+    """Run a sidecar (worker or classifier) in this event loop until the block ends."""
     nc = await connect(config.nats, url)
     reply_nc = await connect_replies(config.nats, url)
     sidecar = make(nc, reply_nc)
@@ -57,13 +56,13 @@ async def running_sidecar(make: Callable[[Any, Any], Any], config: Config, url: 
 async def running_worker(
     config: Config, url: str, *, on_batch: Callable[[BatchReport], None] | None = None, **kw: Any
 ) -> AsyncIterator[Worker]:
-    async with running_sidecar(lambda nc, rnc: Worker(config, nc, on_batch=on_batch, reply_nc=rnc, **kw), config, url) as worker:
+    async with _running(lambda nc, rnc: Worker(config, nc, on_batch=on_batch, reply_nc=rnc, **kw), config, url) as worker:
         yield worker
 
 
 @contextlib.asynccontextmanager
 async def running_classifier(config: Config, url: str) -> AsyncIterator[Classifier]:
-    async with running_sidecar(lambda nc, rnc: Classifier(config, nc, reply_nc=rnc), config, url) as classifier:
+    async with _running(lambda nc, rnc: Classifier(config, nc, reply_nc=rnc), config, url) as classifier:
         yield classifier
 
 
@@ -108,26 +107,11 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s:
         await anyio.sleep(0.01)
 
 
-def record_buffered(nc: Any, head: str, into: list[int]) -> None:
-    """Have ``nc`` note, before each publish to a subject starting with ``head``, how many bytes
-    it holds unwritten: a drop between two publishes means the socket was written in between."""
-    publish = nc.publish
-
-    async def recording(subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None) -> None:
-        if subject.startswith(head):
-            into.append(nc.pending_data_size)
-        await publish(subject, payload, reply=reply, headers=headers)
-
-    nc.publish = recording
-
-
 __all__ = [
     "first_worker_resident",
-    "record_buffered",
     "make_config",
     "parse_config",
     "running_classifier",
-    "running_sidecar",
     "running_worker",
     "sleep_model",
     "wait_until",

@@ -17,12 +17,10 @@ import torch
 
 from jetbatch import sdk
 from jetbatch.sdk.protocol import ContentType, Headers, Tensor
-from jetbatch.sidecar.classifier import Classifier
 from jetbatch.sidecar.config import Config
-from jetbatch.sidecar.replies import PUBLISH_CHUNK
 from jetbatch.sidecar.streams import ensure_classifier_streams, ensure_model_consumer, ensure_streams
 from tests import classifier_fixtures
-from tests.helpers import record_buffered, running_classifier, running_sidecar, running_worker, wait_until
+from tests.helpers import running_classifier, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -137,33 +135,6 @@ async def test_garbled_payload_bad_request_and_producer_choice_skips_classificat
     assert good.batch.model == "m1"
     assert classifier_fixtures.BATCH_SIZES == [1]
     assert classifier.stats["direct"] == 1
-
-
-async def test_a_batchs_republishes_reach_the_socket_in_chunks(nats_url: str, prefix: str) -> None:
-    """As the worker's answers (tests/test_replies.py): the worker can take the first requests of
-    a routed batch while the rest are still being republished."""
-    n = 2 * PUBLISH_CHUNK + 1
-    cfg = config(prefix, {"router": "rules", "default_model": "m1", "max_batch_size": 2 * n, "max_delay_ms": 50})
-    await prepare(cfg, nats_url)
-    buffered: list[int] = []
-
-    def make(nc: Any, reply_nc: Any) -> Classifier:
-        record_buffered(nc, f"{prefix}.model.", buffered)
-        return Classifier(cfg, nc, reply_nc=reply_nc)
-
-    async with running_worker(cfg, nats_url), sdk.Client.connect(nats_url, prefix=prefix) as client:
-        calls = [asyncio.ensure_future(client.infer(f"r{i}".encode(), timeout=30)) for i in range(n)]
-        js = client.nats.jetstream()
-
-        async def all_queued() -> bool:
-            return (await js.stream_info(cfg.subjects.ingress_stream)).state.messages == n
-
-        await wait_until(all_queued, what="every request on the ingress")
-        async with running_sidecar(make, cfg, nats_url):  # its first batch takes them all
-            results = await asyncio.gather(*calls)
-    assert results == [f"r{i}".encode() for i in range(n)]
-    assert len(buffered) == n
-    assert [i for i in range(1, n) if buffered[i] < buffered[i - 1]] == [PUBLISH_CHUNK, 2 * PUBLISH_CHUNK]
 
 
 async def test_two_replicas_split_the_work(nats_url: str, prefix: str) -> None:

@@ -16,7 +16,6 @@ from jetbatch.sdk.protocol import ContentType, RequestMeta, Subjects
 from jetbatch.sidecar.config import RepliesConfig, StreamsConfig
 from jetbatch.sidecar.replies import PUBLISH_CHUNK, Answer, Replier
 from jetbatch.sidecar.streams import results_stream_config
-from tests.helpers import record_buffered
 
 pytestmark = pytest.mark.anyio
 
@@ -123,6 +122,19 @@ async def test_each_answer_is_one_message_stored_and_received_live(nats_url: str
         await nc.close()
 
 
+def _record_buffered(nc: Any, head: str, into: list[int]) -> None:
+    """Have ``nc`` note, before each publish to a subject starting with ``head``, how many bytes
+    it holds unwritten: a drop between two publishes means the socket was written in between."""
+    publish = nc.publish
+
+    async def recording(subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None) -> None:
+        if subject.startswith(head):
+            into.append(nc.pending_data_size)
+        await publish(subject, payload, reply=reply, headers=headers)
+
+    nc.publish = recording
+
+
 async def test_a_batchs_answers_reach_the_socket_in_chunks(nats_url: str, prefix: str) -> None:
     """A batch's answers were all published before any was written: a closed loop of callers
     then waited for the whole batch, and the worker for all their next requests, one batch in
@@ -133,7 +145,7 @@ async def test_a_batchs_answers_reach_the_socket_in_chunks(nats_url: str, prefix
     try:
         await nc.jetstream().add_stream(results_stream_config(subjects, StreamsConfig(), RepliesConfig()))
         buffered: list[int] = []
-        record_buffered(nc, f"{prefix}.result.", buffered)
+        _record_buffered(nc, f"{prefix}.result.", buffered)
         replier = Replier(nc, subjects, RepliesConfig())
         answers = [_keyed(f"r{i}") for i in range(2 * PUBLISH_CHUNK + 1)]
         await replier.deliver(answers)

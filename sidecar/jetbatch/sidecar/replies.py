@@ -50,8 +50,8 @@ __all__ = ["PUBLISH_CHUNK", "Answer", "Replier", "client_message"]
 log = logging.getLogger("jetbatch.replies")
 
 _STORE_TIMEOUT_S = 5.0
-# Messages published back to back before the connection is given a chance to write them
-# (answers in ``Replier.deliver``, the classifier's republishes).
+# Answers published back to back before the connection is given a chance to write them
+# (``Replier.deliver``).
 PUBLISH_CHUNK = 32
 _SETTLE_ATTEMPTS = 3
 # JetStream's "atomic publish is disabled" (a results stream made without allow_atomic).

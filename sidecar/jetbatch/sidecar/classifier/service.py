@@ -47,7 +47,7 @@ from ..errors import TRANSPORT_ERRORS, pull
 from ..config import Config, ConfigError
 from ..policy import BatchWindow
 from ..pulling import Puller
-from ..replies import PUBLISH_CHUNK, Answer, Replier, client_message, settle
+from ..replies import Answer, Replier, client_message, settle
 from ..runtime import retry_startup
 from ..status import serve_status
 from ..streams import classifier_consumer_name, ensure_classifier_streams
@@ -245,11 +245,7 @@ class Classifier:
         path, retried under its ``Nats-Msg-Id`` with typed errors."""
         failed: list[tuple[Msg, RequestMeta, Route]] = []
         sent: list[tuple[Msg, RequestMeta, Route, str, dict[str, str], asyncio.Future[Any] | None]] = []
-        for n, (msg, meta, route) in enumerate(routed):
-            if n and n % PUBLISH_CHUNK == 0:
-                # Handed to the socket in chunks, as the worker's answers are (replies.py): the
-                # worker starts on the first requests while the rest are published.
-                await asyncio.sleep(0)
+        for msg, meta, route in routed:
             prepared = self._prepare(msg, meta, route)
             if isinstance(prepared, tuple) and isinstance(prepared[0], ErrorCode):
                 failed.append((msg, meta, Route(route.model, prepared)))
