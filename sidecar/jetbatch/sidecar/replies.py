@@ -146,10 +146,11 @@ class Replier:
 
         The answers go out in chunks of :data:`PUBLISH_CHUNK` (with ``atomic_batches``, one
         atomic batch), each chunk's stored copies first and its protocol-2 replies right behind
-        them on the same connection, and only then are the PubAcks awaited: a caller gets its answer without waiting for the store's round trip,
-        while the request is still acked only once its stored copy is confirmed (``safe``). An
-        answer that arrives before a store that then fails is harmless: the request is
-        redelivered, and the caller ignores a second answer."""
+        them on the same connection, and only then are the PubAcks awaited: a caller gets its
+        answer without waiting for the store's round trip, while the request is still acked
+        only once its stored copy is confirmed (``safe``). An answer that arrives before a store
+        that then fails is harmless: the request is redelivered, and the caller ignores a second
+        answer."""
         answers[:] = [self.fit(a) for a in answers]
         stores: list[tuple[list[Answer], asyncio.Future[Any]]] = []
         # In chunks, each handed to the socket before the next is published: the first callers
