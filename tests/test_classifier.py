@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from jetbatch import sdk
-from jetbatch.sdk.protocol import ContentType, Headers, Tensor
+from jetbatch.sdk.protocol import ContentType, Headers, Tensor, header_bytes
 from jetbatch.sidecar.config import Config
 from jetbatch.sidecar.streams import ensure_classifier_streams, ensure_model_consumer, ensure_streams
 from tests import classifier_fixtures
@@ -255,6 +255,31 @@ async def test_two_tenants_may_choose_the_same_request_id(nats_url: str, prefix:
             stored = {t: await js.get_msg(cfg.subjects.results_stream, subject=cfg.subjects.answer_anywhere("same-1", t), direct=True) for t in "ab"}
     assert (first, second, again) == ({"from": "a"}, {"from": "b"}, {"from": "a"})
     assert all(m.headers[Headers.STATUS] == "ok" for m in stored.values())
+
+
+async def test_a_tenants_request_at_the_ingress_limit_still_fits_its_model_queue_once_routed(nats_url: str, prefix: str) -> None:
+    """The classifier adds the tenant and a tenant-scoped dedupe id to what it republishes: a
+    tenant's request exactly at the ingress's max message size used to be refused by the model
+    queue as too large (``bad_request``). The models stream leaves room for what routing adds."""
+    cfg = config(prefix, {"router": "rules", "rules": [], "default_model": "m1"})
+    cfg = msgspec.structs.replace(cfg, streams=msgspec.structs.replace(cfg.streams, max_msg_size=4096))
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            limit = (await js.stream_info(cfg.subjects.ingress_stream)).config.max_msg_size
+            answers: asyncio.Queue[Any] = asyncio.Queue()
+            await nc.subscribe(cfg.subjects.answers("k", "app1"), cb=answers.put)
+            headers = {Headers.MSG_ID: "app1.big-1", Headers.REPLY_KEY: "k"}
+            body = b"a" * (limit - header_bytes(headers))
+            assert header_bytes(headers) + len(body) == limit
+            await js.publish(cfg.subjects.tenant_ingress("app1"), body, headers=headers, timeout=10)
+            with anyio.fail_after(20):
+                answer = await answers.get()
+        finally:
+            await nc.close()
+    assert answer.headers[Headers.STATUS] == "ok", answer.headers
+    assert answer.data == body
 
 
 async def test_an_ingress_whose_tenant_is_the_no_tenant_token_is_refused_never_served_untenanted(nats_url: str, prefix: str) -> None:

@@ -92,6 +92,10 @@ def results_stream_config(subjects: Subjects, cfg: StreamsConfig, replies: Repli
     )
 
 
+# What the classifier's republish may add to a request's headers (``models_stream_config``).
+ROUTING_HEADROOM_BYTES = 1024
+
+
 def models_stream_config(subjects: Subjects, cfg: StreamsConfig, models: Iterable[str]) -> StreamConfig:
     """One stream holding every per-model queue ``<prefix>.model.<name>``.
 
@@ -105,6 +109,10 @@ def models_stream_config(subjects: Subjects, cfg: StreamsConfig, models: Iterabl
     """
     subjects_list = sorted({subjects.model(m, p) for m in models for p in Priority})
     config = _work_queue(subjects.models_stream, subjects_list, cfg, "jetbatch per-model queues")
+    # A request the ingress took whole must fit once routed: the classifier adds the tenant it
+    # arrived under and a tenant-scoped dedupe id (a tenant's request at the ingress's limit was
+    # refused by this stream as too large).
+    config.max_msg_size = cfg.max_msg_size + ROUTING_HEADROOM_BYTES
     config.republish = RePublish(src=subjects.models_wildcard, dest=subjects.arrivals_wildcard, headers_only=True)
     return config
 
