@@ -211,6 +211,8 @@ _WORKLOADS = {
         (["bench", "--concurrency", "2", "--duration", "-1"], "must be > 0"),
         (["bench", "--concurrency", "2", "--out", "{dir}/missing/out.json"], "does not exist"),
         (["probe", "--timeout", "-1"], "must be > 0"),
+        (["probe", "--timeout", "1e10"], "<= 604800"),  # a socket timeout's overflow, as a traceback
+        (["status", "--wait", "1e10"], "<= 604800"),
         (["probe", "--host", "no such host!"], "expected a host name or address"),
         (["up", "--config", "{dir}/none.toml", "--port", "70000"], "out of range 0-65535"),
         (["up", "--config", "{dir}/none.toml", "--port", "-1"], "out of range 0-65535"),
@@ -232,6 +234,16 @@ def test_cli_bad_arguments_are_one_line_and_exit_2(tmp_path: Path, args: list[st
     # One line of error (argparse adds its usage line before its own).
     errors = [line for line in proc.stderr.splitlines() if line and not line.startswith(("usage:", " "))]
     assert len(errors) == 1, proc.stderr
+
+
+def test_probe_at_a_port_that_is_not_http_is_one_line_and_exit_1(nats_url: str) -> None:
+    """A health check pointed at the NATS port by mistake got a traceback (the server's INFO line
+    is no HTTP status line): it is a port that does not answer as a sidecar, exit 1."""
+    port = nats_url.rsplit(":", 1)[1]
+    proc = run_cli("probe", "--port", port, "--timeout", "5", timeout=30)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.strip().count("\n") == 0 and "not an HTTP answer" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])

@@ -46,8 +46,10 @@ def add_log_level(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _number(kind: type, minimum: float, inclusive: bool) -> Callable[[str], Any]:
+def _number(kind: type, minimum: float, inclusive: bool, maximum: float | None = None) -> Callable[[str], Any]:
     bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+    if maximum is not None:
+        bound += f" and <= {maximum:g}"
 
     def parse(text: str) -> Any:
         try:
@@ -55,6 +57,8 @@ def _number(kind: type, minimum: float, inclusive: bool) -> Callable[[str], Any]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         if value != value or value in (float("inf"), float("-inf")) or not (value >= minimum if inclusive else value > minimum):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        if maximum is not None and value > maximum:
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
         return value
 
@@ -66,6 +70,10 @@ def _number(kind: type, minimum: float, inclusive: bool) -> Callable[[str], Any]
 positive_int = _number(int, 1, True)
 non_negative_int = _number(int, 0, True)
 positive_float = _number(float, 0.0, False)
+# Durations, timeouts and waits: a week at most (beyond about 1e9 s, socket and event-loop
+# timeouts overflow with a traceback).
+MAX_SECONDS = 7 * 24 * 3600.0
+positive_seconds = _number(float, 0.0, False, MAX_SECONDS)
 non_negative_float = _number(float, 0.0, True)
 
 

@@ -21,6 +21,7 @@ from ._common import (
     add_prefix,
     positive_float,
     positive_int,
+    positive_seconds,
     writable_file,
 )
 
@@ -30,10 +31,10 @@ def register(sub: Any) -> None:
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--rate", type=positive_float, metavar="RPS", help="open loop: requests per second (Poisson arrivals)")
     load.add_argument("--concurrency", type=positive_int, metavar="N", help="closed loop: N callers in parallel")
-    p.add_argument("--duration", type=positive_float, default=10.0, metavar="S", help="seconds of load (default 10)")
+    p.add_argument("--duration", type=positive_seconds, default=10.0, metavar="S", help="seconds of load (default 10)")
     p.add_argument("--mix", default="m1=0.5,m2=0.5", help="model mix, e.g. m1=0.5,m2=0.3,auto=0.2 (auto: the classifier decides)")
     p.add_argument("--payload", default="bytes:256", help="bytes:N | tensor:DIM | examples (default bytes:256)")
-    p.add_argument("--timeout", type=positive_float, default=30.0, metavar="S", help="per-request timeout in seconds (default 30)")
+    p.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S", help="per-request timeout in seconds (default 30)")
     add_nats_url(p)
     p.add_argument("--config", default=None, metavar="FILE", help="config for the embedded deployment (default: sleep models for the mix)")
     add_prefix(p)

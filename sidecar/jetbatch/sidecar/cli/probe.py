@@ -6,12 +6,13 @@ Standard library only and no torch import, so a probe every few seconds costs mi
 from __future__ import annotations
 
 import argparse
+import http.client
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
-from ._common import EXIT_FAILED, EXIT_OK, CliError, port_number, positive_float
+from ._common import EXIT_FAILED, EXIT_OK, CliError, port_number, positive_seconds
 
 
 def register(sub: Any) -> None:
@@ -23,7 +24,7 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="host of the sidecar (default: 127.0.0.1)")
     p.add_argument("--live", action="store_true", help="ask /healthz (alive) instead of /readyz (ready to serve)")
     p.add_argument("--model", default=None, help="ask whether this one model can be served now (/readyz?model=M)")
-    p.add_argument("--timeout", type=positive_float, default=2.0, metavar="S", help="seconds per port (default: 2)")
+    p.add_argument("--timeout", type=positive_seconds, default=2.0, metavar="S", help="seconds per port (default: 2)")
     p.set_defaults(run=run)
 
 
@@ -50,5 +51,8 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         except (urllib.error.URLError, OSError) as e:
             last = f"{url}: {getattr(e, 'reason', e)}"
+        except http.client.HTTPException as e:
+            # Something that is not an HTTP server answered (the NATS port given by mistake).
+            last = f"{url}: not an HTTP answer ({type(e).__name__}: {str(e)[:80]!r})"
     print(last)
     return EXIT_FAILED

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from typing import Any
 
-from ._common import EXIT_FAILED, EXIT_OK, add_json, add_nats_url, add_prefix, positive_float
+from ._common import EXIT_FAILED, EXIT_OK, add_json, add_nats_url, add_prefix, positive_seconds
 
 
 def register(sub: Any) -> None:
@@ -17,7 +17,7 @@ def register(sub: Any) -> None:
     )  # fmt: skip
     add_nats_url(p)
     add_prefix(p)
-    p.add_argument("--wait", type=positive_float, default=0.5, metavar="S", help="seconds to collect answers (default 0.5)")
+    p.add_argument("--wait", type=positive_seconds, default=0.5, metavar="S", help="seconds to collect answers (default 0.5)")
     add_json(p, "one report per line")
     p.set_defaults(run=run)
 
