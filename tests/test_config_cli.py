@@ -188,8 +188,9 @@ _WORKLOADS = {
     "negative.toml": "[models.m1]\nload_cost_s = -1\n",
     "typo.toml": "[models.m1]\nload_cost_s = 1\n[budget]\nmax_modelz = 1\n",
     "options.toml": "[models.m1]\nload_cost_s = 1\n[policy]\nbogus = 2\n",
-    "huge.toml": '[models.m1]\nload_cost_s = 1\n[arrivals]\nkind = "poisson"\nrate = 1e12\n',
+    "huge.toml": '[models.m1]\nload_cost_s = 1\n[arrivals]\nkind = "poisson"\nrate = 1e8\n',
     "burst.toml": "[models.m1]\nload_cost_s = 0.1\n",
+    "inf.toml": "[models.m1]\nload_cost_s = inf\n",
 }
 
 
@@ -200,6 +201,15 @@ _WORKLOADS = {
         (["demo", "--dir", "{file}"], "exists and is not a directory"),
         (["demo", "--requests", "-5"], "must be >= 0"),
         (["demo", "--concurrency", "0"], "must be >= 1"),  # it hung forever
+        # Found by an independent attack on the CLI: each printed a traceback, or (a concurrency of
+        # 1e11) took all the memory and left the embedded server running when it was killed.
+        (["demo", "--requests", "99999999999999"], "<= 1e+07"),
+        (["bench", "--concurrency", "99999999999"], "<= 100000"),
+        (["bench", "--concurrency", "2", "--mix", "m1=nan"], "not a finite number"),
+        (["bench", "--concurrency", "2", "--payload", "bytes:-1"], "bytes:N must be 0 to"),
+        (["bench", "--concurrency", "2", "--payload", "bytes:999999999999"], "bytes:N must be 0 to"),
+        (["bench", "--concurrency", "2", "--payload", "tensor:x"], "takes a whole number"),
+        (["simulate", "--workload", "{dir}/inf.toml"], "models.m1.load_cost_s: Expected `float`"),
         (["simulate", "--workload", "{dir}/models.json"], "models: Expected `object`, got `int`"),
         (["simulate", "--workload", "{dir}/zero.toml"], "models.m1.max_batch_size: Expected `int` >= 1"),
         (["simulate", "--workload", "{dir}/negative.toml"], "models.m1.load_cost_s: Expected `float` >= 0.0"),

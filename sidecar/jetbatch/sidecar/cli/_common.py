@@ -74,6 +74,12 @@ positive_float = _number(float, 0.0, False)
 # timeouts overflow with a traceback).
 MAX_SECONDS = 7 * 24 * 3600.0
 positive_seconds = _number(float, 0.0, False, MAX_SECONDS)
+# Callers in flight and requests sent: each is a coroutine or a row in memory (a concurrency of
+# 1e11 took the machine's memory and left the embedded server behind when it was killed).
+MAX_CONCURRENCY = 100_000
+MAX_REQUESTS = 10_000_000
+concurrency_count = _number(int, 1, True, MAX_CONCURRENCY)
+request_count = _number(int, 0, True, MAX_REQUESTS)
 non_negative_float = _number(float, 0.0, True)
 
 

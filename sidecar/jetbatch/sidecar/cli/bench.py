@@ -19,8 +19,8 @@ from ._common import (
     add_log_level,
     add_nats_url,
     add_prefix,
+    concurrency_count,
     positive_float,
-    positive_int,
     positive_seconds,
     writable_file,
 )
@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="load-test a deployment (or an embedded one) with the SDK")
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--rate", type=positive_float, metavar="RPS", help="open loop: requests per second (Poisson arrivals)")
-    load.add_argument("--concurrency", type=positive_int, metavar="N", help="closed loop: N callers in parallel")
+    load.add_argument("--concurrency", type=concurrency_count, metavar="N", help="closed loop: N callers in parallel")
     p.add_argument("--duration", type=positive_seconds, default=10.0, metavar="S", help="seconds of load (default 10)")
     p.add_argument("--mix", default="m1=0.5,m2=0.5", help="model mix, e.g. m1=0.5,m2=0.3,auto=0.2 (auto: the classifier decides)")
     p.add_argument("--payload", default="bytes:256", help="bytes:N | tensor:DIM | examples (default bytes:256)")
@@ -46,10 +46,11 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jetbatch.sidecar.dev.loadtest import BenchError, BenchResult, parse_mix, plot_timeline, print_table, run_bench, sleep_config
+    from jetbatch.sidecar.dev.loadtest import BenchError, BenchResult, check_payload, parse_mix, plot_timeline, print_table, run_bench, sleep_config
 
     try:
         mix = parse_mix(args.mix)
+        check_payload(args.payload)
         if args.out:
             writable_file(args.out, "--out")
         if args.plot:

@@ -10,6 +10,7 @@ the ``sleep`` handler for every model of the mix.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import random
@@ -27,7 +28,7 @@ from ..percentiles import percentile
 
 from ..errors import SidecarError
 
-__all__ = ["BenchError", "BenchResult", "parse_mix", "plot_timeline", "print_table", "run_bench", "sleep_config"]
+__all__ = ["BenchError", "BenchResult", "check_payload", "parse_mix", "plot_timeline", "print_table", "run_bench", "sleep_config"]
 
 
 class BenchError(SidecarError, ValueError):
@@ -50,6 +51,8 @@ def parse_mix(text: str) -> dict[str, float]:
             w = float(weight)
         except ValueError:
             raise BenchError(f"--mix: weight of {name!r} is not a number: {weight!r}") from None
+        if not math.isfinite(w):
+            raise BenchError(f"--mix: weight of {name!r} is not a finite number: {weight!r}")
         if w < 0:
             raise BenchError(f"--mix: weight of {name!r} is negative")
         mix[name] = w
@@ -98,14 +101,36 @@ class BenchResult:
         }
 
 
-def _payload_factory(spec: str) -> Any:
+# Bounds of ``--payload``: the largest message a NATS server takes, and a tensor well under it.
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+MAX_TENSOR_DIM = 1024 * 1024
+
+
+def check_payload(spec: str) -> tuple[str, int]:
+    """``--payload``'s kind and size, checked before anything starts (:class:`BenchError`)."""
     kind, _, arg = spec.partition(":")
+    limits = {"bytes": (0, MAX_PAYLOAD_BYTES, 256), "tensor": (1, MAX_TENSOR_DIM, 16)}
+    if kind == "examples" and not arg:
+        return kind, 0
+    if kind not in limits:
+        raise BenchError(f"--payload: expected bytes:N, tensor:DIM or examples, got {spec!r}")
+    low, high, default = limits[kind]
+    try:
+        n = int(arg) if arg else default
+    except ValueError:
+        raise BenchError(f"--payload: {kind}:N takes a whole number, got {arg!r}") from None
+    if not low <= n <= high:
+        raise BenchError(f"--payload: {kind}:N must be {low} to {high}, got {n}")
+    return kind, n
+
+
+def _payload_factory(spec: str) -> Any:
+    kind, n = check_payload(spec)
     if kind == "bytes":
-        size = int(arg or 256)
-        body = os.urandom(size)
+        body = os.urandom(n)
         return lambda: body
     if kind == "tensor":
-        dim = int(arg or 16)
+        dim = n
         import torch
 
         gen = torch.Generator().manual_seed(0)
@@ -117,7 +142,6 @@ def _payload_factory(spec: str) -> Any:
         x, _ = sample_inputs(256, seed=1)
         pool = [Tensor.from_torch(row) for row in x]
         return lambda: random.choice(pool)
-    raise BenchError(f"--payload: expected bytes:N, tensor:DIM or examples, got {spec!r}")
 
 
 async def run_bench(

@@ -226,8 +226,9 @@ def load_workload(path: str | Path) -> Workload:
 
 
 # The file's schema: unknown keys, wrong types and out-of-range numbers are refused with the key.
-_NonNeg = Annotated[float, Meta(ge=0)]
-_Positive = Annotated[float, Meta(gt=0)]
+# Finite: an infinite cost ran and printed NaN latencies (and JSON no parser reads).
+_NonNeg = Annotated[float, Meta(ge=0, le=1e9)]
+_Positive = Annotated[float, Meta(gt=0, le=1e9)]
 _Count = Annotated[int, Meta(ge=1)]
 
 
