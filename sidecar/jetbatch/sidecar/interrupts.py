@@ -68,12 +68,48 @@ def signals_deferred() -> Iterator[None]:
 def run_interruptible(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(coro)`` for code a signal may interrupt at any moment: its event loop is
     built while SIGINT and SIGTERM wait, and a coroutine that never started is closed (no
-    "never awaited" warning when the interrupt came first)."""
+    "never awaited" warning when the interrupt came first). While it runs, a SIGTERM that
+    :func:`sigterm_as_interrupt` turns into an interrupt cancels it as asyncio cancels on Ctrl-C,
+    and ``KeyboardInterrupt`` is raised once it has unwound."""
     runner = asyncio.Runner()
+    terminated: list[bool] = []
+    main: Coroutine[Any, Any, T] | None = None
     try:
         with signals_deferred():
             runner.get_loop()
-        return runner.run(coro)
+        main = _terminable(coro, terminated)
+        try:
+            return runner.run(main)
+        except asyncio.CancelledError:
+            if terminated:
+                raise KeyboardInterrupt from None
+            raise
     finally:
+        if main is not None:
+            main.close()
         coro.close()
         runner.close()
+
+
+async def _terminable(coro: Coroutine[Any, Any, T], terminated: list[bool]) -> T:
+    """``coro``, cancelled by a SIGTERM that is to interrupt (a Python handler is set for it).
+    Raised from the handler at whatever bytecode ran, the interrupt hit the event loop itself:
+    ``jetbatch bench`` then printed "coroutine ignored GeneratorExit", no summary, and crashed at
+    exit (status 139). Cancelled, it unwinds as after Ctrl-C: finally blocks, partial results."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        return await coro
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def on_term() -> None:
+        terminated.append(True)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        return await coro
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)  # which leaves SIG_DFL: the handler before goes back
+        signal.signal(signal.SIGTERM, previous)
