@@ -136,12 +136,11 @@ def _payload_factory(spec: str) -> Any:
         gen = torch.Generator().manual_seed(0)
         pool = [Tensor.from_torch(torch.randn(dim, generator=gen)) for _ in range(64)]
         return lambda: random.choice(pool)
-    if kind == "examples":
-        from .example_models import sample_inputs
+    from .example_models import sample_inputs  # examples: the demo's inputs
 
-        x, _ = sample_inputs(256, seed=1)
-        pool = [Tensor.from_torch(row) for row in x]
-        return lambda: random.choice(pool)
+    x, _ = sample_inputs(256, seed=1)
+    rows = [Tensor.from_torch(row) for row in x]
+    return lambda: random.choice(rows)
 
 
 async def run_bench(
