@@ -34,6 +34,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
         ("[models.m1\n", "invalid TOML"),
         ('[models.m1]\nhandler = "sleep"\nmax_delay_s = 0.01\nmax_delay_ms = 20\n', "models.m1.max_delay_s: 0.01 s and max_delay_ms: 20.0 ms disagree"),
         ('[models.m1]\nhandler = "sleep"\nmax_wait_s = -1\n', "models.m1.max_wait_s: Expected `float` > 0"),
+        ('[models.m1]\nhandler = "sleep"\nmax_delay_s = inf\n', "models.m1.max_delay_s: Expected `float` <= 1000000000.0"),
         # Checked when the file is read, so the file is named before any connection is tried.
         ('[worker]\npolicy = "lifo"\n', "worker.policy: unknown policy 'lifo'"),
         # Pins that leave no room for the other models, by count or by bytes.
@@ -89,6 +90,15 @@ def test_a_missing_model_file_is_not_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "models.toml"
     path.write_text('[models.m1]\nhandler = "export"\npath = "ghost.pt2"\n')
     check_model_configs(load_config(path).models, str(path))
+
+
+def test_a_worker_config_without_models_names_its_file(tmp_path: Path) -> None:
+    """Found by an independent attack on the CLI: the line named neither the file nor the key."""
+    path = tmp_path / "w.toml"
+    path.write_text('[worker]\nid = "w1"\n')
+    proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"jetbatch worker: {path}: no [models.<name>] section: a worker needs a model to serve"
 
 
 def test_classifier_handler_errors_name_file_and_key(tmp_path: Path) -> None:

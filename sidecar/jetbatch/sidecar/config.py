@@ -42,8 +42,10 @@ __all__ = [
 ]
 
 PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegFloat = Annotated[float, Meta(ge=0)]
-PositiveFloat = Annotated[float, Meta(gt=0)]
+# Every float in the file is seconds (or their milliseconds) or a cost: finite (TOML's inf
+# passed, and a batch window of inf never closed).
+NonNegFloat = Annotated[float, Meta(ge=0, le=1e9)]
+PositiveFloat = Annotated[float, Meta(gt=0, le=1e9)]
 MiB = 1024 * 1024
 _OWN_KEY_RE = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.DOTALL)
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")

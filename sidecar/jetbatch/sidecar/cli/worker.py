@@ -21,6 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from jetbatch.sidecar.worker import Worker
 
     config = load_config(args.config)
+    if not config.models:
+        raise CliError(f"{args.config}: no [models.<name>] section: a worker needs a model to serve")
     check_model_configs(config.models, args.config)  # a bad handler or module_class names its file and key now
     url = args.nats_url or config.nats.url
     if not url:
