@@ -125,6 +125,22 @@ def test_a_taken_http_port_stops_the_sidecar_with_one_line(examples_dir: Path, t
     ]
 
 
+def test_up_with_a_taken_http_port_says_it_in_the_sidecars_one_line(examples_dir: Path, tmp_path: Path) -> None:
+    """`jetbatch up` added "worker0 exited with status 2" and a blank line below the worker's own
+    line (found by an independent attack on the CLI): the worker's line is the one line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "jetbatch", "up", "--config", str(examples_dir / "up.toml"), "--port", "0", "--http-port", str(port)],
+            capture_output=True, text=True, timeout=120, env=_env(tmp_path),
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"jetbatch worker: cannot listen on 127.0.0.1:{port}"), proc.stderr
+
+
 def test_a_taken_nats_port_is_reported_without_waiting(tmp_path: Path) -> None:
     from jetbatch.sidecar.dev.natsserver import EmbeddedNats, NatsServerError
 

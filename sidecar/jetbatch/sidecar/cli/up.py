@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import EXIT_FAILED, EXIT_INTERRUPTED, add_sidecar_options, port_number
+from ._common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, add_sidecar_options, port_number
 
 
 def register(sub: Any) -> None:
@@ -55,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         dep.start()
-    except DeploymentError:
+    except DeploymentError as exc:
         if stop["signal"]:
             return EXIT_INTERRUPTED  # Ctrl-C while starting: the sidecars stopped because of it, not failed
+        if exc.shown:
+            return EXIT_USAGE  # the sidecar's own one-line error is the message
         raise
     if stop["signal"]:
         dep.stop()

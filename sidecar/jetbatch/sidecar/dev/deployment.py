@@ -28,7 +28,12 @@ __all__ = ["Deployment", "DeploymentError"]
 
 
 class DeploymentError(SidecarError):
-    """A sidecar exited or did not become ready; the message ends with its log tail."""
+    """A sidecar exited or did not become ready; the message ends with its log tail. ``shown``:
+    the sidecar exited on a user error it printed itself, in one line, to this terminal."""
+
+    def __init__(self, message: str, *, shown: bool = False) -> None:
+        super().__init__(message)
+        self.shown = shown
 
 
 class Deployment:
@@ -184,7 +189,10 @@ class Deployment:
         for name, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
-                raise DeploymentError(f"{name} exited with status {code}\n{self.logs_tail(name)}")
+                tail = self.logs_tail(name)
+                # Status 2 is a user error the sidecar printed in one line; with no log file here,
+                # that line went to this terminal already.
+                raise DeploymentError(f"{name} exited with status {code}" + (f"\n{tail}" if tail else ""), shown=code == 2 and not tail)
 
     def logs_tail(self, name: str | None = None, lines: int = 20) -> str:
         parts = []
