@@ -101,6 +101,24 @@ def test_a_worker_config_without_models_names_its_file(tmp_path: Path) -> None:
     assert proc.stderr.strip() == f"jetbatch worker: {path}: no [models.<name>] section: a worker needs a model to serve"
 
 
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ('[nats]\ncreds_file = "/nonexistent.creds"\n', "nats.creds_file: file /nonexistent.creds not found"),
+        ('[worker]\ndevice = "tpu9"\n', "worker.device: invalid device 'tpu9'"),
+    ],
+)
+def test_a_worker_configs_connection_files_and_device_name_the_file(tmp_path: Path, section: str, expected: str) -> None:
+    """Found by an independent attack on the CLI: these lines named neither the file nor (the
+    device) the key."""
+    path = tmp_path / "w.toml"
+    path.write_text(section + '[models.m1]\nhandler = "sleep"\n')
+    proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith(f"jetbatch worker: {path}: {expected}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_classifier_handler_errors_name_file_and_key(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[classifier]\nrouter = "torch"\nhandler = "nosuch:Net"\nlabels = { "0" = "m1" }\n[models.m1]\nhandler = "sleep"\n')

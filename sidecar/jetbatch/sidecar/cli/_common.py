@@ -109,6 +109,21 @@ def usable_dir(path: str, what: str) -> None:
         raise CliError(f"{what} {path}: cannot create it: {exc.strerror or exc}") from None
 
 
+def check_connection_files(config: Any, source: str) -> None:
+    """The credential and TLS files ``config.nats`` names (its reply identity's too) exist: a
+    missing one is named with ``source``, the config file, before anything connects (it was
+    found at connect, without the file)."""
+    from ..config import ConfigError
+    from ..transport import connect_options
+
+    try:
+        connect_options(config.nats)
+        if config.nats.reply_identity is not None:
+            connect_options(config.nats, config.nats.reply_identity)
+    except ConfigError as exc:
+        raise CliError(f"{source}: {exc}") from None
+
+
 def add_json(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--json", action="store_true", help=f"print {what} as JSON on stdout instead of a table")
 

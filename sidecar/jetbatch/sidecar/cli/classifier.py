@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import CliError, add_sidecar_options, http_port, run_async, setup_telemetry
+from ._common import CliError, add_sidecar_options, check_connection_files, http_port, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from jetbatch.sidecar.classifier.routers import check_router_config
 
     check_router_config(config.classifier, args.config)
+    check_connection_files(config, args.config)
     url = args.nats_url or config.nats.url
     if not url:
         raise CliError("no NATS server: pass --nats-url or set NATS_URL or nats.url")

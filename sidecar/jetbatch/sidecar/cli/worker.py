@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import CliError, add_sidecar_options, http_port, run_async, setup_telemetry
+from ._common import CliError, add_sidecar_options, check_connection_files, http_port, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
@@ -16,13 +16,18 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jetbatch.sidecar.config import load_config
-    from jetbatch.sidecar.handlers import check_model_configs
+    from jetbatch.sidecar.handlers import HandlerError, check_model_configs, resolve_device
     from jetbatch.sidecar.runtime import serve_sidecar
     from jetbatch.sidecar.worker import Worker
 
     config = load_config(args.config)
     if not config.models:
         raise CliError(f"{args.config}: no [models.<name>] section: a worker needs a model to serve")
+    check_connection_files(config, args.config)
+    try:
+        resolve_device(config.worker.device)
+    except HandlerError as exc:
+        raise CliError(f"{args.config}: worker.device: {exc}") from None
     check_model_configs(config.models, args.config)  # a bad handler or module_class names its file and key now
     url = args.nats_url or config.nats.url
     if not url:
