@@ -56,9 +56,8 @@ def _number(kind: type, minimum: float, inclusive: bool, maximum: float | None =
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-        if value != value or value in (float("inf"), float("-inf")) or not (value >= minimum if inclusive else value > minimum):
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
-        if maximum is not None and value > maximum:
+        in_range = (value >= minimum if inclusive else value > minimum) and (maximum is None or value <= maximum)
+        if value != value or value in (float("inf"), float("-inf")) or not in_range:
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
         return value
 

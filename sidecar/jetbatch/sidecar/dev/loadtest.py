@@ -130,11 +130,10 @@ def _payload_factory(spec: str) -> Any:
         body = os.urandom(n)
         return lambda: body
     if kind == "tensor":
-        dim = n
         import torch
 
         gen = torch.Generator().manual_seed(0)
-        pool = [Tensor.from_torch(torch.randn(dim, generator=gen)) for _ in range(64)]
+        pool = [Tensor.from_torch(torch.randn(n, generator=gen)) for _ in range(64)]
         return lambda: random.choice(pool)
     from .example_models import sample_inputs  # examples: the demo's inputs
 
