@@ -9,14 +9,16 @@ inbox. Same payloads, requests and concurrency; rounds alternate raw / jetbatch 
 ``--raw-stored``, each round also runs the raw loop storing its replies (a JetStream publish into
 a results stream, the requests acked once the PubAcks came; the producer listens on the results
 subjects), the least a loop does that acks a request only once its answer is safe.
-After each SDK -> worker run, ``--lone`` requests one at a time: a lone request's median latency
-beyond its batch window (``lone_p50_over_max_delay_ms``).
+After each SDK -> worker run, ``--lone`` requests one at a time (``--lone-gap-s`` apart): a lone
+request's median latency beyond its batch window (``lone_p50_over_max_delay_ms``), and how much
+of that is its batch starting past the window (``lone_batch_start_over_max_delay_ms``, the queue
+wait the worker reports).
 
 Reported per round: throughput, and each process's CPU seconds per request (from /proc): the
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
-                             [--max-delay-s 0.002] [--raw-stored] [--batch-sizes]
+                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--batch-sizes]
 """
 
 from __future__ import annotations
@@ -119,20 +121,24 @@ async def _sdk_producer(
         return run.elapsed_s
 
 
-async def _lone_requests(url: str, prefix: str, n: int, payload: bytes, model: str | None) -> list[float]:
-    """``n`` requests one at a time, each alone in its batch window: their latencies."""
-    latencies: list[float] = []
+async def _lone_requests(url: str, prefix: str, n: int, payload: bytes, model: str | None, gap_s: float = 0.0) -> list[tuple[float, float]]:
+    """``n`` requests one at a time, each alone in its batch window (``gap_s`` apart: an idle
+    host between them): each one's latency and its wait in the queue until its batch started,
+    as the worker reports it (the batch window and what closing it took)."""
+    out: list[tuple[float, float]] = []
     async with sdk.Client.connect(url, prefix=prefix) as client:
         for _ in range(n):
             started = time.perf_counter()
-            await client.infer(payload, model=model, timeout=60)
-            latencies.append(time.perf_counter() - started)
-    return latencies
+            result = await client.infer_result(payload, model=model, timeout=60)
+            out.append((time.perf_counter() - started, result.batch.queue_wait_ms / 1000))
+            if gap_s:
+                await asyncio.sleep(gap_s)
+    return out
 
 
 def jetbatch_round(
     url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, classifier: bool, lone: int = 0, max_delay_s: float = MAX_DELAY_S,
-    batch_sizes: bool = False,
+    batch_sizes: bool = False, lone_gap_s: float = 0.0,
 ) -> dict[str, Any]:
     prefix = f"dep{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,13 +150,15 @@ def jetbatch_round(
             sizes: list[int] | None = [] if batch_sizes else None
             elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, model, sizes))
             after = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
-            alone = asyncio.run(_lone_requests(url, prefix, lone, payload, model)) if lone else []
+            alone = asyncio.run(_lone_requests(url, prefix, lone, payload, model, lone_gap_s)) if lone else []
     record = _record("classified" if classifier else "jetbatch", n, elapsed, before, after)
     if sizes:
         record["mean_batch"] = statistics.mean(sizes)
     if alone:
-        # A lone request waits its whole batch window (max_delay); what it takes beyond is the path.
-        record["lone_p50_over_max_delay_ms"] = (statistics.median(alone) - max_delay_s) * 1000
+        # A lone request waits its whole batch window (max_delay); what it takes beyond is the path,
+        # of which closing the window (its batch's start past max_delay) is one part.
+        record["lone_p50_over_max_delay_ms"] = (statistics.median(t for t, _ in alone) - max_delay_s) * 1000
+        record["lone_batch_start_over_max_delay_ms"] = (statistics.median(w for _, w in alone) - max_delay_s) * 1000
     return record
 
 
@@ -171,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lone", type=int, default=20, help="requests sent one at a time after each SDK -> worker run")
+    parser.add_argument("--lone-gap-s", type=float, default=0.0, help="pause between the lone requests (an idle host between them)")
     parser.add_argument("--max-delay-s", type=float, default=MAX_DELAY_S, help="the worker's batch window (max_delay_s)")
     parser.add_argument("--raw-stored", action="store_true", help="also the raw loop with its replies stored (PubAck before the ack)")
     parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
@@ -194,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 by_kind[kind] = jetbatch_round(
                     server.url, server.pid, args.requests, args.concurrency, payload,
                     classifier=classifier, lone=0 if classifier else args.lone, max_delay_s=args.max_delay_s, batch_sizes=args.batch_sizes,
+                    lone_gap_s=args.lone_gap_s,
                 )  # fmt: skip
             rounds.append(by_kind)
 
@@ -201,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         kind: {key: statistics.median(r[kind][key] for r in rounds) for key in ("rate", "producer_us", "consumer_us", "server_us")} for kind in kinds
     }
-    lone = [r["jetbatch"]["lone_p50_over_max_delay_ms"] for r in rounds if "lone_p50_over_max_delay_ms" in r["jetbatch"]]
-    if lone:
-        summary["jetbatch"]["lone_p50_over_max_delay_ms"] = statistics.median(lone)
+    for key in ("lone_p50_over_max_delay_ms", "lone_batch_start_over_max_delay_ms"):
+        lone = [r["jetbatch"][key] for r in rounds if key in r["jetbatch"]]
+        if lone:
+            summary["jetbatch"][key] = statistics.median(lone)
     per_round = []
     for r in rounds:
         ratios = {

@@ -1,16 +1,18 @@
-"""The batch window's timing against a queue whose fetches return late (worker/batching.py).
+"""The batch window's timing on a fake clock (worker/batching.py).
 
-A stand-in subscription plays the JetStream pull on a fake clock: it returns one queued message
-at once, then times out ``overrun`` after the timeout it was given, as fetches on a loaded host
-do. What is checked is the batcher's own arithmetic, exactly: it learns the overrun and aims its
-last fetch early, so a batch closes near ``max_delay`` instead of an overrun late.
+A stand-in subscription plays the JetStream pull: it hands over what is queued, and a fetch of
+an empty queue that may wait runs its whole timeout. A stand-in :class:`Wakeup` plays the open
+window's wait: it advances the clock to the wait's end, or to an arrival the test scripts. What
+is checked is the batcher's own arithmetic, exactly: a batch closes at ``max_delay`` after its
+first request was stored, with no pull request held open for later arrivals; an arrival event
+during the window brings its request in with one fetch of what is stored.
 """
 
 from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 import nats.errors
@@ -36,50 +38,176 @@ def _delivered(at_ns: int, pending: int, headers: dict[str, str] | None = None) 
     return Msg(None, subject="m", reply=f"$JS.ACK.S.C.1.1.1.{at_ns}.{pending}", data=b"", headers=headers)  # type: ignore[arg-type]
 
 
-class LateQueue:
-    def __init__(self, clock: FakeClock, overrun_s: float, headers: dict[str, str] | None = None) -> None:
+class Queue:
+    """Requests stored "now" on the fake clock; each fetch records how it was asked."""
+
+    def __init__(self, clock: FakeClock, headers: dict[str, str] | None = None) -> None:
         self.clock = clock
-        self.overrun_s = overrun_s
         self.headers = headers
         self.queued = 0
-        self.timeouts: list[float] = []
+        self.fetches: list[tuple[int, float, bool]] = []  # (batch, timeout, stored_only)
 
-    async def fetch(self, batch: int, timeout: float) -> list[Any]:
+    async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
         await anyio.sleep(0)
+        self.fetches.append((batch, timeout, stored_only))
         if self.queued:
-            self.queued -= 1
+            n = min(batch, self.queued)
+            self.queued -= n
             at_ns = round(self.clock() * 1e9)
             self.clock.now = at_ns / 1e9  # on the ack subject's nanosecond grid: stored "now" exactly
-            return [_delivered(at_ns, 0, self.headers)]
-        self.timeouts.append(timeout)
-        self.clock.now += timeout + self.overrun_s
+            return [_delivered(at_ns, self.queued + n - 1 - k, self.headers) for k in range(n)]
+        if not stored_only:
+            self.clock.now += timeout  # a waiting request runs out
         raise nats.errors.TimeoutError
+
+
+class FakeWakeup:
+    """The open window's wait on the fake clock: ``on_wait`` may script an arrival (return the
+    seconds into the wait it comes, or None for none)."""
+
+    def __init__(self, clock: FakeClock, on_wait: Callable[[int], float | None] = lambda i: None) -> None:
+        self.clock = clock
+        self.on_wait = on_wait
+        self.waits: list[float] = []
+        self.woken = 0
+
+    def wake(self) -> None:
+        self.woken += 1
+
+    async def wait(self, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        after = self.on_wait(len(self.waits))
+        if after is not None and after < timeout_s:
+            self.clock.now += after
+            return True
+        self.clock.now += timeout_s
+        return False
 
 
 def _slot(queue: Any, max_delay_s: float) -> Any:
     config = SimpleNamespace(max_concurrent_batches=1)
-    return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, computing=0, config=config, backlog=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0)
+    return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, computing=0, config=config, backlog=0, arrivals=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0)
 
 
-async def test_the_batcher_learns_how_late_fetches_return_and_closes_batches_near_max_delay() -> None:
+async def test_a_lone_request_closes_its_batch_at_max_delay_with_no_pull_held_open() -> None:
     clock = FakeClock()
-    queue = LateQueue(clock, overrun_s=0.04)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock)
-    slot = _slot(queue, max_delay_s=0.2)
-    closes = []
-    for _ in range(12):
-        queue.queued = 1
-        started = clock()
-        msgs = await batcher.gather(slot, 64)
-        closes.append(clock() - started)
-        assert len(msgs) == 1
-    assert 0.035 <= batcher.late_s <= 0.04  # learnt (a moving mean from 1 ms): the 40 ms overrun
-    # The first batch, aimed on time, closed the whole overrun late; aimed early by what it
-    # learnt, the last ones close at the 200 ms window, within what is left to learn.
-    assert closes[0] == pytest.approx(0.2 - 0.001 + 0.04)  # aimed 1 ms early (the initial guess), 40 ms late
-    assert all(a > b for a, b in zip(closes, closes[1:])), closes  # each closer to the window
-    assert 0.2 <= closes[-1] < 0.205, closes
-    assert queue.timeouts[-1] == pytest.approx(0.2 - batcher.late_s, abs=0.003)
+    queue = Queue(clock)
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    slot = _slot(queue, max_delay_s=0.002)
+    queue.queued = 1
+    stored_at = clock()
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 1
+    assert clock() == stored_at + 0.002  # exactly the window: no fetch ran past it
+    assert len(queue.fetches) == 1  # the first fetch only: the window waited on arrival events
+    assert wakeup.waits == [pytest.approx(0.002)]
+
+
+async def test_an_arrival_during_the_window_joins_the_batch_with_one_fetch_of_what_is_stored() -> None:
+    clock = FakeClock()
+    queue = Queue(clock)
+    batcher: Batcher
+    slot = _slot(queue, max_delay_s=0.01)
+
+    def arrival(i: int) -> float | None:
+        if i > 1:
+            return None
+        queue.queued += 2  # two stored 4 ms into the window; their events counted
+        slot.backlog += 2
+        slot.arrivals += 2
+        return 0.004
+
+    wakeup = FakeWakeup(clock, arrival)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    queue.queued = 1
+    opened = clock()
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 3
+    assert queue.fetches[1] == (2, pytest.approx(0.02), True)  # what the count said, stored only
+    assert len(queue.fetches) == 2
+    assert wakeup.waits == [pytest.approx(0.01), pytest.approx(0.006)]  # then the rest of the window
+    assert clock() == pytest.approx(opened + 0.01, abs=1e-9)
+    assert slot.backlog == 0
+
+
+async def test_a_count_ahead_of_the_queue_costs_one_fetch_until_the_next_arrival() -> None:
+    """The count says a request is stored that is not (a peer took it, or its event came after
+    the fetch that took it): one fetch finds nothing, and the window waits for the next arrival
+    instead of fetching again and again."""
+    clock = FakeClock()
+    queue = Queue(clock)
+    slot = _slot(queue, max_delay_s=0.01)
+
+    def arrival(i: int) -> float | None:
+        if i == 1:
+            slot.backlog += 1  # counted, yet nothing more is stored
+            slot.arrivals += 1
+            return 0.001
+        if i == 2:
+            slot.backlog += 1  # a real one this time
+            slot.arrivals += 1
+            queue.queued += 1
+            return 0.002
+        return None
+
+    wakeup = FakeWakeup(clock, arrival)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    slot.backlog = 0
+    queue.queued = 1
+    opened = clock()
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 2
+    assert [f[2] for f in queue.fetches] == [False, True, True]  # the first, the phantom, the real one
+    assert len(wakeup.waits) == 3
+    assert clock() == pytest.approx(opened + 0.01, abs=1e-9)
+
+
+async def test_only_an_arrival_for_the_model_in_its_window_wakes_the_window() -> None:
+    clock = FakeClock()
+    queue = Queue(clock)
+    slot, other = _slot(queue, max_delay_s=0.01), _slot(Queue(clock), max_delay_s=0.01)
+    batcher: Batcher
+
+    def arrivals(i: int) -> float | None:
+        if i == 1:
+            other.arrivals += 1  # another model's arrival
+            batcher.arrived()
+            assert wakeup.woken == 0
+            slot.arrivals += 1  # this model's (its request already taken by a peer: no backlog)
+            batcher.arrived()
+            assert wakeup.woken == 1
+            return 0.001
+        return None
+
+    wakeup = FakeWakeup(clock, arrivals)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    queue.queued = 1
+    await batcher.gather(slot, 64)
+    batcher.arrived()  # no window open: nobody to wake
+    assert wakeup.woken == 1 and len(wakeup.waits) == 2
+
+
+async def test_a_busy_device_keeps_the_batch_filling_past_its_window() -> None:
+    clock = FakeClock()
+    queue = Queue(clock)
+    slot = _slot(queue, max_delay_s=0.002)
+    slot.computing = 1  # the batch before still computes
+
+    def until_free(i: int) -> float | None:
+        if i == 3:
+            slot.computing = 0
+        return None
+
+    wakeup = FakeWakeup(clock, until_free)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    queue.queued = 1
+    opened = clock()
+    await batcher.gather(slot, 64)
+    # Rechecked every 5 ms once past the window (the first wait: the window itself), closed at
+    # the first check that found the device free.
+    assert wakeup.waits == [pytest.approx(0.005)] * 3
+    assert clock() == pytest.approx(opened + 0.015, abs=1e-9)
 
 
 async def test_a_deadline_closes_the_window_early_enough_to_compute_in_time() -> None:
@@ -87,20 +215,20 @@ async def test_a_deadline_closes_the_window_early_enough_to_compute_in_time() ->
 
     clock = FakeClock()
     due = clock() + 0.05
-    queue = LateQueue(clock, overrun_s=0.0, headers={Headers.DEADLINE: str(int(due * 1000))})
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock)
+    queue = Queue(clock, headers={Headers.DEADLINE: str(int(due * 1000))})
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock))  # type: ignore[arg-type]
     slot = _slot(queue, max_delay_s=0.2)
     queue.queued = 1
     msgs = await batcher.gather(slot, 64, compute_s=0.01)
-    # Closed by the deadline less the batch's 10 ms (aimed a fetch's lateness early), not at 200 ms.
+    # Closed by the deadline less the batch's 10 ms, not at 200 ms.
     assert len(msgs) == 1
-    assert due - 0.01 - 0.002 <= clock() <= due - 0.01
+    assert clock() == pytest.approx(due - 0.01, abs=1e-6)
     # A malformed deadline is no deadline: the window runs its full length.
     queue.headers = {Headers.DEADLINE: "soon"}
     queue.queued = 1
     started = clock()
     await batcher.gather(slot, 64, compute_s=0.01)
-    assert clock() - started >= 0.2 - 0.002
+    assert clock() == pytest.approx(started + 0.2, abs=1e-6)
 
 
 class ShortQueue:
@@ -110,7 +238,7 @@ class ShortQueue:
     def __init__(self, queued: int, per_fetch: int, enqueued_at: float) -> None:
         self.queued, self.per_fetch, self.enqueued_at = queued, per_fetch, enqueued_at
 
-    async def fetch(self, batch: int, timeout: float) -> list[Any]:
+    async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
         if not self.queued:
             raise nats.errors.TimeoutError  # an empty queue: the fetch times out
         n = min(batch, self.per_fetch, self.queued)
@@ -129,3 +257,28 @@ async def test_a_closed_window_still_fills_the_batch_from_the_queued_backlog() -
     sizes = [len(await batcher.gather(slot, 16)) for _ in range(3)]
     assert sizes == [16, 16, 8]
     assert queue.queued == 0 and slot.backlog == 0
+
+
+async def test_a_closed_window_stops_topping_up_once_a_peer_takes_what_the_count_promised() -> None:
+    """Past its window, a batch tops up from what the count says is stored; when a peer of the
+    shared queue wins that race, the batch closes, however many more arrivals are counted."""
+    slot: Any = None
+
+    class PeerWins:
+        fetches = 0
+
+        async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
+            self.fetches += 1
+            assert self.fetches < 10, "still topping up long past the window"
+            if self.fetches == 1:  # one request, stored long ago; the server says 3 more wait
+                return [_delivered(round((time.time() - 10) * 1e9), 3)]
+            slot.arrivals += 1  # another counted meanwhile, and a peer takes it too
+            slot.backlog += 1
+            raise nats.errors.TimeoutError
+
+    queue = PeerWins()
+    slot = _slot(queue, max_delay_s=0.005)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25)
+    msgs = await batcher.gather(slot, 16)
+    assert len(msgs) == 1
+    assert queue.fetches == 2

@@ -31,9 +31,8 @@ __all__ = ["PullError", "Puller"]
 _END = frozenset({"404", "408", "409"})
 _HEARTBEAT = "100"
 # A waiting request expires this much before the fetch's deadline (nats-py's margin too) ...
-# Not more: a fetch that ends early by design teaches the batch window's aim (worker/batching.py)
-# nothing about how late fetches really end, and the window closes with a second short fetch;
-# at 2 ms early, a lone request waited its window plus 1 ms more than at 0.1 ms.
+# Not more: nats-server ends a waiting request about half a millisecond after its expiry (and
+# never before the next whole millisecond), so ending it earlier still only shortens the wait.
 _EXPIRES_EARLY_S = 0.0001
 _END_GRACE_S = 0.05  # ... and the fetch listens this long past it for the request's end
 
@@ -95,10 +94,11 @@ class Puller:
             self._buffer.append(msg)
         self._changed.set()
 
-    async def fetch(self, batch: int, timeout: float, *, linger: int | None = None) -> list[Msg]:
+    async def fetch(self, batch: int, timeout: float, *, linger: int | None = None, stored_only: bool = False) -> list[Msg]:
         """Up to ``batch`` messages within ``timeout`` seconds ([] when none came). ``linger``:
         when nothing is stored, the waiting request asks for that many (fewer than ``batch``) and
-        the fetch returns once they came: an idle caller's wait for its first message."""
+        the fetch returns once they came: an idle caller's wait for its first message.
+        ``stored_only``: what is stored, in one round trip; no request waits for arrivals."""
         if self._error is not None:
             error, self._error = self._error, None
             raise PullError(f"JetStream refused a pull: {error}")
@@ -110,7 +110,7 @@ class Puller:
         # fewer than asked for); only when nothing is does a request wait for arrivals.
         await self._request({"batch": batch, "no_wait": True})
         await self._wait(batch, deadline)
-        if not self._buffer and loop.time() < deadline and self._error is None:
+        if not self._buffer and not stored_only and loop.time() < deadline and self._error is None:
             # The server ends the request a little before we stop listening, and we wait for its
             # end (408): nothing is delivered to a request nobody waits on any more. A message
             # delivered late would sit in this buffer, unacked, until the next fetch of this

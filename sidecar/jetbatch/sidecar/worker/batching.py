@@ -1,5 +1,12 @@
 """Batch assembly: pull a model's queue until its batch window closes (see policy/window.py).
 
+A batch's first fetch takes what is stored (or waits for the first arrival); while its window is
+open, the batch grows by what the arrival events say is stored, each taken in one round trip,
+and otherwise waits for the next arrival event or the window's close on a :class:`Wakeup`. No
+pull request is held open across the close: nats-server ends a waiting request half a
+millisecond or more after its expiry, rounded up to the next whole millisecond, so a window
+closed by one ended about a millisecond late, and a lone request waited that too.
+
 Fetches never raise: a timeout is an empty fetch, a reconnect in progress backs off briefly, a
 connection closed for good asks the worker to stop.
 """
@@ -17,6 +24,7 @@ from jetbatch.sdk.protocol import ProtocolError, deadline_from_headers
 
 from ..errors import TRANSPORT_ERRORS, pull
 from ..policy import batch_line_first
+from ..wakeup import Wakeup
 from .counters import Counters
 from .slots import Slot, enqueued_at, pending_after
 
@@ -24,14 +32,8 @@ __all__ = ["Batcher"]
 
 log = logging.getLogger("jetbatch.worker")
 
-# How late a fetch that times out returns, learnt as the worker runs (an exponentially weighted
-# mean): about 0.3 ms on a quiet host, 1-2 ms on a loaded two-core VM.
-_INITIAL_LATE_S = 0.001
-_MAX_LATE_S = 0.05
-_LATE_WEIGHT = 0.2
-_TOP_UP_S = 0.002  # the shortest wait for requests the queue says are there
-# The first fetch of a batch when the count says requests are stored: they come back within a
-# round trip, so waiting a whole poll interval (0.25 s) only idles the worker when a peer of the
+# The first fetch of a batch when the count says requests are stored (and the longest a fetch of
+# what is stored waits for the server's answer): they come back within a round trip, so waiting a whole poll interval (0.25 s) only idles the worker when a peer of the
 # shared queue took them first (the 4-worker cluster bench lost a sixth of its serves so). Too
 # short on a slow server is harmless: the worker asks the consumer before holding anything back.
 _STORED_WAIT_S = 0.02
@@ -47,34 +49,43 @@ class Batcher:
         on_fetched: Callable[[Slot, int, int | None, bool], None] | None = None,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
+        wakeup: Wakeup | None = None,
     ) -> None:
-        """``clock``: wall-clock seconds (the stream's timestamps are on the same scale); tests
-        pass a fake one."""
+        """``clock``: wall-clock seconds (the stream's timestamps are on the same scale);
+        ``wakeup``: what an open window waits on, woken by :meth:`arrived`. Tests pass fakes."""
         self._stopping = stopping
         self.poll_interval_s = poll_interval_s
         self._on_trouble = on_trouble
         # Told of every fetch that got messages (n, what the consumer says is left, and whether
         # from the batch line): the queue view's count and head follow (sidecar/worker/queues.py).
         self._on_fetched = on_fetched
-        self.late_s = _INITIAL_LATE_S
         self._clock = clock
         self._counters = Counters() if counters is None else counters
+        self._wakeup = Wakeup() if wakeup is None else wakeup
+        # The slot whose open window waits, and its arrivals counted when the wait began.
+        self._waiting: tuple[Slot, int] | None = None
 
-    async def fetch(self, slot: Slot, n: int, timeout_s: float, *, bulk_first: bool | None = None) -> list[Msg]:
+    def arrived(self) -> None:
+        """An arrival event was counted (any model's): an open window waiting on this model's
+        count looks again. Other models' arrivals leave it waiting."""
+        if self._waiting is not None and self._waiting[0].arrivals > self._waiting[1]:
+            self._wakeup.wake()
+
+    async def fetch(self, slot: Slot, n: int, timeout_s: float, *, bulk_first: bool | None = None, stored_only: bool = False) -> list[Msg]:
         """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure. The
         interactive line first; the batch line when the count says batch requests wait (first
         when ``bulk_first``, by default when no interactive one waits), topped up from the other
-        line without waiting long."""
+        line without waiting long. ``stored_only``: what is stored now, waiting for no arrival."""
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
         lines = [False]
         if slot.bulk_psub is not None and slot.bulk > 0:
             first = slot.interactive == 0 if bulk_first is None else bulk_first
             lines = [True, False] if first else [False, True]
-        msgs = await self._pull(slot, lines[0], n, timeout_s)
+        msgs = await self._pull(slot, lines[0], n, timeout_s, stored_only)
         if len(lines) > 1 and len(msgs) < n and not self._stopping.is_set():
             # The count says requests are stored there: they come within a round trip.
-            more = await self._pull(slot, lines[1], n - len(msgs), min(timeout_s, _STORED_WAIT_S))
+            more = await self._pull(slot, lines[1], n - len(msgs), min(timeout_s, _STORED_WAIT_S), stored_only)
             if not more and lines[1] and self._on_fetched is not None:
                 # Nothing to deliver on the batch line: stop counting it until the next count (or
                 # every later fetch would wait on it).
@@ -82,9 +93,9 @@ class Batcher:
             msgs += more
         return msgs
 
-    async def _pull(self, slot: Slot, bulk: bool, n: int, timeout_s: float) -> list[Msg]:
+    async def _pull(self, slot: Slot, bulk: bool, n: int, timeout_s: float, stored_only: bool = False) -> list[Msg]:
         started = self._clock()
-        pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s)
+        pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s, stored_only=stored_only)
         if pulled.closed:
             self._stopping.set()
             return []
@@ -124,6 +135,10 @@ class Batcher:
         close_at: float | None = None
         opened_at: float | None = None  # when the batch's first request was enqueued (or seen)
         due: float | None = None  # the earliest deadline gathered
+        # The arrivals counted when a fetch for what the count said was stored found nothing (a
+        # peer took them, or their events came after the fetch that took them): fetch again only
+        # after another arrival.
+        found_short: int | None = None
 
         def reclose(got: list[Msg], now: float) -> None:
             nonlocal close_at, opened_at, due
@@ -138,38 +153,35 @@ class Batcher:
             reclose(msgs, self._clock())
         first_wait_s = min(self.poll_interval_s, 0.5)
         if slot.backlog > 0:
-            first_wait_s = min(first_wait_s, max(_STORED_WAIT_S, 4 * self.late_s))
+            first_wait_s = min(first_wait_s, _STORED_WAIT_S)
         while len(msgs) < max_items and not self._stopping.is_set():
             now = self._clock()
             busy = slot.computing >= slot.config.max_concurrent_batches  # answers being stored need no device
             wait_s = window.wait_s(len(msgs), close_at, now, device_busy=busy, idle_wait_s=first_wait_s)
-            # Never aim earlier than half the window (one stall must not close every batch at
-            # once), and not while the device is busy: then the batch fills until it is free.
-            early_s = 0.0 if busy else min(self.late_s, window.max_delay_s / 2)
-            if msgs and wait_s <= early_s:
-                # A fetch returns about ``late_s`` after its timeout (a probe, a pull request, the
-                # server's expiry and the event loop's wake-ups): started with less than that
-                # left it would end past the window, so the batch closes to new arrivals now.
-                # Requests already queued need no window: a fetch that came back short (a loaded
-                # host, a pull split by the server) is topped up from the backlog it reported.
-                if slot.backlog <= 0:
-                    break
-                got = await self.fetch(slot, min(max_items - len(msgs), slot.backlog), min(max(2 * self.late_s, _TOP_UP_S), _MAX_LATE_S), bulk_first=bulk_first)
+            if not msgs:
+                got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first)
                 if not got:
-                    break  # another worker of the shared queue took them
-                msgs.extend(got)
-                reclose(got, self._clock())
-                continue
-            # With a batch open, aim the fetch early by what fetches overrun, so it ends at the window.
-            timeout_s = max(wait_s - early_s, 0.001) if msgs else max(wait_s, 0.001)
-            started = self._clock()
-            got = await self.fetch(slot, max_items - len(msgs), timeout_s, bulk_first=bulk_first)
-            if not got and msgs:
-                overrun = min(max(self._clock() - started - timeout_s, 0.0), _MAX_LATE_S)
-                self.late_s += _LATE_WEIGHT * (overrun - self.late_s)
-            if not got:
-                if not msgs:
                     break  # nothing came within the first wait: the queue is empty for now
+            elif slot.backlog > 0 and (found_short is None or slot.arrivals > found_short):
+                # Stored, by the count: one round trip brings them, window open or just closed (a
+                # fetch that came back short, on a loaded host or a pull split by the server, is
+                # topped up so). Nothing is held open for later arrivals: their events wake us.
+                got = await self.fetch(slot, min(max_items - len(msgs), slot.backlog), _STORED_WAIT_S, bulk_first=bulk_first, stored_only=True)
+                if not got:
+                    if wait_s <= 0:
+                        break  # closed, and what the count said was stored went elsewhere
+                    found_short = slot.arrivals
+                    continue
+            elif wait_s <= 0:
+                break
+            else:
+                # Nothing stored that we know of: wait for an arrival event or the close (while
+                # the device is busy, a recheck: the batch fills until it is free).
+                self._waiting = (slot, slot.arrivals)
+                try:
+                    await self._wakeup.wait(wait_s)
+                finally:
+                    self._waiting = None
                 continue
             msgs.extend(got)
             reclose(got, self._clock())

@@ -143,6 +143,7 @@ class QueueView:
         """One request stored for ``slot``'s model (``bulk``: of the batch class; ``key``: its
         tenant and request id, for a later cancel)."""
         slot.backlog += 1
+        slot.arrivals += 1
         known = slot.known_bulk if bulk else slot.known_times
         if bulk:
             slot.bulk += 1

@@ -65,6 +65,7 @@ class Slot:
     tier: Tier = "cold"
     fresh_load: bool = False  # the next batch is the first after a load: it "paid" the load
     backlog: int = 0
+    arrivals: int = 0  # arrival events counted for this model, ever: an open window waits for the next
     oldest_enqueued_at: float | None = None
     head_deadline: float | None = None  # the oldest waiting request's deadline (Unix seconds)
     refused_on_prediction: int = 0  # batches in a row refused whole on their predicted time
@@ -189,7 +190,12 @@ class ModelTurn:
 
     async def take(self) -> None:
         if not self._held:
-            await self._slot.limiter.acquire()
+            try:
+                # Free: taken without yielding, so the forward pass is not queued behind
+                # whatever else is ready on the loop (the serve loop's next decision).
+                self._slot.limiter.acquire_nowait()
+            except anyio.WouldBlock:
+                await self._slot.limiter.acquire()
             self._held = True
 
     def lend(self) -> None:
