@@ -50,9 +50,8 @@ async def test_stored_messages_come_at_once_and_arrivals_within_the_wait(nats_ur
 
 async def test_an_empty_fetch_waits_its_whole_timeout(nats_url: str, prefix: str) -> None:
     """The server ends the pull request a hair before the fetch's deadline, not milliseconds
-    before: the batch window aims its last fetch at the window's end by how late fetches return,
-    and a fetch that ends early by design would teach it nothing (a lone request waited 1 ms
-    more). A lower bound only: how late it ends depends on the host."""
+    before (an idle wait ends when it says). A lower bound only: how late it ends depends on the
+    host."""
     nc, js = await _queue(nats_url, prefix)
     try:
         puller = await Puller(nc, prefix.upper(), "c").start()
@@ -119,5 +118,42 @@ async def test_a_delivery_to_a_cancelled_fetch_is_a_leftover_to_hand_back(nats_u
         await msg.nak()
         again = await puller.fetch(1, timeout=5.0)  # back in the queue, for any puller
         assert [m.data for m in again] == [b"late"] and again[0].metadata.num_delivered == 2
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_fill_takes_what_is_stored_and_what_arrives_until_its_own_clock_ends_it(nats_url: str, prefix: str) -> None:
+    """A batch window's last wait (the classifier's): what is stored comes at once, arrivals
+    join while it waits, and it ends at its wait, on its own clock, not at the server's expiry.
+    A batch already full needs no wait at all."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        await js.publish(f"{prefix}.q", b"stored")  # type: ignore[attr-defined]
+        started = time.monotonic()
+        fill = asyncio.ensure_future(puller.fill(3, 0.3))
+        await pull_waiting(js, prefix.upper())  # stored one delivered, the request waits for 2 more
+        await js.publish(f"{prefix}.q", b"arrived")  # type: ignore[attr-defined]
+        got = await asyncio.wait_for(fill, 10)
+        assert [m.data for m in got] == [b"stored", b"arrived"]
+        assert time.monotonic() - started >= 0.3  # it waited on, for a third that never came
+        for m in got:
+            await m.ack()
+
+        for i in range(4):
+            await js.publish(f"{prefix}.q", str(i).encode())  # type: ignore[attr-defined]
+        got = await asyncio.wait_for(puller.fill(4, 60.0), 10)  # full at once: not the 60 s wait
+        assert [m.data for m in got] == [b"0", b"1", b"2", b"3"]
+        for m in got:
+            await m.ack()
+
+        started = time.monotonic()
+        assert await puller.fill(2, 0.05) == []
+        assert time.monotonic() - started >= 0.05
+        # Published just after the fill's end: delivered to its request (which ends half a
+        # millisecond later) or left stored; the next fetch returns it either way.
+        await js.publish(f"{prefix}.q", b"after")  # type: ignore[attr-defined]
+        assert [m.data for m in await puller.fetch(1, timeout=5.0)] == [b"after"]
+        await puller.unsubscribe()
     finally:
         await nc.close()  # type: ignore[attr-defined]

@@ -6,6 +6,9 @@ request (docs/benchmarks.md, "As deployed"). A :class:`Puller` sends the same pu
 (``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>``) with replies to an inbox of its own, and
 its callback buffers what arrives: a fetch waits on one event with one deadline.
 
+A :meth:`Puller.fill` is a batch window's last wait: one request for the rest of the batch, ended
+by the puller's own precise clock rather than the server's expiry.
+
 The semantics are nats-py's: a fetch first asks for what is stored (``no_wait``) and returns it;
 when nothing is, it asks again with ``expires`` and returns once the batch is full, the request
 ends (the server's 408 at its expiry, 404, 409) or the wait runs out; like nats-py, it has the
@@ -24,6 +27,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from .errors import SidecarError
+from .wakeup import Wakeup
 
 __all__ = ["PullError", "Puller"]
 
@@ -35,6 +39,9 @@ _HEARTBEAT = "100"
 # never before the next whole millisecond), so ending it earlier still only shortens the wait.
 _EXPIRES_EARLY_S = 0.0001
 _END_GRACE_S = 0.05  # ... and the fetch listens this long past it for the request's end
+# A fill's request asks the server to end it this long after the fill stops waiting (the server
+# ends it 0.4 ms or more later still): never before, so the fill's own clock closes the window.
+_FILL_MARGIN_S = 0.0005
 
 
 class PullError(SidecarError):
@@ -56,6 +63,8 @@ class Puller:
         self._current = ""  # the token of the pull request a fetch waits on
         self._ended = False  # that request was ended by a status
         self._error: str | None = None
+        self._filled = Wakeup()  # what a fill waits on
+        self._fill_to: int | None = None  # the buffer's size at which the waiting fill ends
 
     async def start(self) -> "Puller":
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg, pending_msgs_limit=100_000)
@@ -93,6 +102,8 @@ class Puller:
         else:
             self._buffer.append(msg)
         self._changed.set()
+        if self._fill_to is not None and (len(self._buffer) >= self._fill_to or self._ended or self._error is not None):
+            self._filled.wake()
 
     async def fetch(self, batch: int, timeout: float, *, linger: int | None = None, stored_only: bool = False) -> list[Msg]:
         """Up to ``batch`` messages within ``timeout`` seconds ([] when none came). ``linger``:
@@ -119,6 +130,25 @@ class Puller:
             wanted = min(batch, linger) if linger else batch
             await self._request({"batch": wanted, "expires": int(expires_s * 1e9)})
             await self._wait(wanted, deadline + _END_GRACE_S)
+        return self._take(batch)
+
+    async def fill(self, batch: int, wait_s: float) -> list[Msg]:
+        """Up to ``batch`` messages: what is buffered and stored, then what arrives, until the
+        batch is full or ``wait_s`` passed, timed on a :class:`Wakeup` (a batch window's close:
+        a fetch ends on the server's expiry, up to a millisecond late). The pull request asks
+        the server to end it just after; a message it still delivers is handed out first by the
+        next fetch (a caller that stops fetching hands :meth:`leftovers` back)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise PullError(f"JetStream refused a pull: {error}")
+        if len(self._buffer) < batch:
+            self._fill_to = batch
+            try:
+                await self._request({"batch": batch - len(self._buffer), "expires": int((max(wait_s, 0.0) + _FILL_MARGIN_S) * 1e9)})
+                if len(self._buffer) < batch and not self._ended and self._error is None:
+                    await self._filled.wait(wait_s)
+            finally:
+                self._fill_to = None
         return self._take(batch)
 
     async def _request(self, body: dict[str, Any]) -> None:

@@ -132,6 +132,10 @@ class Classifier:
                         tg.start_soon(self._handle_and_release, msgs, in_flight)
         finally:
             with anyio.CancelScope(shield=True):
+                # Delivered after the last fill returned (its request ends just after the window):
+                # back to the queue for the next classifier, not after their ack wait.
+                for msg in psub.leftovers():
+                    await settle(msg, "nak")
                 try:
                     await status.unsubscribe()
                     await psub.unsubscribe()
@@ -158,8 +162,11 @@ class Classifier:
                 break
             # Idle (nothing stored), the wait is for the first request only: a waiting pull for a
             # whole batch would hold a lone request until the batch filled or the idle wait ran
-            # out. Its window opens when it comes; the next pulls fill the batch within it.
-            pulled = await pull(psub, self.cfg.max_batch_size - len(msgs), max(wait_s, 0.001), linger=1 if not msgs else None)
+            # out. Its window opens when it comes; one fill takes the rest of the batch until it
+            # closes, on the puller's own clock (the server's expiry of a waiting pull ends up to
+            # a millisecond late, and so did a lone request's window).
+            room = self.cfg.max_batch_size - len(msgs)
+            pulled = await pull(psub, room, wait_s, fill=True) if msgs else await pull(psub, room, max(wait_s, 0.001), linger=1)
             if pulled.closed:
                 self._stopping.set()
                 break
@@ -168,6 +175,7 @@ class Classifier:
                 await anyio.sleep(0.1)
                 break
             got = pulled.msgs
+            filled = bool(msgs)
             if not got:
                 break
             if close_at is None:
@@ -175,8 +183,8 @@ class Classifier:
                 # in a model queue yet).
                 close_at = self.window.close_at(time.time(), time.time())
             msgs.extend(got)
-            if self.window.is_full(len(msgs)):
-                break
+            if filled or self.window.is_full(len(msgs)):
+                break  # the fill ran to the window's close (or filled the batch)
         return msgs
 
     def _parse(self, msg: Msg) -> tuple[Item, RequestMeta]:
