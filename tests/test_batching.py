@@ -163,6 +163,39 @@ async def test_a_count_ahead_of_the_queue_costs_one_fetch_until_the_next_arrival
     assert clock() == pytest.approx(opened + 0.01, abs=1e-9)
 
 
+async def test_an_arrival_counted_while_a_fetch_came_back_empty_is_fetched_in_the_window() -> None:
+    """The fetch for a count a peer emptied is answered "nothing"; meanwhile another request is
+    stored (after that answer) and counted. The window must fetch it, not take the count as
+    already looked for."""
+    clock = FakeClock()
+    slot: Any = None
+
+    class Racy(Queue):
+        async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
+            if stored_only and len(self.fetches) == 1:
+                self.fetches.append((batch, timeout, stored_only))
+                slot.backlog += 1  # stored and counted while the empty answer was on its way
+                slot.arrivals += 1
+                self.queued += 1
+                raise nats.errors.TimeoutError
+            return await super().fetch(batch, timeout, stored_only)
+
+    queue = Racy(clock)
+    slot = _slot(queue, max_delay_s=0.01)
+
+    def phantom(i: int) -> float | None:
+        if i == 1:
+            slot.backlog += 1  # counted, and a peer takes it
+            slot.arrivals += 1
+            return 0.001
+        return None
+
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock, phantom))  # type: ignore[arg-type]
+    queue.queued = 1
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 2 and queue.queued == 0
+
+
 async def test_only_an_arrival_for_the_model_in_its_window_wakes_the_window() -> None:
     clock = FakeClock()
     queue = Queue(clock)

@@ -46,3 +46,11 @@ async def test_waits_end_on_a_timerfd_and_leave_no_descriptor_behind() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+async def test_a_timeout_that_is_no_positive_number_ends_the_wait_at_once() -> None:
+    wakeup = Wakeup()
+    for timeout_s in (float("nan"), -1.0, 0.0):
+        assert await wakeup.wait(timeout_s) is False
+    asyncio.get_running_loop().call_soon(wakeup.wake)
+    assert await wakeup.wait(float("inf")) is True  # cut to a day, not an overflow

@@ -84,6 +84,21 @@ class Puller:
         self._buffer.clear()
         return msgs
 
+    async def drain(self, timeout_s: float) -> list[Msg]:
+        """At a stop: wait (at most ``timeout_s``) for the last pull request to end at the server
+        (a fill's ends about a millisecond after the fill returned), then take the
+        :meth:`leftovers`. Whatever it delivers after ``unsubscribe`` goes nowhere and waits out
+        its ack wait."""
+        if self._current and not self._ended and self._error is None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while not self._ended and self._error is None:
+                        self._changed.clear()
+                        await self._changed.wait()
+            except TimeoutError:
+                pass
+        return self.leftovers()
+
     async def unsubscribe(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None

@@ -25,6 +25,7 @@ _CLOCK_MONOTONIC = 1
 _TFD_FLAGS = 0o4000 | 0o2000000
 # The loop's timer ends the wait this long after the timerfd should have (a backstop only).
 _BACKSTOP_S = 0.002
+_MAX_WAIT_S = 86_400.0  # longer waits are cut to a day (the callers' waits are milliseconds)
 
 
 class _Timespec(ctypes.Structure):
@@ -69,7 +70,9 @@ def _timerfd(timeout_s: float) -> int | None:
 class Wakeup:
     """One waiter at a time: :meth:`wait` until :meth:`wake` is called or the timeout passes."""
 
-    precise = _libc is not None  # whether waits end on a timerfd (Linux) rather than the loop's timer
+    # Whether the OS gives a timerfd (Linux): waits end on it unless the loop cannot watch it
+    # (a loop without ``add_reader``), and on the loop's timer otherwise.
+    precise = _libc is not None
 
     def __init__(self) -> None:
         self._waiter: asyncio.Future[bool] | None = None
@@ -81,7 +84,9 @@ class Wakeup:
             waiter.set_result(True)
 
     async def wait(self, timeout_s: float) -> bool:
-        """Wait until woken (True) or ``timeout_s`` seconds passed (False)."""
+        """Wait until woken (True) or ``timeout_s`` seconds passed (False; at once for a
+        timeout that is not a positive number)."""
+        timeout_s = min(timeout_s, _MAX_WAIT_S) if timeout_s > 0 else 0.0  # NaN: 0
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
         self._waiter = waiter

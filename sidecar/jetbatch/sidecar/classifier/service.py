@@ -59,6 +59,9 @@ __all__ = ["Classifier"]
 log = logging.getLogger("jetbatch.classifier")
 _tracer_name = "jetbatch.sidecar"
 _REPUBLISH_ACK_TIMEOUT_S = 5.0  # then the careful path retries (same Nats-Msg-Id: no duplicates)
+# At a stop, how long to wait for the last pull request to end (a fill's ends about a millisecond
+# after the window) before handing back what it delivered.
+_STOP_DRAIN_S = 0.05
 
 
 class Classifier:
@@ -134,7 +137,7 @@ class Classifier:
             with anyio.CancelScope(shield=True):
                 # Delivered after the last fill returned (its request ends just after the window):
                 # back to the queue for the next classifier, not after their ack wait.
-                for msg in psub.leftovers():
+                for msg in await psub.drain(_STOP_DRAIN_S):
                     await settle(msg, "nak")
                 try:
                     await status.unsubscribe()

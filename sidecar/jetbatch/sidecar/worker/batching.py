@@ -166,11 +166,12 @@ class Batcher:
                 # Stored, by the count: one round trip brings them, window open or just closed (a
                 # fetch that came back short, on a loaded host or a pull split by the server, is
                 # topped up so). Nothing is held open for later arrivals: their events wake us.
+                counted = slot.arrivals  # before the fetch: one counted during it may be after its answer
                 got = await self.fetch(slot, min(max_items - len(msgs), slot.backlog), _STORED_WAIT_S, bulk_first=bulk_first, stored_only=True)
                 if not got:
                     if wait_s <= 0:
                         break  # closed, and what the count said was stored went elsewhere
-                    found_short = slot.arrivals
+                    found_short = counted
                     continue
             elif wait_s <= 0:
                 break
