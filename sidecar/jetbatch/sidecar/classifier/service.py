@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -125,7 +126,7 @@ class Classifier:
         self._ready.set()
         # Pipelining: the next batch is fetched and classified while the previous one's
         # republishes wait for their PubAcks (at most two batches in flight).
-        in_flight = anyio.Semaphore(2)
+        in_flight = anyio.Semaphore(2, fast_acquire=True)
         try:
             async with anyio.create_task_group() as tg:
                 while not self._stopping.is_set():
@@ -133,6 +134,9 @@ class Classifier:
                     if msgs:
                         await in_flight.acquire()
                         tg.start_soon(self._handle_and_release, msgs, in_flight)
+                        # The batch is routed (up to its router's thread) before the next gather
+                        # sends its pull request.
+                        await anyio.lowlevel.checkpoint()
         finally:
             with anyio.CancelScope(shield=True):
                 # Delivered after the last fill returned (its request ends just after the window):
