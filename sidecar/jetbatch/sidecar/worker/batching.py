@@ -33,9 +33,10 @@ __all__ = ["Batcher"]
 log = logging.getLogger("jetbatch.worker")
 
 # The first fetch of a batch when the count says requests are stored (and the longest a fetch of
-# what is stored waits for the server's answer): they come back within a round trip, so waiting a whole poll interval (0.25 s) only idles the worker when a peer of the
-# shared queue took them first (the 4-worker cluster bench lost a sixth of its serves so). Too
-# short on a slow server is harmless: the worker asks the consumer before holding anything back.
+# what is stored waits for the server's answer): they come back within a round trip, so waiting
+# a whole poll interval (0.25 s) only idles the worker when a peer of the shared queue took them
+# first (the 4-worker cluster bench lost a sixth of its serves so). Too short on a slow server is
+# harmless: the worker asks the consumer before holding anything back.
 _STORED_WAIT_S = 0.02
 
 
