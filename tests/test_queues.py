@@ -348,3 +348,10 @@ async def test_a_peers_fetch_reaches_the_other_workers_count_through_the_server(
         await wait_until(lambda: mine.peers_hold("m1", time.time()) == 0, timeout_s=10, what="the settle event")
         await me.stop()
         await peer.stop()
+
+
+def test_a_forged_hour_with_an_offset_reads_as_the_full_parse_does() -> None:
+    """``T00-00:01`` is an hour with a UTC offset to ``fromisoformat``: the per-minute shortcut
+    read it as minute ``00-00`` plus a second (found by the property above)."""
+    for text in ("2000-01-01T00-00:01Z", "2026-12-04T16:07+01Z", "2026-12-04T16-07:39.5Z"):
+        assert parse_stream_timestamp(text) == _timestamp_as_before(text)

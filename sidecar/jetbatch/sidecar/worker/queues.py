@@ -89,7 +89,7 @@ def parse_stream_timestamp(text: str | None) -> float | None:
         return None
     # Every arrival event carries one, and a minute's arrivals share the date, hour and minute:
     # those are read once a minute (a datetime for each event was a quarter of the feed's cost).
-    if len(base) == 19 and base[16] == ":" and base[17:].isascii() and base[17:].isdigit() and base[17:] < "60":
+    if _strict_seconds(base):
         minute = _minute_at(base[:16])
         seconds = None if minute is None else minute + int(base[17:])
     else:
@@ -97,6 +97,16 @@ def parse_stream_timestamp(text: str | None) -> float | None:
     if seconds is None:
         return None
     return seconds + (float(f"0.{frac}") if frac else 0.0)
+
+
+def _strict_seconds(base: str) -> bool:
+    """Whether ``base`` is exactly ``YYYY-MM-DDTHH:MM:SS`` in ASCII digits (seconds under 60):
+    only then is its minute the same datetime alone as in full. A forged ``T00-00:01`` reads as
+    an hour with a UTC offset (``fromisoformat``), and its "minute" as another time."""
+    return (
+        len(base) == 19 and base.isascii() and base[4] == base[7] == "-" and base[10] == "T" and base[13] == base[16] == ":"
+        and (base[:4] + base[5:7] + base[8:10] + base[11:13] + base[14:16] + base[17:]).isdigit() and base[17:] < "60"
+    )  # fmt: skip
 
 
 def _iso_seconds(base: str) -> float | None:
