@@ -197,3 +197,32 @@ async def test_stored_answers_are_looked_up_on_the_main_identity() -> None:
     assert found is not None and found.stored
     assert (main.asked, replies.asked) == ([Subjects("t").answer("r1", "k1")], [])
     assert found.headers == {"Jetbatch-Status": "ok"}  # no Nats-* header is sent again
+
+
+@pytest.mark.parametrize("durable", [True, False])
+async def test_a_ping_round_trip_only_where_no_pubacks_say_the_answers_are_out(nats_url: str, prefix: str, durable: bool) -> None:
+    """With the results store, the PubAcks confirm a batch's answers (and nats-py writes while
+    they are awaited): no PING and PONG a batch besides. Without it, an answer is safe once
+    written out, which a flush's round trip confirms."""
+    subjects = Subjects(prefix)
+    config = msgspec.convert({"durable": durable}, RepliesConfig)
+    nc = await nats.connect(nats_url)
+    try:
+        if durable:
+            await nc.jetstream().add_stream(results_stream_config(subjects, StreamsConfig(), config))
+        flushes: list[float] = []
+        flush = nc.flush
+
+        async def counting(timeout: float = 10) -> None:
+            flushes.append(timeout)
+            await flush(timeout)
+
+        nc.flush = counting  # type: ignore[method-assign]
+        replier = Replier(nc, subjects, config)
+        meta = RequestMeta(request_id="r1", reply_to=None, deadline=None, content_type=None, model="m1", tenant=None, reply_key="k1")
+        answers = [Answer.ok(meta, b"out", ContentType.BYTES)]
+        await replier.deliver(answers)
+        assert replier.safe(answers[0])
+        assert len(flushes) == (0 if durable else 1)
+    finally:
+        await nc.close()

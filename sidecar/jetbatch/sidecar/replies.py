@@ -167,10 +167,14 @@ class Replier:
             for a in chunk:
                 if a.meta.reply_key is None or not self.config.durable:
                     await self._send(a)
-        try:
-            await self.out.flush(timeout=5)
-        except TRANSPORT_ERRORS as exc:
-            log.warning("flush after replies failed: %r", exc)
+        if not self.config.durable:
+            # Without the results store an answer is safe once written out: a PING's round trip
+            # says so. With it, the PubAcks say more, and nats-py writes while they are awaited
+            # (in publish order, so a protocol-2 reply still goes out before its request's ack).
+            try:
+                await self.out.flush(timeout=5)
+            except TRANSPORT_ERRORS as exc:
+                log.warning("flush after replies failed: %r", exc)
         if stores:
             await self._store_finish(stores)
 
