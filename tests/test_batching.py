@@ -84,6 +84,12 @@ class FakeWakeup:
         return False
 
 
+def _counted(slot: Any, n: int = 1) -> None:
+    """``n`` arrival events counted for ``slot``'s model, as the worker's feed counts them."""
+    slot.backlog += n
+    slot.arrivals += n
+
+
 def _slot(queue: Any, max_delay_s: float) -> Any:
     config = SimpleNamespace(max_concurrent_batches=1)
     return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, computing=0, config=config, backlog=0, arrivals=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0)
@@ -114,8 +120,7 @@ async def test_an_arrival_during_the_window_joins_the_batch_with_one_fetch_of_wh
         if i > 1:
             return None
         queue.queued += 2  # two stored 4 ms into the window; their events counted
-        slot.backlog += 2
-        slot.arrivals += 2
+        _counted(slot, 2)
         return 0.004
 
     wakeup = FakeWakeup(clock, arrival)
@@ -141,12 +146,10 @@ async def test_a_count_ahead_of_the_queue_costs_one_fetch_until_the_next_arrival
 
     def arrival(i: int) -> float | None:
         if i == 1:
-            slot.backlog += 1  # counted, yet nothing more is stored
-            slot.arrivals += 1
+            _counted(slot)  # counted, yet nothing more is stored
             return 0.001
         if i == 2:
-            slot.backlog += 1  # a real one this time
-            slot.arrivals += 1
+            _counted(slot)  # a real one this time
             queue.queued += 1
             return 0.002
         return None
@@ -174,8 +177,7 @@ async def test_an_arrival_counted_while_a_fetch_came_back_empty_is_fetched_in_th
         async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
             if stored_only and len(self.fetches) == 1:
                 self.fetches.append((batch, timeout, stored_only))
-                slot.backlog += 1  # stored and counted while the empty answer was on its way
-                slot.arrivals += 1
+                _counted(slot)  # stored and counted while the empty answer was on its way
                 self.queued += 1
                 raise nats.errors.TimeoutError
             return await super().fetch(batch, timeout, stored_only)
@@ -185,8 +187,7 @@ async def test_an_arrival_counted_while_a_fetch_came_back_empty_is_fetched_in_th
 
     def phantom(i: int) -> float | None:
         if i == 1:
-            slot.backlog += 1  # counted, and a peer takes it
-            slot.arrivals += 1
+            _counted(slot)  # counted, and a peer takes it
             return 0.001
         return None
 
@@ -305,8 +306,7 @@ async def test_a_closed_window_stops_topping_up_once_a_peer_takes_what_the_count
             assert self.fetches < 10, "still topping up long past the window"
             if self.fetches == 1:  # one request, stored long ago; the server says 3 more wait
                 return [_delivered(round((time.time() - 10) * 1e9), 3)]
-            slot.arrivals += 1  # another counted meanwhile, and a peer takes it too
-            slot.backlog += 1
+            _counted(slot)  # another counted meanwhile, and a peer takes it too
             raise nats.errors.TimeoutError
 
     queue = PeerWins()

@@ -125,9 +125,7 @@ class Puller:
         when nothing is stored, the waiting request asks for that many (fewer than ``batch``) and
         the fetch returns once they came: an idle caller's wait for its first message.
         ``stored_only``: what is stored, in one round trip; no request waits for arrivals."""
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise PullError(f"JetStream refused a pull: {error}")
+        self._raise_refused()
         if self._buffer:
             return self._take(batch)
         loop = asyncio.get_running_loop()
@@ -153,9 +151,7 @@ class Puller:
         a fetch ends on the server's expiry, up to a millisecond late). The pull request asks
         the server to end it just after; a message it still delivers is handed out first by the
         next fetch (a caller that stops fetching hands :meth:`leftovers` back)."""
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise PullError(f"JetStream refused a pull: {error}")
+        self._raise_refused()
         if len(self._buffer) < batch:
             self._fill_to = batch
             try:
@@ -165,6 +161,12 @@ class Puller:
             finally:
                 self._fill_to = None
         return self._take(batch)
+
+    def _raise_refused(self) -> None:
+        """Raise the error status the last request ended with (once)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise PullError(f"JetStream refused a pull: {error}")
 
     async def _request(self, body: dict[str, Any]) -> None:
         self._seq += 1
