@@ -26,6 +26,7 @@ from .errors import (
 )
 from .connection import connect_nats
 from .publishing import PubAcks, PublishRefused, publish_with_retries
+from .timeouts import Timeouts
 from .validation import check_timeout, user_headers
 from .protocol import (
     DEFAULT_PREFIX,
@@ -95,6 +96,7 @@ class Client:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconnects_seen = 0
         self._acks = PubAcks(nc)
+        self._timeouts = Timeouts()  # the reply and PubAck waits, on shared timers
         self._address_of: Any = None
         self._address: tuple[str, int] | None = None
 
@@ -277,7 +279,7 @@ class Client:
                 # answer is in the results store, now or soon.
                 self._spawn(self._poll_stored_result(rid, anywhere=True))
             try:
-                msg = await _within(fut, timeout - (time.monotonic() - started))
+                msg = await self._timeouts.within(fut, timeout - (time.monotonic() - started))
             except TimeoutError:
                 # One look in the results store before giving up: the live reply can miss us where
                 # the stored answer does not (this id already answered through another path, a
@@ -426,7 +428,7 @@ class Client:
         except failures.TRANSPORT_ERRORS:
             return None
         try:
-            return await _within(fut, min(deadline - time.monotonic(), _PUBACK_WAIT_S))
+            return await self._timeouts.within(fut, min(deadline - time.monotonic(), _PUBACK_WAIT_S))
         except (PublishRefused, TimeoutError):
             return None  # refused, or no PubAck in time
 
@@ -559,28 +561,6 @@ class Client:
             raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
         batch = batch_info_from_headers(headers) if with_batch else _NO_BATCH
         return Result(request_id=rid, output=output, batch=batch, latency_s=latency_s)
-
-
-async def _within(fut: asyncio.Future[Any], timeout_s: float) -> Any:
-    """Await ``fut`` for at most ``timeout_s`` on one timer (``asyncio.wait_for`` would add a task
-    per call). Raises ``TimeoutError`` when the timer fired; a cancelled caller stays cancelled."""
-    loop = asyncio.get_running_loop()
-    expiry = loop.call_at(loop.time() + max(timeout_s, 0.0), _expire, fut)
-    try:
-        return await fut
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if fut.cancelled() and not (task is not None and task.cancelling() > 0):
-            raise TimeoutError from None
-        raise
-    finally:
-        expiry.cancel()
-
-
-def _expire(fut: asyncio.Future[Any]) -> None:
-    """The timer of :func:`_within`: cancelling the future wakes its waiter with a timeout."""
-    if not fut.done():
-        fut.cancel()
 
 
 class _Connecting:
