@@ -15,8 +15,11 @@ inflates code made of many small calls (the worker runs about 3.7x slower under 
 py-spy`` (``pip install py-spy``; not a dependency) samples every process from outside at 500 Hz
 without stopping it, over the measured requests only: each busy sample is charged to the
 function on top of the stack (C calls such as a socket write or a regular expression to the
-Python function that made them), so the shares are of real CPU time. It prints each process's
-busy samples by package and the top functions; the CPU time a request is unprofiled then.
+Python function that made them). It prints each process's busy samples by package and the top
+functions, and each process's user and system CPU a request over the sampled requests (from
+``/proc``). A sample counts a process as busy while it waits for a core too: on a small host a
+socket write that wakes nats-server is often preempted there, so socket writes' share of the
+samples can be far above the system CPU's share, which bounds what they really cost.
 """
 
 from __future__ import annotations
@@ -134,8 +137,20 @@ class _Spies:
             proc.wait(60)
 
 
-async def drive(url: str, n: int, profile: Path, model: str | None = "m", spy: dict[str, int] | None = None) -> tuple[float, float]:
-    """``spy``: sample these processes (and this one) with py-spy instead of profiling this one."""
+def cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+async def drive(
+    url: str, n: int, profile: Path, model: str | None = "m", spy: dict[str, int] | None = None, split: dict[str, tuple[float, float]] | None = None
+) -> tuple[float, float]:
+    """``spy``: sample these processes (and this one) with py-spy instead of profiling this one;
+    each one's user and system CPU a request (µs) over the sampled requests then goes into
+    ``split``."""
     async with sdk.Client.connect(url) as client:
         await client.infer(b"warm", model=model, timeout=60)
         gate = asyncio.Semaphore(64)
@@ -150,6 +165,8 @@ async def drive(url: str, n: int, profile: Path, model: str | None = "m", spy: d
             await asyncio.gather(*(one() for _ in range(min(n, 2000))))  # every model loaded, every path warm
             spies = _Spies(profile.parent, {"producer": os.getpid(), **spy})
             await asyncio.sleep(1.0)  # py-spy attached to every process
+        pids = {"producer": os.getpid(), **(spy or {})}
+        before = {name: cpu_split(pid) for name, pid in pids.items()}
         started, cpu = time.perf_counter(), time.process_time()
         if spies is None:
             profiler.enable()
@@ -157,6 +174,10 @@ async def drive(url: str, n: int, profile: Path, model: str | None = "m", spy: d
         if spies is None:
             profiler.disable()
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        if split is not None:
+            for name, pid in pids.items():
+                (user, system), (user0, system0) = cpu_split(pid), before[name]
+                split[name] = ((user - user0) / n * 1e6, (system - system0) / n * 1e6)
         if spies is None:
             profiler.dump_stats(str(profile))
         else:
@@ -251,7 +272,9 @@ def sampled(args: argparse.Namespace) -> None:
         try:
             asyncio.run(wait_for_streams(server.url, ("JETBATCH_MODELS", "JETBATCH_IN") if args.classifier else ("JETBATCH_MODELS",)))
             pids = {role: p.pid for role, p in sidecars.items()}
-            rps, producer_us = asyncio.run(drive(server.url, args.requests, out / "producer.spy", None if args.classifier else "m", spy=pids))
+            split: dict[str, tuple[float, float]] = {}
+            model = None if args.classifier else "m"
+            rps, producer_us = asyncio.run(drive(server.url, args.requests, out / "producer.spy", model, spy=pids, split=split))
         finally:
             for proc in sidecars.values():
                 proc.send_signal(signal.SIGINT)
@@ -260,7 +283,9 @@ def sampled(args: argparse.Namespace) -> None:
     print(f"{args.requests} requests, {rps:.0f} req/s (sampled by py-spy at 500 Hz, not slowed); samples in {out}")
     for name in ("producer", *roles):
         busy, groups, functions = spy_summary(out / f"{name}.spy")
-        print(f"\n{name}: {busy} busy samples")
+        user_us, system_us = split[name]
+        print(f"\n{name}: {busy} busy samples; CPU a request: user {user_us:.0f} µs, system {system_us:.0f} µs "
+              f"({100 * system_us / max(user_us + system_us, 1e-9):.0f}% system)")  # fmt: skip
         for key, n in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {key:22s} {100 * n / max(busy, 1):5.1f}%")
         print("  top functions (self):")

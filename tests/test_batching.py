@@ -21,6 +21,8 @@ from nats.aio.msg import Msg
 
 from jetbatch.sidecar.policy import BatchWindow
 from jetbatch.sidecar.worker.batching import Batcher
+from jetbatch.sidecar.worker.queues import QueueView
+from jetbatch.sidecar.worker.slots import Slot
 
 pytestmark = pytest.mark.anyio
 
@@ -46,10 +48,20 @@ class Queue:
         self.headers = headers
         self.queued = 0
         self.fetches: list[tuple[int, float, bool]] = []  # (batch, timeout, stored_only)
+        # A request stored this long into the next fetch that waits: a request asking for
+        # ``linger`` gets it then; one asking for a whole batch runs its whole timeout first.
+        self.arrives_in: float | None = None
 
-    async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
+    async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
         await anyio.sleep(0)
         self.fetches.append((batch, timeout, stored_only))
+        if not self.queued and not stored_only and self.arrives_in is not None and self.arrives_in < timeout:
+            self.clock.now += self.arrives_in
+            stored_ns = round(self.clock() * 1e9)
+            self.arrives_in = None
+            if not linger:
+                self.clock.now += timeout  # the rest of its wait (the real one ends at its expiry)
+            return [_delivered(stored_ns, 0, self.headers)]
         if self.queued:
             n = min(batch, self.queued)
             self.queued -= n
@@ -174,7 +186,7 @@ async def test_an_arrival_counted_while_a_fetch_came_back_empty_is_fetched_in_th
     slot: Any = None
 
     class Racy(Queue):
-        async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
+        async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
             if stored_only and len(self.fetches) == 1:
                 self.fetches.append((batch, timeout, stored_only))
                 _counted(slot)  # stored and counted while the empty answer was on its way
@@ -272,7 +284,7 @@ class ShortQueue:
     def __init__(self, queued: int, per_fetch: int, enqueued_at: float) -> None:
         self.queued, self.per_fetch, self.enqueued_at = queued, per_fetch, enqueued_at
 
-    async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
+    async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
         if not self.queued:
             raise nats.errors.TimeoutError  # an empty queue: the fetch times out
         n = min(batch, self.per_fetch, self.queued)
@@ -301,7 +313,7 @@ async def test_a_closed_window_stops_topping_up_once_a_peer_takes_what_the_count
     class PeerWins:
         fetches = 0
 
-        async def fetch(self, batch: int, timeout: float, stored_only: bool = False) -> list[Any]:
+        async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
             self.fetches += 1
             assert self.fetches < 10, "still topping up long past the window"
             if self.fetches == 1:  # one request, stored long ago; the server says 3 more wait
@@ -315,3 +327,75 @@ async def test_a_closed_window_stops_topping_up_once_a_peer_takes_what_the_count
     msgs = await batcher.gather(slot, 16)
     assert len(msgs) == 1
     assert queue.fetches == 2
+
+
+async def test_a_request_stored_during_the_first_fetch_joins_the_batch_though_its_count_came_first() -> None:
+    """Request B is stored just after the server delivered A, and B's arrival event is counted
+    before the fetch's answer is read. The consumer's count on A (0 left) is as of A's delivery:
+    the queue view keeps B counted, so the open window takes B with one fetch of what is stored
+    instead of waiting out the window with B left for the next count of the queue."""
+    clock = FakeClock()
+    slot = Slot(name="m", config=SimpleNamespace(max_concurrent_batches=1), handler=None, window=BatchWindow(64, 0.05))  # type: ignore[arg-type]
+    view = QueueView({"m": slot})
+
+    class Racing:
+        def __init__(self) -> None:
+            self.fetches: list[bool] = []
+
+        async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
+            await anyio.sleep(0)
+            self.fetches.append(stored_only)
+            at_ns = round(clock() * 1e9)
+            if len(self.fetches) == 1:
+                view.arrived(slot, clock(), None, seq=2)  # B, counted while A's delivery is on its way
+                return [Msg(None, subject="m", reply=f"$JS.ACK.S.C.1.1.1.{at_ns}.0", data=b"")]  # type: ignore[arg-type]
+            if len(self.fetches) == 2:
+                return [Msg(None, subject="m", reply=f"$JS.ACK.S.C.1.2.2.{at_ns}.0", data=b"")]  # type: ignore[arg-type]
+            raise nats.errors.TimeoutError
+
+    slot.psub = Racing()
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup,  # type: ignore[arg-type]
+                      on_fetched=lambda s, n, pending, bulk, seq: view.fetched(s, n, pending, bulk=bulk, last_seq=seq))  # fmt: skip
+    view.arrived(slot, clock(), None, seq=1)  # A
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 2  # A and B, in one batch
+    assert slot.psub.fetches == [False, True]  # B came with one fetch of what is stored
+    assert slot.backlog == 0
+
+
+async def test_the_first_fetch_returns_at_the_first_arrival_and_the_window_runs_from_it() -> None:
+    """The count says a request waits but none is stored (a peer took it, or a forged event):
+    the first fetch waits, and a request stored meanwhile opens the window at once. A fetch
+    waiting for a whole batch held it until that wait's end (20 ms, past its 2 ms window)."""
+    clock = FakeClock()
+    queue = Queue(clock)
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    slot = _slot(queue, max_delay_s=0.002)
+    _counted(slot)  # ahead of the queue: nothing is stored
+    queue.arrives_in = 0.005
+    started = clock()
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 1
+    assert clock() == pytest.approx(started + 0.005 + 0.002, abs=1e-9)  # its window, from its arrival
+
+
+async def test_a_batch_from_one_line_is_topped_up_from_the_other_with_what_is_stored_only() -> None:
+    """A batch-class request alone (the count says nothing interactive waits): the interactive
+    line is asked for what is stored, in one round trip. A pull that waited there for the rest
+    of the batch held this request, and any interactive one arriving meanwhile, 20 ms."""
+    clock = FakeClock()
+    interactive, batch_line = Queue(clock), Queue(clock)
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    slot = _slot(interactive, max_delay_s=0.002)
+    slot.bulk_psub = batch_line
+    slot.bulk = 1
+    _counted(slot)
+    batch_line.queued = 1
+    stored_at = clock()
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 1
+    assert [stored_only for _, _, stored_only in interactive.fetches] == [True]
+    assert clock() == pytest.approx(stored_at + 0.002, abs=1e-9)  # its window, and no more

@@ -43,6 +43,37 @@ def test_arrivals_count_and_the_oldest_is_the_head() -> None:
     assert s.backlog == 0 and s.oldest_enqueued_at is None and view.waiting == set()
 
 
+def test_an_arrival_stored_after_the_delivery_a_fetch_counts_from_stays_counted() -> None:
+    """The consumer's count on a delivery is as of that delivery. A request stored just after it,
+    whose arrival event was counted before the fetch's answer was read, is still waiting: the
+    count must not erase it (it waited for the next count of the queue, up to a second)."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.arrived(s, 10.0, None, seq=7)  # A
+    view.arrived(s, 10.001, None, seq=8)  # B: stored after A was delivered, counted before the fetch was read
+    view.fetched(s, 1, pending=0, last_seq=7)  # A, with nothing left undelivered when it went out
+    assert s.backlog == 1 and s.oldest_enqueued_at == 10.001 and view.waiting == {"m1"}
+    view.fetched(s, 1, pending=0, last_seq=8)  # B
+    assert s.backlog == 0 and view.waiting == set()
+
+
+def test_arrivals_before_the_delivery_or_of_unknown_sequence_leave_the_count_to_the_consumer() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    for seq in (3, 4, 5):
+        view.arrived(s, float(seq), None, seq=seq)
+    view.fetched(s, 3, pending=0, last_seq=5)  # all three taken
+    assert s.backlog == 0
+    view.arrived(s, 6.0, None)  # an event without a sequence: not known to come after
+    view.arrived(s, 7.0, None, seq=7)
+    view.fetched(s, 1, pending=1, last_seq=6)  # the consumer's own count says one is left
+    assert s.backlog == 1 and s.oldest_enqueued_at == 7.0
+    view.arrived(s, 8.0, None, seq=9)
+    view.arrived(s, 9.0, None, seq=10)
+    view.fetched(s, 1, pending=0)  # no sequence to go by: the consumer's count stands
+    assert s.backlog == 0
+
+
 def test_two_classes_count_as_two_lines_and_the_interactive_head_is_its_own() -> None:
     """Batch-class requests count in the backlog and in ``bulk``; a fetch from one line leaves
     the other's count and times alone; peers are taken to pull the interactive line first."""
@@ -79,6 +110,15 @@ def test_the_feed_counts_a_batch_line_arrival_as_batch() -> None:
     feed.note(subjects.arrived("m1"), {}, now=2e9)
     feed.note("jb.arrived.m1.bulk", {}, now=2e9)  # not a class: no model "m1.bulk"
     assert (slots["m1"].backlog, slots["m1"].bulk) == (2, 1)
+
+
+def test_the_feed_reads_the_stream_sequence_of_an_arrival_and_nothing_forged() -> None:
+    view, slots = _view("m1")
+    subjects = Subjects("jb")
+    feed = ArrivalFeed(None, subjects, slots, view, on_arrival=lambda: None)
+    for text in ("41", "-1", "1e3", "４２", "9" * 21, "", " 7"):
+        feed.note(subjects.arrived("m1"), {"Nats-Sequence": text}, now=2e9)
+    assert [entry[3] for entry in slots["m1"].known_times] == [41, None, None, None, None, None, None]
 
 
 def test_a_reconcile_sets_the_count_and_subtracts_what_workers_hold() -> None:

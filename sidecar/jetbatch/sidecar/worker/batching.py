@@ -26,7 +26,7 @@ from ..errors import TRANSPORT_ERRORS, pull
 from ..policy import batch_line_first
 from ..wakeup import Wakeup
 from .counters import Counters
-from .slots import Slot, enqueued_at, pending_after
+from .slots import Slot, ack_info, enqueued_at
 
 __all__ = ["Batcher"]
 
@@ -47,7 +47,7 @@ class Batcher:
         *,
         poll_interval_s: float,
         on_trouble: Callable[[], None] | None = None,
-        on_fetched: Callable[[Slot, int, int | None, bool], None] | None = None,
+        on_fetched: Callable[[Slot, int, int | None, bool, int | None], None] | None = None,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
         wakeup: Wakeup | None = None,
@@ -57,8 +57,9 @@ class Batcher:
         self._stopping = stopping
         self.poll_interval_s = poll_interval_s
         self._on_trouble = on_trouble
-        # Told of every fetch that got messages (n, what the consumer says is left, and whether
-        # from the batch line): the queue view's count and head follow (sidecar/worker/queues.py).
+        # Told of every fetch that got messages (n, what the consumer said was left, whether from
+        # the batch line, and the stream sequence of the last one, which the consumer's count is
+        # as of): the queue view's count and head follow (sidecar/worker/queues.py).
         self._on_fetched = on_fetched
         self._clock = clock
         self._counters = Counters() if counters is None else counters
@@ -72,31 +73,36 @@ class Batcher:
         if self._waiting is not None and self._waiting[0].arrivals > self._waiting[1]:
             self._wakeup.wake()
 
-    async def fetch(self, slot: Slot, n: int, timeout_s: float, *, bulk_first: bool | None = None, stored_only: bool = False) -> list[Msg]:
+    async def fetch(
+        self, slot: Slot, n: int, timeout_s: float, *, bulk_first: bool | None = None, stored_only: bool = False, linger: int | None = None
+    ) -> list[Msg]:
         """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure. The
         interactive line first; the batch line when the count says batch requests wait (first
         when ``bulk_first``, by default when no interactive one waits), topped up from the other
-        line without waiting long. ``stored_only``: what is stored now, waiting for no arrival."""
+        line without waiting long. ``stored_only``: what is stored now, waiting for no arrival;
+        ``linger``: when nothing is stored, return once that many came."""
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
         lines = [False]
         if slot.bulk_psub is not None and slot.bulk > 0:
             first = slot.interactive == 0 if bulk_first is None else bulk_first
             lines = [True, False] if first else [False, True]
-        msgs = await self._pull(slot, lines[0], n, timeout_s, stored_only)
+        msgs = await self._pull(slot, lines[0], n, timeout_s, stored_only, linger)
         if len(lines) > 1 and len(msgs) < n and not self._stopping.is_set():
-            # The count says requests are stored there: they come within a round trip.
-            more = await self._pull(slot, lines[1], n - len(msgs), min(timeout_s, _STORED_WAIT_S), stored_only)
+            # What is stored there comes within a round trip; later arrivals on their events. A
+            # pull that waited for the rest of the batch held the batch (and a request arriving
+            # on that line meanwhile) to the end of its wait, 20 ms.
+            more = await self._pull(slot, lines[1], n - len(msgs), min(timeout_s, _STORED_WAIT_S), stored_only=True)
             if not more and lines[1] and self._on_fetched is not None:
                 # Nothing to deliver on the batch line: stop counting it until the next count (or
                 # every later fetch would wait on it).
-                self._on_fetched(slot, 0, 0, True)
+                self._on_fetched(slot, 0, 0, True, None)
             msgs += more
         return msgs
 
-    async def _pull(self, slot: Slot, bulk: bool, n: int, timeout_s: float, stored_only: bool = False) -> list[Msg]:
+    async def _pull(self, slot: Slot, bulk: bool, n: int, timeout_s: float, stored_only: bool = False, linger: int | None = None) -> list[Msg]:
         started = self._clock()
-        pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s, stored_only=stored_only)
+        pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s, stored_only=stored_only, linger=linger)
         if pulled.closed:
             self._stopping.set()
             return []
@@ -112,9 +118,10 @@ class Batcher:
             if enqueued_at(msgs[-1], started) < started:
                 # Stored before the fetch began: its time is the fetch's own round trip.
                 self._counters.sample("ready_fetch", self._clock() - started)
-            pending = pending_after(msgs[-1])
+            info = ack_info(msgs[-1])
+            pending = None if info is None else info.pending
             if self._on_fetched is not None:
-                self._on_fetched(slot, len(msgs), pending, bulk)
+                self._on_fetched(slot, len(msgs), pending, bulk, None if info is None else info.stream_seq)
             else:
                 slot.backlog = max(0, slot.backlog - len(msgs)) if pending is None else pending
         return msgs
@@ -160,7 +167,10 @@ class Batcher:
             busy = slot.computing >= slot.config.max_concurrent_batches  # answers being stored need no device
             wait_s = window.wait_s(len(msgs), close_at, now, device_busy=busy, idle_wait_s=first_wait_s)
             if not msgs:
-                got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first)
+                # What is stored, or else the first arrival: the window opens with it, and later
+                # ones come on their events. Waiting here for a whole batch held the first request
+                # to this wait's end (20 ms after a count ahead of the queue).
+                got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first, linger=1)
                 if not got:
                     break  # nothing came within the first wait: the queue is empty for now
             elif slot.backlog > 0 and (found_short is None or slot.arrivals > found_short):

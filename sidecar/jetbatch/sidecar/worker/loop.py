@@ -137,7 +137,7 @@ class Worker:
             counters=self.stats,
             poll_interval_s=config.worker.poll_interval_ms / 1000.0,
             on_trouble=self._note_trouble,
-            on_fetched=lambda slot, n, pending, bulk: self.queues.fetched(slot, n, pending, bulk=bulk),
+            on_fetched=lambda slot, n, pending, bulk, seq: self.queues.fetched(slot, n, pending, bulk=bulk, last_seq=seq),
         )
         self.runner = BatchRunner(
             worker_id=self.worker_id,
@@ -718,4 +718,4 @@ def _known_waiting(slot: Slot) -> list[tuple[float | None, bool]] | None:
     waiting request is known (one never seen arriving may be wanted)."""
     if slot.backlog > slot.known or slot.unknown_head_at is not None:
         return None
-    return [(d, key in slot.cancelled_keys) for _, d, key in (*slot.known_times, *slot.known_bulk)]
+    return [(d, key in slot.cancelled_keys) for _, d, key, _ in (*slot.known_times, *slot.known_bulk)]

@@ -64,6 +64,7 @@ _MAX_PEER_ID_CHARS = 128
 WORKER_HEADER = "Jetbatch-Worker"
 _KEY_TOKEN_RE = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 _MAX_TIMESTAMP_CHARS = 40
+_MAX_SEQUENCE_CHARS = 20  # a uint64
 
 
 def _request_key(headers: Mapping[str, str]) -> tuple[str, str] | None:
@@ -119,6 +120,28 @@ def _iso_seconds(base: str) -> float | None:
 _MINUTES: dict[str, float | None] = {}
 
 
+def _stored_after(known: Any, seq: int | None) -> int:
+    """How many of a line's newest known arrivals were stored after stream sequence ``seq``.
+    The feed counts arrivals in the order the stream stored them (one subscription), so the
+    count stops at the first one not after ``seq``, or whose sequence is unknown."""
+    if seq is None:
+        return 0
+    n = 0
+    for entry in reversed(known):
+        if entry[3] is None or entry[3] <= seq:
+            break
+        n += 1
+    return n
+
+
+def parse_stream_sequence(text: str | None) -> int | None:
+    """A republished message's stream sequence (``Nats-Sequence``), None unless plain digits
+    of a sane length: forgeable data, like every header of an arrival event."""
+    if not text or len(text) > _MAX_SEQUENCE_CHARS or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
 def _minute_at(prefix: str) -> float | None:
     """Unix seconds of ``YYYY-MM-DDTHH:MM`` (UTC), None when it is no such time; the last few kept."""
     at = _MINUTES.get(prefix, -1.0)
@@ -148,16 +171,18 @@ class QueueView:
     # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
 
     def arrived(
-        self, slot: Slot, enqueued_at: float, deadline: float | None, *, bulk: bool = False, key: tuple[str, str] | None = None
+        self, slot: Slot, enqueued_at: float, deadline: float | None, *, bulk: bool = False, key: tuple[str, str] | None = None,
+        seq: int | None = None,
     ) -> None:
         """One request stored for ``slot``'s model (``bulk``: of the batch class; ``key``: its
-        tenant and request id, for a later cancel)."""
+        tenant and request id, for a later cancel; ``seq``: the stream sequence it was stored
+        at, for :meth:`fetched`)."""
         slot.backlog += 1
         slot.arrivals += 1
         known = slot.known_bulk if bulk else slot.known_times
         if bulk:
             slot.bulk += 1
-        known.append((enqueued_at, deadline, key))
+        known.append((enqueued_at, deadline, key, seq))
         if key is not None:
             self._where[key] = slot.name
         if len(known) > MAX_KNOWN_TIMES:
@@ -179,18 +204,28 @@ class QueueView:
 
     def _drop_oldest(self, slot: Slot, known: Any) -> float:
         """Forget the oldest entry of one line (fetched, or beyond what is tracked)."""
-        at, _, key = known.popleft()
+        at, _, key, _ = known.popleft()
         if key is not None:
             self._where.pop(key, None)
             slot.cancelled_keys.discard(key)
         return float(at)
 
-    def fetched(self, slot: Slot, n: int, pending: int | None, *, bulk: bool = False) -> None:
+    def fetched(self, slot: Slot, n: int, pending: int | None, *, bulk: bool = False, last_seq: int | None = None) -> None:
         """This worker took ``n`` requests from the head of one line (``bulk``: the batch one);
-        ``pending``: what its consumer says is still undelivered there (None: unknown). Stranded
-        requests come back at the next reconcile."""
+        ``pending``: what its consumer said was still undelivered there when it delivered the
+        last of them, stored at stream sequence ``last_seq`` (None: unknown). Stranded requests
+        come back at the next reconcile.
+
+        A request stored after that delivery is not in ``pending``, yet its arrival event may
+        have been counted before the fetch's answer was read (another subscription's callback):
+        the known arrivals stored after ``last_seq`` stay counted. Taking ``pending`` alone
+        erased them, and such a request waited for the next count of the queue, up to
+        ``idle_refresh_s``, although it was stored while the batch window was open."""
         line = slot.bulk if bulk else slot.interactive
-        left = max(0, line - n) if pending is None else pending
+        if pending is None:
+            left = max(0, line - n)
+        else:
+            left = max(pending, _stored_after(slot.known_bulk if bulk else slot.known_times, last_seq))
         if bulk:
             self._count(slot, slot.interactive + left, bulk=left)
         else:
@@ -321,8 +356,8 @@ class QueueView:
                 return
         heads = [known[0] for known in (slot.known_times, slot.known_bulk) if known]
         if heads:
-            slot.oldest_enqueued_at = min(at for at, _, _ in heads)
-            deadlines = [d for _, d, _ in heads if d is not None]
+            slot.oldest_enqueued_at = min(at for at, _, _, _ in heads)
+            deadlines = [d for _, d, _, _ in heads if d is not None]
             slot.head_deadline = min(deadlines) if deadlines else None
         # else: keep what was known (a count with no time yet: read at the next reconcile)
 
@@ -445,7 +480,8 @@ class ArrivalFeed:
         except ProtocolError:
             deadline = None
         key = _request_key(headers)
-        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH, key=key)
+        seq = parse_stream_sequence(headers.get("Nats-Sequence"))
+        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH, key=key, seq=seq)
         if key is not None and self._cancelled(key[0] or None, key[1]):
             # Its cancel came before this event (a tenant's request goes through the classifier,
             # the notice straight to the workers): counted as cancelled at once.

@@ -19,7 +19,7 @@ from ..policy import BatchWindow, Tier, pipeline_has_room
 from ..replies import Answer
 from ..telemetry import LoadRecord
 
-__all__ = ["AckInfo", "BatchReport", "ModelTurn", "Request", "Slot", "ack_info", "enqueued_at", "pending_after"]
+__all__ = ["AckInfo", "BatchReport", "ModelTurn", "Request", "Slot", "ack_info", "enqueued_at"]
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,10 @@ class Slot:
     # Enqueue times (and deadlines) of the newest waiting interactive requests, oldest first,
     # from the arrival events; the same for the batch class (``known_bulk``); older waiting
     # requests' head, when read (None: not known). See queues.py.
-    # Each entry: (enqueue time, deadline, (tenant, request id) when the event named one).
-    known_times: deque[tuple[float, float | None, tuple[str, str] | None]] = field(default_factory=deque)
-    known_bulk: deque[tuple[float, float | None, tuple[str, str] | None]] = field(default_factory=deque)
+    # Each entry: (enqueue time, deadline, (tenant, request id) when the event named one, the
+    # stream sequence it was stored at when the event said).
+    known_times: deque[tuple[float, float | None, tuple[str, str] | None, int | None]] = field(default_factory=deque)
+    known_bulk: deque[tuple[float, float | None, tuple[str, str] | None, int | None]] = field(default_factory=deque)
     # The known waiting requests whose callers cancelled them (worker/cancellations.py): still in
     # the count until answered, but no load is paid for a queue of them (worker/loop.py, _load).
     cancelled_keys: set[tuple[str, str]] = field(default_factory=set)
@@ -248,8 +249,3 @@ def enqueued_at(msg: Msg, fallback: float) -> float:
     info = ack_info(msg)
     return fallback if info is None else min(info.stored_at_s, fallback)
 
-
-def pending_after(msg: Msg) -> int | None:
-    """What the consumer had left undelivered when it delivered ``msg`` (None: not JetStream)."""
-    info = ack_info(msg)
-    return None if info is None else info.pending
