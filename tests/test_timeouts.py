@@ -23,6 +23,7 @@ async def test_a_wait_ends_with_its_future_and_is_forgotten() -> None:
     asyncio.get_running_loop().call_soon(fut.set_result, "answer")
     assert await timeouts.within(fut, 60.0) == "answer"
     assert timeouts.waiting == 0
+    assert timeouts.timers == 0  # the last wait of its tick cancelled the timer: nothing kept
 
 
 async def test_a_wait_past_its_time_times_out_never_early_and_cancels_the_future() -> None:
@@ -90,7 +91,7 @@ async def test_a_finished_wait_leaves_the_others_of_its_tick_waiting() -> None:
     await asyncio.sleep(0)
     early.set_result(1)
     assert await first == 1
-    assert timeouts.waiting == 1
+    assert (timeouts.waiting, timeouts.timers) == (1, 1)
     late.set_result(2)
     assert await second == 2
-    assert timeouts.waiting == 0
+    assert (timeouts.waiting, timeouts.timers) == (0, 0)

@@ -2,12 +2,12 @@
 
 A request waits twice (for its PubAck, then for its answer). A timer of its own for each wait
 (``loop.call_at``) makes a ``TimerHandle`` in Python and pushes it on the loop's heap, where its
-``cancel`` leaves it until the heap is next rebuilt: about 2.5 µs a wait, a tenth of the SDK's
-own time a request in the producer's samples (docs/benchmarks.md, "Shared timers"). Here a wait
-joins the set of futures due in the same :data:`TICK_S`: one timer a tick however many waits
-share it, and a wait that ends only leaves its set.
+``cancel`` leaves it until the heap is next rebuilt: in the producer's samples that wait was 6-8%
+of its busy time (docs/benchmarks.md, "Shared timers"). Here a wait joins the set of futures due
+in the same :data:`TICK_S`: one timer a tick however many waits share it. A wait that ends
+leaves its set, and the last to leave cancels the tick's timer, so what is kept is bounded by
+the waits in progress, not by the longest timeout.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -22,18 +22,31 @@ T = TypeVar("T")
 TICK_S = 0.005
 
 
+class _Tick:
+    __slots__ = ("timer", "waits")
+
+    def __init__(self, timer: asyncio.TimerHandle) -> None:
+        self.timer = timer
+        self.waits: set[asyncio.Future[Any]] = set()
+
+
 class Timeouts:
     """The waits of one event loop (the one running at the first :meth:`within`), grouped by
     the tick they are due in."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._due: dict[int, set[asyncio.Future[Any]]] = {}
+        self._due: dict[int, _Tick] = {}
 
     @property
     def waiting(self) -> int:
-        """Waits not yet ended (the sets of ticks still to come)."""
-        return sum(len(s) for s in self._due.values())
+        """Waits in progress."""
+        return sum(len(t.waits) for t in self._due.values())
+
+    @property
+    def timers(self) -> int:
+        """Timers scheduled (one a tick that has waits)."""
+        return len(self._due)
 
     async def within(self, fut: asyncio.Future[T], timeout_s: float) -> T:
         """Await ``fut`` for at most ``timeout_s`` (ending up to :data:`TICK_S` later): its
@@ -45,9 +58,8 @@ class Timeouts:
         tick = math.ceil((loop.time() + max(timeout_s, 0.0)) / TICK_S)
         due = self._due.get(tick)
         if due is None:
-            due = self._due[tick] = set()
-            loop.call_at(tick * TICK_S, self._expire, tick)
-        due.add(fut)
+            due = self._due[tick] = _Tick(loop.call_at(tick * TICK_S, self._expire, tick))
+        due.waits.add(fut)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -56,10 +68,16 @@ class Timeouts:
                 raise TimeoutError from None
             raise
         finally:
-            due.discard(fut)
+            due.waits.discard(fut)
+            if not due.waits and self._due.get(tick) is due:
+                del self._due[tick]
+                due.timer.cancel()
 
     def _expire(self, tick: int) -> None:
+        due = self._due.pop(tick, None)
+        if due is None:
+            return
         # Cancelling a future wakes its waiter, which turns that into a TimeoutError.
-        for fut in self._due.pop(tick, ()):
+        for fut in due.waits:
             if not fut.done():
                 fut.cancel()
