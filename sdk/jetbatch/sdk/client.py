@@ -214,8 +214,9 @@ class Client:
         """Submit one request and return its decoded output, or raise a typed :class:`JetbatchError`.
 
         ``model=None`` sends it to the classifier (``<prefix>.in``); a model name sends it straight
-        to that model's queue. ``timeout`` (seconds) bounds the whole call and is also sent as the
-        request's deadline, so the worker does not compute a request nobody waits for.
+        to that model's queue. ``timeout`` (seconds) bounds the whole call (a call that times out
+        raises within 5 ms after it) and is also sent as the request's deadline, so the worker
+        does not compute a request nobody waits for.
         ``priority``: ``"interactive"`` (the default) or ``"batch"`` for work nobody waits on
         (bulk jobs): a worker takes a model's interactive requests first and visits a model
         with interactive work waiting sooner; batch requests keep the same bounded wait.
