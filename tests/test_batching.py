@@ -399,3 +399,28 @@ async def test_a_batch_from_one_line_is_topped_up_from_the_other_with_what_is_st
     assert len(msgs) == 1
     assert [stored_only for _, _, stored_only in interactive.fetches] == [True]
     assert clock() == pytest.approx(stored_at + 0.002, abs=1e-9)  # its window, and no more
+
+
+async def test_a_batch_line_arrival_during_an_empty_top_up_keeps_the_line_counted() -> None:
+    """The batch line's top-up finds nothing; an arrival counted meanwhile may be one stored on
+    that line after the pull was answered, so its count is not reset to nothing."""
+    clock = FakeClock()
+    slot = Slot(name="m", config=SimpleNamespace(max_concurrent_batches=1), handler=None, window=BatchWindow(64, 0.002))  # type: ignore[arg-type]
+    view = QueueView({"m": slot})
+    interactive = Queue(clock)
+
+    class BatchLine:
+        async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
+            await anyio.sleep(0)
+            view.arrived(slot, clock(), None, bulk=True, seq=9)  # stored just after this pull was answered
+            raise nats.errors.TimeoutError
+
+    slot.psub, slot.bulk_psub = interactive, BatchLine()
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock),  # type: ignore[arg-type]
+                      on_fetched=lambda s, n, pending, bulk, seq: view.fetched(s, n, pending, bulk=bulk, last_seq=seq))  # fmt: skip
+    view.arrived(slot, clock(), None, bulk=True, seq=7)  # counted, but a peer took it
+    view.arrived(slot, clock(), None, seq=8)
+    interactive.queued = 1
+    msgs = await batcher.fetch(slot, 64, 0.02, bulk_first=False)
+    assert len(msgs) == 1
+    assert slot.bulk >= 1  # the one stored meanwhile is still counted

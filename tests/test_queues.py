@@ -121,6 +121,21 @@ def test_the_feed_reads_the_stream_sequence_of_an_arrival_and_nothing_forged() -
     assert [entry[3] for entry in slots["m1"].known_times] == [41, None, None, None, None, None, None]
 
 
+def test_an_arrival_stored_after_the_count_was_taken_stays_counted() -> None:
+    """The stream's count is as of its last sequence. An arrival counted while the count was on
+    its way, stored after it, is not in it: the count must not erase it (it waited for the next
+    count, a poll interval, or a second when idle)."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.arrived(s, 5.0, None, seq=11)
+    view.arrived(s, 5.1, None, bulk=True, seq=12)
+    view.reconcile(s, 0, now=5.2, mine=0, not_ours=0, last_seq=10)
+    assert (s.backlog, s.bulk, s.interactive) == (2, 1, 1)
+    assert s.oldest_enqueued_at == 5.0
+    view.reconcile(s, 0, now=5.3, mine=0, not_ours=0, last_seq=12)  # both gone by then (a peer took them)
+    assert s.backlog == 0
+
+
 def test_a_reconcile_sets_the_count_and_subtracts_what_workers_hold() -> None:
     view, slots = _view("m1")
     s = slots["m1"]

@@ -92,10 +92,12 @@ class Batcher:
             # What is stored there comes within a round trip; later arrivals on their events. A
             # pull that waited for the rest of the batch held the batch (and a request arriving
             # on that line meanwhile) to the end of its wait, 20 ms.
+            counted = slot.arrivals
             more = await self._pull(slot, lines[1], n - len(msgs), min(timeout_s, _STORED_WAIT_S), stored_only=True)
-            if not more and lines[1] and self._on_fetched is not None:
+            if not more and lines[1] and self._on_fetched is not None and slot.arrivals == counted:
                 # Nothing to deliver on the batch line: stop counting it until the next count (or
-                # every later fetch would wait on it).
+                # every later fetch would look there). Not when an arrival was counted meanwhile:
+                # it may be one stored on that line after the pull was answered.
                 self._on_fetched(slot, 0, 0, True, None)
             msgs += more
         return msgs

@@ -293,10 +293,13 @@ class QueueView:
         self._count(slot, 0)
 
     def reconcile(
-        self, slot: Slot, stored: int, now: float, *, mine: int, not_ours: int, stored_bulk: int = 0, mine_bulk: int = 0
+        self, slot: Slot, stored: int, now: float, *, mine: int, not_ours: int, stored_bulk: int = 0, mine_bulk: int = 0,
+        last_seq: int | None = None,
     ) -> None:
         """The server's count of ``slot``'s stored messages (``stored_bulk`` of them on the batch
-        line; ``mine_bulk`` of ours in flight from it): the truth the events are checked against."""
+        line; ``mine_bulk`` of ours in flight from it), taken when the stream's last sequence was
+        ``last_seq``: the truth the events are checked against. Arrivals counted while the count
+        was on its way, stored after it, are not in it and stay counted (as in :meth:`fetched`)."""
         available = max(0, stored - mine - not_ours)
         slot.stranded = max(0, available - slot.known)  # an upper bound: arrivals not seen
         if slot.stranded == 0:
@@ -313,7 +316,10 @@ class QueueView:
         # worst interactive work is over-counted until the next count, and visited sooner).
         waiting = available - slot.unfetchable
         interactive = min(max(0, (stored - stored_bulk) - (mine - mine_bulk)), max(0, waiting))
-        self._count(slot, waiting, bulk=waiting - interactive)
+        bulk = max(0, waiting - interactive)
+        interactive = max(interactive, _stored_after(slot.known_times, last_seq))
+        bulk = max(bulk, _stored_after(slot.known_bulk, last_seq))
+        self._count(slot, interactive + bulk, bulk=bulk)
 
     def needs_head(self, slot: Slot) -> bool:
         """Whether the queue's head was never seen arriving (its age must be read once)."""
@@ -375,6 +381,8 @@ class QueueView:
             return False
         counts: dict[str, int] = {}
         bulk: dict[str, int] = {}
+        last_seq = getattr(info.state, "last_seq", None)
+        last_seq = last_seq if isinstance(last_seq, int) else None
         for subject, n in (getattr(info.state, "subjects", None) or {}).items():
             queue = subjects.queue_from_subject(subject)
             if queue is not None:
@@ -388,8 +396,9 @@ class QueueView:
             if slot is not None:
                 peers = max(not_ours.get(name, 0), self.peers_hold(name, now))  # adverts lag: events are newer
                 self.reconcile(
-                    slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=peers, stored_bulk=bulk.get(name, 0), mine_bulk=mine_bulk.get(name, 0)
-                )
+                    slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=peers, stored_bulk=bulk.get(name, 0),
+                    mine_bulk=mine_bulk.get(name, 0), last_seq=last_seq,
+                )  # fmt: skip
         reads = [s for s in (self._slots[n] for n in sorted(self.waiting)) if self.needs_head(s)][:MAX_HEAD_READS]
         for slot in reads:
             await self._read_head(js, subjects, slot, now)
