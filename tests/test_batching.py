@@ -107,6 +107,18 @@ def _slot(queue: Any, max_delay_s: float) -> Any:
     return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, computing=0, config=config, backlog=0, arrivals=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0)
 
 
+def _viewed_slot(max_delay_s: float) -> tuple[Slot, QueueView]:
+    """A real slot counted by a real queue view (the worker's wiring, no server)."""
+    slot = Slot(name="m", config=SimpleNamespace(max_concurrent_batches=1), handler=None, window=BatchWindow(64, max_delay_s))  # type: ignore[arg-type]
+    return slot, QueueView({"m": slot})
+
+
+def _viewed_batcher(clock: FakeClock, view: QueueView) -> Batcher:
+    """A batcher whose fetches update ``view``, as the worker wires them."""
+    return Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock),  # type: ignore[arg-type]
+                   on_fetched=lambda s, n, pending, bulk, seq: view.fetched(s, n, pending, bulk=bulk, last_seq=seq))  # fmt: skip
+
+
 async def test_a_lone_request_closes_its_batch_at_max_delay_with_no_pull_held_open() -> None:
     clock = FakeClock()
     queue = Queue(clock)
@@ -335,8 +347,7 @@ async def test_a_request_stored_during_the_first_fetch_joins_the_batch_though_it
     the queue view keeps B counted, so the open window takes B with one fetch of what is stored
     instead of waiting out the window with B left for the next count of the queue."""
     clock = FakeClock()
-    slot = Slot(name="m", config=SimpleNamespace(max_concurrent_batches=1), handler=None, window=BatchWindow(64, 0.05))  # type: ignore[arg-type]
-    view = QueueView({"m": slot})
+    slot, view = _viewed_slot(0.05)
 
     class Racing:
         def __init__(self) -> None:
@@ -354,9 +365,7 @@ async def test_a_request_stored_during_the_first_fetch_joins_the_batch_though_it
             raise nats.errors.TimeoutError
 
     slot.psub = Racing()
-    wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup,  # type: ignore[arg-type]
-                      on_fetched=lambda s, n, pending, bulk, seq: view.fetched(s, n, pending, bulk=bulk, last_seq=seq))  # fmt: skip
+    batcher = _viewed_batcher(clock, view)
     view.arrived(slot, clock(), None, seq=1)  # A
     msgs = await batcher.gather(slot, 64)
     assert len(msgs) == 2  # A and B, in one batch
@@ -405,8 +414,7 @@ async def test_a_batch_line_arrival_during_an_empty_top_up_keeps_the_line_counte
     """The batch line's top-up finds nothing; an arrival counted meanwhile may be one stored on
     that line after the pull was answered, so its count is not reset to nothing."""
     clock = FakeClock()
-    slot = Slot(name="m", config=SimpleNamespace(max_concurrent_batches=1), handler=None, window=BatchWindow(64, 0.002))  # type: ignore[arg-type]
-    view = QueueView({"m": slot})
+    slot, view = _viewed_slot(0.002)
     interactive = Queue(clock)
 
     class BatchLine:
@@ -416,8 +424,7 @@ async def test_a_batch_line_arrival_during_an_empty_top_up_keeps_the_line_counte
             raise nats.errors.TimeoutError
 
     slot.psub, slot.bulk_psub = interactive, BatchLine()
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock),  # type: ignore[arg-type]
-                      on_fetched=lambda s, n, pending, bulk, seq: view.fetched(s, n, pending, bulk=bulk, last_seq=seq))  # fmt: skip
+    batcher = _viewed_batcher(clock, view)
     view.arrived(slot, clock(), None, bulk=True, seq=7)  # counted, but a peer took it
     view.arrived(slot, clock(), None, seq=8)
     interactive.queued = 1
