@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -394,3 +395,35 @@ def test_the_simulator_pays_no_load_for_a_queue_whose_callers_gave_up(tmp_path: 
     assert result.completed == 2 and result.deadline_exceeded == 3
     assert result.reaped_queues == 1
     assert [m for _, _, m in result.load_log] == ["a"]  # b never loaded
+
+
+def test_a_worker_draining_a_deep_queue_sees_the_count_of_its_last_take(tmp_path: Path) -> None:
+    """As live (policy/interest.py): while more than three batches wait, the worker does not
+    listen to the queue's arrivals, so a burst stored meanwhile is seen at its next take."""
+    from jetbatch.sidecar.policy.cost_aware import CostAware
+    from jetbatch.sidecar.policy.types import SchedulerState
+
+    lines = [json.dumps({"t": 0.0 if i < 40 else 0.15, "model": "a"}) for i in range(60)]
+    (tmp_path / "trace.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "w.toml").write_text(
+        '[models.a]\nload_cost_s = 0.0\nbatch_cost_s = 0.1\nitem_cost_s = 0.0\nmax_batch_size = 4\n[arrivals]\nkind = "trace"\npath = "trace.jsonl"\n'
+    )
+
+    class Recording(CostAware):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[float, int]] = []
+
+        def decide(self, state: SchedulerState, now: float) -> Any:
+            self.seen.append((now, state.models["a"].backlog if "a" in state.models else 0))
+            return super().decide(state, now)
+
+    policy = Recording()
+    assert simulate(load_workload(tmp_path / "w.toml"), policy).completed == 60
+    before = [n for t, n in policy.seen if 0.0 < t < 0.15]
+    after = [n for t, n in policy.seen if t > 0.15]
+    # The first decision after the burst still sees the count of the last take (one batch less
+    # than the one before), not the 20 stored meanwhile; the next take counts them.
+    assert after[0] == before[-1] - 4
+    assert after[1] == after[0] + 20 - 4
+    assert policy.seen[-1][1] == 4  # drained listening again: the last batch's four, exactly

@@ -4,6 +4,7 @@ passed in), so the live worker and the simulator drive the same code.
 - :mod:`.driver`: one worker's decisions and what each event counts (owns its policy and estimator).
 - :mod:`.scheduling`: which model to serve, load or evict next.
 - :mod:`.window`: when a gathered batch closes.
+- :mod:`.interest`: whether a worker listens to the arrivals of the model it drains.
 - :mod:`.costs`: what loads (per memory tier), batches and memory cost, learned from measurements.
 - :mod:`.share`: which part of a queue shared with other workers is ours to chase.
 - :mod:`.visible`: which models a decision looks at (all of a few dozen; the active ones of thousands).
@@ -11,6 +12,7 @@ passed in), so the live worker and the simulator drive the same code.
 
 from .costs import BatchCost, CostEstimator, Tier, warm_copy_value
 from .driver import Driver, QueueFacts, reload_tier
+from .interest import LISTEN_BELOW_BATCHES, QUIET_FROM_BATCHES, listens
 from .scheduling import (
     POLICIES,
     Budget,
@@ -30,10 +32,12 @@ from .window import ANSWERING_BATCHES, BATCH_LINE_EVERY, PROBE_AFTER_REFUSALS, B
 
 __all__ = [
     "ANSWERING_BATCHES",
+    "LISTEN_BELOW_BATCHES",
     "MIN_DEFER_STEP_S",
     "MIN_JOIN_S",
     "POLICIES",
     "PROBE_AFTER_REFUSALS",
+    "QUIET_FROM_BATCHES",
     "BATCH_LINE_EVERY",
     "RECENT_S",
     "BatchCost",
@@ -59,6 +63,7 @@ __all__ = [
     "first_taker_rank",
     "has_room",
     "join_horizon_s",
+    "listens",
     "shared_head",
     "fits",
     "make_policy",

@@ -15,7 +15,8 @@ their batch starts, or that the estimated batch time would carry past it, are no
 
 The control plane costs what it costs live (``Workload.control``): each decision holds the worker
 for its CPU time (fixed, and per model the policy is shown: ``policy.visible_models``, the same
-rule as live), an arrival is known only ``arrival_delay_s`` after it is stored, each load pays a
+rule as live), an arrival is known only ``arrival_delay_s`` after it is stored (and, while the
+worker drains that queue deep, at its next take: ``policy.listens``), each load pays a
 fixed overhead (the consumer check; with peers, the claims, adverts and release), and each
 batch its fetch before compute and the storing and sending of its answers after it.
 """
@@ -48,6 +49,7 @@ from ..policy import (
     drain_rps,
     first_taker_rank,
     has_room,
+    listens,
     make_policy,
     pipeline_has_room,
     visible_models,
@@ -143,6 +145,9 @@ class _Worker:
     idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
     reaped_on_prediction: dict[str, int] = field(default_factory=dict)  # loads in a row not paid on the estimates
     answering: dict[str, list[float]] = field(default_factory=dict)  # model -> when its batches' answers are stored
+    # The drained model whose interactive arrivals it does not listen to (policy/interest.py),
+    # with that line's count as of its last take: what it sees of the line, as live.
+    quiet: dict[str, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -267,6 +272,10 @@ class _Sim:
                 served_by[name] = served_by.get(name, 0.0) + _drain_rps(p, name, self.w.models[name])
         facts = []
         worker.defer_wake = math.inf
+        for name, seen in list(worker.quiet.items()):
+            draining = name == worker.current and name in worker.resident
+            if listens(listening=False, draining=draining, waiting=min(seen, len(self.queues[name].urgent)), max_batch_size=self.w.models[name].max_batch_size):
+                del worker.quiet[name]  # listening again: it sees the line's true count
         slots: dict[str, tuple[int, int]] | None = None  # made when a queue nobody holds needs it
         for name in self._visible(worker):
             m = self.w.models[name]
@@ -285,9 +294,12 @@ class _Sim:
                 if until > self.t:
                     deferred = True
                     worker.defer_wake = min(worker.defer_wake, until)
+            seen = worker.quiet.get(name)
+            # Not listening to this line: the count of the last take (less what peers took since).
+            urgent = len(q.urgent) if seen is None else min(seen, len(q.urgent))
             facts.append(QueueFacts(
                 name=name,
-                waiting=len(q),
+                waiting=len(q.bulk) + urgent,
                 head_enqueued_at=q.head.arrival if q else None,
                 # Deadlines are arrival + a per-model constant, so the queue's head has the earliest.
                 head_deadline=q.head.deadline if q else None,
@@ -299,7 +311,7 @@ class _Sim:
                 served_rps=served_by.get(name, 0.0),
                 deferred=deferred,
                 pinned=m.pin,
-                interactive=len(q.urgent) if self.classes else None,
+                interactive=urgent if self.classes else None,
                 interactive_enqueued_at=q.urgent[0].arrival if self.classes and q.urgent else None,
             ))  # fmt: skip
         order = None
@@ -347,6 +359,8 @@ class _Sim:
             self.wake(worker, self.t)
             return
         decision = worker.driver.decide(state, self.t)
+        if not isinstance(decision, Serve) or decision.model not in worker.resident:
+            worker.quiet.clear()  # as live: a worker that loads or idles listens to every arrival
         # The decision's own CPU time delays what it starts, as it does live.
         cost_s = self.w.control.decision_cost_s(len(state.models))
         if isinstance(decision, Serve) and decision.model not in worker.resident:
@@ -410,6 +424,13 @@ class _Sim:
             batch.append(q.pop(bulk_first))
         if not q:
             self.nonempty.discard(decision.model)
+        # As live: a fetch says what its line still holds; deep, the worker stops listening to
+        # its arrivals (policy/interest.py) and sees that count until its next take.
+        left = len(q.urgent)
+        if listens(listening=decision.model not in worker.quiet, draining=True, waiting=left, max_batch_size=m.max_batch_size):
+            worker.quiet.pop(decision.model, None)
+        else:
+            worker.quiet[decision.model] = left
         start = self.t + cost_s + self.control_s("batch_overhead_s")
         # The live worker's rule: the capped estimate, and no prediction once PROBE_AFTER_REFUSALS
         # batches in a row were refused whole on one.

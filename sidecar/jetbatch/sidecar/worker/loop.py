@@ -44,6 +44,7 @@ from ..policy import (
     SchedulerState,
     Serve,
     cannot_finish,
+    listens,
     make_policy,
     visible_models,
 )
@@ -429,6 +430,7 @@ class Worker:
     async def _serve_loop(self, tg: anyio.abc.TaskGroup) -> None:
         revisited = False  # the last decision was a load put off until its victim was free
         while not self._stopping.is_set():
+            await self._follow_arrivals()
             now = time.time()
             if now >= self.state.next_refresh:
                 await self._refresh(now)
@@ -452,6 +454,7 @@ class Worker:
                     # The built-in policies serve only resident models; a custom one that does not
                     # gets the load it implies, with no eviction (the simulator does the same).
                     log.warning("policy %s chose non-resident model %s; loading it", self.policy.name, slot.name)
+                    await self._follow_arrivals(leaving=True)
                     await self._load(slot, (), reason="serve-non-resident")
                     continue
                 if not await self._consumer(slot):
@@ -470,10 +473,31 @@ class Worker:
                         await victim.wait_model_free()
                     revisited = True
                     continue
+                await self._follow_arrivals(leaving=True)  # a load holds the worker for its whole time
                 await self._load(self.slots[decision.model], decision.evict, reason=decision.reason)
                 revisited = False
             else:
+                await self._follow_arrivals(leaving=True)  # an idle worker wakes on arrival events
                 await self._idle(decision)
+
+    async def _follow_arrivals(self, *, leaving: bool = False) -> None:
+        """Listen to the interactive arrivals of the model this worker drains only while its
+        queue is deep (``policy/interest.py``): then each fetch counts it. ``leaving``: the
+        worker is about to load, or to idle, and drains nothing meanwhile."""
+        current = None if leaving else self.state.current
+        for name in self.arrivals.quiet_models:
+            slot = self.slots[name]
+            draining = name == current and slot.resident
+            if listens(listening=False, draining=draining, waiting=slot.interactive, max_batch_size=slot.config.max_batch_size):
+                if await self.arrivals.listen(name):
+                    # Requests stored since the last fetch are in no count yet (and peers' takes
+                    # may have brought the count down to zero meanwhile): count again now. The
+                    # count goes out after the subscription, so each arrival is in one or the other.
+                    self.state.next_refresh = -math.inf
+        if current is not None and current not in self.arrivals.quiet_models:
+            slot = self.slots[current]
+            if slot.resident and not listens(listening=True, draining=True, waiting=slot.interactive, max_batch_size=slot.config.max_batch_size):
+                await self.arrivals.quiet(current)
 
     def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:
         """Resident models idle past their ``idle_unload_s`` (``Driver.idle_unloads``, the

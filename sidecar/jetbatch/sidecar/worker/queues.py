@@ -426,7 +426,9 @@ class QueueView:
 
 class ArrivalFeed:
     """The event feed of the queues. ``<prefix>.arrived.>``: each republished request counts into
-    its model's queue and wakes the worker. ``<prefix>.taken.>``: the workers' own events, ``+n``
+    its model's queue and wakes the worker. The batch lines' events come on one wildcard, the
+    interactive lines' on one subscription per model, so that the worker can stop listening to
+    the model it drains (:meth:`quiet`, :meth:`listen`; ``sidecar/policy/interest.py``). ``<prefix>.taken.>``: the workers' own events, ``+n``
     when one fetched n requests of a model and ``-n`` when it settled them (:meth:`took`,
     :meth:`settled`), so its peers' counts follow at once. Hostile input never raises here: an
     unknown model, a malformed timestamp, deadline or count is ignored or read as "now" / "no
@@ -451,7 +453,9 @@ class ArrivalFeed:
         self._on_arrival = on_arrival
         self._cancelled = cancelled  # whether a cancel notice for (tenant, request id) came already
         self._worker_id = worker_id
-        self._sub: Any = None
+        self._sub: Any = None  # the batch lines' arrivals
+        self._interactive: dict[str, Any] = {}  # model -> its interactive line's subscription
+        self._quiet: set[str] = set()  # models whose interactive arrivals we stopped listening to
         self._taken_sub: Any = None
         self.seen = 0
         self._counters = Counters() if counters is None else counters
@@ -459,18 +463,61 @@ class ArrivalFeed:
     async def start(self) -> None:
         """Subscribe (once: a retried startup calls it again)."""
         if self._sub is None:
-            self._sub = await self._nc.subscribe(self._subjects.arrivals_wildcard, cb=self._on_msg, pending_msgs_limit=1_000_000)
+            self._sub = await self._subscribe(self._subjects.batch_arrivals_wildcard)
+        for name in self._slots:
+            if name not in self._interactive and name not in self._quiet:
+                self._interactive[name] = await self._subscribe(self._subjects.arrived(name))
         if self._taken_sub is None:
             self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
 
+    async def _subscribe(self, subject: str) -> Any:
+        return await self._nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=1_000_000)
+
+    @property
+    def quiet_models(self) -> frozenset[str]:
+        """The models whose interactive arrivals this worker does not listen to now."""
+        return frozenset(self._quiet)
+
+    async def quiet(self, name: str) -> bool:
+        """Stop listening to ``name``'s interactive arrivals (False, still listening, when the
+        connection refused)."""
+        sub = self._interactive.get(name)
+        if sub is None:
+            return name in self._quiet
+        try:
+            await sub.unsubscribe()
+        except TRANSPORT_ERRORS + (ValueError,) as exc:
+            log.debug("arrivals of %s: unsubscribe failed: %r", name, exc)
+            return False
+        del self._interactive[name]
+        self._quiet.add(name)
+        self._counters.add("arrivals_quiet")
+        return True
+
+    async def listen(self, name: str) -> bool:
+        """Listen to ``name``'s interactive arrivals again (False when the connection refused:
+        try again later). The subscription goes out before anything the caller sends next on
+        the connection, so a fetch or count sent after this sees every arrival the events miss."""
+        if name not in self._quiet:
+            return True
+        try:
+            self._interactive[name] = await self._subscribe(self._subjects.arrived(name))
+        except TRANSPORT_ERRORS + (ValueError,) as exc:
+            log.debug("arrivals of %s: subscribe failed: %r", name, exc)
+            return False
+        self._quiet.discard(name)
+        return True
+
     async def stop(self) -> None:
-        for sub in (self._sub, self._taken_sub):
+        for sub in (self._sub, self._taken_sub, *self._interactive.values()):
             if sub is not None:
                 try:
                     await sub.unsubscribe()
                 except TRANSPORT_ERRORS + (ValueError,):
                     pass
         self._sub = self._taken_sub = None
+        self._interactive.clear()
+        self._quiet.clear()
 
     async def _on_msg(self, msg: Msg) -> None:
         self.note(msg.subject, msg.headers)

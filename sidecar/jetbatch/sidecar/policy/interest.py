@@ -1,0 +1,39 @@
+"""Whether a worker listens to the arrival events of the model it drains. Pure.
+
+The models stream republishes every stored request's headers to its model's arrival subject,
+and every worker that listens receives them: one message per request, on top of the request
+itself and its answer's PubAck, a third of what a worker received per request. A worker draining
+a deep queue needs none of them: each fetch tells it what its consumer still holds
+(``num_pending``), and it comes back for more anyway. So while the model it serves has at least
+``QUIET_FROM_BATCHES`` batches waiting on the interactive line, the worker stops listening to that
+line's arrivals, and listens again once fewer than ``LISTEN_BELOW_BATCHES`` batches wait (or it
+serves another model, or the model leaves the device). The gap between the two keeps a queue
+that hovers around one threshold from costing a subscription change per batch.
+
+While it does not listen, the worker's count of that line is a lower bound: what its last fetch
+or count said, less what peers took since; requests stored since are counted by the next fetch.
+It never reaches zero unseen: a fetch takes at most one batch, so the count falls below
+``LISTEN_BELOW_BATCHES`` batches, and the worker listens again, while requests still wait. Only a
+count from elsewhere (peers drained the queue) can take it to zero at once: then the worker
+counts the queue again after listening (``sidecar/worker/loop.py``). The simulator applies the
+same rule to what its worker sees (``sidecar/simulator/engine.py``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LISTEN_BELOW_BATCHES", "QUIET_FROM_BATCHES", "listens"]
+
+# Stop listening to the drained model's interactive arrivals from this many batches waiting...
+QUIET_FROM_BATCHES = 3
+# ...and listen again below this many.
+LISTEN_BELOW_BATCHES = 2
+
+
+def listens(*, listening: bool, draining: bool, waiting: int, max_batch_size: int) -> bool:
+    """Whether a worker should listen to a model's interactive arrivals: always, unless it is
+    ``draining`` that model (resident here and the one it serves) and the ``waiting`` count of
+    its interactive line is deep enough (``listening``: whether it listens now)."""
+    if not draining:
+        return True
+    batches = QUIET_FROM_BATCHES if listening else LISTEN_BELOW_BATCHES
+    return waiting < batches * max(1, max_batch_size)
