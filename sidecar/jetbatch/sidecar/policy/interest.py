@@ -12,11 +12,11 @@ that hovers around one threshold from costing a subscription change per batch.
 
 While it does not listen, the worker's count of that line is a lower bound: what its last fetch
 or count said, less what peers took since; requests stored since are counted by the next fetch.
-It never reaches zero unseen: a fetch takes at most one batch, so the count falls below
-``LISTEN_BELOW_BATCHES`` batches, and the worker listens again, while requests still wait. Only a
-count from elsewhere (peers drained the queue) can take it to zero at once: then the worker
-counts the queue again after listening (``sidecar/worker/loop.py``). The simulator applies the
-same rule to what its worker sees (``sidecar/simulator/engine.py``).
+Its own fetches never take it to zero unseen: a fetch takes at most one batch, so the count falls
+below ``LISTEN_BELOW_BATCHES`` batches, and the worker listens again, while requests still wait.
+Peers' takes can (they drained the queue meanwhile): so whenever the worker listens again it
+counts the queues at once, after subscribing (``sidecar/worker/loop.py``). The simulator applies
+the same rule to what its worker sees (``sidecar/simulator/engine.py``).
 """
 
 from __future__ import annotations

