@@ -148,3 +148,19 @@ def test_non_finite_scores_take_the_fallback_or_are_internal() -> None:
     assert [x.model for x in with_fallback.route([good(1.0)])] == ["m0"]
     without = router(handler="tests.classifier_fixtures:InfNet").route([good(1.0)])
     assert without[0].error is not None and without[0].error[0] is ErrorCode.INTERNAL
+
+
+def test_header_rules_route_on_the_loop_and_field_rules_and_networks_in_a_thread() -> None:
+    """A thread hop a batch cost the classifier more than header lookups do; a rule that decodes
+    payloads, or a network, must not stop the loop on a large batch."""
+    from jetbatch.sidecar.classifier.routers import RulesRouter
+
+    def rules(*rules: dict[str, Any]) -> RulesRouter:
+        return RulesRouter(msgspec.convert({"router": "rules", "rules": list(rules), "default_model": "m0"}, ClassifierConfig))
+
+    assert rules().inline
+    headers = rules({"header": "X-Kind", "equals": "a", "model": "m1"})
+    assert headers.inline
+    assert [r.model for r in headers.route([Item(headers={"X-Kind": "a"}, data=b"", content_type=None)])] == ["m1"]
+    assert not rules({"header": "X-Kind", "equals": "a", "model": "m1"}, {"field": "kind", "equals": "b", "model": "m1"}).inline
+    assert not router().inline

@@ -47,6 +47,10 @@ class Item:
 class Router:
     """Decides the model of every request of a batch at once."""
 
+    # Whether ``route`` is cheap and bounded (no payload to decode, no model to run): then it runs
+    # on the event loop; otherwise in a worker thread, so a slow batch does not stop the loop.
+    inline = False
+
     def route(self, items: Sequence[Item]) -> list[Route]:
         raise NotImplementedError
 
@@ -224,6 +228,9 @@ class RulesRouter(Router):
                 raise ConfigError(f"classifier.rules[{n}]: needs model, equals, and header or field")
         self.rules = cfg.rules
         self.default = cfg.default_model
+        # Header rules and the default are dictionary lookups: a thread hop a batch cost more than
+        # routing it (the classifier's busiest path). A field rule decodes payloads: a thread.
+        self.inline = all("header" in rule for rule in cfg.rules)
 
     def route(self, items: Sequence[Item]) -> list[Route]:
         out = []

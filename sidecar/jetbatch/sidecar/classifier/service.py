@@ -239,7 +239,10 @@ class Classifier:
                 batch = [parsed[i][0] for i in to_classify]
                 started = time.perf_counter()
                 try:
-                    decided = await anyio.to_thread.run_sync(self.router.route, batch)
+                    if self.router.inline:
+                        decided = self.router.route(batch)
+                    else:
+                        decided = await anyio.to_thread.run_sync(self.router.route, batch)
                     self.metrics.route_duration.record(time.perf_counter() - started)
                 except Exception as exc:  # noqa: BLE001 - a router bug answers the batch, it does not kill the sidecar
                     log.error("router failed on a batch of %d: %r", len(batch), exc)
