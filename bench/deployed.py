@@ -15,7 +15,9 @@ classifier, both windows), and how much of that is its worker batch starting pas
 window (``lone_batch_start_over_max_delay_ms``, the queue wait the worker reports).
 
 Reported per round: throughput, and each process's CPU seconds per request (from /proc): the
-producer, the consumer side (raw consumer, or worker, and the classifier), nats-server.
+producer, the consumer side (raw consumer, or worker, and the classifier), nats-server; and the
+messages the consumer side published and received per request (``consumer_msgs``, from
+nats-server's ``/connz``, PINGs not counted: the server counts messages only).
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
                              [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--batch-sizes]
@@ -25,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -50,9 +55,29 @@ CLASSIFIER_MAX_DELAY_S = 0.002  # the classifier's
 # --- the raw consumer (its own process) ----------------------------------------------------------
 
 
+# Connections of the consumer side: the raw consumer's, and the sidecars' (``sidecar/cli``).
+CONSUMER_NAMES = ("raw-consumer", "jetbatch-worker", "jetbatch-worker-replies", "jetbatch-classifier", "jetbatch-classifier-replies")
+_monitor_port: int | None = None  # nats-server's monitoring port (set by main)
+
+
+def consumer_msgs() -> dict[int, tuple[int, int]]:
+    """Messages each consumer-side connection published and was sent so far, by connection id."""
+    if _monitor_port is None:
+        return {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{_monitor_port}/connz?limit=4096", timeout=10) as r:
+        conns = json.load(r).get("connections") or []
+    return {c["cid"]: (int(c["in_msgs"]), int(c["out_msgs"])) for c in conns if c.get("name") in CONSUMER_NAMES}
+
+
+def _msgs_per_request(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], n: int) -> dict[str, float]:
+    published = sum(a[0] - before.get(cid, (0, 0))[0] for cid, a in after.items())
+    received = sum(a[1] - before.get(cid, (0, 0))[1] for cid, a in after.items())
+    return {"consumer_published": published / n, "consumer_received": received / n}
+
+
 async def raw_consumer(url: str, prefix: str, stored: bool) -> None:
     """``bench.overhead``'s raw consumer in a process of its own, until killed."""
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, name="raw-consumer")
     psub = await nc.jetstream().pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
     print("ready", flush=True)
     await raw_replies(nc, psub, stored=stored)
@@ -87,13 +112,15 @@ def raw_round(url: str, server_pid: int, n: int, concurrency: int, payload: byte
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        msgs = consumer_msgs()
         before = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
         elapsed = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored))
         after = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
+        msgs_after = consumer_msgs()
     finally:
         proc.kill()
         proc.wait()
-    return _record("raw_stored" if stored else "raw", n, elapsed, before, after)
+    return {**_record("raw_stored" if stored else "raw", n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
 
 
 def _config(directory: Path, prefix: str, classifier: bool, max_delay_s: float = MAX_DELAY_S) -> Path:
@@ -146,13 +173,15 @@ def jetbatch_round(
         config = _config(Path(tmp), prefix, classifier, max_delay_s)
         with harness.processes(config, url, classifier=classifier, store_dir=Path(tmp) / "store", http_port=-1) as dep:
             sidecars = [p.pid for name, p in sorted(dep.procs.items())]
+            msgs = consumer_msgs()
             before = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
             model = None if classifier else "ident"
             sizes: list[int] | None = [] if batch_sizes else None
             elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, model, sizes))
             after = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
+            msgs_after = consumer_msgs()
             alone = asyncio.run(_lone_requests(url, prefix, lone, payload, model, lone_gap_s)) if lone else []
-    record = _record("classified" if classifier else "jetbatch", n, elapsed, before, after)
+    record = {**_record("classified" if classifier else "jetbatch", n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
     if sizes:
         record["mean_batch"] = statistics.mean(sizes)
     if alone:
@@ -196,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     payload = os.urandom(args.payload)
     rounds: list[dict[str, dict[str, Any]]] = []  # each round: its records by kind
-    with harness.server() as server:
+    global _monitor_port
+    _monitor_port = _free_port()
+    with harness.server(extra_config=f"http: 127.0.0.1:{_monitor_port}") as server:
         for _ in range(args.rounds):
             by_kind = {"raw": raw_round(server.url, server.pid, args.requests, args.concurrency, payload)}
             if args.raw_stored:
@@ -211,7 +242,11 @@ def main(argv: list[str] | None = None) -> int:
 
     kinds = list(rounds[0])
     summary = {
-        kind: {key: statistics.median(r[kind][key] for r in rounds) for key in ("rate", "producer_us", "consumer_us", "server_us")} for kind in kinds
+        kind: {
+            key: statistics.median(r[kind][key] for r in rounds)
+            for key in ("rate", "producer_us", "consumer_us", "server_us", "consumer_published", "consumer_received")
+        }
+        for kind in kinds
     }
     for kind in ("jetbatch", "classified"):
         for key in ("lone_p50_over_max_delay_ms", "lone_batch_start_over_max_delay_ms"):
@@ -233,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     harness.emit({"bench": "deployed", "requests": args.requests, "concurrency": args.concurrency, "payload": args.payload,
                   "median": summary, "ratios": per_round, "rounds": [rec for r in rounds for rec in r.values()]}, args.json)  # fmt: skip
     return 0
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
 
 if __name__ == "__main__":
     sys.exit(main())

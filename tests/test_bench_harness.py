@@ -95,3 +95,13 @@ def test_sampled_stacks_are_charged_to_the_package_on_top_and_idle_waits_left_ou
     assert busy == 14
     assert groups == {"asyncio": 7, "jetbatch SDK": 3, "nats-py": 4}
     assert functions["parse_header_lines (sdk/connection.py)"] == 3  # lines of one function together
+
+
+def test_the_consumer_sides_messages_are_counted_per_connection_over_the_round() -> None:
+    """bench.deployed: what each consumer-side connection published and was sent during a round,
+    a connection made during it counted from zero (a sidecar's reconnect), per request."""
+    from bench.deployed import _msgs_per_request
+
+    before = {1: (100, 50), 2: (10, 10)}
+    after = {1: (300, 250), 2: (10, 10), 3: (20, 40)}
+    assert _msgs_per_request(before, after, 100) == {"consumer_published": 2.2, "consumer_received": 2.4}
