@@ -102,6 +102,47 @@ def test_two_classes_count_as_two_lines_and_the_interactive_head_is_its_own() ->
     assert (s.backlog, s.bulk, s.interactive, s.interactive_enqueued_at) == (101, 100, 1, 8.0)
 
 
+def _after_one_by_one(seqs: list[int | None], seq: int) -> int:
+    """The newest arrivals stored after ``seq``, counted back until one is not (the rule)."""
+    n = 0
+    for s in reversed(seqs):
+        if s is None or s <= seq:
+            break
+        n += 1
+    return n
+
+
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("arrive"), st.integers(1, 5)),  # the next sequences, some skipped (other lines)
+            st.tuples(st.just("forged"), st.one_of(st.none(), st.integers(0, 10**6))),
+            st.tuples(st.just("fetch"), st.integers(0, 40)),
+        ),
+        max_size=60,
+    )
+)
+def test_a_fetch_keeps_counted_what_was_stored_after_it_whatever_events_came(steps: list[tuple[str, Any]]) -> None:
+    """In stream order a fetch finds the arrivals stored after it by bisection; a forged or
+    unsequenced event among them makes it count back one by one, as the rule says, until that
+    line's known arrivals are gone. Either way the count is the rule's."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    seq = 0
+    for kind, value in steps:
+        if kind == "arrive":
+            seq += value
+            view.arrived(s, float(seq), None, seq=seq)
+        elif kind == "forged":
+            view.arrived(s, 0.0, None, seq=value)
+        else:
+            seqs = [entry[3] for entry in s.known_times]
+            last = max(0, seq - value)  # the fetched message's sequence: somewhere behind the newest
+            expected = _after_one_by_one(seqs, last)
+            view.fetched(s, 1, pending=0, last_seq=last)
+            assert s.backlog == expected
+
+
 def test_the_feed_counts_a_batch_line_arrival_as_batch() -> None:
     view, slots = _view("m1")
     subjects = Subjects("jb")

@@ -120,12 +120,27 @@ def _iso_seconds(base: str) -> float | None:
 _MINUTES: dict[str, float | None] = {}
 
 
-def _stored_after(known: Any, seq: int | None) -> int:
+def _stored_after(known: Any, seq: int | None, *, ordered: bool = False) -> int:
     """How many of a line's newest known arrivals were stored after stream sequence ``seq``.
-    The feed counts arrivals in the order the stream stored them (one subscription), so the
-    count stops at the first one not after ``seq``, or whose sequence is unknown."""
-    if seq is None:
+    The feed counts arrivals in the order the stream stored them, so the count stops at the
+    first one not after ``seq``, or whose sequence is unknown. ``ordered``: every entry has a
+    sequence, each larger than the one before (no forged event among them): then the first one
+    after ``seq`` is found by bisection. Counting back one by one cost a fetch of a deep queue a
+    pass over up to ``MAX_KNOWN_TIMES`` entries (6% of a saturated worker's samples)."""
+    if seq is None or not known:
         return 0
+    newest = known[-1][3]
+    if newest is None or newest <= seq:
+        return 0
+    if ordered:
+        lo, hi = 0, len(known) - 1  # known[hi] is after seq
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if known[mid][3] <= seq:
+                lo = mid + 1
+            else:
+                hi = mid
+        return len(known) - lo
     n = 0
     for entry in reversed(known):
         if entry[3] is None or entry[3] <= seq:
@@ -163,6 +178,9 @@ class QueueView:
         self._slots = slots
         # Known waiting requests by (tenant, request id): where a cancel notice finds its queue.
         self._where: dict[tuple[str, str], str] = {}
+        # Lines (model, bulk) whose known arrivals are not in increasing sequence (a forged or
+        # unsequenced event among them), until the line's known arrivals are all gone.
+        self._unordered: set[tuple[str, bool]] = set()
         self.waiting: set[str] = {name for name, s in slots.items() if s.backlog > 0}
         self.peer_event_s = peer_event_s
         # model -> peer -> (requests it took and has not settled, when last told)
@@ -182,6 +200,8 @@ class QueueView:
         known = slot.known_bulk if bulk else slot.known_times
         if bulk:
             slot.bulk += 1
+        if seq is None or (known and (known[-1][3] is None or known[-1][3] >= seq)):
+            self._unordered.add((slot.name, bulk))
         known.append((enqueued_at, deadline, key, seq))
         if key is not None:
             self._where[key] = slot.name
@@ -191,6 +211,10 @@ class QueueView:
         if slot.backlog == 1 or slot.oldest_enqueued_at is None:
             self._set_head(slot)
         self.waiting.add(slot.name)
+
+    def _stored_after(self, slot: Slot, bulk: bool, seq: int | None) -> int:
+        known = slot.known_bulk if bulk else slot.known_times
+        return _stored_after(known, seq, ordered=(slot.name, bulk) not in self._unordered)
 
     def cancel(self, key: tuple[str, str]) -> bool:
         """A caller cancelled the request ``key``: if it waits in a queue we know, it stops
@@ -225,7 +249,7 @@ class QueueView:
         if pending is None:
             left = max(0, line - n)
         else:
-            left = max(pending, _stored_after(slot.known_bulk if bulk else slot.known_times, last_seq))
+            left = max(pending, self._stored_after(slot, bulk, last_seq))
         if bulk:
             self._count(slot, slot.interactive + left, bulk=left)
         else:
@@ -317,8 +341,8 @@ class QueueView:
         waiting = available - slot.unfetchable
         interactive = min(max(0, (stored - stored_bulk) - (mine - mine_bulk)), max(0, waiting))
         bulk = max(0, waiting - interactive)
-        interactive = max(interactive, _stored_after(slot.known_times, last_seq))
-        bulk = max(bulk, _stored_after(slot.known_bulk, last_seq))
+        interactive = max(interactive, self._stored_after(slot, False, last_seq))
+        bulk = max(bulk, self._stored_after(slot, True, last_seq))
         self._count(slot, interactive + bulk, bulk=bulk)
 
     def needs_head(self, slot: Slot) -> bool:
@@ -338,6 +362,10 @@ class QueueView:
             self._drop_oldest(slot, slot.known_times)
         while len(slot.known_bulk) > slot.bulk:
             self._drop_oldest(slot, slot.known_bulk)
+        if self._unordered:
+            for bulk, known in ((False, slot.known_times), (True, slot.known_bulk)):
+                if not known:
+                    self._unordered.discard((slot.name, bulk))
         if slot.backlog <= slot.known:
             slot.unknown_head_at = None
             slot.unknown_head_deadline = None
