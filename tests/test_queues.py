@@ -125,7 +125,7 @@ def _after_one_by_one(seqs: list[int | None], seq: int) -> int:
 def test_a_fetch_keeps_counted_what_was_stored_after_it_whatever_events_came(steps: list[tuple[str, Any]]) -> None:
     """In stream order a fetch finds the arrivals stored after it by bisection; a forged or
     unsequenced event among them makes it count back one by one, as the rule says, until that
-    line's known arrivals are gone. Either way the count is the rule's."""
+    event has left the line. Either way the count is the rule's."""
     view, slots = _view("m1")
     s = slots["m1"]
     seq = 0

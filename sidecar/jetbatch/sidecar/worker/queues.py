@@ -178,9 +178,10 @@ class QueueView:
         self._slots = slots
         # Known waiting requests by (tenant, request id): where a cancel notice finds its queue.
         self._where: dict[tuple[str, str], str] = {}
-        # Lines (model, bulk) whose known arrivals are not in increasing sequence (a forged or
-        # unsequenced event among them), until the line's known arrivals are all gone.
-        self._unordered: set[tuple[str, bool]] = set()
+        # Lines (model, bulk) whose known arrivals are not all in increasing sequence (a forged or
+        # unsequenced event among them): how many were counted since the last out of order. Once
+        # that one has left the line (taken, or beyond what is kept), the line is in order again.
+        self._unordered: dict[tuple[str, bool], int] = {}
         self.waiting: set[str] = {name for name, s in slots.items() if s.backlog > 0}
         self.peer_event_s = peer_event_s
         # model -> peer -> (requests it took and has not settled, when last told)
@@ -200,8 +201,11 @@ class QueueView:
         known = slot.known_bulk if bulk else slot.known_times
         if bulk:
             slot.bulk += 1
+        line = (slot.name, bulk)
         if seq is None or (known and (known[-1][3] is None or known[-1][3] >= seq)):
-            self._unordered.add((slot.name, bulk))
+            self._unordered[line] = 0
+        elif line in self._unordered:
+            self._unordered[line] += 1
         known.append((enqueued_at, deadline, key, seq))
         if key is not None:
             self._where[key] = slot.name
@@ -214,7 +218,12 @@ class QueueView:
 
     def _stored_after(self, slot: Slot, bulk: bool, seq: int | None) -> int:
         known = slot.known_bulk if bulk else slot.known_times
-        return _stored_after(known, seq, ordered=(slot.name, bulk) not in self._unordered)
+        line = (slot.name, bulk)
+        since = self._unordered.get(line)
+        if since is not None and len(known) <= since:
+            del self._unordered[line]  # what is left all came after the last one out of order
+            since = None
+        return _stored_after(known, seq, ordered=since is None)
 
     def cancel(self, key: tuple[str, str]) -> bool:
         """A caller cancelled the request ``key``: if it waits in a queue we know, it stops
@@ -362,10 +371,6 @@ class QueueView:
             self._drop_oldest(slot, slot.known_times)
         while len(slot.known_bulk) > slot.bulk:
             self._drop_oldest(slot, slot.known_bulk)
-        if self._unordered:
-            for bulk, known in ((False, slot.known_times), (True, slot.known_bulk)):
-                if not known:
-                    self._unordered.discard((slot.name, bulk))
         if slot.backlog <= slot.known:
             slot.unknown_head_at = None
             slot.unknown_head_deadline = None
