@@ -3,7 +3,8 @@ process, as deployed, under ``python -m cProfile``), the same load as ``bench/ov
 (identity handler, 256-byte payloads, 64 in flight, or ``--concurrency``); with ``--classifier``, SDK → classifier →
 worker, the classifier profiled in its own process too. Run:
 
-    python -m bench.process_profiles [--requests 10000] [--concurrency 64] [--classifier] [--out DIR] [--sampler cprofile|py-spy]
+    python -m bench.process_profiles [--requests 10000] [--concurrency 64] [--priority interactive|batch] [--classifier]
+                                     [--out DIR] [--sampler cprofile|py-spy]
 
 Prints, for each process, where its CPU went (grouped by package), its CPU time per request and
 the calls per request that matter on the hot path (messages published and received, header
@@ -147,7 +148,7 @@ def cpu_split(pid: int) -> tuple[float, float]:
 
 async def drive(
     url: str, n: int, profile: Path, model: str | None = "m", spy: dict[str, int] | None = None, split: dict[str, tuple[float, float]] | None = None,
-    concurrency: int = 64,
+    concurrency: int = 64, priority: str = "interactive",
 ) -> tuple[float, float]:
     """``spy``: sample these processes (and this one) with py-spy instead of profiling this one;
     each one's user and system CPU a request (µs) over the sampled requests then goes into
@@ -158,7 +159,7 @@ async def drive(
 
         async def one() -> None:
             async with gate:
-                await client.infer(b"x" * 256, model=model, timeout=60)
+                await client.infer(b"x" * 256, model=model, timeout=60, priority=priority)
 
         spies: _Spies | None = None
         profiler = cProfile.Profile()
@@ -210,6 +211,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--concurrency", type=int, default=64, help="requests in flight (beyond 3 batches of 64 the worker drains a deep queue)")
+    ap.add_argument("--priority", choices=("interactive", "batch"), default="interactive", help="the requests' class (the model's line)")
     ap.add_argument("--classifier", action="store_true", help="through a classifier process (profiled too)")
     ap.add_argument("--out", default=None, help="keep the .pstats files here (default: a temporary folder)")
     ap.add_argument("--sampler", choices=("cprofile", "py-spy"), default="cprofile", help="how each process is profiled (module docstring)")
@@ -229,7 +231,10 @@ def main() -> None:
         try:
             asyncio.run(wait_for_streams(server.url, ("JETBATCH_MODELS", "JETBATCH_IN") if args.classifier else ("JETBATCH_MODELS",)))
             rps, producer_us = asyncio.run(
-                drive(server.url, args.requests, out / "producer.pstats", None if args.classifier else "m", concurrency=args.concurrency)
+                drive(
+                    server.url, args.requests, out / "producer.pstats", None if args.classifier else "m",
+                    concurrency=args.concurrency, priority=args.priority,
+                )  # fmt: skip
             )
         finally:
             for proc in sidecars:
@@ -278,7 +283,9 @@ def sampled(args: argparse.Namespace) -> None:
             pids = {role: p.pid for role, p in sidecars.items()}
             split: dict[str, tuple[float, float]] = {}
             model = None if args.classifier else "m"
-            rps, producer_us = asyncio.run(drive(server.url, args.requests, out / "producer.spy", model, spy=pids, split=split, concurrency=args.concurrency))
+            rps, producer_us = asyncio.run(
+                drive(server.url, args.requests, out / "producer.spy", model, spy=pids, split=split, concurrency=args.concurrency, priority=args.priority)
+            )
         finally:
             for proc in sidecars.values():
                 proc.send_signal(signal.SIGINT)

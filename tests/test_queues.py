@@ -373,28 +373,33 @@ async def test_the_backlog_comes_from_events_and_one_count_with_stranded_request
 
 
 @pytest.mark.anyio
-async def test_a_quiet_model_s_interactive_arrivals_are_not_sent_and_listening_again_counts_them(nats_url: str, prefix: str) -> None:
-    """Quiet on m1: its interactive line's events stop at the server (not sent, not just not
-    counted), its batch line's and other models' keep coming; listening again counts the next."""
+async def test_a_quiet_line_s_arrivals_are_not_sent_and_listening_again_counts_them(nats_url: str, prefix: str) -> None:
+    """Quiet on m1's interactive line: its events stop at the server (not sent, not just not
+    counted), its batch line's and other models' keep coming; listening again counts the next.
+    The batch line goes quiet the same way, on its own."""
     async with _streams(nats_url, prefix, ["m1", "m2"]) as (nc, js, subjects):
         view, slots = _view("m1", "m2")
         feed = ArrivalFeed(nc, subjects, slots, view, on_arrival=lambda: None)
         await feed.start()
         assert await feed.quiet("m1")
-        assert feed.quiet_models == {"m1"}
+        assert feed.quiet_lines == {("m1", False)}
         # The publishes go out after the unsubscription, on the same connection: none is evented.
         await _published(js, subjects.model("m1"), 3)
         await _published(js, subjects.model("m1", "batch"), 1)
         await _published(js, subjects.model("m2"), 1)
         await wait_until(lambda: slots["m1"].bulk == 1 and slots["m2"].backlog == 1, timeout_s=10, what="the other lines' events")
         assert await feed.listen("m1")
-        assert feed.quiet_models == frozenset()
+        assert await feed.quiet("m1", bulk=True)
+        assert feed.quiet_lines == {("m1", True)}
+        await _published(js, subjects.model("m1", "batch"), 2)
         await _published(js, subjects.model("m1"), 1)
         await wait_until(lambda: slots["m1"].interactive == 1, timeout_s=10, what="the arrival after listening")
-        assert feed.seen == 3  # the batch line's, m2's and the last one: the three quiet ones never came
+        assert slots["m1"].bulk == 1  # the two batch requests after its line went quiet: not evented
+        assert feed.seen == 3  # the batch line's first, m2's and the last interactive one
         # A stream count after listening sees what the events missed.
+        assert await feed.listen("m1", bulk=True)
         assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={})
-        assert slots["m1"].interactive == 4 and slots["m1"].bulk == 1
+        assert slots["m1"].interactive == 4 and slots["m1"].bulk == 3
         await feed.stop()
 
 

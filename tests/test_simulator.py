@@ -397,13 +397,14 @@ def test_the_simulator_pays_no_load_for_a_queue_whose_callers_gave_up(tmp_path: 
     assert [m for _, _, m in result.load_log] == ["a"]  # b never loaded
 
 
-def test_a_worker_draining_a_deep_queue_sees_the_count_of_its_last_take(tmp_path: Path) -> None:
-    """As live (policy/interest.py): while more than three batches wait, the worker does not
-    listen to the queue's arrivals, so a burst stored meanwhile is seen at its next take."""
+@pytest.mark.parametrize("priority", ["interactive", "batch"])
+def test_a_worker_draining_a_deep_queue_sees_the_count_of_its_last_take(tmp_path: Path, priority: str) -> None:
+    """As live (policy/interest.py): while more than three batches wait on a line, the worker
+    does not listen to that line's arrivals, so a burst stored meanwhile is seen at its next take."""
     from jetbatch.sidecar.policy.cost_aware import CostAware
     from jetbatch.sidecar.policy.types import SchedulerState
 
-    lines = [json.dumps({"t": 0.0 if i < 40 else 0.15, "model": "a"}) for i in range(60)]
+    lines = [json.dumps({"t": 0.0 if i < 40 else 0.15, "model": "a", "priority": priority}) for i in range(60)]
     (tmp_path / "trace.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "w.toml").write_text(
         '[models.a]\nload_cost_s = 0.0\nbatch_cost_s = 0.1\nitem_cost_s = 0.0\nmax_batch_size = 4\n[arrivals]\nkind = "trace"\npath = "trace.jsonl"\n'

@@ -83,11 +83,16 @@ async def test_interleaved_requests_become_one_batch_per_model(nats_url: str, pr
     assert worker.stats["loads"] == 2
 
 
-async def test_a_deep_queue_is_drained_without_its_arrival_events_and_a_lone_request_after_it_on_its_event(nats_url: str, prefix: str) -> None:
-    """More than three batches wait: the worker stops listening to the model's arrivals (each
-    fetch counts what is left), so a burst stored meanwhile sends it no events; it listens again
-    before the queue drains. A lone request after the burst is answered on its arrival event: the
-    next count of the queues is a minute away, so a request the worker did not count would wait."""
+@pytest.mark.parametrize("priority", ["interactive", "batch"])
+async def test_a_deep_queue_is_drained_without_its_arrival_events_and_a_lone_request_after_it_on_its_event(
+    nats_url: str, prefix: str, priority: str
+) -> None:
+    """More than three batches wait on one line: the worker stops listening to that line's
+    arrivals (each fetch counts what is left), so a burst stored meanwhile sends it no events; it
+    listens again before the line drains. A lone request after the burst is answered on its
+    arrival event: the next count of the queues is a minute away, so a request the worker did not
+    count would wait."""
+    line = ("m1", priority == "batch")
     model = sleep_model(max_batch_size=4, max_delay_ms=5, options={"load_cost_s": 0.0, "batch_cost_s": 0.1, "item_cost_s": 0.0})
     config = make_config(prefix, {"m1": model}, worker={"poll_interval_ms": 60_000, "idle_refresh_s": 60})
     await _prepare_streams(config, nats_url)
@@ -95,22 +100,22 @@ async def test_a_deep_queue_is_drained_without_its_arrival_events_and_a_lone_req
         results: list[sdk.Result] = []
 
         async def send(i: int) -> None:
-            results.append(await client.infer_result(f"r{i}".encode(), model="m1", timeout=30))
+            results.append(await client.infer_result(f"r{i}".encode(), model="m1", timeout=30, priority=priority))
 
         async with anyio.create_task_group() as tg:
             for i in range(40):
                 tg.start_soon(send, i)
             await _queued(client, 40)
             async with running_worker(config, nats_url) as worker:
-                await wait_until(lambda: "m1" in worker.arrivals.quiet_models, timeout_s=10, what="the worker to stop listening")
+                await wait_until(lambda: line in worker.arrivals.quiet_lines, timeout_s=10, what="the worker to stop listening")
                 for i in range(40, 60):
                     tg.start_soon(send, i)
                 await wait_until(lambda: len(results) == 60, timeout_s=30, what="the two bursts answered")
-                assert worker.arrivals.quiet_models == frozenset()
+                assert worker.arrivals.quiet_lines == frozenset()
                 assert worker.stats["arrivals_quiet"] >= 1
                 assert worker.arrivals.seen < 20  # the second burst was stored while it did not listen
                 with anyio.fail_after(10):  # far less than the minute to the next count
-                    lone = await client.infer_result(b"lone", model="m1", timeout=10)
+                    lone = await client.infer_result(b"lone", model="m1", timeout=10, priority=priority)
     assert sorted(r.output for r in results) == sorted(f"r{i}".encode() for i in range(60))
     assert lone.output == b"lone"
     assert worker.stats["requests"] == 61

@@ -233,12 +233,6 @@ class Subjects:
     def arrivals_wildcard(self) -> str:
         return f"{self.prefix}.arrived.>"
 
-    @property
-    def batch_arrivals_wildcard(self) -> str:
-        """The arrival subjects of every model's batch line (the interactive ones are a worker's
-        per model: it stops listening to the one it drains, ``sidecar/policy/interest.py``)."""
-        return f"{self.prefix}.arrived.*.{BATCH_TOKEN}"
-
     def model_from_arrival(self, subject: str) -> str | None:
         return self._model_after("arrived", subject)
 

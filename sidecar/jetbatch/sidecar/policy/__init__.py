@@ -4,7 +4,7 @@ passed in), so the live worker and the simulator drive the same code.
 - :mod:`.driver`: one worker's decisions and what each event counts (owns its policy and estimator).
 - :mod:`.scheduling`: which model to serve, load or evict next.
 - :mod:`.window`: when a gathered batch closes.
-- :mod:`.interest`: whether a worker listens to the arrivals of the model it drains.
+- :mod:`.interest`: whether a worker listens to the arrivals of a line of the model it drains.
 - :mod:`.costs`: what loads (per memory tier), batches and memory cost, learned from measurements.
 - :mod:`.share`: which part of a queue shared with other workers is ours to chase.
 - :mod:`.visible`: which models a decision looks at (all of a few dozen; the active ones of thousands).

@@ -145,9 +145,9 @@ class _Worker:
     idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
     reaped_on_prediction: dict[str, int] = field(default_factory=dict)  # loads in a row not paid on the estimates
     answering: dict[str, list[float]] = field(default_factory=dict)  # model -> when its batches' answers are stored
-    # The drained model whose interactive arrivals it does not listen to (policy/interest.py),
-    # with that line's count as of its last take: what it sees of the line, as live.
-    quiet: dict[str, int] = field(default_factory=dict)
+    # The lines (model, batch line?) of the drained model whose arrivals it does not listen to
+    # (policy/interest.py), with each one's count as of its last take: what it sees, as live.
+    quiet: dict[tuple[str, bool], int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -272,10 +272,11 @@ class _Sim:
                 served_by[name] = served_by.get(name, 0.0) + _drain_rps(p, name, self.w.models[name])
         facts = []
         worker.defer_wake = math.inf
-        for name, seen in list(worker.quiet.items()):
+        for (name, bulk), seen in list(worker.quiet.items()):
             draining = name == worker.current and name in worker.resident
-            if listens(listening=False, draining=draining, waiting=min(seen, len(self.queues[name].urgent)), max_batch_size=self.w.models[name].max_batch_size):
-                del worker.quiet[name]  # listening again: it sees the line's true count
+            line = self.queues[name].bulk if bulk else self.queues[name].urgent
+            if listens(listening=False, draining=draining, waiting=min(seen, len(line)), max_batch_size=self.w.models[name].max_batch_size):
+                del worker.quiet[(name, bulk)]  # listening again: it sees the line's true count
         slots: dict[str, tuple[int, int]] | None = None  # made when a queue nobody holds needs it
         for name in self._visible(worker):
             m = self.w.models[name]
@@ -294,12 +295,14 @@ class _Sim:
                 if until > self.t:
                     deferred = True
                     worker.defer_wake = min(worker.defer_wake, until)
-            seen = worker.quiet.get(name)
-            # Not listening to this line: the count of the last take (less what peers took since).
-            urgent = len(q.urgent) if seen is None else min(seen, len(q.urgent))
+            # A line it does not listen to: the count of the last take (less what peers took since).
+            urgent, bulk = len(q.urgent), len(q.bulk)
+            if worker.quiet:
+                urgent = min(urgent, worker.quiet.get((name, False), urgent))
+                bulk = min(bulk, worker.quiet.get((name, True), bulk))
             facts.append(QueueFacts(
                 name=name,
-                waiting=len(q.bulk) + urgent,
+                waiting=urgent + bulk,
                 head_enqueued_at=q.head.arrival if q else None,
                 # Deadlines are arrival + a per-model constant, so the queue's head has the earliest.
                 head_deadline=q.head.deadline if q else None,
@@ -426,11 +429,15 @@ class _Sim:
             self.nonempty.discard(decision.model)
         # As live: a fetch says what its line still holds; deep, the worker stops listening to
         # its arrivals (policy/interest.py) and sees that count until its next take.
-        left = len(q.urgent)
-        if listens(listening=decision.model not in worker.quiet, draining=True, waiting=left, max_batch_size=m.max_batch_size):
-            worker.quiet.pop(decision.model, None)
-        else:
-            worker.quiet[decision.model] = left
+        taken = {r.interactive for r in batch}
+        for bulk, left in ((False, len(q.urgent)), (True, len(q.bulk))):
+            line = (decision.model, bulk)
+            if line in worker.quiet and (not bulk) not in taken:
+                continue  # a quiet line this batch took nothing from: its count is still its last take's
+            if listens(listening=line not in worker.quiet, draining=True, waiting=left, max_batch_size=m.max_batch_size):
+                worker.quiet.pop(line, None)
+            else:
+                worker.quiet[line] = left
         start = self.t + cost_s + self.control_s("batch_overhead_s")
         # The live worker's rule: the capped estimate, and no prediction once PROBE_AFTER_REFUSALS
         # batches in a row were refused whole on one.

@@ -481,23 +481,28 @@ class Worker:
                 await self._idle(decision)
 
     async def _follow_arrivals(self, *, leaving: bool = False) -> None:
-        """Listen to the interactive arrivals of the model this worker drains only while its
-        queue is deep (``policy/interest.py``): then each fetch counts it. ``leaving``: the
-        worker is about to load, or to idle, and drains nothing meanwhile."""
+        """Listen to the arrivals of a line of the model this worker drains only while that line
+        is shallow (``policy/interest.py``): deep, each fetch counts it. ``leaving``: the worker
+        is about to load, or to idle, and drains nothing meanwhile."""
         current = None if leaving else self.state.current
-        for name in self.arrivals.quiet_models:
+        for name, bulk in self.arrivals.quiet_lines:
             slot = self.slots[name]
             draining = name == current and slot.resident
-            if listens(listening=False, draining=draining, waiting=slot.interactive, max_batch_size=slot.config.max_batch_size):
-                if await self.arrivals.listen(name):
+            waiting = slot.bulk if bulk else slot.interactive
+            if listens(listening=False, draining=draining, waiting=waiting, max_batch_size=slot.config.max_batch_size):
+                if await self.arrivals.listen(name, bulk=bulk):
                     # Requests stored since the last fetch are in no count yet (and peers' takes
                     # may have brought the count down to zero meanwhile): count again now. The
                     # count goes out after the subscription, so each arrival is in one or the other.
                     self.state.next_refresh = -math.inf
-        if current is not None and current not in self.arrivals.quiet_models:
+        if current is not None and self.slots[current].resident:
             slot = self.slots[current]
-            if slot.resident and not listens(listening=True, draining=True, waiting=slot.interactive, max_batch_size=slot.config.max_batch_size):
-                await self.arrivals.quiet(current)
+            quiet = self.arrivals.quiet_lines
+            for bulk, waiting in ((False, slot.interactive), (True, slot.bulk)):
+                if (current, bulk) not in quiet and not listens(
+                    listening=True, draining=True, waiting=waiting, max_batch_size=slot.config.max_batch_size
+                ):
+                    await self.arrivals.quiet(current, bulk=bulk)
 
     def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:
         """Resident models idle past their ``idle_unload_s`` (``Driver.idle_unloads``, the

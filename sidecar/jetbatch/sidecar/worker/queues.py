@@ -459,10 +459,10 @@ class QueueView:
 
 class ArrivalFeed:
     """The event feed of the queues. ``<prefix>.arrived.>``: each republished request counts into
-    its model's queue and wakes the worker. The batch lines' events come on one wildcard, the
-    interactive lines' on one subscription per model (1000 cost 32 ms to make and 4 MB), so
-    that the worker can stop listening to the model it drains (:meth:`quiet`, :meth:`listen`;
-    ``sidecar/policy/interest.py``). ``<prefix>.taken.>``: the workers' own events, ``+n`` when
+    its model's queue and wakes the worker. Each line of each served model has its own
+    subscription (1000 cost 32 ms to make and 4 MB), so that the worker can stop listening to a
+    line it drains (:meth:`quiet`, :meth:`listen`; ``sidecar/policy/interest.py``), and hears
+    nothing of models it does not serve. ``<prefix>.taken.>``: the workers' own events, ``+n`` when
     one fetched n requests of a model and ``-n`` when it settled them (:meth:`took`,
     :meth:`settled`), so its peers' counts follow at once. Hostile input never raises here: an
     unknown model, a malformed timestamp, deadline or count is ignored or read as "now" / "no
@@ -487,70 +487,72 @@ class ArrivalFeed:
         self._on_arrival = on_arrival
         self._cancelled = cancelled  # whether a cancel notice for (tenant, request id) came already
         self._worker_id = worker_id
-        self._sub: Any = None  # the batch lines' arrivals
-        self._interactive: dict[str, Any] = {}  # model -> its interactive line's subscription
-        self._quiet: set[str] = set()  # models whose interactive arrivals we stopped listening to
+        self._subs: dict[tuple[str, bool], Any] = {}  # (model, batch line?) -> its arrivals' subscription
+        self._quiet: set[tuple[str, bool]] = set()  # the lines whose arrivals we stopped listening to
         self._taken_sub: Any = None
         self.seen = 0
         self._counters = Counters() if counters is None else counters
 
     async def start(self) -> None:
         """Subscribe (once: a retried startup calls it again)."""
-        if self._sub is None:
-            self._sub = await self._subscribe(self._subjects.batch_arrivals_wildcard)
         for name in self._slots:
-            if name not in self._interactive and name not in self._quiet:
-                self._interactive[name] = await self._subscribe(self._subjects.arrived(name))
+            for bulk in (False, True):
+                if (name, bulk) not in self._subs and (name, bulk) not in self._quiet:
+                    self._subs[(name, bulk)] = await self._subscribe(name, bulk)
         if self._taken_sub is None:
             self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
 
-    async def _subscribe(self, subject: str) -> Any:
+    async def _subscribe(self, name: str, bulk: bool) -> Any:
+        subject = self._subjects.arrived(name, Priority.BATCH if bulk else Priority.INTERACTIVE)
         return await self._nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=1_000_000)
 
     @property
-    def quiet_models(self) -> frozenset[str]:
-        """The models whose interactive arrivals this worker does not listen to now."""
+    def quiet_lines(self) -> frozenset[tuple[str, bool]]:
+        """The lines (model, whether the batch one) whose arrivals this worker does not listen to now."""
         return frozenset(self._quiet)
 
-    async def quiet(self, name: str) -> bool:
-        """Stop listening to ``name``'s interactive arrivals (False, still listening, when the
-        connection refused)."""
-        sub = self._interactive.get(name)
+    async def quiet(self, name: str, *, bulk: bool = False) -> bool:
+        """Stop listening to the arrivals of one of ``name``'s lines (False, still listening,
+        when the connection refused)."""
+        line = (name, bulk)
+        sub = self._subs.get(line)
         if sub is None:
-            return name in self._quiet
+            return line in self._quiet
         try:
             await sub.unsubscribe()
         except TRANSPORT_ERRORS + (ValueError,) as exc:
-            log.debug("arrivals of %s: unsubscribe failed: %r", name, exc)
+            log.debug("arrivals of %s: unsubscribe failed: %r", line, exc)
             return False
-        del self._interactive[name]
-        self._quiet.add(name)
+        del self._subs[line]
+        self._quiet.add(line)
         self._counters.add("arrivals_quiet")
         return True
 
-    async def listen(self, name: str) -> bool:
-        """Listen to ``name``'s interactive arrivals again (False when the connection refused:
-        try again later). The subscription goes out before anything the caller sends next on
-        the connection, so a fetch or count sent after this sees every arrival the events miss."""
-        if name not in self._quiet:
+    async def listen(self, name: str, *, bulk: bool = False) -> bool:
+        """Listen to the arrivals of one of ``name``'s lines again (False when the connection
+        refused: try again later). The subscription goes out before anything the caller sends
+        next on the connection, so a fetch or count sent after this sees every arrival the
+        events miss."""
+        line = (name, bulk)
+        if line not in self._quiet:
             return True
         try:
-            self._interactive[name] = await self._subscribe(self._subjects.arrived(name))
+            self._subs[line] = await self._subscribe(name, bulk)
         except TRANSPORT_ERRORS + (ValueError,) as exc:
-            log.debug("arrivals of %s: subscribe failed: %r", name, exc)
+            log.debug("arrivals of %s: subscribe failed: %r", line, exc)
             return False
-        self._quiet.discard(name)
+        self._quiet.discard(line)
         return True
 
     async def stop(self) -> None:
-        for sub in (self._sub, self._taken_sub, *self._interactive.values()):
+        for sub in (self._taken_sub, *self._subs.values()):
             if sub is not None:
                 try:
                     await sub.unsubscribe()
                 except TRANSPORT_ERRORS + (ValueError,):
                     pass
-        self._sub = self._taken_sub = None
-        self._interactive.clear()
+        self._taken_sub = None
+        self._subs.clear()
         self._quiet.clear()
 
     async def _on_msg(self, msg: Msg) -> None:
