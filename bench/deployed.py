@@ -16,8 +16,8 @@ window (``lone_batch_start_over_max_delay_ms``, the queue wait the worker report
 
 Reported per round: throughput, and each process's CPU seconds per request (from /proc): the
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server; and the
-messages the consumer side published and received per request (``consumer_msgs``, from
-nats-server's ``/connz``, PINGs not counted: the server counts messages only).
+messages the consumer side published and received per request (``consumer_published``,
+``consumer_received``, from nats-server's ``/connz``, which counts messages, not PINGs).
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
                              [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--batch-sizes]
@@ -52,8 +52,7 @@ MAX_DELAY_S = 0.002  # the worker's batch window unless --max-delay-s says other
 CLASSIFIER_MAX_DELAY_S = 0.002  # the classifier's
 
 
-# --- the raw consumer (its own process) ----------------------------------------------------------
-
+# --- the consumer side's messages ----------------------------------------------------------------
 
 # Connections of the consumer side: the raw consumer's, and the sidecars' (``sidecar/cli``).
 CONSUMER_NAMES = ("raw-consumer", "jetbatch-worker", "jetbatch-worker-replies", "jetbatch-classifier", "jetbatch-classifier-replies")
@@ -73,6 +72,9 @@ def _msgs_per_request(before: dict[int, tuple[int, int]], after: dict[int, tuple
     published = sum(a[0] - before.get(cid, (0, 0))[0] for cid, a in after.items())
     received = sum(a[1] - before.get(cid, (0, 0))[1] for cid, a in after.items())
     return {"consumer_published": published / n, "consumer_received": received / n}
+
+
+# --- the raw consumer (its own process) ----------------------------------------------------------
 
 
 async def raw_consumer(url: str, prefix: str, stored: bool) -> None:
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.emit({"bench": "deployed", "requests": args.requests, "concurrency": args.concurrency, "payload": args.payload,
                   "median": summary, "ratios": per_round, "rounds": [rec for r in rounds for rec in r.values()]}, args.json)  # fmt: skip
     return 0
+
 
 def _free_port() -> int:
     with socket.socket() as s:
