@@ -177,6 +177,36 @@ def test_an_arrival_stored_after_the_count_was_taken_stays_counted() -> None:
     assert s.backlog == 0
 
 
+def test_requests_stored_while_a_line_was_not_listened_to_are_not_held_back_as_anothers() -> None:
+    """A fetch found nothing where the count said 5 (delivered elsewhere): held back. Three
+    requests were then stored while the worker did not listen to the line; no event counted them.
+    Listening again ends the hold: the count after it shows them (the hold spared only arrivals
+    seen since, so it masked all three until it ended and the next count came)."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    for seq in range(1, 6):
+        view.arrived(s, float(seq), None, seq=seq)
+    view.found_empty(s, now=100.0, ack_wait_s=30.0)
+    assert s.backlog == 0 and s.unfetchable == 5
+    view.listened_again(s)
+    view.reconcile(s, 3, now=100.1, mine=0, not_ours=0)
+    assert s.backlog == 3 and view.waiting == {"m1"}
+
+
+def test_a_line_listened_to_again_counts_its_consumers_undelivered_or_the_arrivals_since() -> None:
+    """The line's consumer said 3 wait undelivered; 5 arrival events were counted while it was
+    asked: at least 5 wait. The other line's count is left as it was."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.arrived(s, 1.0, None, bulk=True, seq=1)
+    view.line_counted(s, 3, 0)
+    assert (s.interactive, s.bulk) == (3, 1)
+    view.line_counted(s, 3, 5)
+    assert (s.interactive, s.bulk) == (5, 1)
+    view.line_counted(s, 0, 0, bulk=True)
+    assert (s.interactive, s.bulk) == (5, 0) and view.waiting == {"m1"}
+
+
 def test_a_reconcile_sets_the_count_and_subtracts_what_workers_hold() -> None:
     view, slots = _view("m1")
     s = slots["m1"]

@@ -15,8 +15,9 @@ While it does not listen, the worker's count of that line is a lower bound: what
 or count said, less what peers took since; requests stored since are counted by the next fetch.
 Its own fetches never take it to zero unseen: a fetch takes at most one batch, so the count falls
 below ``LISTEN_BELOW_BATCHES`` batches, and the worker listens again, while requests still wait.
-Peers' takes can (they drained the queue meanwhile): so whenever the worker listens again it
-counts the queues at once, after subscribing (``sidecar/worker/loop.py``). The simulator applies
+Peers' takes can (they drained the queue meanwhile), and requests stored since the last fetch
+are in no count: so whenever the worker listens again it counts that line at once, by its
+consumer's undelivered count asked after subscribing (``sidecar/worker/loop.py``). The simulator applies
 the same rule to what its worker sees (``sidecar/simulator/engine.py``).
 """
 

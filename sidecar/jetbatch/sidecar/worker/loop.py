@@ -490,11 +490,10 @@ class Worker:
             draining = name == current and slot.resident
             waiting = slot.bulk if bulk else slot.interactive
             if listens(listening=False, draining=draining, waiting=waiting, max_batch_size=slot.config.max_batch_size):
+                counted = slot.arrivals
                 if await self.arrivals.listen(name, bulk=bulk):
-                    # Requests stored since the last fetch are in no count yet (and peers' takes
-                    # may have brought the count down to zero meanwhile): count again now. The
-                    # count goes out after the subscription, so each arrival is in one or the other.
-                    self.state.next_refresh = -math.inf
+                    self.queues.listened_again(slot)
+                    await self._count_line(slot, bulk, counted)
         if current is not None and self.slots[current].resident:
             slot = self.slots[current]
             quiet = self.arrivals.quiet_lines
@@ -503,6 +502,23 @@ class Worker:
                     listening=True, draining=True, waiting=waiting, max_batch_size=slot.config.max_batch_size
                 ):
                     await self.arrivals.quiet(current, bulk=bulk)
+
+    async def _count_line(self, slot: Slot, bulk: bool, counted: int) -> None:
+        """Count a line listened to again: requests stored since its last fetch are in no count
+        yet (and peers' takes may have brought it down to zero meanwhile). Its consumer's
+        ``num_pending`` is what waits there undelivered; asked after the subscription went out
+        (the same connection), so each arrival is in it or evented, and the arrivals counted
+        since ``counted`` floor it (one evented before the answer is read). The stream count
+        would subtract what this worker holds, and a batch acked but not yet settled here made it
+        count too few: a request stored meanwhile then waited for the next count."""
+        name = model_consumer_name(slot.name, Priority.BATCH if bulk else Priority.INTERACTIVE)
+        try:
+            info = await self.js.consumer_info(self.subjects.models_stream, name)
+        except TRANSPORT_ERRORS as exc:
+            log.debug("consumer info for %s failed: %r", name, exc)
+            self.state.next_refresh = -math.inf  # the stream count, at once
+            return
+        self.queues.line_counted(slot, int(info.num_pending or 0), slot.arrivals - counted, bulk=bulk)
 
     def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:
         """Resident models idle past their ``idle_unload_s`` (``Driver.idle_unloads``, the

@@ -325,6 +325,25 @@ class QueueView:
                 slot.hold_until = max(since + ack_wait_s, now + RECHECK_S)
         self._count(slot, 0)
 
+    def listened_again(self, slot: Slot) -> None:
+        """The worker listens to a line of ``slot`` again after a time it did not
+        (``policy/interest.py``). Requests stored meanwhile were seen by no event, and a hold-back
+        (:meth:`found_empty`) spares only the arrivals seen since it: it would mask them as
+        delivered elsewhere until it ended and the next count came (a poll interval). The hold
+        ends here; if what it held back is still delivered elsewhere, a fetch says so again."""
+        slot.unfetchable = 0
+        slot.hold_until = 0.0
+
+    def line_counted(self, slot: Slot, pending: int, arrived_since: int, *, bulk: bool = False) -> None:
+        """One line's consumer says ``pending`` requests wait undelivered, and ``arrived_since``
+        arrival events (of any line: an over-count costs a fetch) were counted while it was
+        asked: the line waits at least the larger of the two."""
+        left = max(pending, arrived_since)
+        if bulk:
+            self._count(slot, slot.interactive + left, bulk=left)
+        else:
+            self._count(slot, left + slot.bulk)
+
     def reconcile(
         self, slot: Slot, stored: int, now: float, *, mine: int, not_ours: int, stored_bulk: int = 0, mine_bulk: int = 0,
         last_seq: int | None = None,
