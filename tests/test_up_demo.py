@@ -125,12 +125,28 @@ def test_a_taken_http_port_stops_the_sidecar_with_one_line(examples_dir: Path, t
     ]
 
 
+def _taken_port_before_a_free_one() -> socket.socket:
+    """A listening socket on a port whose next port was free a moment ago (``jetbatch up`` gives
+    the classifier the worker's HTTP port + 1: taken by another test's process, it failed too,
+    and said so in a second line)."""
+    for _ in range(50):
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", taken.getsockname()[1] + 1))
+            except OSError:
+                taken.close()
+                continue
+        return taken
+    raise AssertionError("no port with a free next one")
+
+
 def test_up_with_a_taken_http_port_says_it_in_the_sidecars_one_line(examples_dir: Path, tmp_path: Path) -> None:
     """`jetbatch up` added "worker0 exited with status 2" and a blank line below the worker's own
     line (found by an independent attack on the CLI): the worker's line is the one line."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
+    with _taken_port_before_a_free_one() as taken:
         port = taken.getsockname()[1]
         proc = subprocess.run(
             [sys.executable, "-m", "jetbatch", "up", "--config", str(examples_dir / "up.toml"), "--port", "0", "--http-port", str(port)],
