@@ -100,8 +100,14 @@ def test_requests_survive_a_nats_node_dying(cluster: NatsCluster, tmp_path: Path
 def test_three_workers_settle_on_three_models(cluster: NatsCluster, tmp_path: Path) -> None:
     models = {name: {"load_cost_s": 0.4, "batch_cost_s": 0.02} for name in ("a", "b", "c")}
     config = _config(tmp_path, "c2", models)
-    with Deployment(config, nats_url=cluster.url, workers=3) as dep:
-        results = asyncio.run(_load(dep.url, "c2", ["a", "b", "c"], duration_s=6.0, concurrency=24))
+    with Deployment(config, nats_url=cluster.url, workers=3, log_level="INFO") as dep:
+        try:
+            results = asyncio.run(_load(dep.url, "c2", ["a", "b", "c"], duration_s=6.0, concurrency=24))
+        except AssertionError as exc:
+            # A model left unserved for a minute was seen twice under the full suite: what each
+            # worker holds and says it did tells which part of the placement protocol stalled.
+            reports = asyncio.run(worker_reports(dep.url, "c2"))
+            raise AssertionError(f"{exc}\nworkers: {[(r.id, r.resident, r.loading, r.backlog, r.stats) for r in reports]}\n{dep.logs_tail(lines=40)}") from None
         reports = asyncio.run(worker_reports(dep.url, "c2"))
     assert len(reports) == 3
     resident = sorted(tuple(r.resident) for r in reports)

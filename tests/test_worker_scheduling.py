@@ -254,6 +254,41 @@ async def test_pinned_and_preloaded_models_and_idle_unload(nats_url: str, prefix
         assert "other" not in worker.report().resident and "pinned" in worker.report().resident
 
 
+async def test_a_pin_waits_for_a_peers_claim_on_its_model_and_is_loaded_before_ready(nats_url: str, prefix: str) -> None:
+    """Two workers pinning one model and started together: the one that finds the other's load
+    claim waits for it to be given back, and is ready with its pin on the device (it used to stand
+    back once and leave the pin unloaded until a backlog asked for it)."""
+    from jetbatch.sdk.protocol import Subjects
+    from jetbatch.sidecar.cluster import ClusterView
+    from jetbatch.sidecar.transport import connect, connect_replies
+    from jetbatch.sidecar.worker import Worker
+
+    # A heartbeat long enough that the peer's claim cannot expire (the bucket's TTL) meanwhile.
+    config = make_config(prefix, {"m1": sleep_model(pin=True)}, worker={"heartbeat_s": 5.0})
+    peer_nc = await nats.connect(nats_url)
+    peer = ClusterView(peer_nc.jetstream(), Subjects(prefix), "peer", heartbeat_s=5.0)
+    await peer.start()
+    assert await peer.claim(["m1"]) is True
+    nc = await connect(config.nats, nats_url)
+    reply_nc = await connect_replies(config.nats, nats_url)
+    worker = Worker(config, nc, reply_nc=reply_nc)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            await wait_until(lambda: worker.stats["preload_waits"] >= 1, timeout_s=20, what="the pin to find the peer's claim")
+            assert not worker.ready.is_set() and worker.residency.resident_names() == []
+            await peer.release(["m1"])
+            with anyio.fail_after(20):
+                await worker.ready.wait()
+            assert worker.residency.resident_names() == ["m1"]
+            worker.stop()
+    finally:
+        await peer.stop()
+        for conn in (nc, reply_nc, peer_nc):
+            if conn is not None:
+                await conn.close()
+
+
 def _busy_config(prefix: str, batch_cost_s: float, other: str, **sections: Any) -> Config:
     """One slot, a model ``busy`` whose batches of one take ``batch_cost_s``, and ``other``."""
     busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": batch_cost_s, "item_cost_s": 0.0})

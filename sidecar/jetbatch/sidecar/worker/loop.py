@@ -255,8 +255,18 @@ class Worker:
             if slots is not None and len(self.residency.resident_names()) >= slots:
                 log.warning("not preloading %s: the device's %d model slots are taken", slot.name, slots)
                 continue
-            if slot.broken is None:
+            # A peer loading the same model at the same moment holds its claim for that load: this
+            # load waits for it, instead of leaving a pin unhonoured until a backlog asks for it
+            # (two workers pinning one model and started together saw exactly that).
+            deadline = time.monotonic() + self.config.worker.startup_timeout_s
+            while slot.broken is None and not slot.resident:
                 await self._load(slot, (), reason="preload", for_backlog=False)
+                if slot.resident or slot.broken is not None or time.monotonic() >= deadline:
+                    break
+                self.stats.add("preload_waits")
+                await anyio.sleep(self.config.worker.heartbeat_s / 4)
+            if not slot.resident and slot.broken is None:
+                log.warning("not preloading %s: peers held its claim for %.0f s", slot.name, self.config.worker.startup_timeout_s)
 
     async def _warm_start(self) -> None:
         started = time.perf_counter()
