@@ -12,7 +12,9 @@ subjects), the least a loop does that acks a request only once its answer is saf
 After each jetbatch run, ``--lone`` requests one at a time (``--lone-gap-s`` apart): a lone
 request's median latency beyond its batch windows (``lone_p50_over_max_delay_ms``; through the
 classifier, both windows), and how much of that is its worker batch starting past the worker's
-window (``lone_batch_start_over_max_delay_ms``, the queue wait the worker reports).
+window (``lone_batch_start_over_max_delay_ms``, the queue wait the worker reports). The raw
+rounds send as many lone requests the same way: their median round trip (``lone_p50_ms``) is the
+floor under jetbatch's (the raw loop has no window to wait).
 
 Reported per round: throughput, and each process's CPU seconds per request (from /proc): the
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server; and the
@@ -88,18 +90,28 @@ async def raw_consumer(url: str, prefix: str, stored: bool) -> None:
 # --- the rounds ------------------------------------------------------------------------------------
 
 
-async def _raw_producer(url: str, prefix: str, n: int, concurrency: int, payload: bytes, stored: bool) -> float:
-    """``bench.overhead``'s raw producer, one warm-up request before the timed ones."""
+async def _raw_producer(
+    url: str, prefix: str, n: int, concurrency: int, payload: bytes, stored: bool, lone: int = 0, lone_gap_s: float = 0.0
+) -> tuple[float, list[float]]:
+    """``bench.overhead``'s raw producer, one warm-up request before the timed ones; then
+    ``lone`` requests one at a time (as jetbatch's lone requests are sent), their latencies."""
     nc = await nats.connect(url)
+    alone: list[float] = []
     try:
         await raw_requests(nc, prefix, 1, 1, payload, first=n, stored=stored)  # warm
         elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, stored=stored)
+        for i in range(lone):
+            alone.extend((await raw_requests(nc, prefix, 1, 1, payload, first=n + 1 + i, stored=stored))[1])
+            if lone_gap_s:
+                await asyncio.sleep(lone_gap_s)
     finally:
         await nc.close()
-    return elapsed
+    return elapsed, alone
 
 
-def raw_round(url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, stored: bool = False) -> dict[str, Any]:
+def raw_round(
+    url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, stored: bool = False, lone: int = 0, lone_gap_s: float = 0.0
+) -> dict[str, Any]:
     prefix = f"raw{uuid.uuid4().hex[:6]}"
 
     async def setup() -> None:
@@ -116,13 +128,18 @@ def raw_round(url: str, server_pid: int, n: int, concurrency: int, payload: byte
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         msgs = consumer_msgs()
         before = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
-        elapsed = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored))
+        elapsed, alone = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored, lone, lone_gap_s))
         after = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
         msgs_after = consumer_msgs()
     finally:
         proc.kill()
         proc.wait()
-    return {**_record("raw_stored" if stored else "raw", n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
+    record = {**_record("raw_stored" if stored else "raw", n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
+    if alone:
+        # The same path with no batch window: what a lone request's round trip costs the raw loop,
+        # the floor under jetbatch's lone_p50_over_max_delay_ms.
+        record["lone_p50_ms"] = statistics.median(alone) * 1000
+    return record
 
 
 def _config(directory: Path, prefix: str, classifier: bool, max_delay_s: float = MAX_DELAY_S) -> Path:
@@ -231,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     _monitor_port = _free_port()
     with harness.server(extra_config=f"http: 127.0.0.1:{_monitor_port}") as server:
         for _ in range(args.rounds):
-            by_kind = {"raw": raw_round(server.url, server.pid, args.requests, args.concurrency, payload)}
+            lone = {"lone": args.lone, "lone_gap_s": args.lone_gap_s}
+            by_kind = {"raw": raw_round(server.url, server.pid, args.requests, args.concurrency, payload, **lone)}
             if args.raw_stored:
-                by_kind["raw_stored"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True)
+                by_kind["raw_stored"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True, **lone)
             for kind, classifier in (("jetbatch", False), ("classified", True)):
                 by_kind[kind] = jetbatch_round(
                     server.url, server.pid, args.requests, args.concurrency, payload,
@@ -250,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         for kind in kinds
     }
-    for kind in ("jetbatch", "classified"):
-        for key in ("lone_p50_over_max_delay_ms", "lone_batch_start_over_max_delay_ms"):
+    for kind in kinds:
+        for key in ("lone_p50_ms", "lone_p50_over_max_delay_ms", "lone_batch_start_over_max_delay_ms"):
             lone = [r[kind][key] for r in rounds if key in r[kind]]
             if lone:
                 summary[kind][key] = statistics.median(lone)
@@ -266,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
             ratios["raw_stored_over_raw"] = r["raw_stored"]["rate"] / r["raw"]["rate"]
             ratios["jetbatch_over_raw_stored"] = r["jetbatch"]["rate"] / r["raw_stored"]["rate"]
             ratios["worker_cpu_over_raw_stored_consumer"] = r["jetbatch"]["consumer_us"] / r["raw_stored"]["consumer_us"]
+            if "lone_p50_ms" in r["raw_stored"] and "lone_p50_over_max_delay_ms" in r["jetbatch"]:
+                # What jetbatch's lone request takes beyond its window and the raw stored round trip.
+                ratios["lone_over_max_delay_and_raw_stored_ms"] = r["jetbatch"]["lone_p50_over_max_delay_ms"] - r["raw_stored"]["lone_p50_ms"]
         per_round.append(ratios)
     harness.emit({"bench": "deployed", "requests": args.requests, "concurrency": args.concurrency, "payload": args.payload,
                   "median": summary, "ratios": per_round, "rounds": [rec for r in rounds for rec in r.values()]}, args.json)  # fmt: skip

@@ -512,3 +512,41 @@ def test_a_forged_hour_with_an_offset_reads_as_the_full_parse_does() -> None:
     read it as minute ``00-00`` plus a second (found by the property above)."""
     for text in ("2000-01-01T00-00:01Z", "2026-12-04T16:07+01Z", "2026-12-04T16-07:39.5Z"):
         assert parse_stream_timestamp(text) == _timestamp_as_before(text)
+
+
+@pytest.mark.parametrize(
+    ("pending", "ack_pending", "missed_before", "in_our_puller", "why"),
+    [
+        (8, 0, False, False, "fetch again"),
+        (8, 0, False, True, "fetch again"),
+        # Missed twice with requests still undelivered: a recheck, never "unreachable" (it was, on
+        # ack pending 0 alone, and a model's 8 requests waited a minute on a 3-node cluster).
+        (8, 0, True, False, "delivered elsewhere"),
+        (0, 3, False, False, "delivered elsewhere"),
+        (0, 3, False, True, "in our puller"),
+        (8, 0, True, True, "in our puller"),
+        (0, 0, False, False, "unreachable"),
+        (0, 0, True, False, "unreachable"),
+    ],
+)
+def test_why_a_fetch_came_back_empty(pending: int, ack_pending: int, missed_before: bool, in_our_puller: bool, why: str) -> None:
+    from jetbatch.sidecar.worker.queues import empty_fetch
+
+    assert empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=missed_before, in_our_puller=in_our_puller) == why
+
+
+def test_requests_a_consumer_still_has_to_deliver_are_fetched_again_after_a_recheck() -> None:
+    """Two empty fetches in a row while the consumer says requests are undelivered: they are held
+    back for a recheck, after which the next count shows them again (held back for good, the
+    model's queue looked empty to its worker and served to its peers)."""
+    from jetbatch.sidecar.worker.queues import RECHECK_S, empty_fetch
+
+    view, slots = _view("m1")
+    s = slots["m1"]
+    s.tier = "resident"
+    view.reconcile(s, 8, now=0.0, mine=0, not_ours=0)
+    why = empty_fetch(pending=8, ack_pending=0, missed_before=True, in_our_puller=False)
+    view.found_empty(s, now=1.0, ack_wait_s=30.0, unreachable=why == "unreachable")
+    assert s.backlog == 0
+    view.reconcile(s, 8, now=1.0 + RECHECK_S, mine=0, not_ours=0)
+    assert s.backlog == 8

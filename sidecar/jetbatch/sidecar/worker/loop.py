@@ -62,7 +62,7 @@ from .execution import BatchRunner
 from .slots import BatchReport, ModelTurn, Slot
 from .state import LoopState
 from .quarantine import Quarantine
-from .queues import ArrivalFeed, QueueView
+from .queues import ArrivalFeed, QueueView, empty_fetch
 from . import view
 from .residency import Residency, default_host_budget_bytes
 
@@ -584,9 +584,9 @@ class Worker:
 
     async def _found_nothing(self, slot: Slot) -> None:
         """A fetch came back empty although the count said requests wait. One consumer-info call
-        tells why: still undelivered (the fetch was short, or a peer took only some): count
-        those and serve again; delivered to someone and unacked: stop chasing them until they can
-        be fetched, and tell peers not to either (``QueueView.found_empty``); neither, yet still
+        per line tells why (``queues.empty_fetch``): still undelivered: count those and serve
+        again; delivered to someone and unacked, or missed twice: stop chasing them until a
+        recheck, and tell peers not to either (``QueueView.found_empty``); neither, yet still
         stored: left behind in the work queue, never to be delivered."""
         if slot.backlog <= 0:
             return
@@ -602,17 +602,17 @@ class Worker:
         except TRANSPORT_ERRORS:
             self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
             return
-        if pending and not slot.missed_fetch:
+        # In our own puller: delivered after the fetch returned (its pull request ended late: a
+        # busy host), so counted as unacked elsewhere. Held back as a peer's, they waited a whole
+        # recheck (1.6 s in bench.overhead's classified runs).
+        in_our_puller = any(p is not None and p.buffered for p in (slot.psub, slot.bulk_psub))
+        why = empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=slot.missed_fetch, in_our_puller=in_our_puller)
+        if why == "fetch again":
             slot.missed_fetch = True
-            return
-        if any(p is not None and p.buffered for p in (slot.psub, slot.bulk_psub)):
-            # Delivered after the fetch returned (its pull request ended late: a busy host), so
-            # counted as unacked elsewhere, but they are in our own puller: the next fetch takes
-            # them at once. Held back as a peer's, they waited a whole recheck (1.6 s in
-            # bench.overhead's classified runs).
-            return
-        unreachable = not ack_pending
-        self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
+        elif why != "in our puller":
+            if why == "unreachable":
+                log.warning("%s: %d requests stored that its consumer will never deliver: not counted until they are gone", slot.name, slot.backlog)
+            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=why == "unreachable")
 
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
         # The model's share (``max_concurrent_batches``) is taken for the forward passes only:

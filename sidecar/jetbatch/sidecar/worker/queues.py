@@ -36,7 +36,7 @@ import math
 import re
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from nats.aio.msg import Msg
 
@@ -46,7 +46,7 @@ from ..errors import TRANSPORT_ERRORS
 from .counters import Counters
 from .slots import Slot
 
-__all__ = ["ArrivalFeed", "QueueView", "parse_stream_timestamp"]
+__all__ = ["ArrivalFeed", "EmptyFetch", "QueueView", "empty_fetch", "parse_stream_timestamp"]
 
 log = logging.getLogger("jetbatch.worker")
 
@@ -166,6 +166,30 @@ def _minute_at(prefix: str) -> float | None:
             _MINUTES.clear()
         _MINUTES[prefix] = at
     return at
+
+
+EmptyFetch = Literal["fetch again", "in our puller", "delivered elsewhere", "unreachable"]
+
+
+def empty_fetch(*, pending: int, ack_pending: int, missed_before: bool, in_our_puller: bool) -> EmptyFetch:
+    """Why a fetch came back empty although the count said requests wait, from what the model's
+    consumer says of itself. ``pending`` undelivered: the fetch was short, or a peer took only
+    some; fetch again, once (``missed_before``: this is the second empty fetch in a row). In this
+    worker's own puller (delivered after its fetch returned): the next fetch takes them.
+    Delivered to someone and unacked, or undelivered yet not delivered to two fetches in a row
+    (a consumer whose leader moved, a pull lost with a node): held back for a recheck
+    (:meth:`QueueView.found_empty`). Neither undelivered nor unacked, yet still stored: left
+    behind in the work queue, never to be delivered. Only that last one is held back for good,
+    so it must never be concluded while the consumer still has something to deliver (it once
+    was, on ack pending 0 alone: a model's 8 undelivered requests went unserved for a minute on a
+    3-node cluster, its worker holding them back and its peers counting them served)."""
+    if pending and not missed_before:
+        return "fetch again"
+    if in_our_puller:
+        return "in our puller"
+    if pending or ack_pending:
+        return "delivered elsewhere"
+    return "unreachable"
 
 
 class QueueView:
