@@ -378,6 +378,36 @@ async def _streams(nats_url: str, prefix: str, models: list[str]) -> AsyncIterat
 
 
 @pytest.mark.anyio
+async def test_a_batch_acked_while_the_count_is_on_its_way_is_not_subtracted_twice(nats_url: str, prefix: str) -> None:
+    """What this worker holds is read once the stream's count is back. A batch acked and settled
+    while the count was on its way is gone from the count already; read before it and subtracted
+    again, it hid as many waiting requests until the next count (a poll interval)."""
+    async with _streams(nats_url, prefix, ["m1"]) as (_nc, js, subjects):
+        view, slots = _view("m1")
+        await _published(js, subjects.model("m1"), 3)
+        await ensure_model_consumer(js, subjects, StreamsConfig(), "m1")
+        psub = await js.pull_subscribe_bind(durable=model_consumer_name("m1"), stream=subjects.models_stream)
+        batch = await psub.fetch(2, timeout=5)
+        held = {"m1": len(batch)}  # this worker's in-flight record
+
+        class AckedDuringTheCount:
+            """The real JetStream context, with the batch acked (confirmed) and settled between
+            the count's request and its answer."""
+
+            async def stream_info(self, *args: Any, **kwargs: Any) -> Any:
+                for msg in batch:
+                    await msg.ack_sync()
+                held["m1"] = 0
+                return await js.stream_info(*args, **kwargs)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(js, name)
+
+        assert await view.refresh(AckedDuringTheCount(), subjects, now=time.time(), mine=lambda: dict(held), not_ours={})
+        assert slots["m1"].backlog == 1
+
+
+@pytest.mark.anyio
 async def test_the_backlog_comes_from_events_and_one_count_with_stranded_requests(nats_url: str, prefix: str) -> None:
     async with _streams(nats_url, prefix, ["m1", "m2"]) as (nc, js, subjects):
         cfg = StreamsConfig()

@@ -400,10 +400,12 @@ class Worker:
     async def _refresh(self, now: float) -> None:
         """Count every queue (one call), then schedule the next count: every poll interval while
         anything waits or runs, every ``idle_refresh_s`` otherwise (arrivals are events)."""
-        mine = self.state.in_flight.by_model(self.subjects.model_from_subject)
-        mine_bulk = self.state.in_flight.by_model(self._bulk_model)
         not_ours = self.peers.not_ours(now)
-        ok = await self.queues.refresh(self.js, self.subjects, now, mine=mine, not_ours=not_ours, mine_bulk=mine_bulk)
+        ok = await self.queues.refresh(
+            self.js, self.subjects, now, not_ours=not_ours,
+            mine=lambda: self.state.in_flight.by_model(self.subjects.model_from_subject),
+            mine_bulk=lambda: self.state.in_flight.by_model(self._bulk_model),
+        )  # fmt: skip
         await self._hand_back_leftovers()
         self.state.forget_before(now - RECENT_S)
         busy = bool(self.queues.waiting) or bool(self.state.in_flight)

@@ -168,6 +168,7 @@ def _minute_at(prefix: str) -> float | None:
     return at
 
 
+Held = Mapping[str, int] | Callable[[], Mapping[str, int]]  # per model, or how to read it when needed
 EmptyFetch = Literal["fetch again", "in our puller", "delivered elsewhere", "unreachable"]
 
 
@@ -446,15 +447,22 @@ class QueueView:
     # --- the I/O ------------------------------------------------------------------------------
 
     async def refresh(
-        self, js: Any, subjects: Subjects, now: float, *, mine: Mapping[str, int], not_ours: Mapping[str, int], mine_bulk: Mapping[str, int] = {}
+        self, js: Any, subjects: Subjects, now: float, *, mine: Held, not_ours: Mapping[str, int], mine_bulk: Held = {}
     ) -> bool:
         """Reconcile every queue with one stream-info call (and read a few unknown heads); False
-        when JetStream did not answer (the view is kept as it was)."""
+        when JetStream did not answer (the view is kept as it was). ``mine`` and ``mine_bulk``
+        (what this worker holds unacked, per model) may be functions, read once the count is
+        back: a batch acked while the count was on its way may be gone from it, and subtracted
+        again it hid as many waiting requests until the next count. Read after, a batch fetched
+        meanwhile is in both (stored until acked), and one acked meanwhile at worst over-counts
+        (an empty fetch)."""
         try:
             info = await js.stream_info(subjects.models_stream, subjects_filter=subjects.models_wildcard)
         except TRANSPORT_ERRORS as exc:
             log.debug("stream info for the backlog failed: %r", exc)
             return False
+        mine = mine() if callable(mine) else mine
+        mine_bulk = mine_bulk() if callable(mine_bulk) else mine_bulk
         counts: dict[str, int] = {}
         bulk: dict[str, int] = {}
         last_seq = getattr(info.state, "last_seq", None)
