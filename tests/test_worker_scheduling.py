@@ -513,6 +513,60 @@ async def test_a_redelivered_requests_lookups_leave_the_model_to_other_batches(
     assert held_at_lookup == [0] and held_at_predict == [1]
 
 
+async def test_a_batchs_answered_requests_stop_counting_as_held_before_its_redelivered_one_is_looked_up(
+    nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's fresh requests are answered and acked first, then its redelivered one is looked
+    up and run (I/O, then a forward pass). The stream's count drops the acked ones at once: the
+    worker stops counting them as its own then, and tells its peers (a settle event), instead of
+    at the batch's end, or a count taken meanwhile subtracted them twice and hid as many waiting
+    requests."""
+    from jetbatch.sidecar.replies import Replier
+    from jetbatch.sidecar.streams import model_consumer_name
+    from jetbatch.sidecar.worker import Worker
+
+    config = make_config(prefix, {"m1": sleep_model()})
+    await _prepare_streams(config, nats_url)
+    workers: list[Any] = []
+    held_at_lookup: list[int] = []
+    settles: list[bytes] = []
+    lookup = Replier.stored_answer
+
+    async def watched_lookup(self: Replier, meta: Any) -> Any:
+        held_at_lookup.append(len(workers[0].state.in_flight))
+        return await lookup(self, meta)
+
+    def watched_init(self: Worker, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        workers.append(self)
+
+    made = Worker.__init__
+    monkeypatch.setattr(Worker, "__init__", watched_init)
+    monkeypatch.setattr(Replier, "stored_answer", watched_lookup)
+    nc = await nats.connect(nats_url)
+
+    async def on_take(msg: Any) -> None:
+        settles.append(msg.data)
+
+    await nc.subscribe(config.subjects.taken("m1"), cb=on_take)
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            again = asyncio.ensure_future(client.infer(b"again", model="m1", timeout=30))
+            await _queued(client, 1)
+            psub = await nc.jetstream().pull_subscribe_bind(model_consumer_name("m1"), config.subjects.models_stream)
+            [msg] = await psub.fetch(1, timeout=10)
+            await msg.nak()  # delivered once, as if to a worker that died: redelivered next
+            fresh = [asyncio.ensure_future(client.infer(f"f{i}".encode(), model="m1", timeout=30)) for i in range(3)]
+            await _queued(client, 4)
+            async with running_worker(config, nats_url):
+                assert await asyncio.gather(again, *fresh) == [b"again", b"f0", b"f1", b"f2"]
+                await wait_until(lambda: len(settles) >= 3, timeout_s=10, what="the take and settle events")
+    finally:
+        await nc.close()
+    assert held_at_lookup == [1]  # the redelivered request alone
+    assert settles == [b"+4", b"-3", b"-1"]
+
+
 async def test_a_cancel_reaches_only_its_own_tenants_requests(nats_url: str, prefix: str) -> None:
     """Tenant app1's request: a notice on another tenant's cancel subject (or the plain one)
     under its id changes nothing; one on app1's own cancels it."""

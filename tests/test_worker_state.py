@@ -18,7 +18,7 @@ def test_in_flight_counts_held_messages_per_model_until_settled() -> None:
     held.add([a, b, c])
     model_of = lambda subject: subject.rsplit(".", 1)[1]  # noqa: E731
     assert held.by_model(model_of) == {"m1": 2, "m2": 1}
-    held.settled([a, c, c])  # settling twice is harmless
+    assert held.settled([a, c, c]) == 2  # settling twice is harmless: each counts once
     assert held.by_model(model_of) == {"m1": 1}
     assert len(held) == 1 and bool(held)
     assert held.messages() == [b]

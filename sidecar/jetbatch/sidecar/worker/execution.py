@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import anyio
 from nats.aio.msg import Msg
@@ -55,9 +55,15 @@ class BatchRunner:
         on_batch: Callable[[BatchReport], None] | None = None,
         clock: Callable[[], float] = time.time,
         cancelled: Callable[[str | None, str], bool] = lambda tenant, request_id: False,
+        on_settled: Callable[[Slot, list[Msg]], Awaitable[None]] | None = None,
     ) -> None:
         """``clock``: wall-clock seconds, the scale of deadlines and enqueue times (tests pass a
-        fake one); a batch's compute time is measured with :attr:`timer`."""
+        fake one); a batch's compute time is measured with :attr:`timer`. ``on_settled``: told of
+        the messages of each :meth:`finish` once they are acked, termed or naked, before the
+        rest of their batch is done (redelivered requests are looked up and run after the
+        others): the stream's count drops them at once, and what the worker and its peers count
+        as held must too, or subtracted from that count again they hid as many waiting ones."""
+        self._on_settled = on_settled
         self._clock = clock
         # What a forward pass is timed with (the device time the estimator learns); tests replace it.
         self.timer: Callable[[], float] = time.perf_counter
@@ -369,6 +375,8 @@ class BatchRunner:
                 await settle(r.msg, r.action)
             else:
                 await settle(r.msg, "nak", delay_s=1.0)  # redelivered; its next delivery finds it stored or recomputes
+        if self._on_settled is not None:
+            await self._on_settled(slot, [r.msg for r in requests])
         for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
             self.telemetry.requests.add(count, {"jetbatch.model": slot.name, "jetbatch.status": outcome})
 

@@ -152,6 +152,7 @@ class Worker:
             device_lock=self._device_lock,
             on_batch=on_batch,
             cancelled=self.cancellations.cancelled,
+            on_settled=self._settled,
         )
         host_budget = config.worker.host_memory_budget_bytes
         self.residency = Residency(
@@ -629,13 +630,19 @@ class Worker:
             for m in msgs:
                 await settle(m, "nak", delay_s=1.0)
         finally:
-            self.state.in_flight.settled(msgs)
             turn.release()
             slot.end_batch()
             with anyio.CancelScope(shield=True):
-                await self.arrivals.settled(slot.name, len(msgs))
+                await self._settled(slot, msgs)
             if slot.last_used_at is not None:
                 self.state.last_used[slot.name] = slot.last_used_at
+
+    async def _settled(self, slot: Slot, msgs: list[Msg]) -> None:
+        """Some of a batch's messages were settled (``BatchRunner.finish``), or the whole batch
+        is done: no longer held here, and the peers are told (once per message)."""
+        n = self.state.in_flight.settled(msgs)
+        if n:
+            await self.arrivals.settled(slot.name, n)
 
     # --- loads -----------------------------------------------------------------------------
 

@@ -25,9 +25,9 @@ class InFlight:
         for m in msgs:
             self._msgs[id(m)] = m
 
-    def settled(self, msgs: Iterable[Msg]) -> None:
-        for m in msgs:
-            self._msgs.pop(id(m), None)
+    def settled(self, msgs: Iterable[Msg]) -> int:
+        """Forget ``msgs``; how many of them were still held (a batch's are settled in parts)."""
+        return sum(self._msgs.pop(id(m), None) is not None for m in msgs)
 
     def messages(self) -> list[Msg]:
         return list(self._msgs.values())
