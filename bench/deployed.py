@@ -19,7 +19,9 @@ floor under jetbatch's (the raw loop has no window to wait).
 Reported per round: throughput, and each process's CPU seconds per request (from /proc): the
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server; and the
 messages the consumer side published and received per request (``consumer_published``,
-``consumer_received``, from nats-server's ``/connz``, which counts messages, not PINGs).
+``consumer_received``, from nats-server's ``/connz``, which counts messages, not PINGs); for
+jetbatch, how its worker formed batches (``worker_per_batch``: requests, fetches and decisions a
+batch; ``worker_events_per_request``: the arrival events it heard), from its status counters.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
                              [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--batch-sizes]
@@ -48,6 +50,8 @@ from bench import harness
 from bench.overhead import add_raw_streams, raw_replies, raw_requests
 from bench.scale import cpu_s
 from jetbatch import sdk
+from jetbatch.sdk.protocol import Subjects
+from jetbatch.sidecar.status import collect_status
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_DELAY_S = 0.002  # the worker's batch window unless --max-delay-s says otherwise
@@ -154,18 +158,37 @@ def _config(directory: Path, prefix: str, classifier: bool, max_delay_s: float =
     return path
 
 
+async def _worker_stats(nc: Any, prefix: str) -> dict[str, int]:
+    """The worker's status counters (``jetbatch status``), summed over the workers under ``prefix``."""
+    total: dict[str, int] = {}
+    for report in await collect_status(nc, Subjects(prefix), wait_s=0.3):
+        if report.role == "worker":
+            for key, value in report.stats.items():
+                total[key] = total.get(key, 0) + value
+    return total
+
+
 async def _sdk_producer(
-    url: str, prefix: str, n: int, concurrency: int, payload: bytes, model: str | None, batch_sizes: list[int] | None = None
+    url: str, prefix: str, n: int, concurrency: int, payload: bytes, model: str | None, batch_sizes: list[int] | None = None,
+    stats: dict[str, int] | None = None,
 ) -> float:
     """The timed requests; with ``batch_sizes``, each answer's batch size is appended to it (read
-    from the answer's batch headers, which costs the producer a little CPU)."""
+    from the answer's batch headers, which costs the producer a little CPU). ``stats``: filled
+    with what the worker's counters moved by over the timed requests (two status requests,
+    outside the timing)."""
     async with sdk.Client.connect(url, prefix=prefix) as client:
         await client.infer(payload, model=model, timeout=60)  # the model loaded before timing
+        before = await _worker_stats(client.nats, prefix)
         if batch_sizes is None:
-            return (await harness.gather(lambda: client.infer(payload, model=model, timeout=60), n, concurrency)).elapsed_s
-        run = await harness.gather(lambda: client.infer_result(payload, model=model, timeout=60), n, concurrency)
-        batch_sizes.extend(r.batch.batch_size for r in run.results)
-        return run.elapsed_s
+            elapsed = (await harness.gather(lambda: client.infer(payload, model=model, timeout=60), n, concurrency)).elapsed_s
+        else:
+            run = await harness.gather(lambda: client.infer_result(payload, model=model, timeout=60), n, concurrency)
+            batch_sizes.extend(r.batch.batch_size for r in run.results)
+            elapsed = run.elapsed_s
+        if stats is not None:
+            after = await _worker_stats(client.nats, prefix)
+            stats.update({k: v - before.get(k, 0) for k, v in after.items()})
+        return elapsed
 
 
 async def _lone_requests(url: str, prefix: str, n: int, payload: bytes, model: str | None, gap_s: float = 0.0) -> list[tuple[float, float]]:
@@ -196,13 +219,23 @@ def jetbatch_round(
             before = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
             model = None if classifier else "ident"
             sizes: list[int] | None = [] if batch_sizes else None
-            elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, model, sizes))
+            stats: dict[str, int] = {}
+            elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, model, sizes, stats))
             after = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
             msgs_after = consumer_msgs()
             alone = asyncio.run(_lone_requests(url, prefix, lone, payload, model, lone_gap_s)) if lone else []
     record = {**_record("classified" if classifier else "jetbatch", n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
     if sizes:
         record["mean_batch"] = statistics.mean(sizes)
+    batches = stats.get("batches", 0)
+    if batches:
+        # How the worker formed its batches: requests, fetches and decisions a batch, and the
+        # arrival events it heard a request (what the events are for at this load).
+        record["worker_per_batch"] = {
+            "requests": stats.get("requests", 0) / batches, "fetches": stats.get("fetches", 0) / batches,
+            "decisions": stats.get("decisions", 0) / batches,
+        }  # fmt: skip
+        record["worker_events_per_request"] = stats.get("arrival_delay_n", 0) / max(1, stats.get("requests", 0))
     if alone:
         # A lone request waits its whole batch window (max_delay); what it takes beyond is the path,
         # of which closing the window (its batch's start past max_delay) is one part.

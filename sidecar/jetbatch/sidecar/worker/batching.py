@@ -104,6 +104,7 @@ class Batcher:
 
     async def _pull(self, slot: Slot, bulk: bool, n: int, timeout_s: float, stored_only: bool = False, linger: int | None = None) -> list[Msg]:
         started = self._clock()
+        self._counters.add("fetches")
         pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s, stored_only=stored_only, linger=linger)
         if pulled.closed:
             self._stopping.set()
