@@ -686,6 +686,9 @@ class Worker:
                 loaded = await self.residency.load(slot, evict, reason=reason, share=share)
             if loaded:
                 self.state.current = slot.name
+                # An empty fetch from before this load says nothing of the queue now: the first
+                # one after it is fetched again, not held back as a second in a row.
+                slot.missed_fetch = False
         finally:
             self.residency.loading = None
             # Resident now: peers count our drain at once, before the claim is given back.
