@@ -53,6 +53,44 @@ async def test_kill_9_mid_batch_then_restart_answers_every_request_once(nats_url
     assert len({r.request_id for r in results}) == 12
 
 
+async def test_a_killed_peers_requests_are_found_when_due_whatever_the_poll_interval(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """Two workers serve m1; one is killed (-9) while it holds a batch. JetStream redelivers the
+    batch when its ack wait ends, and sends no arrival event for a redelivery: the survivor,
+    idle with its periodic count a minute away, counts the queues when it sees its peer leave and
+    again one ack wait later, and answers them (it used to wait for that minute)."""
+    path = tmp_path / f"{prefix}.toml"
+    path.write_text(
+        f'[nats]\nprefix = "{prefix}"\n'
+        "[streams]\nack_wait_s = 1.0\n"
+        "[worker]\npoll_interval_ms = 60000\nidle_refresh_s = 60\nheartbeat_s = 0.2\npeer_timeout_s = 1.0\n"
+        '[models.m1]\nhandler = "sleep"\nmax_batch_size = 4\nmax_delay_ms = 5\npin = true\n'
+        "options = { load_cost_s = 0.0, batch_cost_s = 3.0, item_cost_s = 0.0 }\n"
+    )
+    dep = await anyio.to_thread.run_sync(lambda: Deployment(path, nats_url=nats_url, workers=2).start())
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await wait_until(lambda: _workers_with_m1(nats_url, prefix, 2), timeout_s=30, what="both workers with m1 on the device")
+            calls = [asyncio.ensure_future(client.infer(f"r{i}".encode(), model="m1", timeout=20)) for i in range(4)]
+            holder: list[str] = []
+
+            async def one_holds() -> bool:
+                holder[:] = [r.id for r in await worker_reports(nats_url, prefix, wait_s=0.2) if r.in_flight.get("m1")]
+                return bool(holder)
+
+            await wait_until(one_holds, timeout_s=30, what="a worker holding the batch")
+            [victim] = [name for name, wid in dep.ids.items() if wid == holder[0]]
+            dep.stop_process(victim, kill=True)
+            results = await asyncio.gather(*calls)
+    finally:
+        await anyio.to_thread.run_sync(dep.stop)
+    assert sorted(results) == [f"r{i}".encode() for i in range(4)]
+
+
+async def _workers_with_m1(url: str, prefix: str, n: int) -> bool:
+    reports = await worker_reports(url, prefix, wait_s=0.2)
+    return len(reports) == n and all("m1" in r.resident for r in reports)
+
+
 async def test_kill_9_mid_load_then_restart(nats_url: str, prefix: str, tmp_path: Path) -> None:
     config = write_config(tmp_path, prefix, load_s=2.0)
     dep = await anyio.to_thread.run_sync(lambda: Deployment(config, nats_url=nats_url).start())

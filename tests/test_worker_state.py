@@ -45,3 +45,16 @@ def test_counters_count_events_and_time_steps() -> None:
     assert counters["missing"] == 0
     snap["batches"] = 99  # a snapshot is a copy
     assert counters["batches"] == 3
+
+
+def test_counts_due_come_before_the_schedules_and_each_is_taken_once() -> None:
+    state = LoopState(started_at=0.0)
+    state.next_refresh = 60.0  # the schedule: a minute away
+    state.count_at(10.0, 3.0)
+    assert state.next_count() == 3.0
+    state.counted(3.0)
+    assert state.next_count() == 10.0
+    state.counted(9.0)  # a count before the next one due leaves it due
+    assert state.next_count() == 10.0
+    state.counted(60.0)
+    assert state.next_count() == 60.0 and state.recounts == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -211,6 +212,15 @@ class ClusterView:
             for wid, adv in self._peers.items()
             if wid != self.worker_id and (not fresh or now - self._seen_at.get(wid, 0.0) <= max(self.ttl_s, self.peer_timeout_s))
         }
+
+    def next_expiry(self, now: float | None = None) -> float:
+        """When the first live peer leaves :meth:`peers` unless it is heard again (wall clock;
+        inf with no peer, or with a stale view, which keeps every peer)."""
+        now = time.time() if now is None else now
+        if not self.view_fresh(now):
+            return math.inf
+        timeout_s = max(self.ttl_s, self.peer_timeout_s)
+        return min((self._seen_at.get(w, 0.0) + timeout_s for w in self.peers(now)), default=math.inf)
 
     def not_ours(self, now: float | None = None) -> dict[str, int]:
         """Per model, delivered-but-unacked messages the peers account for (their in-flight, and

@@ -57,6 +57,7 @@ class Coordinator:
         self._heartbeat_s = heartbeat_s
         self._report = report
         self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
+        self._live: set[str] = set()  # the peers in view at the last departed() call
         self._claim_s = 0.0  # how long the claim of the load under way took
 
     @property
@@ -88,6 +89,24 @@ class Coordinator:
     def note_trouble(self) -> None:
         if self.cluster is not None:
             self.cluster.note_trouble()
+
+    def departed(self, now: float) -> bool:
+        """Whether a peer left the view since the last call (its advert withdrawn, or not heard
+        within its timeout while the view is fresh). What it held unacked comes back to the
+        queues at once if it stopped gracefully (it gives them back) and when their ack wait
+        ends if it was killed, with no arrival event either way (JetStream sends none for a
+        redelivery): the caller counts the queues then."""
+        if self.cluster is None:
+            return False
+        live = set(self.cluster.peers(now))
+        gone = bool(self._live - live)
+        self._live = live
+        return gone
+
+    def next_departure(self, now: float) -> float:
+        """When the first peer in view leaves it unless heard again (inf: none): an idle worker
+        wakes then to notice (:meth:`departed`)."""
+        return self.cluster.next_expiry(now) if self.cluster is not None else math.inf
 
     def not_ours(self, now: float) -> dict[str, int]:
         """Requests peers hold unacked, per model (``ClusterView.not_ours``)."""

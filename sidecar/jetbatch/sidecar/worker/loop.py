@@ -412,6 +412,7 @@ class Worker:
         busy = bool(self.queues.waiting) or bool(self.state.in_flight)
         poll_s = self.config.worker.poll_interval_ms / 1000.0
         self.state.next_refresh = time.time() + (poll_s if busy else max(poll_s, self.config.worker.idle_refresh_s))
+        self.state.counted(now)
         if not ok:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
@@ -445,7 +446,12 @@ class Worker:
         while not self._stopping.is_set():
             await self._follow_arrivals()
             now = time.time()
-            if now >= self.state.next_refresh:
+            if self.peers.departed(now):
+                # What the peer held comes back with no arrival event: at once if it stopped and
+                # gave it back, when the ack wait ends if it was killed. A count finds it then,
+                # whatever the poll interval (a minute's poll left a killed peer's requests that long).
+                self.state.count_at(now, now + self.config.streams.ack_wait_s)
+            if now >= self.state.next_count():
                 await self._refresh(now)
                 now = time.time()
             started = time.perf_counter()
@@ -551,8 +557,11 @@ class Worker:
         return [n for n in self.driver.idle_unloads(state, limits, since, now) if not self.slots[n].in_flight]
 
     async def _idle(self, decision: Idle) -> None:
-        """Sleep until an arrival event, the time the policy asked for, or the next count."""
-        wait_s = min(decision.until, self.state.next_refresh, self.state.defer_wake, self.state.idle_wake) - time.time()
+        """Sleep until an arrival event, the time the policy asked for, the next count, or a
+        peer's leaving (what it held comes back with no event)."""
+        now = time.time()
+        wake_at = min(decision.until, self.state.next_count(), self.state.defer_wake, self.state.idle_wake, self.peers.next_departure(now))
+        wait_s = wake_at - now
         if wait_s > 0 and not self._wake.is_set():
             with anyio.move_on_after(wait_s):
                 await self._wake.wait()
@@ -603,7 +612,7 @@ class Worker:
                 pending += int(info.num_pending or 0)
                 ack_pending += int(info.num_ack_pending or 0)
         except TRANSPORT_ERRORS:
-            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
+            self._held_back(slot)
             return
         # In our own puller: delivered after the fetch returned (its pull request ended late: a
         # busy host), so counted as unacked elsewhere. Held back as a peer's, they waited a whole
@@ -615,7 +624,15 @@ class Worker:
         elif why != "in our puller":
             if why == "unreachable":
                 log.warning("%s: %d requests stored that its consumer will never deliver: not counted until they are gone", slot.name, slot.backlog)
-            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=why == "unreachable")
+            self._held_back(slot, unreachable=why == "unreachable")
+
+    def _held_back(self, slot: Slot, *, unreachable: bool = False) -> None:
+        """Hold back what a fetch could not get (``QueueView.found_empty``), and count again when
+        the hold ends: a redelivery brings no arrival event, and the next count on the schedule
+        may be a poll interval (or a minute) away."""
+        self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s, unreachable=unreachable)
+        if math.isfinite(slot.hold_until) and slot.hold_until > time.time():
+            self.state.count_at(slot.hold_until)
 
     async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
         # The model's share (``max_concurrent_batches``) is taken for the forward passes only:
@@ -730,7 +747,7 @@ class Worker:
             return 0
         msgs = await self.batcher.fetch(slot, slot.config.max_batch_size, fetch_s)
         if not msgs:
-            self.queues.found_empty(slot, time.time(), self.config.streams.ack_wait_s)
+            self._held_back(slot)
             return 0
         await self.arrivals.took(slot.name, len(msgs))
         now = time.time()

@@ -61,6 +61,21 @@ class LoopState:
     idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
     last_used: dict[str, float] = field(default_factory=dict)  # model -> when its last batch ran (recent ones only)
     in_flight: InFlight = field(default_factory=InFlight)
+    # Counts due whatever the schedule says (wall clock): requests that come back to a queue with
+    # no arrival event (JetStream sends none for a redelivery) are found by a count.
+    recounts: list[float] = field(default_factory=list)
+
+    def count_at(self, *times: float) -> None:
+        """Count the queues at each of ``times`` too, whatever the poll interval."""
+        self.recounts = sorted([*self.recounts, *times])
+
+    def next_count(self) -> float:
+        """When the queues are counted next: the schedule's next count, or an earlier one due."""
+        return min(self.next_refresh, self.recounts[0]) if self.recounts else self.next_refresh
+
+    def counted(self, now: float) -> None:
+        """A count was taken at ``now``: the counts due by then are done."""
+        self.recounts = [t for t in self.recounts if t > now]
 
     def forget_before(self, cutoff: float) -> None:
         """Drop last-used times older than ``cutoff`` (only recent ones matter to the policy's view)."""
