@@ -116,7 +116,7 @@ def _viewed_slot(max_delay_s: float) -> tuple[Slot, QueueView]:
 def _viewed_batcher(clock: FakeClock, view: QueueView) -> Batcher:
     """A batcher whose fetches update ``view``, as the worker wires them."""
     return Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock),  # type: ignore[arg-type]
-                   on_fetched=lambda s, n, pending, bulk, seq: view.fetched(s, n, pending, bulk=bulk, last_seq=seq))  # fmt: skip
+                   on_fetched=lambda s, n, pending, bulk, seq, again: view.fetched(s, n, pending, bulk=bulk, last_seq=seq, redelivered=again))  # fmt: skip
 
 
 async def test_a_lone_request_closes_its_batch_at_max_delay_with_no_pull_held_open() -> None:

@@ -86,6 +86,40 @@ async def test_a_killed_peers_requests_are_found_when_due_whatever_the_poll_inte
     assert sorted(results) == [f"r{i}".encode() for i in range(4)]
 
 
+async def test_a_killed_workers_two_batches_are_both_served_by_its_successor_before_the_next_count(
+    nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """A worker killed holding two batches (one computing, the next gathered behind it); its
+    successor finds the 8 stranded requests by a count, and fetches them 4 at a time. A fetch of
+    redeliveries says nothing is left undelivered (the consumer counts the rest as unacked until
+    it redelivers them): taken at its word, the second batch waited for the next count, here a
+    minute away."""
+    path = tmp_path / f"{prefix}.toml"
+    path.write_text(
+        f'[nats]\nprefix = "{prefix}"\n'
+        "[streams]\nack_wait_s = 1.0\n"
+        "[worker]\npoll_interval_ms = 60000\nidle_refresh_s = 60\nheartbeat_s = 0.2\npeer_timeout_s = 1.0\n"
+        '[models.m1]\nhandler = "sleep"\nmax_batch_size = 4\nmax_delay_ms = 5\n'
+        "options = { load_cost_s = 0.0, batch_cost_s = 3.0, item_cost_s = 0.0 }\n"
+    )
+    dep = await anyio.to_thread.run_sync(lambda: Deployment(path, nats_url=nats_url).start())
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            calls = [asyncio.ensure_future(client.infer(f"r{i}".encode(), model="m1", timeout=20)) for i in range(8)]
+
+            async def holds_both() -> bool:
+                reports = await worker_reports(nats_url, prefix, wait_s=0.2)
+                return bool(reports) and reports[0].in_flight.get("m1", 0) == 8
+
+            await wait_until(holds_both, timeout_s=30, what="the worker holding both batches")
+            dep.stop_process("worker0", kill=True)
+            await start_worker(dep, 1)
+            results = await asyncio.gather(*calls)
+    finally:
+        await anyio.to_thread.run_sync(dep.stop)
+    assert sorted(results) == [f"r{i}".encode() for i in range(8)]
+
+
 async def _workers_with_m1(url: str, prefix: str, n: int) -> bool:
     reports = await worker_reports(url, prefix, wait_s=0.2)
     return len(reports) == n and all("m1" in r.resident for r in reports)

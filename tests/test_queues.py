@@ -580,3 +580,16 @@ def test_requests_a_consumer_still_has_to_deliver_are_fetched_again_after_a_rech
     assert s.backlog == 0
     view.reconcile(s, 8, now=1.0 + RECHECK_S, mine=0, not_ours=0)
     assert s.backlog == 8
+
+
+def test_a_fetch_of_redeliveries_keeps_the_rest_of_them_counted() -> None:
+    """A dead peer's 8 requests, found by a count: a fetch of 4 of them says 0 undelivered (the
+    consumer counts requests due for redelivery as unacked until it delivers them), yet 4 more
+    are due. The count keeps them; a fetch of first deliveries takes the consumer's word."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.reconcile(s, 8, now=0.0, mine=0, not_ours=0)
+    view.fetched(s, 4, pending=0, redelivered=True)
+    assert s.backlog == 4
+    view.fetched(s, 4, pending=0, redelivered=False)
+    assert s.backlog == 0

@@ -47,7 +47,7 @@ class Batcher:
         *,
         poll_interval_s: float,
         on_trouble: Callable[[], None] | None = None,
-        on_fetched: Callable[[Slot, int, int | None, bool, int | None], None] | None = None,
+        on_fetched: Callable[[Slot, int, int | None, bool, int | None, bool], None] | None = None,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
         wakeup: Wakeup | None = None,
@@ -98,7 +98,7 @@ class Batcher:
                 # Nothing to deliver on the batch line: stop counting it until the next count (or
                 # every later fetch would look there). Not when an arrival was counted meanwhile:
                 # it may be one stored on that line after the pull was answered.
-                self._on_fetched(slot, 0, 0, True, None)
+                self._on_fetched(slot, 0, 0, True, None, False)
             msgs += more
         return msgs
 
@@ -124,7 +124,8 @@ class Batcher:
             info = ack_info(msgs[-1])
             pending = None if info is None else info.pending
             if self._on_fetched is not None:
-                self._on_fetched(slot, len(msgs), pending, bulk, None if info is None else info.stream_seq)
+                redelivered = info is not None and info.delivered > 1
+                self._on_fetched(slot, len(msgs), pending, bulk, None if info is None else info.stream_seq, redelivered)
             else:
                 slot.backlog = max(0, slot.backlog - len(msgs)) if pending is None else pending
         return msgs

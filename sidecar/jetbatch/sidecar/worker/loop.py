@@ -138,7 +138,7 @@ class Worker:
             counters=self.stats,
             poll_interval_s=config.worker.poll_interval_ms / 1000.0,
             on_trouble=self._note_trouble,
-            on_fetched=lambda slot, n, pending, bulk, seq: self.queues.fetched(slot, n, pending, bulk=bulk, last_seq=seq),
+            on_fetched=lambda slot, n, pending, bulk, seq, again: self.queues.fetched(slot, n, pending, bulk=bulk, last_seq=seq, redelivered=again),
         )
         self.runner = BatchRunner(
             worker_id=self.worker_id,

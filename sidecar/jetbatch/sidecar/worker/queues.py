@@ -268,11 +268,19 @@ class QueueView:
             slot.cancelled_keys.discard(key)
         return float(at)
 
-    def fetched(self, slot: Slot, n: int, pending: int | None, *, bulk: bool = False, last_seq: int | None = None) -> None:
+    def fetched(
+        self, slot: Slot, n: int, pending: int | None, *, bulk: bool = False, last_seq: int | None = None, redelivered: bool = False
+    ) -> None:
         """This worker took ``n`` requests from the head of one line (``bulk``: the batch one);
         ``pending``: what its consumer said was still undelivered there when it delivered the
         last of them, stored at stream sequence ``last_seq`` (None: unknown). Stranded requests
         come back at the next reconcile.
+
+        ``redelivered``: the last of them was a redelivery. The consumer counts requests due for
+        redelivery as unacked, not undelivered, until it delivers them, so ``pending`` leaves
+        out the rest of a dead peer's batch: the count the worker had, less what it took, is
+        kept (taking ``pending`` alone served one batch of a stranded 8 and left the rest to the
+        next count, a poll interval).
 
         A request stored after that delivery is not in ``pending``, yet its arrival event may
         have been counted before the fetch's answer was read (another subscription's callback):
@@ -284,6 +292,8 @@ class QueueView:
             left = max(0, line - n)
         else:
             left = max(pending, self._stored_after(slot, bulk, last_seq))
+            if redelivered:
+                left = max(left, line - n)
         self._count_line(slot, left, bulk=bulk)
 
     def peer_took(self, slot: Slot, peer: str, n: int, now: float) -> None:
