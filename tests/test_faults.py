@@ -53,19 +53,27 @@ async def test_kill_9_mid_batch_then_restart_answers_every_request_once(nats_url
     assert len({r.request_id for r in results}) == 12
 
 
-async def test_a_killed_peers_requests_are_found_when_due_whatever_the_poll_interval(nats_url: str, prefix: str, tmp_path: Path) -> None:
-    """Two workers serve m1; one is killed (-9) while it holds a batch. JetStream redelivers the
-    batch when its ack wait ends, and sends no arrival event for a redelivery: the survivor,
-    idle with its periodic count a minute away, counts the queues when it sees its peer leave and
-    again one ack wait later, and answers them (it used to wait for that minute)."""
+def _count_a_minute_away(tmp_path: Path, prefix: str, *, pin: bool) -> Path:
+    """m1 in batches of 4 that take 3 s each, a 1 s ack wait, peers that leave the view within a
+    second, and the periodic count a minute away: only what a worker does on its own account
+    finds redelivered requests within the callers' 20 s."""
     path = tmp_path / f"{prefix}.toml"
     path.write_text(
         f'[nats]\nprefix = "{prefix}"\n'
         "[streams]\nack_wait_s = 1.0\n"
         "[worker]\npoll_interval_ms = 60000\nidle_refresh_s = 60\nheartbeat_s = 0.2\npeer_timeout_s = 1.0\n"
-        '[models.m1]\nhandler = "sleep"\nmax_batch_size = 4\nmax_delay_ms = 5\npin = true\n'
+        f'[models.m1]\nhandler = "sleep"\nmax_batch_size = 4\nmax_delay_ms = 5\npin = {str(pin).lower()}\n'
         "options = { load_cost_s = 0.0, batch_cost_s = 3.0, item_cost_s = 0.0 }\n"
     )
+    return path
+
+
+async def test_a_killed_peers_requests_are_found_when_due_whatever_the_poll_interval(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """Two workers serve m1; one is killed (-9) while it holds a batch. JetStream redelivers the
+    batch when its ack wait ends, and sends no arrival event for a redelivery: the survivor,
+    idle with its periodic count a minute away, counts the queues when it sees its peer leave and
+    again one ack wait later, and answers them (it used to wait for that minute)."""
+    path = _count_a_minute_away(tmp_path, prefix, pin=True)
     dep = await anyio.to_thread.run_sync(lambda: Deployment(path, nats_url=nats_url, workers=2).start())
     try:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
@@ -94,14 +102,7 @@ async def test_a_killed_workers_two_batches_are_both_served_by_its_successor_bef
     redeliveries says nothing is left undelivered (the consumer counts the rest as unacked until
     it redelivers them): taken at its word, the second batch waited for the next count, here a
     minute away."""
-    path = tmp_path / f"{prefix}.toml"
-    path.write_text(
-        f'[nats]\nprefix = "{prefix}"\n'
-        "[streams]\nack_wait_s = 1.0\n"
-        "[worker]\npoll_interval_ms = 60000\nidle_refresh_s = 60\nheartbeat_s = 0.2\npeer_timeout_s = 1.0\n"
-        '[models.m1]\nhandler = "sleep"\nmax_batch_size = 4\nmax_delay_ms = 5\n'
-        "options = { load_cost_s = 0.0, batch_cost_s = 3.0, item_cost_s = 0.0 }\n"
-    )
+    path = _count_a_minute_away(tmp_path, prefix, pin=False)
     dep = await anyio.to_thread.run_sync(lambda: Deployment(path, nats_url=nats_url).start())
     try:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:

@@ -463,6 +463,31 @@ async def test_a_batchs_compute_time_is_its_forward_pass_alone(nats_url: str, pr
     assert [r.compute_s for r in reports] == [0.25]
 
 
+def _workers_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every Worker made from now on, as it is made (before it runs: its first batch may come
+    before the test sees it)."""
+    from jetbatch.sidecar.worker import Worker
+
+    made, workers = Worker.__init__, []
+
+    def watched_init(self: Worker, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        workers.append(self)
+
+    monkeypatch.setattr(Worker, "__init__", watched_init)
+    return workers
+
+
+async def _delivered_and_given_back(nc: Any, config: Config) -> None:
+    """The first request of m1 delivered once (to this pull, as if to a worker that then died)
+    and given back (nak): its next delivery is a redelivery."""
+    from jetbatch.sidecar.streams import model_consumer_name
+
+    psub = await nc.jetstream().pull_subscribe_bind(model_consumer_name("m1"), config.subjects.models_stream)
+    [msg] = await psub.fetch(1, timeout=10)
+    await msg.nak()
+
+
 async def test_a_redelivered_requests_lookups_leave_the_model_to_other_batches(
     nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -471,12 +496,9 @@ async def test_a_redelivered_requests_lookups_leave_the_model_to_other_batches(
     for the request's own forward pass."""
     from jetbatch.sidecar.handlers.simple import SleepHandler
     from jetbatch.sidecar.replies import Replier
-    from jetbatch.sidecar.streams import model_consumer_name
-    from jetbatch.sidecar.worker import Worker
 
     config = make_config(prefix, {"m1": sleep_model()})
     await _prepare_streams(config, nats_url)
-    workers: list[Any] = []
     held_at_lookup: list[int] = []
     held_at_predict: list[int] = []
     lookup, predict = Replier.stored_answer, SleepHandler.predict
@@ -489,12 +511,7 @@ async def test_a_redelivered_requests_lookups_leave_the_model_to_other_batches(
         held_at_predict.append(int(workers[0].slots["m1"].limiter.borrowed_tokens))
         return predict(self, inputs)
 
-    def watched_init(self: Worker, *args: Any, **kwargs: Any) -> None:
-        made(self, *args, **kwargs)
-        workers.append(self)  # before it runs: its first batch may come before the test sees it
-
-    made = Worker.__init__
-    monkeypatch.setattr(Worker, "__init__", watched_init)
+    workers = _workers_made(monkeypatch)
     monkeypatch.setattr(Replier, "stored_answer", watched_lookup)
     monkeypatch.setattr(SleepHandler, "predict", watched_predict)
     nc = await nats.connect(nats_url)
@@ -502,10 +519,7 @@ async def test_a_redelivered_requests_lookups_leave_the_model_to_other_batches(
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             call = asyncio.ensure_future(client.infer(b"again", model="m1", timeout=30))
             await _queued(client, 1)
-            # Delivered once (to this pull, as if to a worker that then died) and given back.
-            psub = await nc.jetstream().pull_subscribe_bind(model_consumer_name("m1"), config.subjects.models_stream)
-            [msg] = await psub.fetch(1, timeout=10)
-            await msg.nak()
+            await _delivered_and_given_back(nc, config)
             async with running_worker(config, nats_url):
                 assert await call == b"again"
     finally:
@@ -522,12 +536,9 @@ async def test_a_batchs_answered_requests_stop_counting_as_held_before_its_redel
     at the batch's end, or a count taken meanwhile subtracted them twice and hid as many waiting
     requests."""
     from jetbatch.sidecar.replies import Replier
-    from jetbatch.sidecar.streams import model_consumer_name
-    from jetbatch.sidecar.worker import Worker
 
     config = make_config(prefix, {"m1": sleep_model()})
     await _prepare_streams(config, nats_url)
-    workers: list[Any] = []
     held_at_lookup: list[int] = []
     settles: list[bytes] = []
     lookup = Replier.stored_answer
@@ -536,12 +547,7 @@ async def test_a_batchs_answered_requests_stop_counting_as_held_before_its_redel
         held_at_lookup.append(len(workers[0].state.in_flight))
         return await lookup(self, meta)
 
-    def watched_init(self: Worker, *args: Any, **kwargs: Any) -> None:
-        made(self, *args, **kwargs)
-        workers.append(self)
-
-    made = Worker.__init__
-    monkeypatch.setattr(Worker, "__init__", watched_init)
+    workers = _workers_made(monkeypatch)
     monkeypatch.setattr(Replier, "stored_answer", watched_lookup)
     nc = await nats.connect(nats_url)
 
@@ -553,9 +559,7 @@ async def test_a_batchs_answered_requests_stop_counting_as_held_before_its_redel
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             again = asyncio.ensure_future(client.infer(b"again", model="m1", timeout=30))
             await _queued(client, 1)
-            psub = await nc.jetstream().pull_subscribe_bind(model_consumer_name("m1"), config.subjects.models_stream)
-            [msg] = await psub.fetch(1, timeout=10)
-            await msg.nak()  # delivered once, as if to a worker that died: redelivered next
+            await _delivered_and_given_back(nc, config)
             fresh = [asyncio.ensure_future(client.infer(f"f{i}".encode(), model="m1", timeout=30)) for i in range(3)]
             await _queued(client, 4)
             async with running_worker(config, nats_url):
