@@ -485,6 +485,23 @@ def test_a_peers_take_leaves_the_backlog_at_once_and_counts_as_its_until_settled
     assert view.peers_hold("m1", now=13.0 + view.peer_event_s + 0.1) == 0
 
 
+def test_a_departed_peers_takes_are_forgotten_though_its_successor_keeps_its_id_busy() -> None:
+    """A killed worker never settles what it took; restarted under the same id, its successor's
+    take events kept that hold alive past peer_event_s. Forgotten when it departs (the caller
+    sees it leave, or its process replaced), its requests count again as stranded."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me")
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "w1"}, b"+4", now=1.0)  # then killed
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "w1"}, b"+1", now=1.0 + view.peer_event_s)  # its successor
+    now = 1.5 + view.peer_event_s
+    view.reconcile(s, 5, now, mine=0, not_ours=view.peers_hold("m1", now))
+    assert s.backlog == 0  # all 5 taken for the live peer's
+    view.forget_peers(["w1"])
+    view.reconcile(s, 5, now, mine=0, not_ours=view.peers_hold("m1", now))
+    assert s.backlog == 5
+
+
 @pytest.mark.parametrize(
     ("subject", "headers", "data"),
     [

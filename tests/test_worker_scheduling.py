@@ -624,7 +624,9 @@ async def test_an_empty_fetch_with_requests_in_our_own_puller_holds_nothing_back
     """A pull request that ended late (a busy host) delivers its requests after its fetch
     returned empty: the consumer counts them unacked, as if a peer held them, but they wait in
     this worker's own puller. Taken for a peer's, they were held back for a recheck (1.6 s of
-    queue wait in bench.overhead's classified runs); they are served at the next fetch."""
+    queue wait in bench.overhead's classified runs); they are served at the next fetch.
+    Nowhere at all (neither undelivered nor unacked), the count is what is wrong until the
+    stream says otherwise: the queues are counted again, and nothing is held back for good."""
     from types import SimpleNamespace
 
     from tests.helpers import worker_and_jetstream
@@ -633,15 +635,23 @@ async def test_an_empty_fetch_with_requests_in_our_own_puller_holds_nothing_back
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             await client.infer(b"x", model="m1", timeout=10)  # m1 resident, its consumer made
         slot = worker.slots["m1"]
-        real = slot.psub
+        real, count = slot.psub, worker._refresh
+        me, counts = asyncio.current_task(), []  # the tasks that counted (the loop counts too)
+
+        async def counted(now: float) -> None:
+            counts.append(asyncio.current_task())
+            await count(now)
+
+        worker._refresh = counted  # type: ignore[method-assign]
         try:
             worker.queues.arrived(slot, 0.0, None)  # the count says one waits
             slot.psub = SimpleNamespace(buffered=1)  # ... and it sits in our puller
             await worker._found_nothing(slot)
-            assert slot.hold_until == 0.0
-            slot.psub = SimpleNamespace(buffered=0)  # nowhere we can see: a peer's, held back
+            assert slot.hold_until == 0.0 and me not in counts
+            worker.queues.arrived(slot, 0.0, None)
+            slot.psub = SimpleNamespace(buffered=0)  # nowhere: counted again, not held back
             await worker._found_nothing(slot)
-            assert slot.hold_until > 0.0
+            assert me in counts and slot.hold_until == 0.0 and slot.backlog == 0
         finally:
             slot.psub = real
 

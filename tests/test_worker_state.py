@@ -58,3 +58,26 @@ def test_counts_due_come_before_the_schedules_and_each_is_taken_once() -> None:
     assert state.next_count() == 10.0
     state.counted(60.0)
     assert state.next_count() == 60.0 and state.recounts == []
+
+
+def test_a_peer_leaving_or_replaced_under_its_id_is_departed_once() -> None:
+    """A peer's requests come back with no arrival event when it leaves, and when its process is
+    replaced under the same id (its advert's start time changes): each is one departure."""
+    from jetbatch.sidecar.worker.coordination import Coordinator
+
+    class View:  # the cluster view's peers, as last heard
+        live: dict[str, SimpleNamespace] = {}
+
+        def peers(self, now: float | None = None) -> dict[str, SimpleNamespace]:
+            return dict(self.live)
+
+    view = View()
+    peers = Coordinator(view, worker_id="w0", **{k: None for k in ("slots", "queues", "residency", "driver", "budget", "counters", "report")}, heartbeat_s=1.0)  # type: ignore[arg-type]
+    view.live = {"w1": SimpleNamespace(started_at=10.0), "w2": SimpleNamespace(started_at=11.0)}
+    assert peers.departed(0.0) == []  # first seen
+    assert peers.departed(1.0) == []
+    view.live = {"w1": SimpleNamespace(started_at=20.0), "w2": SimpleNamespace(started_at=11.0)}  # w1 restarted
+    assert peers.departed(2.0) == ["w1"]
+    view.live = {"w1": SimpleNamespace(started_at=20.0)}  # w2 gone
+    assert peers.departed(3.0) == ["w2"]
+    assert peers.departed(4.0) == []

@@ -231,6 +231,11 @@ class ClusterView:
                 total[model] = max(total.get(model, 0), adv.in_flight.get(model, 0) + adv.unfetchable.get(model, 0))
         return total
 
+    def held_back(self, now: float | None = None) -> set[str]:
+        """Models of which a live peer advertises requests it found unfetchable: held back (and
+        out of our count, :meth:`not_ours`) until its recheck, which no event announces."""
+        return {m for adv in self.peers(now).values() for m, n in adv.unfetchable.items() if n > 0}
+
     def served_drain_rps(self, now: float | None = None) -> Mapping[str, float]:
         """Per model, the requests/s that other workers holding (or loading) it can drain."""
         total: dict[str, float] = {}

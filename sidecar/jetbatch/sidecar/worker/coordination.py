@@ -57,7 +57,7 @@ class Coordinator:
         self._heartbeat_s = heartbeat_s
         self._report = report
         self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
-        self._live: set[str] = set()  # the peers in view at the last departed() call
+        self._live: dict[str, float] = {}  # the peers in view at the last departed() call, and when each started
         self._claim_s = 0.0  # how long the claim of the load under way took
 
     @property
@@ -90,16 +90,17 @@ class Coordinator:
         if self.cluster is not None:
             self.cluster.note_trouble()
 
-    def departed(self, now: float) -> bool:
-        """Whether a peer left the view since the last call (its advert withdrawn, or not heard
-        within its timeout while the view is fresh). What it held unacked comes back to the
-        queues at once if it stopped gracefully (it gives them back) and when their ack wait
-        ends if it was killed, with no arrival event either way (JetStream sends none for a
-        redelivery): the caller counts the queues then."""
+    def departed(self, now: float) -> list[str]:
+        """The peers that left the view since the last call: an advert withdrawn, one not heard
+        within its timeout while the view is fresh, or one whose process was replaced (the same
+        id, restarted at once: its advert's ``started_at`` changed). What a departed peer held
+        unacked comes back to the queues at once if it stopped gracefully (it gives them back)
+        and when their ack wait ends if it was killed, with no arrival event either way
+        (JetStream sends none for a redelivery): the caller counts the queues then."""
         if self.cluster is None:
-            return False
-        live = set(self.cluster.peers(now))
-        gone = bool(self._live - live)
+            return []
+        live = {wid: adv.started_at for wid, adv in self.cluster.peers(now).items()}
+        gone = [wid for wid, started in self._live.items() if live.get(wid, started) != started or wid not in live]
         self._live = live
         return gone
 
@@ -107,6 +108,11 @@ class Coordinator:
         """When the first peer in view leaves it unless heard again (inf: none): an idle worker
         wakes then to notice (:meth:`departed`)."""
         return self.cluster.next_expiry(now) if self.cluster is not None else math.inf
+
+    def held_back(self, now: float) -> bool:
+        """Whether a peer holds back requests it found unfetchable (``ClusterView.held_back``):
+        they are out of this worker's count until its recheck ends, and nothing tells when."""
+        return bool(self.cluster.held_back(now)) if self.cluster is not None else False
 
     def not_ours(self, now: float) -> dict[str, int]:
         """Requests peers hold unacked, per model (``ClusterView.not_ours``)."""

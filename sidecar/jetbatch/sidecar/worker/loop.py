@@ -62,7 +62,7 @@ from .execution import BatchRunner
 from .slots import BatchReport, ModelTurn, Slot
 from .state import LoopState
 from .quarantine import Quarantine
-from .queues import ArrivalFeed, QueueView, empty_fetch
+from .queues import RECHECK_S, ArrivalFeed, QueueView, empty_fetch
 from . import view
 from .residency import Residency, default_host_budget_bytes
 
@@ -413,6 +413,12 @@ class Worker:
         poll_s = self.config.worker.poll_interval_ms / 1000.0
         self.state.next_refresh = time.time() + (poll_s if busy else max(poll_s, self.config.worker.idle_refresh_s))
         self.state.counted(now)
+        if self.peers.held_back(now):
+            # A peer's hold-back of unfetchable requests takes them out of this count until its
+            # recheck (a second for a model on its device), and no event says when it ends:
+            # with both holding back each other's view, a dead worker's requests waited for the
+            # periodic count (a minute in the attack's config).
+            self.state.count_at(now + RECHECK_S)
         if not ok:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
@@ -446,10 +452,12 @@ class Worker:
         while not self._stopping.is_set():
             await self._follow_arrivals()
             now = time.time()
-            if self.peers.departed(now):
+            departed = self.peers.departed(now)
+            if departed:
                 # What the peer held comes back with no arrival event: at once if it stopped and
                 # gave it back, when the ack wait ends if it was killed. A count finds it then,
                 # whatever the poll interval (a minute's poll left a killed peer's requests that long).
+                self.queues.forget_peers(departed)
                 self.state.count_at(now, now + self.config.streams.ack_wait_s)
             if now >= self.state.next_count():
                 await self._refresh(now)
@@ -619,6 +627,13 @@ class Worker:
         # recheck (1.6 s in bench.overhead's classified runs).
         in_our_puller = any(p is not None and p.buffered for p in (slot.psub, slot.bulk_psub))
         why = empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=slot.missed_fetch, in_our_puller=in_our_puller)
+        if why == "unreachable":
+            # Held back for good only if the stream still stores them: the count itself may be
+            # what is wrong (arrival and take events applied out of order after a paused process
+            # counted 60 requests that were never there, and the hold was advertised to peers).
+            await self._refresh(time.time())
+            if slot.backlog <= 0:
+                return
         if why == "fetch again":
             slot.missed_fetch = True
         elif why != "in our puller":

@@ -46,7 +46,7 @@ from ..errors import TRANSPORT_ERRORS
 from .counters import Counters
 from .slots import Slot
 
-__all__ = ["ArrivalFeed", "EmptyFetch", "QueueView", "empty_fetch", "parse_stream_timestamp"]
+__all__ = ["RECHECK_S", "ArrivalFeed", "EmptyFetch", "QueueView", "empty_fetch", "parse_stream_timestamp"]
 
 log = logging.getLogger("jetbatch.worker")
 
@@ -318,6 +318,18 @@ class QueueView:
             held[peer] = (left, now)
         else:
             del held[peer]
+            if not held:
+                del self._peer_held[name]
+
+    def forget_peers(self, peers: list[str]) -> None:
+        """Peers that left (or whose process was replaced under the same id): what their take
+        events said they hold is theirs no more. A killed process never sends its settle event,
+        and its successor's events would keep that hold alive under the same id (the successor's
+        first takes may be forgotten with it: an over-count, which costs an empty fetch)."""
+        for name in list(self._peer_held):
+            held = self._peer_held[name]
+            for peer in peers:
+                held.pop(peer, None)
             if not held:
                 del self._peer_held[name]
 
