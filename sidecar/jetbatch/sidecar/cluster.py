@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 import msgspec
 from nats.js import JetStreamContext
@@ -222,13 +222,17 @@ class ClusterView:
         timeout_s = max(self.ttl_s, self.peer_timeout_s)
         return min((self._seen_at.get(w, 0.0) + timeout_s for w in self.peers(now)), default=math.inf)
 
-    def not_ours(self, now: float | None = None) -> dict[str, int]:
+    def not_ours(self, now: float | None = None, *, resident: Collection[str] = ()) -> dict[str, int]:
         """Per model, delivered-but-unacked messages the peers account for (their in-flight, and
-        what they found unfetchable): not backlog for this worker to chase."""
+        what they found unfetchable): not backlog for this worker to chase. What peers found
+        unfetchable only for models not ``resident`` here: it spares a load for requests
+        delivered elsewhere, but chasing it on the device costs one fetch, and two workers each
+        counting the other's hold-back left a dead peer's requests to both for a recheck."""
         total: dict[str, int] = {}
         for adv in self.peers(now).values():
             for model in set(adv.in_flight) | set(adv.unfetchable):
-                total[model] = max(total.get(model, 0), adv.in_flight.get(model, 0) + adv.unfetchable.get(model, 0))
+                unfetchable = 0 if model in resident else adv.unfetchable.get(model, 0)
+                total[model] = max(total.get(model, 0), adv.in_flight.get(model, 0) + unfetchable)
         return total
 
     def held_back(self, now: float | None = None) -> set[str]:

@@ -115,8 +115,11 @@ class Coordinator:
         return bool(self.cluster.held_back(now)) if self.cluster is not None else False
 
     def not_ours(self, now: float) -> dict[str, int]:
-        """Requests peers hold unacked, per model (``ClusterView.not_ours``)."""
-        return self.cluster.not_ours(now) if self.cluster is not None else {}
+        """Requests peers hold unacked, per model (``ClusterView.not_ours``; their hold-backs
+        only of models not on this device)."""
+        if self.cluster is None:
+            return {}
+        return self.cluster.not_ours(now, resident=self._residency.resident_names())
 
     # --- the share of each queue -----------------------------------------------------------
 

@@ -628,11 +628,14 @@ class Worker:
         in_our_puller = any(p is not None and p.buffered for p in (slot.psub, slot.bulk_psub))
         why = empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=slot.missed_fetch, in_our_puller=in_our_puller)
         if why == "unreachable":
-            # Held back for good only if the stream still stores them: the count itself may be
-            # what is wrong (arrival and take events applied out of order after a paused process
-            # counted 60 requests that were never there, and the hold was advertised to peers).
-            await self._refresh(time.time())
-            if slot.backlog <= 0:
+            now = time.time()
+            if now - slot.unreachable_seen_at > RECHECK_S:
+                # Held back for good only if the stream still stores them and a fetch on that
+                # count misses them again: the count itself may be what is wrong (arrival and
+                # take events applied out of order after a paused process counted 60 requests
+                # that were never there, and the hold was advertised to peers).
+                slot.unreachable_seen_at = now
+                await self._refresh(now)
                 return
         if why == "fetch again":
             slot.missed_fetch = True

@@ -4,6 +4,7 @@ batch."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -93,6 +94,9 @@ class Slot:
     # The last fetch came back empty while the consumer said requests were undelivered: the next
     # such miss holds them back like any other (a fetch that never delivers must not spin).
     missed_fetch: bool = False
+    # When an empty fetch last looked "unreachable" (nothing undelivered, nothing unacked): the
+    # stream is counted and the queue fetched again before that is believed.
+    unreachable_seen_at: float = -math.inf
     stranded_since: float | None = None  # when the count first showed stranded messages
     # Enqueue times (and deadlines) of the newest waiting interactive requests, oldest first,
     # from the arrival events; the same for the batch class (``known_bulk``); older waiting
