@@ -237,7 +237,8 @@ class ClusterView:
 
     def held_back(self, now: float | None = None) -> set[str]:
         """Models of which a live peer advertises requests it found unfetchable: held back (and
-        out of our count, :meth:`not_ours`) until its recheck, which no event announces."""
+        out of our count of a model not on our device, :meth:`not_ours`) until its recheck,
+        which no event announces."""
         return {m for adv in self.peers(now).values() for m, n in adv.unfetchable.items() if n > 0}
 
     def served_drain_rps(self, now: float | None = None) -> Mapping[str, float]:

@@ -111,7 +111,8 @@ class Coordinator:
 
     def held_back(self, now: float) -> bool:
         """Whether a peer holds back requests it found unfetchable (``ClusterView.held_back``):
-        they are out of this worker's count until its recheck ends, and nothing tells when."""
+        until its recheck ends (nothing tells when) they are out of this worker's count of a
+        model not on its device, and the peer will not fetch them either."""
         return bool(self.cluster.held_back(now)) if self.cluster is not None else False
 
     def not_ours(self, now: float) -> dict[str, int]:
