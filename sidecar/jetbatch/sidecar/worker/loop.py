@@ -607,7 +607,8 @@ class Worker:
         per line tells why (``queues.empty_fetch``): still undelivered: count those and serve
         again; delivered to someone and unacked, or missed twice: stop chasing them until a
         recheck, and tell peers not to either (``QueueView.found_empty``); neither, yet still
-        stored: left behind in the work queue, never to be delivered."""
+        stored after a fresh count and a second miss on it: left behind in the work queue, never
+        to be delivered."""
         if slot.backlog <= 0:
             return
         pending = ack_pending = 0
@@ -627,19 +628,19 @@ class Worker:
         # recheck (1.6 s in bench.overhead's classified runs).
         in_our_puller = any(p is not None and p.buffered for p in (slot.psub, slot.bulk_psub))
         why = empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=slot.missed_fetch, in_our_puller=in_our_puller)
-        if why == "unreachable":
-            now = time.time()
-            if now - slot.unreachable_seen_at > RECHECK_S:
-                # Held back for good only if the stream still stores them and a fetch on that
-                # count misses them again: the count itself may be what is wrong (arrival and
-                # take events applied out of order after a paused process counted 60 requests
-                # that were never there, and the hold was advertised to peers).
-                slot.unreachable_seen_at = now
-                await self._refresh(now)
-                return
+        now = time.time()
         if why == "fetch again":
             slot.missed_fetch = True
-        elif why != "in our puller":
+        elif why == "in our puller":
+            return
+        elif why == "unreachable" and now - slot.unreachable_seen_at > RECHECK_S:
+            # Held back for good only if the stream still stores them and a fetch on that count
+            # misses them again: the count itself may be what is wrong (arrival and take events
+            # applied out of order after a paused process counted 60 requests that were never
+            # there, and the hold was advertised to peers).
+            slot.unreachable_seen_at = now
+            await self._refresh(now)
+        else:
             if why == "unreachable":
                 log.warning("%s: %d requests stored that its consumer will never deliver: not counted until they are gone", slot.name, slot.backlog)
             self._held_back(slot, unreachable=why == "unreachable")
