@@ -7,6 +7,7 @@ import time
 import pytest
 
 from jetbatch import sdk
+from jetbatch.sdk.connection import connect_nats
 from jetbatch.sdk.protocol import ContentType, Headers
 from jetbatch.sidecar.streams import model_consumer_name
 from tests.helpers import make_config, running_worker, sleep_model, wait_until
@@ -223,6 +224,40 @@ async def test_an_answer_the_results_store_refuses_is_sent_but_not_acked(nats_ur
 
         await wait_until(redelivered, timeout_s=15, what="the unstored request's redelivery")
         assert (await js.stream_info(subjects.results_stream)).state.messages == 0
+
+
+async def test_a_request_given_back_when_its_store_was_refused_is_found_when_due_whatever_the_poll_interval(nats_url: str, prefix: str) -> None:
+    """A request whose answer the results store refused goes back to its queue (nak) for a
+    second, and JetStream sends no arrival event for its redelivery: the worker counts its queues
+    when it falls due, and stores its answer then, with the periodic count a minute away (it
+    used to wait for that minute)."""
+    from jetbatch.sdk.protocol import Subjects
+    from jetbatch.sidecar.streams import model_consumer_name
+
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model()}, worker={"poll_interval_ms": 60_000, "idle_refresh_s": 60.0})
+    async with running_worker(config, nats_url) as worker:
+        nc = await connect_nats(nats_url)
+        try:
+            js = nc.jetstream()
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                await client.infer(b"warm", model="m1", timeout=10)
+                info = await js.stream_info(subjects.results_stream)
+                limit = info.config.max_msg_size
+                info.config.max_msg_size = 16  # the answer below is bigger
+                await js.update_stream(info.config)
+                # The live reply is the publish the store refused: once it is here, the request
+                # is being given back.
+                assert await client.infer(b"x" * 64, model="m1", timeout=10, request_id="refused-1") == b"x" * 64
+                info.config.max_msg_size = limit
+                await js.update_stream(info.config)
+            await wait_until(lambda: worker.stats["given_back"] >= 1, timeout_s=10, what="the request given back")
+            await wait_until(lambda: _settled(js, subjects.models_stream, model_consumer_name("m1")), timeout_s=10, what="the request acked")
+            stored = await js.get_msg(subjects.results_stream, subject=subjects.answer_anywhere("refused-1"), direct=True)
+            assert stored.data == b"x" * 64
+            assert worker.stats["requests"] == 3  # warm, the refused delivery, its redelivery
+        finally:
+            await nc.close()
 
 
 async def test_a_results_stream_briefly_gone_delays_the_ack_instead_of_redelivering(nats_url: str, prefix: str) -> None:

@@ -32,7 +32,12 @@ from .counters import Counters
 from .slots import BatchReport, ModelTurn, Request, Slot, ack_info
 from .quarantine import Evidence, Quarantine, Verdict, groups
 
-__all__ = ["BatchRunner"]
+__all__ = ["GIVE_BACK_DELAY_S", "BatchRunner"]
+
+# A request given back because its answer could not be made safe (the results store refused it,
+# or the batch failed inside jetbatch) is delivered again this long after (a nak's delay): time
+# for the store to recover, and not a spin.
+GIVE_BACK_DELAY_S = 1.0
 
 _CANCELLED = "cancelled by its caller before it was computed"
 
@@ -55,14 +60,16 @@ class BatchRunner:
         on_batch: Callable[[BatchReport], None] | None = None,
         clock: Callable[[], float] = time.time,
         cancelled: Callable[[str | None, str], bool] = lambda tenant, request_id: False,
-        on_settled: Callable[[Slot, list[Msg]], Awaitable[None]] | None = None,
+        on_settled: Callable[[Slot, list[Msg], float | None], Awaitable[None]] | None = None,
     ) -> None:
         """``clock``: wall-clock seconds, the scale of deadlines and enqueue times (tests pass a
         fake one); a batch's compute time is measured with :attr:`timer`. ``on_settled``: told of
         the messages of each :meth:`finish` once they are acked, termed or naked, before the
         rest of their batch is done (redelivered requests are looked up and run after the
         others): the stream's count drops them at once, and what the worker and its peers count
-        as held must too, or subtracted from that count again they hid as many waiting ones."""
+        as held must too, or subtracted from that count again they hid as many waiting ones. Its
+        third argument: in how many seconds a request given back with a delay (its answer not
+        stored) is delivered again, None when none was: it comes back with no arrival event."""
         self._on_settled = on_settled
         self._clock = clock
         # What a forward pass is timed with (the device time the estimator learns); tests replace it.
@@ -357,6 +364,7 @@ class BatchRunner:
             if a is not None:
                 await self.replier.resend(a)
         outcomes: dict[str, int] = {}
+        back_in_s: float | None = None
         for r in requests:
             a = r.answer
             if a is None:  # cannot happen: every path sets an answer
@@ -374,9 +382,11 @@ class BatchRunner:
                 log.error("answer of %s could not be stored after %d deliveries; acked after the live reply", r.meta.request_id, r.deliveries)
                 await settle(r.msg, r.action)
             else:
-                await settle(r.msg, "nak", delay_s=1.0)  # redelivered; its next delivery finds it stored or recomputes
+                # Redelivered; its next delivery finds it stored or recomputes it.
+                await settle(r.msg, "nak", delay_s=GIVE_BACK_DELAY_S)
+                back_in_s = GIVE_BACK_DELAY_S
         if self._on_settled is not None:
-            await self._on_settled(slot, [r.msg for r in requests])
+            await self._on_settled(slot, [r.msg for r in requests], back_in_s)
         for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
             self.telemetry.requests.add(count, {"jetbatch.model": slot.name, "jetbatch.status": outcome})
 

@@ -58,7 +58,7 @@ from .batching import Batcher
 from .coordination import Coordinator
 from .counters import Counters
 from .cancellations import Cancellations
-from .execution import BatchRunner
+from .execution import GIVE_BACK_DELAY_S, BatchRunner
 from .slots import BatchReport, ModelTurn, Slot
 from .state import LoopState
 from .quarantine import Quarantine
@@ -70,6 +70,11 @@ __all__ = ["Worker"]
 
 log = logging.getLogger("jetbatch.worker")
 T = TypeVar("T")
+
+# A count for requests given back with a delay is taken this long after they fall due (the server
+# redelivers on its own timer): counted before, a fetch would miss them and hold the queue back
+# for a recheck.
+_DUE_MARGIN_S = 0.05
 
 
 class Worker:
@@ -664,7 +669,8 @@ class Worker:
             turn.release()
             log.exception("batch of %s failed; its requests are redelivered", slot.name)
             for m in msgs:
-                await settle(m, "nak", delay_s=1.0)
+                await settle(m, "nak", delay_s=GIVE_BACK_DELAY_S)
+            self._given_back(GIVE_BACK_DELAY_S)
         finally:
             turn.release()
             slot.end_batch()
@@ -673,12 +679,22 @@ class Worker:
             if slot.last_used_at is not None:
                 self.state.last_used[slot.name] = slot.last_used_at
 
-    async def _settled(self, slot: Slot, msgs: list[Msg]) -> None:
+    async def _settled(self, slot: Slot, msgs: list[Msg], back_in_s: float | None = None) -> None:
         """Some of a batch's messages were settled (``BatchRunner.finish``), or the whole batch
-        is done: no longer held here, and the peers are told (once per message)."""
+        is done: no longer held here, and the peers are told (once per message). ``back_in_s``:
+        some were given back, to be delivered again that much later."""
+        if back_in_s is not None:
+            self._given_back(back_in_s)
         n = self.state.in_flight.settled(msgs)
         if n:
             await self.arrivals.settled(slot.name, n)
+
+    def _given_back(self, delay_s: float) -> None:
+        """Requests were given back (nak) to be delivered again after ``delay_s``: no arrival event
+        says so, and the next count on the schedule may be a poll interval (or a minute) away,
+        so count just after they fall due."""
+        self.stats.add("given_back")
+        self.state.count_at(time.time() + delay_s + _DUE_MARGIN_S)
 
     # --- loads -----------------------------------------------------------------------------
 
