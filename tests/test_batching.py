@@ -73,6 +73,36 @@ class Queue:
         raise nats.errors.TimeoutError
 
 
+class HeldQueue(Queue):
+    """:class:`Queue` with the held pull of a line that is not listened to (``Puller.fill``):
+    ``stored_in`` maps seconds into the fill to how many requests are stored then; the fill
+    returns at a full batch or at its wait's end, as the real one does on its own clock.
+    ``ends_early``: the server ends the request at once (its consumer went away)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.fills: list[tuple[int, float]] = []
+        self.stored_in: dict[float, int] = {}
+        self.ends_early = False
+
+    async def fill(self, batch: int, wait_s: float) -> list[Any]:
+        await anyio.sleep(0)
+        self.fills.append((batch, wait_s))
+        if self.ends_early:
+            return []
+        got: list[Any] = []
+        start = self.clock()
+        for after, n in sorted(self.stored_in.items()):
+            if after >= wait_s or len(got) >= batch:
+                break
+            self.clock.now = start + after
+            got += [_delivered(round(self.clock() * 1e9), 0) for _ in range(min(n, batch - len(got)))]
+        self.stored_in = {}
+        if len(got) < batch:
+            self.clock.now = start + wait_s
+        return got
+
+
 class FakeWakeup:
     """The open window's wait on the fake clock: ``on_wait`` may script an arrival (return the
     seconds into the wait it comes, or None for none)."""
@@ -431,3 +461,82 @@ async def test_a_batch_line_arrival_during_an_empty_top_up_keeps_the_line_counte
     msgs = await batcher.fetch(slot, 64, 0.02, bulk_first=False)
     assert len(msgs) == 1
     assert slot.bulk >= 1  # the one stored meanwhile is still counted
+
+
+async def test_a_line_not_listened_to_fills_its_open_window_from_one_held_pull_closed_on_the_batchers_clock() -> None:
+    """The worker does not listen to the arrivals of the line whose batches it serves
+    (policy/interest.py): once the first fetch took what was stored, the rest of the window is
+    one pull held to its close, which the server answers with each request as it is stored. No
+    arrival event is waited for, and the window closes at exactly ``max_delay``."""
+    clock = FakeClock()
+    queue = HeldQueue(clock)
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: True)  # type: ignore[arg-type]
+    slot = _slot(queue, max_delay_s=0.01)
+    queue.queued = 1
+    queue.stored_in = {0.003: 2, 0.007: 1}
+    opened = clock()
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 4
+    assert queue.fills == [(63, pytest.approx(0.01))]  # the rest of the batch, to the close
+    assert wakeup.waits == []  # no arrival event waited for
+    assert clock() == pytest.approx(opened + 0.01, abs=1e-9)
+
+
+async def test_a_held_pull_filling_the_batch_closes_the_window_at_once() -> None:
+    clock = FakeClock()
+    queue = HeldQueue(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock), filled=lambda slot: True)  # type: ignore[arg-type]
+    slot = _slot(queue, max_delay_s=0.01)
+    queue.queued = 1
+    queue.stored_in = {0.002: 7}
+    opened = clock()
+    msgs = await batcher.gather(slot, 8)
+    assert len(msgs) == 8
+    assert clock() == pytest.approx(opened + 0.002, abs=1e-9)  # full: no wait for the close
+
+
+async def test_a_held_pull_the_server_ends_early_leaves_the_window_to_its_clock_not_a_spin() -> None:
+    clock = FakeClock()
+    queue = HeldQueue(clock)
+    queue.ends_early = True
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: True)  # type: ignore[arg-type]
+    slot = _slot(queue, max_delay_s=0.01)
+    queue.queued = 1
+    opened = clock()
+    msgs = await batcher.gather(slot, 64)
+    assert len(msgs) == 1
+    assert len(queue.fills) == 1  # one request, not one per loop turn
+    assert wakeup.waits == [pytest.approx(0.01)]
+    assert clock() == pytest.approx(opened + 0.01, abs=1e-9)
+
+
+async def test_a_listened_line_still_waits_on_its_arrival_events() -> None:
+    clock = FakeClock()
+    queue = HeldQueue(clock)
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: False)  # type: ignore[arg-type]
+    slot = _slot(queue, max_delay_s=0.01)
+    queue.queued = 1
+    await batcher.gather(slot, 64)
+    assert queue.fills == [] and wakeup.waits == [pytest.approx(0.01)]
+
+
+async def test_a_hold_waits_its_own_time_for_the_first_request_and_its_window_runs_from_it() -> None:
+    """A worker about to idle holds the served model's next batch open (policy/interest.py,
+    ``hold_s``): the first fetch waits that long for a first arrival; none: the batch is empty
+    at the hold's end."""
+    clock = FakeClock()
+    queue = HeldQueue(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock), filled=lambda slot: True)  # type: ignore[arg-type]
+    slot = _slot(queue, max_delay_s=0.002)
+    started = clock()
+    assert await batcher.gather(slot, 64, first_wait_s=0.005) == []
+    assert queue.fetches == [(64, 0.005, False)]
+    assert clock() == pytest.approx(started + 0.005, abs=1e-9)
+    queue.arrives_in = 0.003
+    started = clock()
+    msgs = await batcher.gather(slot, 64, first_wait_s=0.005)
+    assert len(msgs) == 1
+    assert clock() == pytest.approx(started + 0.003 + 0.002, abs=1e-9)  # its window, from its arrival

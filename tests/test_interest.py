@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jetbatch.sidecar.policy import LISTEN_BELOW_BATCHES, QUIET_FROM_BATCHES, listens
+from jetbatch.sidecar.policy import HOLD_S, LISTEN_BELOW_BATCHES, MIN_HOLD_S, QUIET_FROM_BATCHES, hold_s, listens
+from jetbatch.sidecar.policy import scheduling as sched
 
 
 def test_a_model_the_worker_does_not_drain_is_always_listened_to() -> None:
@@ -58,3 +59,39 @@ def test_fetches_alone_never_leave_a_quiet_worker_with_requests_it_does_not_coun
             assert counted == stored
         else:
             assert 1 <= counted <= stored
+
+
+def test_the_line_a_served_model_fills_its_batches_from_is_not_listened_to_at_any_depth() -> None:
+    for waiting in (0, 1, 10_000):
+        for listening in (True, False):
+            assert not listens(listening=listening, draining=True, waiting=waiting, max_batch_size=8, filled=True)
+    # A model it no longer drains (another is served, or it left the device): listened to again.
+    assert listens(listening=False, draining=False, waiting=0, max_batch_size=8, filled=True)
+
+
+def _state(**backlogs: tuple[int, bool]) -> sched.SchedulerState:
+    """Models by name: (backlog, resident)."""
+    models = {
+        name: sched.ModelState(
+            name=name, backlog=n, oldest_enqueued_at=0.0 if n else None, resident=resident, load_cost_s=1.0,
+            batch_cost=sched.BatchCost(0.005, 0.0001), memory_bytes=1, max_batch_size=8,
+        )
+        for name, (n, resident) in backlogs.items()
+    }  # fmt: skip
+    return sched.SchedulerState(models, None, sched.Budget())
+
+
+def test_a_worker_about_to_idle_holds_the_served_models_next_batch_open() -> None:
+    state = _state(a=(0, True), b=(0, False))
+    assert hold_s(state, "a", missed=False, until=100.0, now=0.0) == HOLD_S
+    # Never past what the idle was for (a timer the policy set), nor a hold too short to pay.
+    assert hold_s(state, "a", missed=False, until=0.002, now=0.0) == 0.002
+    assert hold_s(state, "a", missed=False, until=MIN_HOLD_S / 2, now=0.0) == 0.0
+
+
+def test_no_hold_when_it_would_keep_anything_else_waiting_or_the_last_came_back_empty() -> None:
+    assert hold_s(_state(a=(0, True), b=(3, False)), "a", missed=False, until=100.0, now=0.0) == 0.0
+    assert hold_s(_state(a=(0, True)), "a", missed=True, until=100.0, now=0.0) == 0.0
+    assert hold_s(_state(a=(0, True)), None, missed=False, until=100.0, now=0.0) == 0.0
+    assert hold_s(_state(a=(0, False)), "a", missed=False, until=100.0, now=0.0) == 0.0  # left the device
+    assert hold_s(_state(b=(0, True)), "a", missed=False, until=100.0, now=0.0) == 0.0  # not in view

@@ -428,3 +428,37 @@ def test_a_worker_draining_a_deep_queue_sees_the_count_of_its_last_take(tmp_path
     assert after[0] == before[-1] - 4
     assert after[1] == after[0] + 20 - 4
     assert policy.seen[-1][1] == 4  # drained listening again: the last batch's four, exactly
+
+
+def _two_models_trace(trace: list[tuple[float, str]], **control: float) -> Any:
+    """Models a (on the device at the start) and b, one device slot, the arrivals ``trace``, and
+    an ideal control plane but for ``control``."""
+    from dataclasses import replace
+
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    model = {"load_cost_s": 0.1, "batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 8, "max_delay_s": 0.0}
+    base = build_workload({"models": {"a": model, "b": model}})
+    return simulate(replace(base, arrivals=tuple(trace), control=replace(IDEAL_CONTROL, **control), resident_at_start=("a",)), "cost-aware")
+
+
+def test_a_simulated_worker_counts_the_served_models_line_before_it_leaves_it() -> None:
+    """As live (policy/interest.py): the line of the model whose batches it serves is not
+    listened to, so a decision to load another is made again after one count of it, which the
+    simulated worker pays (``count_line_s``)."""
+    trace = [(0.0, "a"), (0.001, "b")]
+    quick = _two_models_trace(trace, count_line_s=0.0)
+    slow = _two_models_trace(trace, count_line_s=0.2)
+    quick_start, slow_start = (next(s for s, _, m in r.load_log if m == "b") for r in (quick, slow))
+    assert slow_start == pytest.approx(quick_start + 0.2)
+    assert quick.completed == slow.completed == 2
+
+
+def test_a_simulated_hold_serves_the_served_models_next_request_with_no_decision() -> None:
+    """As live: about to idle while it serves a's batches, the worker holds a's next batch open;
+    a's request 3 ms later opens it with no decision in between (a decision would cost 1 ms)."""
+    held = _two_models_trace([(0.0, "a"), (0.013, "a")], decision_s=0.001)
+    assert [round(start, 6) for start, *_ in held.batches] == [0.001, 0.013]
+    # Past the hold (5 ms): the worker idled, and the request is served after a decision.
+    idled = _two_models_trace([(0.0, "a"), (0.05, "a")], decision_s=0.001)
+    assert [round(start, 6) for start, *_ in idled.batches] == [0.001, 0.051]

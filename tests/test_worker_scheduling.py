@@ -121,6 +121,36 @@ async def test_a_deep_queue_is_drained_without_its_arrival_events_and_a_lone_req
     assert worker.stats["requests"] == 61
 
 
+async def test_a_served_model_is_drained_in_flight_on_held_pulls_not_on_its_arrival_events(nats_url: str, prefix: str) -> None:
+    """Callers keep 16 requests in flight: while the worker serves the model's batches it does
+    not listen to its arrivals (policy/interest.py); the next batch's window fills from a pull
+    held on the line, and a worker about to idle holds it open for the next request. So it hears
+    a few arrival events (the first, and those after a hold came back empty), not one a request,
+    and every request is answered once. After the load, it listens again; a lone request, with
+    the next count a minute away, is answered on its arrival event."""
+    model = sleep_model(max_batch_size=8, max_delay_ms=2, options={"load_cost_s": 0.0, "batch_cost_s": 0.001, "item_cost_s": 0.0})
+    config = make_config(prefix, {"m1": model}, worker={"poll_interval_ms": 60_000, "idle_refresh_s": 60})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"warm", model="m1", timeout=10)
+            seen = worker.arrivals.seen
+            limit = anyio.Semaphore(16)
+
+            async def one(i: int) -> bytes:
+                async with limit:
+                    return await client.infer(f"r{i}".encode(), model="m1", timeout=30)
+
+            results = await asyncio.gather(*(one(i) for i in range(400)))
+            heard = worker.arrivals.seen - seen
+            await wait_until(lambda: worker.arrivals.quiet_lines == frozenset(), timeout_s=10, what="the worker listening again")
+            with anyio.fail_after(10):  # far less than the minute to the next count
+                lone = await client.infer(b"lone", model="m1", timeout=10)
+    assert results == [f"r{i}".encode() for i in range(400)]
+    assert lone == b"lone"
+    assert heard < 400 // 4  # one event a request before
+    assert worker.stats["requests"] == 402
+
+
 async def test_every_request_answered_once_under_mixed_load(nats_url: str, prefix: str) -> None:
     """Three models, one slot, a burst of interleaved requests: every request gets exactly one
     answer from the model it asked for, and models are switched far fewer times than requests."""

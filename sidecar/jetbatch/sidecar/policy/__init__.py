@@ -12,7 +12,7 @@ passed in), so the live worker and the simulator drive the same code.
 
 from .costs import BatchCost, CostEstimator, Tier, warm_copy_value
 from .driver import Driver, QueueFacts, reload_tier
-from .interest import LISTEN_BELOW_BATCHES, QUIET_FROM_BATCHES, listens
+from .interest import HOLD_S, LISTEN_BELOW_BATCHES, MIN_HOLD_S, QUIET_FROM_BATCHES, hold_s, listens
 from .scheduling import (
     POLICIES,
     Budget,
@@ -32,7 +32,9 @@ from .window import ANSWERING_BATCHES, BATCH_LINE_EVERY, PROBE_AFTER_REFUSALS, B
 
 __all__ = [
     "ANSWERING_BATCHES",
+    "HOLD_S",
     "LISTEN_BELOW_BATCHES",
+    "MIN_HOLD_S",
     "MIN_DEFER_STEP_S",
     "MIN_JOIN_S",
     "POLICIES",
@@ -63,6 +65,7 @@ __all__ = [
     "first_taker_rank",
     "has_room",
     "join_horizon_s",
+    "hold_s",
     "listens",
     "shared_head",
     "fits",

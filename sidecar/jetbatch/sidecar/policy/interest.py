@@ -2,28 +2,53 @@
 
 The models stream republishes every stored request's headers to its model's arrival subject,
 and every worker that listens receives them: one message per request, on top of the request
-itself and its answer's PubAck, a third of what a worker received per request. A worker draining
-a deep queue needs none of them: each fetch tells it what its consumer still holds
-(``num_pending``), and it comes back for more anyway. So while a line (interactive, or batch) of
-the model it serves has at least ``QUIET_FROM_BATCHES`` batches waiting, the worker stops
-listening to that line's arrivals, and listens again once fewer than ``LISTEN_BELOW_BATCHES``
-batches wait there (or it serves another model, or the model leaves the device). The gap between
-the two keeps a line that hovers around one threshold from costing a subscription change per
-batch.
+itself and its answer's PubAck, a third of what a worker received per request. A worker that
+serves a model's batches needs none of them for the line its batches fill from:
 
-While it does not listen, the worker's count of that line is a lower bound: what its last fetch
-or count said, less what peers took since; requests stored since are counted by the next fetch.
-Its own fetches never take it to zero unseen: a fetch takes at most one batch, so the count falls
-below ``LISTEN_BELOW_BATCHES`` batches, and the worker listens again, while requests still wait.
-Peers' takes can (they drained the queue meanwhile), and requests stored since the last fetch
-are in no count: so whenever the worker listens again it counts that line at once, by its
-consumer's undelivered count asked after subscribing (``sidecar/worker/loop.py``). The simulator applies
-the same rule to what its worker sees (``sidecar/simulator/engine.py``).
+- **The interactive line of the model it serves** is not listened to while the worker serves
+  that model's batches (``filled``): a batch takes what is stored in one fetch, and its window
+  fills from a pull request held open on the line to the close (``Puller.fill``), which the
+  server answers with each request as it is stored. The worker's count of that line is then a
+  lower bound (what its last fetch said was left); before it acts on any decision other than
+  another batch of that model (an idle, a load, another model's batch), it listens again, counts
+  the line by its consumer, and decides again on that count (``sidecar/worker/loop.py``).
+- **The batch line of the model it drains** is not listened to while at least
+  ``QUIET_FROM_BATCHES`` batches wait there, and listened to again once fewer than
+  ``LISTEN_BELOW_BATCHES`` batches do (or the worker serves another model, or the model leaves
+  the device): each fetch of a deep line says what its consumer still holds (``num_pending``).
+  The gap between the two keeps a line that hovers around one threshold from costing a
+  subscription change per batch.
+
+**A hold instead of an idle.** A worker whose next decision is to idle while it serves a model's
+batches (nothing counted waiting anywhere) first holds that model's next batch open for up to
+``HOLD_S``, on a pull held on its interactive line (:func:`hold_s`): the first request stored
+there opens the next batch's window with no arrival event, and no decision in between. Only when
+a hold comes back empty does the worker listen again, count, and idle on the events. At 64
+requests in flight the callers' next requests come within a few milliseconds of a batch's
+answers: holds of 2 ms missed often enough for 0.2 arrival events a request to remain, 5 ms left
+0.02-0.05 (docs/benchmarks.md). The price: a request of another model stored during a hold waits
+for its end, up to ``HOLD_S``, as it would wait for a batch window.
+
+While it does not listen, the worker's count of a line is a lower bound: what its last fetch or
+count said, less what peers took since; requests stored since are counted by the next fetch.
+Its own fetches never take a deep line to zero unseen: a fetch takes at most one batch, so the
+count falls below ``LISTEN_BELOW_BATCHES`` batches, and the worker listens again, while requests
+still wait. Peers' takes can (they drained the queue meanwhile), and requests stored since the
+last fetch are in no count: so whenever the worker listens again it counts that line at once, by
+its consumer's undelivered count asked after subscribing, plus what its own puller holds. The
+simulator applies the same rules to what its worker sees (``sidecar/simulator/engine.py``).
 """
 
 from __future__ import annotations
 
-__all__ = ["LISTEN_BELOW_BATCHES", "QUIET_FROM_BATCHES", "listens"]
+from .types import SchedulerState
+
+__all__ = ["HOLD_S", "LISTEN_BELOW_BATCHES", "MIN_HOLD_S", "QUIET_FROM_BATCHES", "hold_s", "listens"]
+
+# How long a worker about to idle holds the next batch of the model it serves open (hold_s)...
+HOLD_S = 0.005
+# ...and the shortest hold worth its pull request (a shorter one idles at once).
+MIN_HOLD_S = 0.001
 
 # Stop listening to a line of the drained model from this many batches waiting on it...
 QUIET_FROM_BATCHES = 3
@@ -31,11 +56,31 @@ QUIET_FROM_BATCHES = 3
 LISTEN_BELOW_BATCHES = 2
 
 
-def listens(*, listening: bool, draining: bool, waiting: int, max_batch_size: int) -> bool:
+def listens(*, listening: bool, draining: bool, waiting: int, max_batch_size: int, filled: bool = False) -> bool:
     """Whether a worker should listen to the arrivals of a line of a model: always, unless it is
-    ``draining`` that model (resident here and the one it serves) and the ``waiting`` count of
-    that line is deep enough (``listening``: whether it listens now)."""
+    ``draining`` that model (resident here and the one it serves) and either its batches fill
+    from that line by a held pull (``filled``: the interactive line of the model whose batches
+    it serves now) or the ``waiting`` count of that line is deep enough (``listening``: whether
+    it listens now)."""
     if not draining:
         return True
+    if filled:
+        return False
     batches = QUIET_FROM_BATCHES if listening else LISTEN_BELOW_BATCHES
     return waiting < batches * max(1, max_batch_size)
+
+
+def hold_s(state: SchedulerState, serving: str | None, *, missed: bool, until: float, now: float) -> float:
+    """How long a worker that decided to idle (until ``until``) first holds the next batch of the
+    model whose batches it serves (``serving``) open, on a pull held on that model's interactive
+    line (0: it idles at once, as for a hold shorter than ``MIN_HOLD_S``). Only while that model is on the device, nothing else is counted
+    waiting, and its last hold did not come back empty (``missed``: then it listens again)."""
+    if serving is None or missed:
+        return 0.0
+    served = state.models.get(serving)
+    if served is None or not served.resident:
+        return 0.0
+    if any(m.backlog > 0 for name, m in state.models.items() if name != serving):
+        return 0.0
+    held = min(until - now, HOLD_S)
+    return held if held >= MIN_HOLD_S else 0.0

@@ -49,6 +49,7 @@ from ..policy import (
     drain_rps,
     first_taker_rank,
     has_room,
+    hold_s,
     listens,
     make_policy,
     pipeline_has_room,
@@ -148,6 +149,12 @@ class _Worker:
     # The lines (model, batch line?) of the drained model whose arrivals it does not listen to
     # (policy/interest.py), with each one's count as of its last take: what it sees, as live.
     quiet: dict[tuple[str, bool], int] = field(default_factory=dict)
+    # As live (policy/interest.py): the model whose batches it serves, its interactive line
+    # filled by held pulls and not listened to; a hold of its next batch under way (until when),
+    # and whether the last one came back empty.
+    serving: str | None = None
+    holding_until: float = -math.inf
+    hold_missed: bool = False
 
     @property
     def id(self) -> str:
@@ -275,7 +282,8 @@ class _Sim:
         for (name, bulk), seen in list(worker.quiet.items()):
             draining = name == worker.current and name in worker.resident
             line = self.queues[name].bulk if bulk else self.queues[name].urgent
-            if listens(listening=False, draining=draining, waiting=min(seen, len(line)), max_batch_size=self.w.models[name].max_batch_size):
+            filled = not bulk and name == worker.serving
+            if listens(listening=False, draining=draining, waiting=min(seen, len(line)), max_batch_size=self.w.models[name].max_batch_size, filled=filled):
                 del worker.quiet[(name, bulk)]  # listening again: it sees the line's true count
         slots: dict[str, tuple[int, int]] | None = None  # made when a queue nobody holds needs it
         for name in self._visible(worker):
@@ -349,6 +357,21 @@ class _Sim:
         )  # fmt: skip
 
     def step(self, worker: _Worker) -> None:
+        if worker.holding_until > -math.inf and worker.serving is not None:
+            # As live: a hold ends with the served model's first interactive request, whose batch
+            # it serves with no decision in between, or empty at its end; other models' requests
+            # wait for it.
+            held = worker.serving
+            if self.queues[held].urgent and held in worker.resident:
+                worker.holding_until = -math.inf
+                m = self.w.models[held]
+                self.serve(worker, Serve(held, m.max_batch_size, reason="hold"))
+                return
+            if self.t < worker.holding_until - 1e-12:
+                self.wake(worker, min(self.next_arrival_at(), worker.holding_until))
+                return
+            worker.holding_until = -math.inf
+            worker.hold_missed = True
         state = self.state(worker)
         idle = self._idle_unloads(worker, state)
         if idle:
@@ -362,10 +385,25 @@ class _Sim:
             self.wake(worker, self.t)
             return
         decision = worker.driver.decide(state, self.t)
-        if not isinstance(decision, Serve) or decision.model not in worker.resident:
-            worker.quiet.clear()  # as live: a worker that loads or idles listens to every arrival
         # The decision's own CPU time delays what it starts, as it does live.
         cost_s = self.w.control.decision_cost_s(len(state.models))
+        if isinstance(decision, Idle):
+            held_s = hold_s(state, worker.serving, missed=worker.hold_missed, until=decision.until, now=self.t)
+            if held_s > 0:
+                # As live: rather than idle, hold the served model's next batch open.
+                worker.holding_until = self.t + cost_s + held_s
+                self.wake(worker, min(max(self.next_arrival_at(), self.t + cost_s), worker.holding_until))
+                return
+        serves = decision.model if isinstance(decision, Serve) and decision.model in worker.resident else None
+        if worker.serving is not None and serves != worker.serving:
+            # As live: decided while the served model's interactive line was not listened to;
+            # count it (one consumer-info round trip) and decide again on the true count.
+            worker.quiet.pop((worker.serving, False), None)
+            worker.serving = None
+            self.wake(worker, self.t + cost_s + self.control_s("count_line_s"))
+            return
+        if not isinstance(decision, Serve) or decision.model not in worker.resident:
+            worker.quiet.clear()  # as live: a worker that loads or idles listens to every arrival
         if isinstance(decision, Serve) and decision.model not in worker.resident:
             # As live: a custom policy that serves a model not on the device gets the load it
             # implies (no eviction: the worker does not guess what to give up).
@@ -396,6 +434,7 @@ class _Sim:
         # then would change nothing measured)
 
     def serve(self, worker: _Worker, decision: Serve, cost_s: float = 0.0) -> None:
+        worker.serving = decision.model  # as live: its interactive line fills by held pulls from now
         m = self.w.models[decision.model]
         q = self.queues[decision.model]
         if not q:
@@ -420,6 +459,7 @@ class _Sim:
             self.wake(worker, max(min(close_at, self.next_arrival_at()), self.t + 1e-9))  # the window is open
             return
         batch: list[_Request] = []
+        worker.hold_missed = False
         q.count_batch(bulk_first)
         while q and len(batch) < limit:
             if decision.before is not None and batch and q.next.arrival >= decision.before:
@@ -434,7 +474,7 @@ class _Sim:
             line = (decision.model, bulk)
             if line in worker.quiet and (not bulk) not in taken:
                 continue  # a quiet line this batch took nothing from: its count is still its last take's
-            if listens(listening=line not in worker.quiet, draining=True, waiting=left, max_batch_size=m.max_batch_size):
+            if listens(listening=line not in worker.quiet, draining=True, waiting=left, max_batch_size=m.max_batch_size, filled=not bulk):
                 worker.quiet.pop(line, None)
             else:
                 worker.quiet[line] = left

@@ -136,6 +136,9 @@ class Control:
     # test cluster (bench/control_plane.py).
     claim_s: float = 0.002
     advert_s: float = 0.002
+    # A worker that stops serving a model's batches counts that model's interactive line (one
+    # consumer-info round trip, policy/interest.py) before it decides again.
+    count_line_s: float = 0.0005
     # The spread of the round trips above (coefficient of variation; each draw lognormal with
     # the mean kept), by field name: a mean alone hid the tail of a loaded cluster, where making
     # a consumer takes 10 to 200 ms (the simulator's p99 was 0.7x the live worker's).
@@ -176,12 +179,13 @@ MEASURED_STEPS = {
     "answer": "answer_s",
     "ready_fetch": "batch_overhead_s",
     "arrival_delay": "arrival_delay_s",
+    "count_line": "count_line_s",
 }
 # The costs drawn with a spread (arrivals keep a fixed delay: they are admitted in time order).
 SPREAD_FIELDS = frozenset({"claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s"})
 
 
-IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0, 0.0, 0.0)
+IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0, 0.0, 0.0, count_line_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -302,6 +306,7 @@ class _ControlSpec(_Spec):
     consumer_idle_s: Annotated[float, Meta(ge=60)] = Control.consumer_idle_s
     claim_s: Annotated[float, Meta(ge=0, le=60)] = Control.claim_s
     advert_s: Annotated[float, Meta(ge=0, le=60)] = Control.advert_s
+    count_line_s: Annotated[float, Meta(ge=0, le=60)] = Control.count_line_s
     cv: dict[Literal["claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s"], Annotated[float, Meta(ge=0, le=10)]] = {}
 
 

@@ -51,9 +51,13 @@ class Batcher:
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
         wakeup: Wakeup | None = None,
+        filled: Callable[[Slot], bool] = lambda slot: False,
     ) -> None:
         """``clock``: wall-clock seconds (the stream's timestamps are on the same scale);
-        ``wakeup``: what an open window waits on, woken by :meth:`arrived`. Tests pass fakes."""
+        ``wakeup``: what an open window waits on, woken by :meth:`arrived`. Tests pass fakes.
+        ``filled``: whether a slot's interactive line is not listened to while its batches are
+        served (``policy/interest.py``): its open windows fill from a held pull instead."""
+        self._filled = filled
         self._stopping = stopping
         self.poll_interval_s = poll_interval_s
         self._on_trouble = on_trouble
@@ -102,10 +106,12 @@ class Batcher:
             msgs += more
         return msgs
 
-    async def _pull(self, slot: Slot, bulk: bool, n: int, timeout_s: float, stored_only: bool = False, linger: int | None = None) -> list[Msg]:
+    async def _pull(
+        self, slot: Slot, bulk: bool, n: int, timeout_s: float, stored_only: bool = False, linger: int | None = None, fill: bool = False
+    ) -> list[Msg]:
         started = self._clock()
         self._counters.add("fetches")
-        pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s, stored_only=stored_only, linger=linger)
+        pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s, stored_only=stored_only, linger=linger, fill=fill)
         if pulled.closed:
             self._stopping.set()
             return []
@@ -130,7 +136,7 @@ class Batcher:
                 slot.backlog = max(0, slot.backlog - len(msgs)) if pending is None else pending
         return msgs
 
-    async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None, *, compute_s: float = 0.0) -> list[Msg]:
+    async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None, *, compute_s: float = 0.0, first_wait_s: float | None = None) -> list[Msg]:
         """Pull until the window closes: ``max_items``, or ``max_delay`` after the first request
         of the batch was enqueued. While a batch of this model still runs, keep filling; once the
         window has closed, still take what the queue reported waiting, up to ``max_items``.
@@ -163,9 +169,10 @@ class Batcher:
 
         if msgs:
             reclose(msgs, self._clock())
-        first_wait_s = min(self.poll_interval_s, 0.5)
-        if slot.backlog > 0:
-            first_wait_s = min(first_wait_s, _STORED_WAIT_S)
+        if first_wait_s is None:
+            first_wait_s = min(self.poll_interval_s, 0.5)
+            if slot.backlog > 0:
+                first_wait_s = min(first_wait_s, _STORED_WAIT_S)
         while len(msgs) < max_items and not self._stopping.is_set():
             now = self._clock()
             busy = slot.computing >= slot.config.max_concurrent_batches  # answers being stored need no device
@@ -190,6 +197,17 @@ class Batcher:
                     continue
             elif wait_s <= 0:
                 break
+            elif not bulk_first and self._filled(slot):
+                # The line's arrivals are not listened to (policy/interest.py): a pull held open
+                # to the close delivers each as it is stored (Puller.fill, ended on the puller's
+                # own clock; what it delivers after the close is the next fetch's).
+                started = self._clock()
+                got = await self._pull(slot, False, max_items - len(msgs), wait_s, fill=True)
+                if not got:
+                    rest_s = wait_s - (self._clock() - started)
+                    if rest_s > 0.0005:
+                        await self._wakeup.wait(rest_s)  # the request ended early: no spin
+                    continue
             else:
                 # Nothing stored that we know of: wait for an arrival event or the close (while
                 # the device is busy, a recheck: the batch fills until it is free).

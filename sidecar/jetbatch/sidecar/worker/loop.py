@@ -44,6 +44,7 @@ from ..policy import (
     SchedulerState,
     Serve,
     cannot_finish,
+    hold_s,
     listens,
     make_policy,
     visible_models,
@@ -144,6 +145,7 @@ class Worker:
             poll_interval_s=config.worker.poll_interval_ms / 1000.0,
             on_trouble=self._note_trouble,
             on_fetched=lambda slot, n, pending, bulk, seq, again: self.queues.fetched(slot, n, pending, bulk=bulk, last_seq=seq, redelivered=again),
+            filled=lambda slot: slot.name == self.state.serving and self.arrivals.is_quiet(slot.name),
         )
         self.runner = BatchRunner(
             worker_id=self.worker_id,
@@ -480,6 +482,22 @@ class Worker:
             self.stats.add("decisions")
             self.stats.add("decision_us", int((time.perf_counter() - started) * 1e6))
             self.stats.add("models_shown", len(state.models))
+            held_s = hold_s(state, self.state.serving, missed=self.state.hold_missed, until=decision.until, now=now) if isinstance(decision, Idle) else 0.0
+            if held_s > 0 and self.state.serving is not None and await self._consumer(self.slots[self.state.serving]):
+                # Rather than idle, hold the served model's next batch open on a pull: its first
+                # request opens the window with no arrival event and no decision between
+                # (policy/interest.py; the simulator holds too).
+                held = self.slots[self.state.serving]
+                await self._serve(tg, held, Serve(held.name, held.config.max_batch_size, reason="hold"), first_wait_s=held_s)
+                continue
+            serves = decision.model if isinstance(decision, Serve) and self.slots[decision.model].resident else None
+            if self.state.serving is not None and serves != self.state.serving:
+                # Decided while the served model's interactive line was not listened to: its
+                # count is what the last fetch left (policy/interest.py). Listen again, count it,
+                # and decide on that count (the simulator does the same).
+                self.state.serving = None
+                await self._follow_arrivals()
+                continue
             if isinstance(decision, Serve):
                 slot = self.slots[decision.model]
                 if not slot.resident:
@@ -492,6 +510,9 @@ class Worker:
                 if not await self._consumer(slot):
                     await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
                     continue
+                if self.state.serving is None:
+                    self.state.serving = slot.name
+                    await self._follow_arrivals()  # its batches fill from held pulls now
                 self.residency.prefetch(tg, exclude=slot.name, backlog_of=self.peers.share, candidates=sorted(self.queues.waiting))
                 await self._serve(tg, slot, decision)
             elif isinstance(decision, Load):
@@ -513,15 +534,18 @@ class Worker:
                 await self._idle(decision)
 
     async def _follow_arrivals(self, *, leaving: bool = False) -> None:
-        """Listen to the arrivals of a line of the model this worker drains only while that line
-        is shallow (``policy/interest.py``): deep, each fetch counts it. ``leaving``: the worker
-        is about to load, or to idle, and drains nothing meanwhile."""
+        """Listen to the arrivals of a line of the model this worker drains only while it needs
+        them (``policy/interest.py``): not the interactive line of the model whose batches it
+        serves (they fill from held pulls), nor a deep line (each fetch counts it). ``leaving``:
+        the worker is about to load, or to idle, and drains nothing meanwhile."""
         current = None if leaving else self.state.current
+        serving = None if leaving else self.state.serving
         for name, bulk in self.arrivals.quiet_lines:
             slot = self.slots[name]
             draining = name == current and slot.resident
             waiting = slot.bulk if bulk else slot.interactive
-            if listens(listening=False, draining=draining, waiting=waiting, max_batch_size=slot.config.max_batch_size):
+            filled = not bulk and name == serving
+            if listens(listening=False, draining=draining, waiting=waiting, max_batch_size=slot.config.max_batch_size, filled=filled):
                 counted = slot.arrivals
                 if await self.arrivals.listen(name, bulk=bulk):
                     self.queues.listened_again(slot)
@@ -531,8 +555,9 @@ class Worker:
             quiet = self.arrivals.quiet_lines
             for bulk, waiting in ((False, slot.interactive), (True, slot.bulk)):
                 if (current, bulk) not in quiet and not listens(
-                    listening=True, draining=True, waiting=waiting, max_batch_size=slot.config.max_batch_size
-                ):
+                    listening=True, draining=True, waiting=waiting, max_batch_size=slot.config.max_batch_size,
+                    filled=not bulk and current == serving,
+                ):  # fmt: skip
                     await self.arrivals.quiet(current, bulk=bulk)
 
     async def _count_line(self, slot: Slot, bulk: bool, counted: int) -> None:
@@ -544,13 +569,20 @@ class Worker:
         would subtract what this worker holds, and a batch acked but not yet settled here made it
         count too few: a request stored meanwhile then waited for the next count."""
         name = model_consumer_name(slot.name, Priority.BATCH if bulk else Priority.INTERACTIVE)
+        started = time.perf_counter()
         try:
             info = await self.js.consumer_info(self.subjects.models_stream, name)
         except TRANSPORT_ERRORS as exc:
             log.debug("consumer info for %s failed: %r", name, exc)
             self.state.next_refresh = -math.inf  # the stream count, at once
             return
-        self.queues.line_counted(slot, int(info.num_pending or 0), slot.arrivals - counted, bulk=bulk)
+        # What the round trip costs the loop (the simulator charges it: Control.count_line_s).
+        self.stats.sample("count_line", time.perf_counter() - started)
+        # Delivered to this worker's puller after a fetch returned (a held pull's late answer),
+        # not yet taken: no longer undelivered, and no event will come for it.
+        psub = slot.bulk_psub if bulk else slot.psub
+        buffered = psub.buffered if psub is not None else 0
+        self.queues.line_counted(slot, int(info.num_pending or 0) + buffered, slot.arrivals - counted, bulk=bulk)
 
     def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:
         """Resident models idle past their ``idle_unload_s`` (``Driver.idle_unloads``, the
@@ -580,7 +612,7 @@ class Worker:
                 await self._wake.wait()
         self._wake = anyio.Event()
 
-    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve) -> None:
+    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve, *, first_wait_s: float | None = None) -> None:
         # Pipelining: gather the next batch while the previous one computes, and compute while
         # earlier answers are stored (a bounded number: policy/window.py).
         await slot.wait_pipeline_room()
@@ -589,10 +621,13 @@ class Worker:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
         else:
             # The window closes early enough for the earliest deadline gathered (window.py).
-            msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items))
+            msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items), first_wait_s=first_wait_s)
         if not msgs:
+            if first_wait_s is not None:
+                self.state.hold_missed = True
             await self._found_nothing(slot)
             return
+        self.state.hold_missed = False
         slot.missed_fetch = False
         self.state.in_flight.add(msgs)
         slot.start_batch()

@@ -584,6 +584,10 @@ class ArrivalFeed:
         """The lines (model, whether the batch one) whose arrivals this worker does not listen to now."""
         return frozenset(self._quiet)
 
+    def is_quiet(self, name: str, *, bulk: bool = False) -> bool:
+        """Whether this worker does not listen to the arrivals of that line of ``name`` now."""
+        return (name, bulk) in self._quiet
+
     async def quiet(self, name: str, *, bulk: bool = False) -> bool:
         """Stop listening to the arrivals of one of ``name``'s lines (False, still listening,
         when the connection refused)."""
