@@ -430,12 +430,14 @@ class Worker:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
 
-    async def _hand_back_leftovers(self) -> None:
+    async def _hand_back_leftovers(self, leaving: tuple[str, ...] = ()) -> None:
         """Requests delivered to a pull after its fetch returned wait in that model's puller for
-        its next fetch, which a model no longer resident here may not get: they go back to the
-        queue (nak) for whoever serves it now, not after their ack wait."""
+        its next fetch, which a model no longer resident here (or ``leaving``: about to be
+        evicted) may not get: they go back to the queue (nak) for whoever serves it now, not
+        after their ack wait. A held pull's last delivery can come a millisecond after its
+        window closed (``Puller.fill``), so a load hands its victims' back before it starts."""
         for slot in self.slots.values():
-            if slot.resident:
+            if slot.resident and slot.name not in leaving:
                 continue
             for psub in (slot.psub, slot.bulk_psub):
                 if psub is not None and psub.buffered:
@@ -475,6 +477,7 @@ class Worker:
             if idle:
                 for name in idle:
                     await self.residency.evict(self.slots[name], reason="idle")
+                await self._hand_back_leftovers()
                 continue
             decision = self.driver.decide(state, now)
             revisited = revisited and isinstance(decision, Load)
@@ -527,6 +530,7 @@ class Worker:
                     revisited = True
                     continue
                 await self._follow_arrivals(leaving=True)  # a load holds the worker for its whole time
+                await self._hand_back_leftovers(decision.evict)
                 await self._load(self.slots[decision.model], decision.evict, reason=decision.reason)
                 revisited = False
             else:
