@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jetbatch.sidecar.policy import HOLD_S, LISTEN_BELOW_BATCHES, MIN_HOLD_S, QUIET_FROM_BATCHES, hold_s, listens
+from jetbatch.sidecar.policy import HOLD_S, LISTEN_BELOW_BATCHES, MIN_HOLD_S, QUIET_FROM_BATCHES, SERVING_AGAIN_FROM, hold_s, listens, serves_on
 from jetbatch.sidecar.policy import scheduling as sched
 
 
@@ -83,15 +83,31 @@ def _state(**backlogs: tuple[int, bool]) -> sched.SchedulerState:
 
 def test_a_worker_about_to_idle_holds_the_served_models_next_batch_open() -> None:
     state = _state(a=(0, True), b=(0, False))
-    assert hold_s(state, "a", missed=False, until=100.0, now=0.0) == HOLD_S
+    assert hold_s(state, "a", until=100.0, now=0.0) == HOLD_S
     # Never past what the idle was for (a timer the policy set), nor a hold too short to pay.
-    assert hold_s(state, "a", missed=False, until=0.002, now=0.0) == 0.002
-    assert hold_s(state, "a", missed=False, until=MIN_HOLD_S / 2, now=0.0) == 0.0
+    assert hold_s(state, "a", until=0.002, now=0.0) == 0.002
+    assert hold_s(state, "a", until=MIN_HOLD_S / 2, now=0.0) == 0.0
 
 
-def test_no_hold_when_it_would_keep_anything_else_waiting_or_the_last_came_back_empty() -> None:
-    assert hold_s(_state(a=(0, True), b=(3, False)), "a", missed=False, until=100.0, now=0.0) == 0.0
-    assert hold_s(_state(a=(0, True)), "a", missed=True, until=100.0, now=0.0) == 0.0
-    assert hold_s(_state(a=(0, True)), None, missed=False, until=100.0, now=0.0) == 0.0
-    assert hold_s(_state(a=(0, False)), "a", missed=False, until=100.0, now=0.0) == 0.0  # left the device
-    assert hold_s(_state(b=(0, True)), "a", missed=False, until=100.0, now=0.0) == 0.0  # not in view
+def test_no_hold_when_it_would_keep_anything_else_waiting_or_nothing_is_served() -> None:
+    assert hold_s(_state(a=(0, True), b=(3, False)), "a", until=100.0, now=0.0) == 0.0
+    assert hold_s(_state(a=(0, True)), None, until=100.0, now=0.0) == 0.0
+    assert hold_s(_state(a=(0, False)), "a", until=100.0, now=0.0) == 0.0  # left the device
+    assert hold_s(_state(b=(0, True)), "a", until=100.0, now=0.0) == 0.0  # not in view
+
+
+def test_a_batch_of_more_than_one_request_has_the_worker_serve_from_held_pulls_and_a_lone_one_not() -> None:
+    assert not serves_on(1, 64)
+    assert serves_on(2, 64) and serves_on(64, 64)
+    assert not serves_on(1, 1)  # a model that batches nothing never does
+
+
+def test_after_a_hold_came_back_empty_it_takes_a_bigger_batch_to_serve_from_held_pulls_again() -> None:
+    """Requests in pairs with pauses just past the hold: each pair would pay a hold, a count and
+    a subscription change. After an empty hold, a batch of SERVING_AGAIN_FROM (or a full one)
+    says the traffic is dense enough."""
+    assert not serves_on(2, 64, missed=True)
+    assert not serves_on(SERVING_AGAIN_FROM - 1, 64, missed=True)
+    assert serves_on(SERVING_AGAIN_FROM, 64, missed=True)
+    assert serves_on(4, 4, missed=True)  # a full batch of a small model
+    assert not serves_on(1, 1, missed=True)

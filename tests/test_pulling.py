@@ -181,3 +181,26 @@ async def test_a_stop_after_a_fill_hands_back_what_its_request_still_delivers(na
             await nxt.unsubscribe()
     finally:
         await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_once_quiesced_a_request_stored_as_a_fill_ended_is_either_in_the_puller_or_pending(nats_url: str, prefix: str) -> None:
+    """A fill returns on its own clock while its pull request is still open at the server. A
+    count of the consumer taken then could miss a request that request delivers after the
+    count's answer: in neither ``num_pending`` nor the puller. ``quiesce`` waits for every open
+    request's end, so a count after it sees each request in one or the other."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        for i in range(10):
+            await puller.fill(4, 0.002)
+            await js.publish(f"{prefix}.q", f"late{i}".encode())  # type: ignore[attr-defined]
+            assert await puller.quiesce(5.0)
+            info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+            assert puller.buffered + info.num_pending == 1
+            got = await puller.fetch(1, timeout=5.0)
+            assert [m.data for m in got] == [f"late{i}".encode()]
+            await got[0].ack()
+        assert await puller.quiesce(0.0)  # nothing open: at once
+        await puller.unsubscribe()
+    finally:
+        await nc.close()  # type: ignore[attr-defined]

@@ -446,19 +446,26 @@ def test_a_simulated_worker_counts_the_served_models_line_before_it_leaves_it() 
     """As live (policy/interest.py): the line of the model whose batches it serves is not
     listened to, so a decision to load another is made again after one count of it, which the
     simulated worker pays (``count_line_s``)."""
-    trace = [(0.0, "a"), (0.001, "b")]
+    trace = [(0.0, "a"), (0.0, "a"), (0.001, "b")]
     quick = _two_models_trace(trace, count_line_s=0.0)
     slow = _two_models_trace(trace, count_line_s=0.2)
     quick_start, slow_start = (next(s for s, _, m in r.load_log if m == "b") for r in (quick, slow))
     assert slow_start == pytest.approx(quick_start + 0.2)
-    assert quick.completed == slow.completed == 2
+    assert quick.completed == slow.completed == 3
 
 
 def test_a_simulated_hold_serves_the_served_models_next_request_with_no_decision() -> None:
-    """As live: about to idle while it serves a's batches, the worker holds a's next batch open;
-    a's request 3 ms later opens it with no decision in between (a decision would cost 1 ms)."""
-    held = _two_models_trace([(0.0, "a"), (0.013, "a")], decision_s=0.001)
+    """As live: about to idle after a batch of two of a, the worker holds a's next batch open;
+    a's request 2 ms after that batch opens it with no decision in between (one costs 1 ms)."""
+    held = _two_models_trace([(0.0, "a"), (0.0, "a"), (0.013, "a")], decision_s=0.001)
     assert [round(start, 6) for start, *_ in held.batches] == [0.001, 0.013]
     # Past the hold (5 ms): the worker idled, and the request is served after a decision.
-    idled = _two_models_trace([(0.0, "a"), (0.05, "a")], decision_s=0.001)
+    idled = _two_models_trace([(0.0, "a"), (0.0, "a"), (0.05, "a")], decision_s=0.001)
     assert [round(start, 6) for start, *_ in idled.batches] == [0.001, 0.051]
+    # After a lone request's batch there is no hold: the worker idles on the arrival events.
+    lone = _two_models_trace([(0.0, "a"), (0.013, "a")], decision_s=0.001)
+    assert [round(start, 6) for start, *_ in lone.batches] == [0.001, 0.014]
+    # After a hold came back empty, a pair is no longer enough to hold again (serves_on): the
+    # request 2 ms after the second pair's batch waits for a decision.
+    pairs = _two_models_trace([(0.0, "a"), (0.0, "a"), (0.02, "a"), (0.02, "a"), (0.034, "a")], decision_s=0.001)
+    assert [round(start, 6) for start, *_ in pairs.batches] == [0.001, 0.021, 0.035]

@@ -65,6 +65,10 @@ class Puller:
         self._error: str | None = None
         self._filled = Wakeup()  # what a fill waits on
         self._fill_to: int | None = None  # the buffer's size at which the waiting fill ends
+        # The pull requests that may still deliver, by token: how many messages each may still
+        # bring, and by when (loop time) the server has ended it at the latest (its expiry and
+        # the grace a fetch listens for an end; past it, an end that never came is given up on).
+        self._open: dict[str, tuple[int, float]] = {}
 
     async def start(self) -> "Puller":
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg, pending_msgs_limit=100_000)
@@ -85,19 +89,36 @@ class Puller:
         return msgs
 
     async def drain(self, timeout_s: float) -> list[Msg]:
-        """At a stop: wait (at most ``timeout_s``) for the last pull request to end at the server
+        """At a stop: wait (at most ``timeout_s``) for the pull requests to end at the server
         (a fill's ends about a millisecond after the fill returned), then take the
-        :meth:`leftovers`. Whatever it delivers after ``unsubscribe`` goes nowhere and waits out
-        its ack wait."""
-        if self._current and not self._ended and self._error is None:
+        :meth:`leftovers`. Whatever they deliver after ``unsubscribe`` goes nowhere and waits
+        out its ack wait."""
+        await self.quiesce(timeout_s)
+        return self.leftovers()
+
+    async def quiesce(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no pull request this puller sent can still deliver:
+        everything they delivered is then in :attr:`buffered` (the server sends a request's end
+        after its deliveries, on the same subscription). A count of the consumer taken after
+        this sees each request either undelivered or here; taken while a fill's request was
+        still open, a message that request delivered after the answer was in neither. False
+        when one is still open at the deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            now = loop.time()
+            for token in [t for t, (_, end_by) in self._open.items() if end_by <= now]:
+                del self._open[token]  # ended long ago by the server: its end was lost
+            if not self._open:
+                return True
+            if now >= deadline or self._error is not None:
+                return False
+            self._changed.clear()
             try:
-                async with asyncio.timeout(timeout_s):
-                    while not self._ended and self._error is None:
-                        self._changed.clear()
-                        await self._changed.wait()
+                async with asyncio.timeout_at(min(deadline, min(end_by for _, end_by in self._open.values()))):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
-        return self.leftovers()
 
     async def unsubscribe(self) -> None:
         if self._sub is not None:
@@ -107,15 +128,23 @@ class Puller:
     async def _on_msg(self, msg: Msg) -> None:
         headers = msg.headers or {}
         status = headers.get("Status") if not msg.data else None
+        token = msg.subject.rsplit(".", 1)[-1]
         if status:
             if status == _HEARTBEAT:
                 return
-            if msg.subject.rsplit(".", 1)[-1] == self._current:
+            self._open.pop(token, None)
+            if token == self._current:
                 self._ended = True
             if status not in _END:
                 self._error = f"{status} {headers.get('Description', '')}".strip()
         else:
             self._buffer.append(msg)
+            entry = self._open.get(token)
+            if entry is not None:
+                if entry[0] <= 1:
+                    del self._open[token]  # its whole batch came: the server sends no end
+                else:
+                    self._open[token] = (entry[0] - 1, entry[1])
         self._changed.set()
         if self._fill_to is not None and (len(self._buffer) >= self._fill_to or self._ended or self._error is not None):
             self._filled.wake()
@@ -171,6 +200,11 @@ class Puller:
     async def _request(self, body: dict[str, Any]) -> None:
         self._seq += 1
         self._current, self._ended = str(self._seq), False
+        expires_s = body.get("expires", 0) / 1e9
+        if len(self._open) > 64:  # ends lost in a reconnect: forget those long over
+            now = asyncio.get_running_loop().time()
+            self._open = {t: e for t, e in self._open.items() if e[1] > now}
+        self._open[self._current] = (int(body["batch"]), asyncio.get_running_loop().time() + expires_s + _END_GRACE_S)
         await self._nc.publish(self._api, json.dumps(body).encode(), reply=f"{self._inbox}.{self._current}")
 
     async def _wait(self, batch: int, deadline: float) -> None:

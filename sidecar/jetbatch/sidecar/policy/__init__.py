@@ -12,7 +12,7 @@ passed in), so the live worker and the simulator drive the same code.
 
 from .costs import BatchCost, CostEstimator, Tier, warm_copy_value
 from .driver import Driver, QueueFacts, reload_tier
-from .interest import HOLD_S, LISTEN_BELOW_BATCHES, MIN_HOLD_S, QUIET_FROM_BATCHES, hold_s, listens
+from .interest import HOLD_S, LISTEN_BELOW_BATCHES, MIN_HOLD_S, QUIET_FROM_BATCHES, SERVING_AGAIN_FROM, SERVING_FROM, hold_s, listens, serves_on
 from .scheduling import (
     POLICIES,
     Budget,
@@ -40,6 +40,8 @@ __all__ = [
     "POLICIES",
     "PROBE_AFTER_REFUSALS",
     "QUIET_FROM_BATCHES",
+    "SERVING_AGAIN_FROM",
+    "SERVING_FROM",
     "BATCH_LINE_EVERY",
     "RECENT_S",
     "BatchCost",
@@ -67,6 +69,7 @@ __all__ = [
     "join_horizon_s",
     "hold_s",
     "listens",
+    "serves_on",
     "shared_head",
     "fits",
     "make_policy",

@@ -51,6 +51,7 @@ from ..policy import (
     has_room,
     hold_s,
     listens,
+    serves_on,
     make_policy,
     pipeline_has_room,
     visible_models,
@@ -370,8 +371,13 @@ class _Sim:
             if self.t < worker.holding_until - 1e-12:
                 self.wake(worker, min(self.next_arrival_at(), worker.holding_until))
                 return
+            # As live: empty, it ends the serving; the worker listens again and counts the line.
             worker.holding_until = -math.inf
             worker.hold_missed = True
+            worker.serving = None
+            worker.quiet.pop((held, False), None)
+            self.wake(worker, self.t + self.control_s("count_line_s"))
+            return
         state = self.state(worker)
         idle = self._idle_unloads(worker, state)
         if idle:
@@ -388,7 +394,7 @@ class _Sim:
         # The decision's own CPU time delays what it starts, as it does live.
         cost_s = self.w.control.decision_cost_s(len(state.models))
         if isinstance(decision, Idle):
-            held_s = hold_s(state, worker.serving, missed=worker.hold_missed, until=decision.until, now=self.t)
+            held_s = hold_s(state, worker.serving, until=decision.until, now=self.t)
             if held_s > 0:
                 # As live: rather than idle, hold the served model's next batch open.
                 worker.holding_until = self.t + cost_s + held_s
@@ -434,7 +440,6 @@ class _Sim:
         # then would change nothing measured)
 
     def serve(self, worker: _Worker, decision: Serve, cost_s: float = 0.0) -> None:
-        worker.serving = decision.model  # as live: its interactive line fills by held pulls from now
         m = self.w.models[decision.model]
         q = self.queues[decision.model]
         if not q:
@@ -459,7 +464,6 @@ class _Sim:
             self.wake(worker, max(min(close_at, self.next_arrival_at()), self.t + 1e-9))  # the window is open
             return
         batch: list[_Request] = []
-        worker.hold_missed = False
         q.count_batch(bulk_first)
         while q and len(batch) < limit:
             if decision.before is not None and batch and q.next.arrival >= decision.before:
@@ -467,6 +471,9 @@ class _Sim:
             batch.append(q.pop(bulk_first))
         if not q:
             self.nonempty.discard(decision.model)
+        if serves_on(len(batch), m.max_batch_size, missed=worker.hold_missed):
+            worker.serving = decision.model  # as live: its interactive line fills by held pulls from now
+            worker.hold_missed = False
         # As live: a fetch says what its line still holds; deep, the worker stops listening to
         # its arrivals (policy/interest.py) and sees that count until its next take.
         taken = {r.interactive for r in batch}
@@ -474,7 +481,8 @@ class _Sim:
             line = (decision.model, bulk)
             if line in worker.quiet and (not bulk) not in taken:
                 continue  # a quiet line this batch took nothing from: its count is still its last take's
-            if listens(listening=line not in worker.quiet, draining=True, waiting=left, max_batch_size=m.max_batch_size, filled=not bulk):
+            filled = not bulk and worker.serving == decision.model
+            if listens(listening=line not in worker.quiet, draining=True, waiting=left, max_batch_size=m.max_batch_size, filled=filled):
                 worker.quiet.pop(line, None)
             else:
                 worker.quiet[line] = left

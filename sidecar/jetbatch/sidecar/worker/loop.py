@@ -47,6 +47,7 @@ from ..policy import (
     hold_s,
     listens,
     make_policy,
+    serves_on,
     visible_models,
 )
 from ..pulling import Puller
@@ -71,6 +72,10 @@ __all__ = ["Worker"]
 
 log = logging.getLogger("jetbatch.worker")
 T = TypeVar("T")
+
+# The longest a count of a line waits for its puller's open pull requests to end (a fill's ends
+# about a millisecond after its window closed; the server's 408 comes within this).
+_QUIESCE_S = 0.05
 
 # A count for requests given back with a delay is taken this long after they fall due (the server
 # redelivers on its own timer): counted before, a fetch would miss them and hold the queue back
@@ -485,7 +490,7 @@ class Worker:
             self.stats.add("decisions")
             self.stats.add("decision_us", int((time.perf_counter() - started) * 1e6))
             self.stats.add("models_shown", len(state.models))
-            held_s = hold_s(state, self.state.serving, missed=self.state.hold_missed, until=decision.until, now=now) if isinstance(decision, Idle) else 0.0
+            held_s = hold_s(state, self.state.serving, until=decision.until, now=now) if isinstance(decision, Idle) else 0.0
             if held_s > 0 and self.state.serving is not None and await self._consumer(self.slots[self.state.serving]):
                 # Rather than idle, hold the served model's next batch open on a pull: its first
                 # request opens the window with no arrival event and no decision between
@@ -513,9 +518,6 @@ class Worker:
                 if not await self._consumer(slot):
                     await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
                     continue
-                if self.state.serving is None:
-                    self.state.serving = slot.name
-                    await self._follow_arrivals()  # its batches fill from held pulls now
                 self.residency.prefetch(tg, exclude=slot.name, backlog_of=self.peers.share, candidates=sorted(self.queues.waiting))
                 await self._serve(tg, slot, decision)
             elif isinstance(decision, Load):
@@ -573,6 +575,13 @@ class Worker:
         would subtract what this worker holds, and a batch acked but not yet settled here made it
         count too few: a request stored meanwhile then waited for the next count."""
         name = model_consumer_name(slot.name, Priority.BATCH if bulk else Priority.INTERACTIVE)
+        psub = slot.bulk_psub if bulk else slot.psub
+        if psub is not None:
+            # A held pull (a fill) can still be open at the server, about a millisecond after its
+            # window closed: what it delivers after the count's answer would be neither pending
+            # there nor in the puller yet, and no event would come for it (found by an attack:
+            # a request waited for the periodic count). Its end comes after its deliveries.
+            await psub.quiesce(_QUIESCE_S)
         started = time.perf_counter()
         try:
             info = await self.js.consumer_info(self.subjects.models_stream, name)
@@ -584,7 +593,6 @@ class Worker:
         self.stats.sample("count_line", time.perf_counter() - started)
         # Delivered to this worker's puller after a fetch returned (a held pull's late answer),
         # not yet taken: no longer undelivered, and no event will come for it.
-        psub = slot.bulk_psub if bulk else slot.psub
         buffered = psub.buffered if psub is not None else 0
         self.queues.line_counted(slot, int(info.num_pending or 0) + buffered, slot.arrivals - counted, bulk=bulk)
 
@@ -628,10 +636,17 @@ class Worker:
             msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items), first_wait_s=first_wait_s)
         if not msgs:
             if first_wait_s is not None:
+                # A hold that came back empty ends the serving: the next turn listens to the line
+                # again and counts it (_follow_arrivals), and the worker idles on the events.
                 self.state.hold_missed = True
+                self.state.serving = None
             await self._found_nothing(slot)
             return
-        self.state.hold_missed = False
+        if serves_on(len(msgs), slot.config.max_batch_size, missed=self.state.hold_missed):
+            # More are coming: its next batches fill from held pulls, not the line's arrival
+            # events (policy/interest.py). After a lone request's batch the worker idles on them.
+            self.state.serving = slot.name
+            self.state.hold_missed = False
         slot.missed_fetch = False
         self.state.in_flight.add(msgs)
         slot.start_batch()

@@ -59,7 +59,7 @@ class LoopState:
     # The model whose batches the worker serves now, its interactive line filled by held pulls
     # and not listened to (policy/interest.py): from a decision to serve it until one that is not.
     serving: str | None = None
-    hold_missed: bool = False
+    hold_missed: bool = False  # the last hold came back empty (policy/interest.py: serves_on)
     next_refresh: float = -math.inf  # when the queues are counted next (wall clock)
     defer_wake: float = math.inf  # when the first queue left to a first-taking peer is ours too
     idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
