@@ -201,6 +201,19 @@ async def test_once_quiesced_a_request_stored_as_a_fill_ended_is_either_in_the_p
             assert [m.data for m in got] == [f"late{i}".encode()]
             await got[0].ack()
         assert await puller.quiesce(0.0)  # nothing open: at once
+        # A request whose whole batch came gets no end from the server (its deliveries name
+        # their stream subject, not the request): it is over all the same.
+        for i in range(2):
+            await js.publish(f"{prefix}.q", f"two{i}".encode())  # type: ignore[attr-defined]
+        await wait_until(lambda: _pending(js, prefix, 2), timeout_s=5, what="two stored")
+        got = await puller.fetch(2, timeout=5.0)
+        assert len(got) == 2
+        assert await puller.quiesce(0.0)
         await puller.unsubscribe()
     finally:
         await nc.close()  # type: ignore[attr-defined]
+
+
+async def _pending(js: object, prefix: str, n: int) -> bool:
+    info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+    return bool(info.num_pending == n)

@@ -65,9 +65,10 @@ class Puller:
         self._error: str | None = None
         self._filled = Wakeup()  # what a fill waits on
         self._fill_to: int | None = None  # the buffer's size at which the waiting fill ends
-        # The pull requests that may still deliver, by token: how many messages each may still
-        # bring, and by when (loop time) the server has ended it at the latest (its expiry and
-        # the grace a fetch listens for an end; past it, an end that never came is given up on).
+        # The pull requests that may still deliver, oldest first, by token: how many messages
+        # each may still bring, and by when (loop time) the server has ended it at the latest
+        # (its expiry and the grace a fetch listens for an end; past it, an end that never came
+        # is given up on).
         self._open: dict[str, tuple[int, float]] = {}
 
     async def start(self) -> "Puller":
@@ -139,12 +140,16 @@ class Puller:
                 self._error = f"{status} {headers.get('Description', '')}".strip()
         else:
             self._buffer.append(msg)
-            entry = self._open.get(token)
-            if entry is not None:
-                if entry[0] <= 1:
-                    del self._open[token]  # its whole batch came: the server sends no end
+            # A delivery names its stream subject, not its request: the server serves waiting
+            # requests oldest first, so it is the oldest open one's. One whose whole batch came
+            # has no end to wait for.
+            oldest = next(iter(self._open), None)
+            if oldest is not None:
+                left, end_by = self._open[oldest]
+                if left <= 1:
+                    del self._open[oldest]
                 else:
-                    self._open[token] = (entry[0] - 1, entry[1])
+                    self._open[oldest] = (left - 1, end_by)
         self._changed.set()
         if self._fill_to is not None and (len(self._buffer) >= self._fill_to or self._ended or self._error is not None):
             self._filled.wake()
