@@ -15,6 +15,8 @@ ends (the server's 408 at its expiry, 404, 409) or the wait runs out; like nats-
 server expire a waiting request just before it stops listening, and it listens for that end. A
 message that still arrives after a fetch returned (its end lost) is handed out first by the next
 fetch, as nats-py's pending queue did; on ``unsubscribe`` it is left to its ack wait.
+:meth:`Puller.quiesce` waits until no request it sent can still deliver, so that a count of the
+consumer taken after it sees each message either undelivered there or in the puller.
 """
 
 from __future__ import annotations
