@@ -8,12 +8,13 @@ serves a model's batches needs none of them for the line its batches fill from:
 - **The interactive line of the model it serves** is not listened to while the worker serves
   that model's batches (``filled``): from a batch of at least ``SERVING_FROM`` requests (more are
   coming; a lone request's batch changes nothing; right after a hold came back empty, a batch of
-  ``SERVING_AGAIN_FROM``) until a decision that is not another batch of it. A batch takes what is stored in one fetch, and its window fills from a pull request held
-  open on the line to the close (``Puller.fill``), which the server answers with each request as
-  it is stored. The worker's count of that line is then a
-  lower bound (what its last fetch said was left); before it acts on any decision other than
-  another batch of that model (an idle, a load, another model's batch), it listens again, counts
-  the line by its consumer, and decides again on that count (``sidecar/worker/loop.py``).
+  ``SERVING_AGAIN_FROM``) until a decision that is not another batch of it. A batch takes what
+  is stored in one fetch, and its window fills from a pull request held open on the line to the
+  close (``Puller.fill``), which the server answers with each request as it is stored. The
+  worker's count of that line is then a lower bound (what its last fetch said was left); before
+  it acts on any decision other than another batch of that model (an idle, a load, another
+  model's batch), it listens again, counts the line by its consumer, and decides again on that
+  count (``sidecar/worker/loop.py``).
 - **The batch line of the model it drains** is not listened to while at least
   ``QUIET_FROM_BATCHES`` batches wait there, and listened to again once fewer than
   ``LISTEN_BELOW_BATCHES`` batches do (or the worker serves another model, or the model leaves
@@ -28,7 +29,7 @@ there opens the next batch's window with no arrival event, and no decision in be
 a hold comes back empty does the worker listen again, count, and idle on the events. At 64
 requests in flight the callers' next requests come within a few milliseconds of a batch's
 answers: holds of 2 ms missed often enough for 0.2 arrival events a request to remain, 5 ms left
-0.02-0.05 (docs/benchmarks.md). The price: a request of another model stored during a hold waits
+0.01-0.06 (docs/benchmarks.md). The price: a request of another model stored during a hold waits
 for its end, up to ``HOLD_S``, as it would wait for a batch window.
 
 While it does not listen, the worker's count of a line is a lower bound: what its last fetch or
