@@ -57,7 +57,8 @@ class LoopState:
     started_at: float
     current: str | None = None  # the model the last serve or load was for
     # The model whose batches the worker serves now, its interactive line filled by held pulls
-    # and not listened to (policy/interest.py): from a decision to serve it until one that is not.
+    # and not listened to (policy/interest.py): from a batch of 2 or more (serves_on) until a
+    # hold comes back empty or a decision is not another batch of it.
     serving: str | None = None
     hold_missed: bool = False  # the last hold came back empty (policy/interest.py: serves_on)
     next_refresh: float = -math.inf  # when the queues are counted next (wall clock)
