@@ -463,16 +463,21 @@ async def test_a_batch_line_arrival_during_an_empty_top_up_keeps_the_line_counte
     assert slot.bulk >= 1  # the one stored meanwhile is still counted
 
 
+def _held(max_delay_s: float, *, filled: bool = True) -> tuple[FakeClock, HeldQueue, FakeWakeup, Batcher, Any]:
+    """A batcher whose slot's line is (``filled``) or is not listened to, with a held-pull queue."""
+    clock = FakeClock()
+    queue = HeldQueue(clock)
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: filled)  # type: ignore[arg-type]
+    return clock, queue, wakeup, batcher, _slot(queue, max_delay_s)
+
+
 async def test_a_line_not_listened_to_fills_its_open_window_from_one_held_pull_closed_on_the_batchers_clock() -> None:
     """The worker does not listen to the arrivals of the line whose batches it serves
     (policy/interest.py): once the first fetch took what was stored, the rest of the window is
     one pull held to its close, which the server answers with each request as it is stored. No
     arrival event is waited for, and the window closes at exactly ``max_delay``."""
-    clock = FakeClock()
-    queue = HeldQueue(clock)
-    wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: True)  # type: ignore[arg-type]
-    slot = _slot(queue, max_delay_s=0.01)
+    clock, queue, wakeup, batcher, slot = _held(0.01)
     queue.queued = 1
     queue.stored_in = {0.003: 2, 0.007: 1}
     opened = clock()
@@ -484,10 +489,7 @@ async def test_a_line_not_listened_to_fills_its_open_window_from_one_held_pull_c
 
 
 async def test_a_held_pull_filling_the_batch_closes_the_window_at_once() -> None:
-    clock = FakeClock()
-    queue = HeldQueue(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock), filled=lambda slot: True)  # type: ignore[arg-type]
-    slot = _slot(queue, max_delay_s=0.01)
+    clock, queue, _, batcher, slot = _held(0.01)
     queue.queued = 1
     queue.stored_in = {0.002: 7}
     opened = clock()
@@ -497,12 +499,8 @@ async def test_a_held_pull_filling_the_batch_closes_the_window_at_once() -> None
 
 
 async def test_a_held_pull_the_server_ends_early_leaves_the_window_to_its_clock_not_a_spin() -> None:
-    clock = FakeClock()
-    queue = HeldQueue(clock)
+    clock, queue, wakeup, batcher, slot = _held(0.01)
     queue.ends_early = True
-    wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: True)  # type: ignore[arg-type]
-    slot = _slot(queue, max_delay_s=0.01)
     queue.queued = 1
     opened = clock()
     msgs = await batcher.gather(slot, 64)
@@ -513,11 +511,7 @@ async def test_a_held_pull_the_server_ends_early_leaves_the_window_to_its_clock_
 
 
 async def test_a_listened_line_still_waits_on_its_arrival_events() -> None:
-    clock = FakeClock()
-    queue = HeldQueue(clock)
-    wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: False)  # type: ignore[arg-type]
-    slot = _slot(queue, max_delay_s=0.01)
+    _, queue, wakeup, batcher, slot = _held(0.01, filled=False)
     queue.queued = 1
     await batcher.gather(slot, 64)
     assert queue.fills == [] and wakeup.waits == [pytest.approx(0.01)]
@@ -527,10 +521,7 @@ async def test_a_hold_waits_its_own_time_for_the_first_request_and_its_window_ru
     """A worker about to idle holds the served model's next batch open (policy/interest.py,
     ``hold_s``): the first fetch waits that long for a first arrival; none: the batch is empty
     at the hold's end."""
-    clock = FakeClock()
-    queue = HeldQueue(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock), filled=lambda slot: True)  # type: ignore[arg-type]
-    slot = _slot(queue, max_delay_s=0.002)
+    clock, queue, _, batcher, slot = _held(0.002)
     started = clock()
     assert await batcher.gather(slot, 64, first_wait_s=0.005) == []
     assert queue.fetches == [(64, 0.005, False)]

@@ -17,7 +17,7 @@ import math
 import os
 import socket
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import anyio
 import anyio.abc
@@ -435,14 +435,15 @@ class Worker:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
 
-    async def _hand_back_leftovers(self, leaving: tuple[str, ...] = ()) -> None:
+    async def _hand_back_leftovers(self, leaving: Iterable[str] | None = None) -> None:
         """Requests delivered to a pull after its fetch returned wait in that model's puller for
-        its next fetch, which a model no longer resident here (or ``leaving``: about to be
-        evicted) may not get: they go back to the queue (nak) for whoever serves it now, not
-        after their ack wait. A held pull's last delivery can come a millisecond after its
-        window closed (``Puller.fill``), so a load hands its victims' back before it starts."""
-        for slot in self.slots.values():
-            if slot.resident and slot.name not in leaving:
+        its next fetch, which a model no longer resident here may not get: they go back to the
+        queue (nak) for whoever serves it now, not after their ack wait. ``leaving``: only these
+        models', resident or not (a load's victims, before it starts: a held pull's last
+        delivery can come a millisecond after its window closed, ``Puller.fill``)."""
+        slots = self.slots.values() if leaving is None else [self.slots[n] for n in leaving]
+        for slot in slots:
+            if slot.resident and leaving is None:
                 continue
             for psub in (slot.psub, slot.bulk_psub):
                 if psub is not None and psub.buffered:
@@ -482,7 +483,7 @@ class Worker:
             if idle:
                 for name in idle:
                     await self.residency.evict(self.slots[name], reason="idle")
-                await self._hand_back_leftovers()
+                await self._hand_back_leftovers(idle)
                 continue
             decision = self.driver.decide(state, now)
             revisited = revisited and isinstance(decision, Load)
