@@ -8,7 +8,13 @@ doing the least a JetStream request/reply needs (fetch up to 64, publish each re
 inbox. Same payloads, requests and concurrency; rounds alternate raw / jetbatch / classified. With
 ``--raw-stored``, each round also runs the raw loop storing its replies (a JetStream publish into
 a results stream, the requests acked once the PubAcks came; the producer listens on the results
-subjects), the least a loop does that acks a request only once its answer is safe.
+subjects), the least a loop does that acks a request only once its answer is safe. With
+``--raw-relayed``, the raw twin of the classifier path: the producer publishes to an ingress
+stream, a raw relay process (fetch up to 64, republish each with its headers as a JetStream
+publish, ack each once the batch's PubAcks came) feeds the stored raw loop's consumer; it is what
+SDK → classifier → worker is compared with beyond the one-hop raw loop; ``--relay-fast-ingest``
+also runs it with the relay publishing each batch as a JetStream fast-ingest batch (ADR-50,
+nats-server 2.14+: one flow ack every few messages instead of a PubAck each).
 After each jetbatch run, ``--lone`` requests one at a time (``--lone-gap-s`` apart): a lone
 request's median latency beyond its batch windows (``lone_p50_over_max_delay_ms``; through the
 classifier, both windows), and how much of that is its worker batch starting past the worker's
@@ -24,7 +30,7 @@ jetbatch, how its worker formed batches (``worker_per_batch``: requests, fetches
 batch; ``worker_events_per_request``: the arrival events it heard), from its status counters.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
-                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--batch-sizes]
+                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--raw-relayed [--relay-fast-ingest]] [--batch-sizes]
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from typing import Any
 import nats
 
 from bench import harness
-from bench.overhead import add_raw_streams, raw_replies, raw_requests
+from bench.overhead import add_raw_streams, raw_relay, raw_relay_fast, raw_replies, raw_requests
 from bench.scale import cpu_s
 from jetbatch import sdk
 from jetbatch.sdk.protocol import Subjects
@@ -61,7 +67,7 @@ CLASSIFIER_MAX_DELAY_S = 0.002  # the classifier's
 # --- the consumer side's messages ----------------------------------------------------------------
 
 # Connections of the consumer side: the raw consumer's, and the sidecars' (``sidecar/cli``).
-CONSUMER_NAMES = ("raw-consumer", "jetbatch-worker", "jetbatch-worker-replies", "jetbatch-classifier", "jetbatch-classifier-replies")
+CONSUMER_NAMES = ("raw-consumer", "raw-relay", "jetbatch-worker", "jetbatch-worker-replies", "jetbatch-classifier", "jetbatch-classifier-replies")
 _monitor_port: int | None = None  # nats-server's monitoring port (set by main)
 
 
@@ -91,21 +97,32 @@ async def raw_consumer(url: str, prefix: str, stored: bool) -> None:
     await raw_replies(nc, psub, stored=stored)
 
 
+async def relay(url: str, prefix: str, fast: bool = False) -> None:
+    """``bench.overhead``'s raw relay (the classifier's hop) in a process of its own, until killed;
+    ``fast``: its republishes as fast-ingest batches."""
+    nc = await nats.connect(url, name="raw-relay")
+    psub = await nc.jetstream().pull_subscribe(f"{prefix}.in", durable="relay", stream=f"{prefix.upper()}_IN")
+    print("ready", flush=True)
+    await (raw_relay_fast if fast else raw_relay)(nc, psub, prefix)
+
+
 # --- the rounds ------------------------------------------------------------------------------------
 
 
 async def _raw_producer(
-    url: str, prefix: str, n: int, concurrency: int, payload: bytes, stored: bool, lone: int = 0, lone_gap_s: float = 0.0
+    url: str, prefix: str, n: int, concurrency: int, payload: bytes, stored: bool, lone: int = 0, lone_gap_s: float = 0.0,
+    relayed: bool = False,
 ) -> tuple[float, list[float]]:
     """``bench.overhead``'s raw producer, one warm-up request before the timed ones; then
     ``lone`` requests one at a time (as jetbatch's lone requests are sent), their latencies."""
     nc = await nats.connect(url)
     alone: list[float] = []
+    how = {"stored": stored, "relayed": relayed}
     try:
-        await raw_requests(nc, prefix, 1, 1, payload, first=n, stored=stored)  # warm
-        elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, stored=stored)
+        await raw_requests(nc, prefix, 1, 1, payload, first=n, **how)  # warm
+        elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, **how)
         for i in range(lone):
-            alone.extend((await raw_requests(nc, prefix, 1, 1, payload, first=n + 1 + i, stored=stored))[1])
+            alone.extend((await raw_requests(nc, prefix, 1, 1, payload, first=n + 1 + i, **how))[1])
             if lone_gap_s:
                 await asyncio.sleep(lone_gap_s)
     finally:
@@ -114,31 +131,38 @@ async def _raw_producer(
 
 
 def raw_round(
-    url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, stored: bool = False, lone: int = 0, lone_gap_s: float = 0.0
+    url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, stored: bool = False, lone: int = 0, lone_gap_s: float = 0.0,
+    relayed: bool = False, fast_ingest: bool = False,
 ) -> dict[str, Any]:
+    """A raw round; ``relayed``: the producer publishes to an ingress stream, a raw relay process
+    republishes each request to the consumer's stream (the classifier's hop), and the consumer
+    stores its replies (as the worker does): the raw twin of SDK → classifier → worker.
+    ``fast_ingest``: the relay republishes each batch as a fast-ingest batch."""
     prefix = f"raw{uuid.uuid4().hex[:6]}"
+    stored = stored or relayed
 
     async def setup() -> None:
         nc = await nats.connect(url)
-        await add_raw_streams(nc.jetstream(), prefix, stored=stored)
+        await add_raw_streams(nc.jetstream(), prefix, stored=stored, relayed=relayed, fast_ingest=fast_ingest)
         await nc.close()
 
     asyncio.run(setup())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.deployed", "--raw-consumer", url, prefix, *(["--stored"] if stored else [])],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )
+    commands = [["--raw-consumer", url, prefix, *(["--stored"] if stored else [])]] + ([["--relay", url, prefix, *(["--fast"] if fast_ingest else [])]] if relayed else [])
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.deployed", *c], cwd=ROOT, stdout=subprocess.PIPE, text=True) for c in commands]
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         msgs = consumer_msgs()
-        before = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
-        elapsed, alone = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored, lone, lone_gap_s))
-        after = (cpu_s(os.getpid()), cpu_s(proc.pid), cpu_s(server_pid))
+        before = (cpu_s(os.getpid()), sum(cpu_s(p.pid) for p in procs), cpu_s(server_pid))
+        elapsed, alone = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored, lone, lone_gap_s, relayed))
+        after = (cpu_s(os.getpid()), sum(cpu_s(p.pid) for p in procs), cpu_s(server_pid))
         msgs_after = consumer_msgs()
     finally:
-        proc.kill()
-        proc.wait()
-    record = {**_record("raw_stored" if stored else "raw", n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    kind = "raw_relayed_fast" if fast_ingest else "raw_relayed" if relayed else "raw_stored" if stored else "raw"
+    record = {**_record(kind, n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
     if alone:
         # The same path with no batch window: what a lone request's round trip costs the raw loop,
         # the floor under jetbatch's lone_p50_over_max_delay_ms.
@@ -265,6 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lone-gap-s", type=float, default=0.0, help="pause between the lone requests (an idle host between them)")
     parser.add_argument("--max-delay-s", type=float, default=MAX_DELAY_S, help="the worker's batch window (max_delay_s)")
     parser.add_argument("--raw-stored", action="store_true", help="also the raw loop with its replies stored (PubAck before the ack)")
+    parser.add_argument(
+        "--raw-relayed", action="store_true",
+        help="also the raw loop through a raw relay process (the classifier's hop), its replies stored: the raw twin of the classifier path",
+    )  # fmt: skip
+    parser.add_argument(
+        "--relay-fast-ingest", action="store_true",
+        help="also the raw relayed loop with each relayed batch published as a JetStream fast-ingest batch (nats-server 2.14+)",
+    )  # fmt: skip
+    parser.add_argument("--relay", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
+    parser.add_argument("--fast", action="store_true", help=argparse.SUPPRESS)  # the relay's
     parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
     parser.add_argument("--stored", action="store_true", help=argparse.SUPPRESS)  # the raw consumer's
     parser.add_argument(
@@ -274,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.raw_consumer:
         asyncio.run(raw_consumer(*args.raw_consumer, stored=args.stored))
+        return 0
+    if args.relay:
+        asyncio.run(relay(*args.relay, fast=args.fast))
         return 0
     payload = os.urandom(args.payload)
     rounds: list[dict[str, dict[str, Any]]] = []  # each round: its records by kind
@@ -285,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
             by_kind = {"raw": raw_round(server.url, server.pid, args.requests, args.concurrency, payload, **lone)}
             if args.raw_stored:
                 by_kind["raw_stored"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True, **lone)
+            if args.raw_relayed:
+                by_kind["raw_relayed"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, relayed=True, **lone)
+            if args.relay_fast_ingest:
+                by_kind["raw_relayed_fast"] = raw_round(
+                    server.url, server.pid, args.requests, args.concurrency, payload, relayed=True, fast_ingest=True, **lone
+                )  # fmt: skip
             for kind, classifier in (("jetbatch", False), ("classified", True)):
                 by_kind[kind] = jetbatch_round(
                     server.url, server.pid, args.requests, args.concurrency, payload,
@@ -320,6 +363,14 @@ def main(argv: list[str] | None = None) -> int:
             if "lone_p50_ms" in r["raw_stored"] and "lone_p50_over_max_delay_ms" in r["jetbatch"]:
                 # What jetbatch's lone request takes beyond its window and the raw stored round trip.
                 ratios["lone_over_max_delay_and_raw_stored_ms"] = r["jetbatch"]["lone_p50_over_max_delay_ms"] - r["raw_stored"]["lone_p50_ms"]
+        if "raw_relayed" in r:
+            # The classifier path against its raw twin (two stored hops, replies stored), and the
+            # twin against the one-hop raw loop: how much of the gap the raw parts already take.
+            ratios["raw_relayed_over_raw"] = r["raw_relayed"]["rate"] / r["raw"]["rate"]
+            ratios["classified_over_raw_relayed"] = r["classified"]["rate"] / r["raw_relayed"]["rate"]
+            ratios["classified_cpu_over_raw_relayed"] = r["classified"]["consumer_us"] / r["raw_relayed"]["consumer_us"]
+        if "raw_relayed_fast" in r and "raw_relayed" in r:
+            ratios["raw_relayed_fast_over_raw_relayed"] = r["raw_relayed_fast"]["rate"] / r["raw_relayed"]["rate"]
         per_round.append(ratios)
     harness.emit({"bench": "deployed", "requests": args.requests, "concurrency": args.concurrency, "payload": args.payload,
                   "median": summary, "ratios": per_round, "rounds": [rec for r in rounds for rec in r.values()]}, args.json)  # fmt: skip

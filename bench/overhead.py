@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import statistics
 import time
 import uuid
@@ -70,21 +71,80 @@ async def raw_replies(nc: Any, psub: Any, stop: asyncio.Event | None = None, *, 
             await m.ack()
 
 
-async def add_raw_streams(js: Any, prefix: str, *, stored: bool) -> None:
-    """The raw loop's request stream, and with ``stored`` its results stream (file storage, as
-    jetbatch's)."""
-    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+async def raw_relay(nc: Any, psub: Any, prefix: str, stop: asyncio.Event | None = None) -> None:
+    """The raw relay, the least a classifier's hop does: fetch up to 64 from the ingress stream,
+    republish each to ``<prefix>.q`` with its headers (its ``Nats-Msg-Id`` too, so a retry is
+    deduplicated) as JetStream publishes, and ack each request once every PubAck of its batch
+    came; until ``stop`` is set (or forever)."""
+    js = nc.jetstream()
+    while stop is None or not stop.is_set():
+        try:
+            msgs = await psub.fetch(64, timeout=0.2)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
+            continue
+        await asyncio.gather(*[await js.publish_async(f"{prefix}.q", m.data, headers=m.headers) for m in msgs])
+        for m in msgs:
+            await m.ack()
+
+
+async def raw_relay_fast(nc: Any, psub: Any, prefix: str, stop: asyncio.Event | None = None, flow: int = 64) -> None:
+    """The raw relay with each batch's republishes as one JetStream fast-ingest batch (ADR-50,
+    nats-server 2.14+, a stream with ``allow_batched``): started on its first message (whose flow
+    ack the relay must wait for), gap mode ``fail``, committed on its last, whose PubAck confirms
+    the batch; between them the server acks every few messages (``flow`` at most). The requests
+    are acked once the commit's PubAck came."""
+    inbox = nc.new_inbox()
+    replies: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def on(msg: Any) -> None:
+        replies.put_nowait(json.loads(msg.data) if msg.data else {})
+
+    await nc.subscribe(f"{inbox}.>", cb=on)
+    while stop is None or not stop.is_set():
+        try:
+            msgs = await psub.fetch(64, timeout=0.2)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
+            continue
+        uid = uuid.uuid4().hex[:16]
+        n = len(msgs)
+        for i, m in enumerate(msgs):
+            op = 2 if i == n - 1 else 0 if i == 0 else 1
+            await nc.publish(f"{prefix}.q", m.data, reply=f"{inbox}.{uid}.{flow}.fail.{i + 1}.{op}.$FI", headers=m.headers)
+            if i == 0 and n > 1:
+                while True:
+                    r = await replies.get()
+                    if r.get("type") == "ack":
+                        break
+                    raise RuntimeError(f"batch start: {r}")
+        while True:
+            r = await replies.get()
+            if r.get("type") == "ack":
+                continue  # a flow ack: the commit's PubAck confirms the batch
+            if "stream" not in r:
+                raise RuntimeError(f"commit: {r}")
+            break
+        for m in msgs:
+            await m.ack()
+
+
+async def add_raw_streams(js: Any, prefix: str, *, stored: bool, relayed: bool = False, fast_ingest: bool = False) -> None:
+    """The raw loop's request stream, with ``stored`` its results stream (file storage, as
+    jetbatch's), and with ``relayed`` an ingress stream ``<prefix>.in`` in front of it (the
+    classifier's hop); ``fast_ingest``: the request stream takes fast-ingest batches."""
+    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue", allow_batched=fast_ingest or None)
     if stored:
         await js.add_stream(name=f"{prefix.upper()}_R", subjects=[f"{prefix}.r.>"], max_age=60)
+    if relayed:
+        await js.add_stream(name=f"{prefix.upper()}_IN", subjects=[f"{prefix}.in"], retention="workqueue")
 
 
 async def raw_requests(
-    nc: Any, prefix: str, n: int, concurrency: int, payload: bytes, *, first: int = 0, stored: bool = False
+    nc: Any, prefix: str, n: int, concurrency: int, payload: bytes, *, first: int = 0, stored: bool = False, relayed: bool = False
 ) -> tuple[float, list[float]]:
-    """The raw producer: ``n`` JetStream publishes to ``<prefix>.q`` with a reply-to header, at
-    most ``concurrency`` awaiting their reply on one inbox (with ``stored``: on subjects of the
-    results stream, where the replies are stored and delivered live at once, as jetbatch's
-    answers are). Returns the seconds and latencies."""
+    """The raw producer: ``n`` JetStream publishes to ``<prefix>.q`` (with ``relayed``: to the
+    relay's ``<prefix>.in``) with a reply-to header, at most ``concurrency`` awaiting their reply
+    on one inbox (with ``stored``: on subjects of the results stream, where the replies are stored
+    and delivered live at once, as jetbatch's answers are). Returns the seconds and latencies."""
     js = nc.jetstream()
     inbox = f"{prefix}.r.{uuid.uuid4().hex}" if stored else nc.new_inbox()
     waiting: dict[str, asyncio.Future[None]] = {}
@@ -104,7 +164,7 @@ async def raw_requests(
             fut = asyncio.get_running_loop().create_future()
             waiting[rid] = fut
             t = time.perf_counter()
-            await js.publish(f"{prefix}.q", payload, headers={"Nats-Msg-Id": rid, "Reply": f"{inbox}.{rid}"})
+            await js.publish(f"{prefix}.in" if relayed else f"{prefix}.q", payload, headers={"Nats-Msg-Id": rid, "Reply": f"{inbox}.{rid}"})
             await asyncio.wait_for(fut, 30)
             latencies.append(time.perf_counter() - t)
 

@@ -610,3 +610,35 @@ def test_a_fetch_of_redeliveries_keeps_the_rest_of_them_counted() -> None:
     assert s.backlog == 4
     view.fetched(s, 4, pending=0, redelivered=False)
     assert s.backlog == 0
+
+
+@pytest.mark.anyio
+async def test_a_worker_connection_without_echo_hears_its_peers_take_events_and_not_its_own(nats_url: str, prefix: str) -> None:
+    """The worker's connection is made with ``no_echo`` (``jetbatch worker``): its own take and
+    settle events, which it would only drop (``note_taken``), are not sent back to it, while a
+    peer's still come. The peer publishes after the worker's own event reached the server (a
+    flush), so the peer's arriving first would mean the worker's own was delivered too."""
+    from jetbatch.sidecar.config import NatsConfig
+    from jetbatch.sidecar.transport import connect
+
+    subjects = Subjects(prefix)
+    heard: list[bytes] = []
+    worker_nc = await connect(NatsConfig(), nats_url, name="jetbatch-worker", no_echo=True)
+    peer_nc = await nats.connect(nats_url)
+    try:
+
+        async def on_taken(msg: Any) -> None:
+            heard.append(msg.data)
+
+        await worker_nc.subscribe(subjects.taken_wildcard, cb=on_taken)
+        await worker_nc.flush()
+        await worker_nc.publish(subjects.taken("m1"), b"+3", headers={"Jetbatch-Worker": "me"})
+        await worker_nc.flush()
+        await peer_nc.publish(subjects.taken("m1"), b"+5", headers={"Jetbatch-Worker": "peer"})
+        await peer_nc.flush()
+        await wait_until(lambda: bool(heard), timeout_s=10, what="the peer's take event")
+        await worker_nc.flush()  # anything else the server sent before is in by now
+        assert heard == [b"+5"]
+    finally:
+        await worker_nc.close()
+        await peer_nc.close()

@@ -46,11 +46,13 @@ class EndpointError(SidecarError):
 
 
 async def serve_sidecar(
-    config: Config, url: str, *, name: str, make: Callable[[NATS, NATS | None], Sidecar], http_port: int | None = None
+    config: Config, url: str, *, name: str, make: Callable[[NATS, NATS | None], Sidecar], http_port: int | None = None,
+    no_echo: bool = False,
 ) -> int:
     """Listen for /healthz, /readyz and /metrics on ``http_port`` (None: off; 0: any free port),
     then connect, run the sidecar until SIGTERM/SIGINT, drain. The endpoints listen first, so a
-    taken port is an :class:`EndpointError` before anything connects."""
+    taken port is an :class:`EndpointError` before anything connects. ``no_echo``: the server
+    does not send the sidecar's main connection what that connection published itself."""
     from .transport import connect, connect_replies
 
     state: dict[str, Any] = {"nc": None, "sidecar": None, "stopping": False}
@@ -79,7 +81,7 @@ async def serve_sidecar(
 
     async with anyio.create_task_group() as probes:
         address = await _start_probes(probes, config, http_port, alive, ready, model_ready) if http_port is not None else ""
-        nc = await connect(config.nats, url, name=name)
+        nc = await connect(config.nats, url, name=name, no_echo=no_echo)
         state["nc"] = nc
         reply_nc: NATS | None = None
         try:

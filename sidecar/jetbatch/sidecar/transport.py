@@ -65,9 +65,10 @@ def _must_exist(path: str, key: str) -> None:
         raise ConfigError(f"{key}: file {path} not found")
 
 
-async def connect(cfg: NatsConfig, url: str | None = None, *, name: str = "jetbatch") -> NATS:
-    """Open a connection for a sidecar; raises sdk.ConnectionFailed when no server answers."""
-    return await connect_nats(url or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, **connect_options(cfg))
+async def connect(cfg: NatsConfig, url: str | None = None, *, name: str = "jetbatch", no_echo: bool = False) -> NATS:
+    """Open a connection for a sidecar; raises sdk.ConnectionFailed when no server answers.
+    ``no_echo``: the server does not deliver to this connection what it published itself."""
+    return await connect_nats(url or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, no_echo=no_echo, **connect_options(cfg))
 
 
 async def connect_replies(cfg: NatsConfig, url: str | None = None, *, name: str = "jetbatch-replies") -> NATS | None:

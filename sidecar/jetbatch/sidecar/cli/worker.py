@@ -36,7 +36,11 @@ def run(args: argparse.Namespace) -> int:
     shutdown = setup_telemetry("worker", args, config.worker.id, prometheus=port is not None and config.http.metrics)
     try:
         return run_async(
-            serve_sidecar(config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc), http_port=port)
+            # no_echo: the worker hears its peers' take and settle events, never its own (two
+            # messages a batch it would only drop); nothing else it publishes comes back to it.
+            serve_sidecar(
+                config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc), http_port=port, no_echo=True
+            )
         )
     finally:
         shutdown()
