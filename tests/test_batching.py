@@ -164,6 +164,60 @@ async def test_a_lone_request_closes_its_batch_at_max_delay_with_no_pull_held_op
     assert wakeup.waits == [pytest.approx(0.002)]
 
 
+async def test_a_window_closed_on_its_timer_learns_how_late_its_batch_started_and_later_ones_aim_that_much_earlier() -> None:
+    """Each lone batch started 0.2 ms after its window's timer (the wake-up, the gather's end, the
+    batch handed on): the next windows aim that much before their close, so their batches start
+    when due instead of 0.2 ms past it."""
+    clock = FakeClock()
+    queue = Queue(clock)
+    wakeup = FakeWakeup(clock)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    slot = _slot(queue, max_delay_s=0.002)
+    started_after_due = []
+    for _ in range(3):
+        queue.queued = 1
+        stored_at = clock()
+        assert len(await batcher.gather(slot, 64)) == 1
+        clock.now += 0.0002  # the wake-up and hand-on after the timer
+        batcher.started()
+        started_after_due.append(clock() - (stored_at + 0.002))
+        clock.now += 0.01
+    assert wakeup.waits == [pytest.approx(0.002), pytest.approx(0.0018), pytest.approx(0.0018)]
+    assert started_after_due == [pytest.approx(0.0002), pytest.approx(0.0, abs=1e-9), pytest.approx(0.0, abs=1e-9)]
+
+
+async def test_a_batch_that_did_not_close_on_its_timer_teaches_the_lead_nothing() -> None:
+    """A full batch, or one that kept filling while the device was busy and closed when it was
+    free, closed on no timer of its own: how late it started says nothing of the timer's
+    wake-up, and the next lone window still closes when due."""
+    clock = FakeClock()
+    queue = Queue(clock)
+    slot = _slot(queue, max_delay_s=0.002)
+
+    def device_free_after_two_rechecks(i: int) -> float | None:
+        if i == 2:
+            slot.computing = 0
+        return None
+
+    wakeup = FakeWakeup(clock, device_free_after_two_rechecks)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    queue.queued = 64
+    assert len(await batcher.gather(slot, 64)) == 64
+    clock.now += 0.005
+    batcher.started()
+    queue.queued = 1
+    slot.computing = 1  # the device busy: the window rechecks instead of closing
+    assert len(await batcher.gather(slot, 64)) == 1
+    assert len(wakeup.waits) == 2  # two rechecks while busy, then closed with the device free
+    clock.now += 0.005
+    batcher.started()
+    queue.queued = 1
+    stored_at = clock()
+    assert len(await batcher.gather(slot, 64)) == 1
+    assert clock() == stored_at + 0.002
+    assert wakeup.waits[-1] == pytest.approx(0.002)
+
+
 async def test_an_arrival_during_the_window_joins_the_batch_with_one_fetch_of_what_is_stored() -> None:
     clock = FakeClock()
     queue = Queue(clock)

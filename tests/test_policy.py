@@ -65,6 +65,36 @@ def test_window_never_holds_a_full_batch(count: int, delay: float, enqueued: flo
         assert not w.should_close(count, close_at, now)
 
 
+def test_a_windows_close_leads_by_the_median_lateness_of_its_recent_starts_within_its_caps() -> None:
+    """The lead is what batches started after their timer's aim, typically: a stall or two do
+    not move it, and it never takes more than its share of a window nor its absolute cap."""
+    from jetbatch.sidecar.policy import MAX_CLOSE_LEAD_S, CloseLead
+
+    window = BatchWindow(64, 0.002)
+    lead = CloseLead()
+    assert lead.lead_s(window) == 0.0  # nothing measured: the window closes when due
+    for _ in range(10):
+        lead.note(0.0002)
+    lead.note(0.05)  # a stall (a GC pause, a descheduled process)
+    lead.note(-0.001)  # a clock stepped back
+    assert lead.lead_s(window) == pytest.approx(0.0002)
+    assert lead.lead_s(BatchWindow(64, 0.0004)) == pytest.approx(0.0001)  # a quarter of a short window
+    for _ in range(40):
+        lead.note(0.003)  # a host that wakes late every time: the old samples are gone
+    assert lead.lead_s(window) == pytest.approx(min(MAX_CLOSE_LEAD_S, 0.0005))
+
+
+@given(st.lists(st.floats(-1.0, 1.0), max_size=80), st.floats(0.0, 5.0))
+def test_a_close_lead_is_never_negative_nor_beyond_its_caps(late: list[float], delay: float) -> None:
+    from jetbatch.sidecar.policy import MAX_CLOSE_LEAD_S, CloseLead
+
+    lead = CloseLead()
+    for x in late:
+        lead.note(x)
+    window = BatchWindow(64, delay)
+    assert 0.0 <= lead.lead_s(window) <= min(MAX_CLOSE_LEAD_S, delay / 4)
+
+
 # --- the cost estimator -------------------------------------------------------------------------
 
 

@@ -28,13 +28,24 @@ from .scheduling import (
 )
 from .share import MIN_DEFER_STEP_S, MIN_JOIN_S, deferred_until, drain_rps, effective_backlog, first_taker_rank, has_room, join_horizon_s, shared_head
 from .visible import RECENT_S, visible_models
-from .window import ANSWERING_BATCHES, BATCH_LINE_EVERY, PROBE_AFTER_REFUSALS, BatchWindow, batch_line_first, cannot_finish, pipeline_has_room
+from .window import (
+    ANSWERING_BATCHES,
+    BATCH_LINE_EVERY,
+    MAX_CLOSE_LEAD_S,
+    PROBE_AFTER_REFUSALS,
+    BatchWindow,
+    CloseLead,
+    batch_line_first,
+    cannot_finish,
+    pipeline_has_room,
+)
 
 __all__ = [
     "ANSWERING_BATCHES",
     "HOLD_S",
     "LISTEN_BELOW_BATCHES",
     "MIN_HOLD_S",
+    "MAX_CLOSE_LEAD_S",
     "MIN_DEFER_STEP_S",
     "MIN_JOIN_S",
     "POLICIES",
@@ -46,6 +57,7 @@ __all__ = [
     "RECENT_S",
     "BatchCost",
     "BatchWindow",
+    "CloseLead",
     "Budget",
     "CostEstimator",
     "Decision",

@@ -12,6 +12,12 @@ to requests someone still waits for. The estimate is capped by the fastest batch
 ``PROBE_AFTER_REFUSALS`` batches in a row refused whole on a prediction the next one is computed
 anyway: a refused batch measures nothing, so an inflated estimate must not lock a model out.
 
+A window's timer aims before its close by the lead the worker measured (:class:`CloseLead`): the
+time from a close's timer to the batch's start (the timer's wake on the event loop, the end of the
+gather, the batch handed on), about 0.2 ms on a two-core host. So a batch *starts* when its window
+is due, as the simulator starts it, instead of that much later: a lone request waits
+``max_delay_s`` for company, not ``max_delay_s`` and the wake-up.
+
 Batches of a model pipeline: the next one is gathered while one computes, and computes while
 earlier ones' answers are still being stored (a round trip to the server that needs no device):
 a new batch is gathered while at most ``max_concurrent + ANSWERING_BATCHES`` are in flight, so
@@ -20,6 +26,8 @@ each model holds a bounded number of batches (their requests unacked).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 # After this many batches in a row refused whole on a predicted time, compute the next one.
@@ -31,8 +39,17 @@ BATCH_LINE_EVERY = 8
 # Batches of one model beyond the computing ones that may be in flight (mostly storing answers)
 # while a later one is gathered.
 ANSWERING_BATCHES = 2
+# The close's lead is the median of this many recent lateness samples (a stall or two move it
+# not at all), and never more than MAX_CLOSE_LEAD_S nor CLOSE_LEAD_SHARE of a window: a lead
+# learnt on a stalled host must not cut every window short.
+CLOSE_LEAD_SAMPLES = 31
+MAX_CLOSE_LEAD_S = 0.0005
+CLOSE_LEAD_SHARE = 0.25
 
-__all__ = ["ANSWERING_BATCHES", "BATCH_LINE_EVERY", "PROBE_AFTER_REFUSALS", "BatchWindow", "batch_line_first", "cannot_finish", "pipeline_has_room"]
+__all__ = [
+    "ANSWERING_BATCHES", "BATCH_LINE_EVERY", "CLOSE_LEAD_SAMPLES", "CLOSE_LEAD_SHARE", "MAX_CLOSE_LEAD_S", "PROBE_AFTER_REFUSALS",
+    "BatchWindow", "CloseLead", "batch_line_first", "cannot_finish", "pipeline_has_room",
+]  # fmt: skip
 
 
 def pipeline_has_room(in_flight: int, computing: int, max_concurrent: int) -> bool:
@@ -87,6 +104,28 @@ class BatchWindow:
         if device_busy:
             return max(0.005, (close_at - now) if close_at is not None else 0.005)
         return max(0.0, (close_at - now) if close_at is not None else idle_wait_s)
+
+
+class CloseLead:
+    """How much earlier than its close a window's timer aims: what batches closed on the timer
+    started after the time aimed at, the median of the last :data:`CLOSE_LEAD_SAMPLES`, capped
+    (:data:`MAX_CLOSE_LEAD_S`, and :data:`CLOSE_LEAD_SHARE` of the window). Pure: the lateness
+    is measured by the caller. Starts at no lead."""
+
+    def __init__(self) -> None:
+        self._late_s: deque[float] = deque(maxlen=CLOSE_LEAD_SAMPLES)
+        self._median_s = 0.0
+
+    def note(self, late_s: float) -> None:
+        """A batch closed on its timer started ``late_s`` after the time its timer aimed at."""
+        # A sample beyond the cap counts as the cap: the median cannot exceed it anyway, and a
+        # clock stepped back must not count as a start before the aim.
+        self._late_s.append(min(max(late_s, 0.0), MAX_CLOSE_LEAD_S))
+        self._median_s = statistics.median(self._late_s)
+
+    def lead_s(self, window: BatchWindow) -> float:
+        """How early ``window``'s timer aims before its close."""
+        return min(self._median_s, MAX_CLOSE_LEAD_S, CLOSE_LEAD_SHARE * window.max_delay_s)
 
 
 def cannot_finish(deadline: float | None, now: float, predicted_s: float) -> bool:

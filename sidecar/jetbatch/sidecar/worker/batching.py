@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from jetbatch.sdk.protocol import ProtocolError, deadline_from_headers
 
 from ..errors import TRANSPORT_ERRORS, pull
-from ..policy import batch_line_first
+from ..policy import CloseLead, batch_line_first
 from ..wakeup import Wakeup
 from .counters import Counters
 from .slots import Slot, ack_info, enqueued_at
@@ -70,6 +70,17 @@ class Batcher:
         self._wakeup = Wakeup() if wakeup is None else wakeup
         # The slot whose open window waits, and its arrivals counted when the wait began.
         self._waiting: tuple[Slot, int] | None = None
+        # How early a window's timer aims before its close (policy/window.py), learnt from when
+        # the batches it closed started (:meth:`started`); the time the last one aimed at.
+        self._lead = CloseLead()
+        self._aimed_at: float | None = None
+
+    def started(self) -> None:
+        """The batch gathered last starts now (the worker hands it on): when its window closed on
+        its timer, how late after the time aimed at teaches the lead of later windows."""
+        if self._aimed_at is not None:
+            self._lead.note(self._clock() - self._aimed_at)
+            self._aimed_at = None
 
     def arrived(self) -> None:
         """An arrival event was counted (any model's): an open window waiting on this model's
@@ -151,6 +162,8 @@ class Batcher:
         if both:
             slot.interactive_run = 0 if bulk_first else slot.interactive_run + 1
         close_at: float | None = None
+        lead_s = self._lead.lead_s(window)
+        self._aimed_at = None
         opened_at: float | None = None  # when the batch's first request was enqueued (or seen)
         due: float | None = None  # the earliest deadline gathered
         # The arrivals counted when a fetch for what the count said was stored found nothing (a
@@ -169,6 +182,10 @@ class Batcher:
 
         if msgs:
             reclose(msgs, self._clock())
+        # Whether the last wait ran to the time aimed at, with the device free: a close then is
+        # on the timer, and when its batch starts measures the lead (not after a fetch's round
+        # trip, nor a recheck while the device was busy).
+        on_timer = False
         if first_wait_s is None:
             first_wait_s = min(self.poll_interval_s, 0.5)
             if slot.backlog > 0:
@@ -176,11 +193,14 @@ class Batcher:
         while len(msgs) < max_items and not self._stopping.is_set():
             now = self._clock()
             busy = slot.computing >= slot.config.max_concurrent_batches  # answers being stored need no device
-            wait_s = window.wait_s(len(msgs), close_at, now, device_busy=busy, idle_wait_s=first_wait_s)
+            # Aimed before the close by the lead, so that the batch starts when the window is due.
+            aim = close_at - lead_s if close_at is not None else None
+            wait_s = window.wait_s(len(msgs), aim, now, device_busy=busy, idle_wait_s=first_wait_s)
             if not msgs:
                 # What is stored, or else the first arrival: the window opens with it, and later
                 # ones come on their events. Waiting here for a whole batch held the first request
                 # to this wait's end (20 ms after a count ahead of the queue).
+                on_timer = False
                 got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first, linger=1)
                 if not got:
                     break  # nothing came within the first wait: the queue is empty for now
@@ -189,6 +209,7 @@ class Batcher:
                 # fetch that came back short, on a loaded host or a pull split by the server, is
                 # topped up so). Nothing is held open for later arrivals: their events wake us.
                 counted = slot.arrivals  # before the fetch: one counted during it may be after its answer
+                on_timer = False
                 got = await self.fetch(slot, min(max_items - len(msgs), slot.backlog), _STORED_WAIT_S, bulk_first=bulk_first, stored_only=True)
                 if not got:
                     if wait_s <= 0:
@@ -196,6 +217,8 @@ class Batcher:
                     found_short = counted
                     continue
             elif wait_s <= 0:
+                if on_timer:
+                    self._aimed_at = aim
                 break
             elif not bulk_first and self._filled(slot):
                 # The line's arrivals are not listened to (policy/interest.py): a pull held open
@@ -203,17 +226,18 @@ class Batcher:
                 # own clock; what it delivers after the close is the next fetch's).
                 started = self._clock()
                 got = await self._pull(slot, False, max_items - len(msgs), wait_s, fill=True)
+                on_timer = not busy
                 if not got:
                     rest_s = wait_s - (self._clock() - started)
                     if rest_s > 0.0005:
-                        await self._wakeup.wait(rest_s)  # the request ended early: no spin
+                        on_timer = not await self._wakeup.wait(rest_s) and not busy  # the request ended early: no spin
                     continue
             else:
                 # Nothing stored that we know of: wait for an arrival event or the close (while
                 # the device is busy, a recheck: the batch fills until it is free).
                 self._waiting = (slot, slot.arrivals)
                 try:
-                    await self._wakeup.wait(wait_s)
+                    on_timer = not await self._wakeup.wait(wait_s) and not busy
                 finally:
                     self._waiting = None
                 continue
@@ -225,6 +249,7 @@ class Batcher:
         """Arrival-order batching (the fifo baseline): pull one at a time while requests are
         older than ``before``; the first newer one goes back to the queue for a later batch."""
         msgs: list[Msg] = []
+        self._aimed_at = None  # no window timer here
         while len(msgs) < max_items:
             got = await self.fetch(slot, 1, 0.05)
             if not got:

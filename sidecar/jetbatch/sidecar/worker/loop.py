@@ -717,6 +717,9 @@ class Worker:
         # The model's share (``max_concurrent_batches``) is taken for the forward passes only:
         # the batch is checked and decoded while the one before still computes, and stores its
         # answers while the next one computes.
+        # The batch starts here (its task runs before this loop's next gather): when its window
+        # closed on its timer, how late after it teaches the lead of later windows.
+        self.batcher.started()
         turn = ModelTurn(slot)
         try:
             await self.runner.run(slot, msgs, loaded, reason, turn)
