@@ -5,7 +5,9 @@ open, the batch grows by what the arrival events say is stored, each taken in on
 and otherwise waits for the next arrival event or the window's close on a :class:`Wakeup`. No
 pull request is held open across the close: nats-server ends a waiting request half a
 millisecond or more after its expiry, rounded up to the next whole millisecond, so a window
-closed by one ended about a millisecond late, and a lone request waited that too.
+closed by one ended about a millisecond late, and a lone request waited that too. The window's
+timer aims before its close by what the batches it closed started late after it (the wake-up and
+the hand-on: :class:`~jetbatch.sidecar.policy.CloseLead`), so a batch starts when it is due.
 
 Fetches never raise: a timeout is an empty fetch, a reconnect in progress backs off briefly, a
 connection closed for good asks the worker to stop.
