@@ -3,6 +3,8 @@ share. No clock, no I/O: times go in as numbers."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,7 +86,7 @@ def test_a_windows_close_leads_by_the_median_lateness_of_its_recent_starts_withi
     assert lead.lead_s(window) == pytest.approx(min(MAX_CLOSE_LEAD_S, 0.0005))
 
 
-@given(st.lists(st.floats(-1.0, 1.0), max_size=80), st.floats(0.0, 5.0))
+@given(st.lists(st.floats(-1.0, 1.0) | st.sampled_from([math.nan, math.inf, -math.inf]), max_size=80), st.floats(0.0, 5.0))
 def test_a_close_lead_is_never_negative_nor_beyond_its_caps(late: list[float], delay: float) -> None:
     from jetbatch.sidecar.policy import MAX_CLOSE_LEAD_S, CloseLead
 

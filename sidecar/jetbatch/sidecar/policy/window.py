@@ -26,6 +26,7 @@ each model holds a bounded number of batches (their requests unacked).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ class CloseLead:
 
     def note(self, late_s: float) -> None:
         """A batch closed on its timer started ``late_s`` after the time its timer aimed at."""
+        if not math.isfinite(late_s):
+            return  # measures nothing (and a NaN would make every later window's wait NaN)
         # A sample beyond the cap counts as the cap: the median cannot exceed it anyway, and a
         # clock stepped back must not count as a start before the aim.
         self._late_s.append(min(max(late_s, 0.0), MAX_CLOSE_LEAD_S))
