@@ -147,7 +147,9 @@ def raw_round(
         await nc.close()
 
     asyncio.run(setup())
-    commands = [["--raw-consumer", url, prefix, *(["--stored"] if stored else [])]] + ([["--relay", url, prefix, *(["--fast"] if fast_ingest else [])]] if relayed else [])
+    commands = [["--raw-consumer", url, prefix, *(["--stored"] if stored else [])]]
+    if relayed:
+        commands.append(["--relay", url, prefix, *(["--fast"] if fast_ingest else [])])
     procs = [subprocess.Popen([sys.executable, "-m", "bench.deployed", *c], cwd=ROOT, stdout=subprocess.PIPE, text=True) for c in commands]
     try:
         for proc in procs:
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 by_kind["raw_stored"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True, **lone)
             if args.raw_relayed:
                 by_kind["raw_relayed"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, relayed=True, **lone)
-            if args.relay_fast_ingest:
+            if args.raw_relayed and args.relay_fast_ingest:
                 by_kind["raw_relayed_fast"] = raw_round(
                     server.url, server.pid, args.requests, args.concurrency, payload, relayed=True, fast_ingest=True, **lone
                 )  # fmt: skip

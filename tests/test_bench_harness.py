@@ -76,6 +76,34 @@ async def test_the_stored_raw_loop_stores_every_reply_and_acks_every_request(nat
         await nc.close()
 
 
+@pytest.mark.parametrize("fast_ingest", [False, True], ids=["relay", "fast-ingest relay"])
+async def test_the_raw_twin_of_the_classifier_path_relays_every_request_once_and_answers_it(nats_url: str, prefix: str, fast_ingest: bool) -> None:
+    """The baseline of ``--raw-relayed`` (and ``--relay-fast-ingest``): every request published to
+    the ingress stream is republished once to the consumer's stream and acked there, and its
+    caller is answered from the results stream; both work queues end empty."""
+    from bench.overhead import raw_relay, raw_relay_fast
+
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await add_raw_streams(js, prefix, stored=True, relayed=True, fast_ingest=fast_ingest)
+        ingress = await js.pull_subscribe(f"{prefix}.in", durable="relay", stream=f"{prefix.upper()}_IN")
+        queue = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+        stop = asyncio.Event()
+        relay = asyncio.create_task((raw_relay_fast if fast_ingest else raw_relay)(nc, ingress, prefix, stop))
+        consumer = asyncio.create_task(raw_replies(nc, queue, stop, stored=True))
+        _, latencies = await raw_requests(nc, prefix, 40, 8, b"x", stored=True, relayed=True)
+        stop.set()
+        await asyncio.gather(relay, consumer)
+        assert len(latencies) == 40
+        assert (await js.stream_info(f"{prefix.upper()}_R")).state.messages == 40
+        for stream in (f"{prefix.upper()}_IN", prefix.upper()):
+            assert (await js.stream_info(stream)).state.messages == 0
+        assert (await js.stream_info(prefix.upper())).state.last_seq == 40  # each relayed once
+    finally:
+        await nc.close()
+
+
 def test_sampled_stacks_are_charged_to_the_package_on_top_and_idle_waits_left_out(tmp_path: Path) -> None:
     """bench.process_profiles --sampler py-spy: each busy sample counts for the function on top
     of its stack (a socket write to asyncio, not to the jetbatch code that published); the
