@@ -111,11 +111,9 @@ async def raw_relay_fast(nc: Any, psub: Any, prefix: str, stop: asyncio.Event | 
             op = 2 if i == n - 1 else 0 if i == 0 else 1
             await nc.publish(f"{prefix}.q", m.data, reply=f"{inbox}.{uid}.{flow}.fail.{i + 1}.{op}.$FI", headers=m.headers)
             if i == 0 and n > 1:
-                while True:
-                    r = await replies.get()
-                    if r.get("type") == "ack":
-                        break
-                    raise RuntimeError(f"batch start: {r}")
+                started = await replies.get()  # the server's first flow ack, or why not
+                if started.get("type") != "ack":
+                    raise RuntimeError(f"fast batch not started: {started}")
         while True:
             r = await replies.get()
             if r.get("type") == "ack":
