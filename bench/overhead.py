@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 import uuid
-from typing import Any, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import nats
 
@@ -51,17 +51,23 @@ def pct(values: list[float], q: float) -> float:
     return percentile(values, q / 100)
 
 
+async def _batches(psub: Any, stop: asyncio.Event | None) -> AsyncIterator[list[Any]]:
+    """Each batch of up to 64 a raw loop fetches (nats-py's fetch, 0.2 s at most), until ``stop``
+    is set (or forever)."""
+    while stop is None or not stop.is_set():
+        try:
+            yield await psub.fetch(64, timeout=0.2)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
+            continue
+
+
 async def raw_replies(nc: Any, psub: Any, stop: asyncio.Event | None = None, *, stored: bool = False) -> None:
     """The raw consumer: fetch up to 64, publish each reply (to its ``Reply`` header), ack each;
     until ``stop`` is set (or forever). ``stored``: each reply is a JetStream publish into a
     results stream, and the batch's requests are acked once every reply's PubAck came: the least
     a loop does that acks a request only when its answer is safe (as jetbatch does)."""
     js = nc.jetstream()
-    while stop is None or not stop.is_set():
-        try:
-            msgs = await psub.fetch(64, timeout=0.2)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
-            continue
+    async for msgs in _batches(psub, stop):
         if stored:
             await asyncio.gather(*[await js.publish_async(m.headers["Reply"], m.data) for m in msgs])
         else:
@@ -77,11 +83,7 @@ async def raw_relay(nc: Any, psub: Any, prefix: str, stop: asyncio.Event | None 
     deduplicated) as JetStream publishes, and ack each request once every PubAck of its batch
     came; until ``stop`` is set (or forever)."""
     js = nc.jetstream()
-    while stop is None or not stop.is_set():
-        try:
-            msgs = await psub.fetch(64, timeout=0.2)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
-            continue
+    async for msgs in _batches(psub, stop):
         await asyncio.gather(*[await js.publish_async(f"{prefix}.q", m.data, headers=m.headers) for m in msgs])
         for m in msgs:
             await m.ack()
@@ -100,11 +102,7 @@ async def raw_relay_fast(nc: Any, psub: Any, prefix: str, stop: asyncio.Event | 
         replies.put_nowait(json.loads(msg.data) if msg.data else {})
 
     await nc.subscribe(f"{inbox}.>", cb=on)
-    while stop is None or not stop.is_set():
-        try:
-            msgs = await psub.fetch(64, timeout=0.2)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
-            continue
+    async for msgs in _batches(psub, stop):
         uid = uuid.uuid4().hex[:16]
         n = len(msgs)
         for i, m in enumerate(msgs):

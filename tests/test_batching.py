@@ -137,6 +137,18 @@ def _slot(queue: Any, max_delay_s: float) -> Any:
     return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, computing=0, config=config, backlog=0, arrivals=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0)
 
 
+def _frees_device_at(slot: Any, wait: int) -> Callable[[int], float | None]:
+    """A :class:`FakeWakeup` script: the device ``slot``'s batch computes on is free from its
+    ``wait``-th wait on (no arrival comes)."""
+
+    def on_wait(i: int) -> float | None:
+        if i == wait:
+            slot.computing = 0
+        return None
+
+    return on_wait
+
+
 def _viewed_slot(max_delay_s: float) -> tuple[Slot, QueueView]:
     """A real slot counted by a real queue view (the worker's wiring, no server)."""
     slot = Slot(name="m", config=SimpleNamespace(max_concurrent_batches=1), handler=None, window=BatchWindow(64, max_delay_s))  # type: ignore[arg-type]
@@ -193,13 +205,7 @@ async def test_a_batch_that_did_not_close_on_its_timer_teaches_the_lead_nothing(
     clock = FakeClock()
     queue = Queue(clock)
     slot = _slot(queue, max_delay_s=0.002)
-
-    def device_free_after_two_rechecks(i: int) -> float | None:
-        if i == 2:
-            slot.computing = 0
-        return None
-
-    wakeup = FakeWakeup(clock, device_free_after_two_rechecks)
+    wakeup = FakeWakeup(clock, _frees_device_at(slot, 2))
     batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
     queue.queued = 64
     assert len(await batcher.gather(slot, 64)) == 64
@@ -335,13 +341,7 @@ async def test_a_busy_device_keeps_the_batch_filling_past_its_window() -> None:
     queue = Queue(clock)
     slot = _slot(queue, max_delay_s=0.002)
     slot.computing = 1  # the batch before still computes
-
-    def until_free(i: int) -> float | None:
-        if i == 3:
-            slot.computing = 0
-        return None
-
-    wakeup = FakeWakeup(clock, until_free)
+    wakeup = FakeWakeup(clock, _frees_device_at(slot, 3))
     batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
     queue.queued = 1
     opened = clock()
