@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
 
+import nats.aio.client as nats_client
+
 from jetbatch.sdk.connection import connect_nats, parse_header_lines
 
 _PIECES = st.sampled_from([b"\r\n", b":", b" ", b"\t", b"\x1c", b"\x0b", b"\n", b"\r", b"Nats-Msg-Id", b"a b", b"\xff", "é".encode(), b"x"])
@@ -27,6 +29,35 @@ def test_the_header_parser_reads_every_block_as_nats_py_does(raw: bytes) -> None
 def test_the_header_parser_on_the_blocks_jetbatch_sees() -> None:
     raw = b"Nats-Msg-Id: r1\r\nJetbatch-Reply-Key:k1\r\nBad Name: dropped\r\n  Padded  :  kept  \r\n\r\n"
     assert parse_header_lines(raw) == {"Nats-Msg-Id": "r1", "Jetbatch-Reply-Key": "k1", "Padded": "kept"}
+
+
+# nats-py 2.16's own table (nats/aio/client.py), written out: the module global may be swapped already.
+_NATS_TABLE = {10: " ", 13: " "}
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(max_size=60) | st.lists(st.sampled_from(["\r", "\n", "\r\n", " ", "a", "é", "\x85", "\u2028", "\x7f", "\x80"]), max_size=10).map("".join))
+def test_header_values_are_cleaned_as_nats_py_cleans_them(value: str) -> None:
+    """The table jetbatch's connections give nats-py turns every value into what nats-py's own does
+    (CR and LF to spaces, anything else, ASCII or not, left as it is)."""
+    from jetbatch.sdk.connection import _HEADER_VALUE_TABLE
+
+    assert value.translate(_HEADER_VALUE_TABLE) == value.translate(_NATS_TABLE)
+
+
+@pytest.mark.anyio
+async def test_a_header_value_with_a_line_break_arrives_with_spaces(nats_url: str, prefix: str) -> None:
+    """Through a connection jetbatch opened (its table in place), CR and LF in a value cannot split the
+    header block: they arrive as spaces, as with nats-py's own table."""
+    nc = await connect_nats(nats_url)
+    try:
+        assert nats_client._HEADER_VALUE_NEWLINES != _NATS_TABLE  # swapped for the faster one
+        sub = await nc.subscribe(f"{prefix}.crlf")
+        await nc.publish(f"{prefix}.crlf", b"x", headers={"Jetbatch-Model": "m1\r\nJetbatch-Tenant: evil", "Plain": "é ok"})
+        msg = await sub.next_msg(timeout=5)
+        assert msg.headers == {"Jetbatch-Model": "m1  Jetbatch-Tenant: evil", "Plain": "é ok"}
+    finally:
+        await nc.close()
 
 
 @pytest.mark.anyio

@@ -12,7 +12,8 @@ import pytest
 
 import nats
 
-from jetbatch.sdk.protocol import ContentType, RequestMeta, Subjects
+from jetbatch.sdk.protocol import ContentType, ErrorCode, RequestMeta, Subjects, message_bytes
+from jetbatch.sdk.publishing import AckGroup
 from jetbatch.sidecar.config import RepliesConfig, StreamsConfig
 from jetbatch.sidecar.replies import PUBLISH_CHUNK, Answer, Replier
 from jetbatch.sidecar.streams import results_stream_config
@@ -46,7 +47,7 @@ async def test_an_answer_without_a_pubAck_is_stored_again_not_left_to_be_recompu
     meta = RequestMeta(request_id="r1", reply_to=None, deadline=None, content_type=None, model="m1", tenant=None)
     answer = Answer.ok(meta, b"out", ContentType.BYTES)
     never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()  # its PubAck never comes
-    await replier._store_finish([([answer], never)])
+    await replier._store_finish([([answer], never)], _pending(never))
     assert answer.stored and replier.safe(answer)
     assert js.published == [Subjects("t").result("r1")]
 
@@ -67,7 +68,7 @@ async def test_an_answer_stored_again_is_sent_again() -> None:
     meta = RequestMeta(request_id="r2", reply_to="_INBOX.c.r2", deadline=None, content_type=None, model="m1", tenant=None)
     answer = Answer.ok(meta, b"out", ContentType.BYTES)
     never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    await replier._store_finish([([answer], never)])
+    await replier._store_finish([([answer], never)], _pending(never))
     assert answer.stored
     assert sent == [("_INBOX.c.r2", b"out")]
 
@@ -75,6 +76,23 @@ async def test_an_answer_stored_again_is_sent_again() -> None:
 def _keyed(rid: str, key: str = "k1", tenant: str | None = None) -> Answer:
     meta = RequestMeta(request_id=rid, reply_to=None, deadline=None, content_type=None, model="m1", tenant=tenant, reply_key=key)
     return Answer.ok(meta, rid.encode(), ContentType.BYTES)
+
+
+def test_an_answer_over_the_servers_limit_with_its_headers_becomes_model_failed() -> None:
+    """Headers count against ``max_payload`` (less room for an atomic batch's own): an answer that
+    fits on its body alone but not with its headers is refused before it is sent, and one a byte
+    under the limit goes out as it is, whatever its characters take in UTF-8."""
+    limit = 4096
+    replier = Replier(SimpleNamespace(jetstream=lambda: None, max_payload=limit + 128), Subjects("t"), RepliesConfig())  # type: ignore[arg-type]
+    for extra in ({}, {"Jetbatch-Note": "é€" * 40}):
+        probe = Answer.ok(_keyed("r1").meta, b"", ContentType.BYTES, extra)
+        room = limit - message_bytes(probe.headers, b"")
+        fits = Answer.ok(probe.meta, b"x" * room, ContentType.BYTES, extra)
+        assert replier.fit(fits) is fits
+        over = Answer.ok(probe.meta, b"x" * (room + 1), ContentType.BYTES, extra)
+        refused = replier.fit(over)
+        assert refused.error is ErrorCode.MODEL_FAILED and b"max payload" in refused.body
+        assert message_bytes(refused.headers, refused.body) <= limit
 
 
 @pytest.mark.parametrize(("setting", "allowed"), [(False, True), (True, True), (True, False)])
@@ -120,6 +138,13 @@ async def test_each_answer_is_one_message_stored_and_received_live(nats_url: str
         assert acks._next - published == (1 if setting and allowed else 2)  # PubAcks waited for: one a batch, else one an answer
     finally:
         await nc.close()
+
+
+def _pending(*futures: asyncio.Future[Any]) -> AckGroup:
+    group = AckGroup()
+    for fut in futures:
+        group.add(fut)
+    return group
 
 
 def _record_buffered(nc: Any, head: str, into: list[int]) -> None:
@@ -171,7 +196,7 @@ async def test_a_batch_refused_in_an_election_is_stored_one_by_one_and_batches_g
         group = [_keyed("r1"), _keyed("r2")]
         refused: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         refused.set_exception(refusal)
-        await replier._store_finish([(group, refused)])
+        await replier._store_finish([(group, refused)], _pending(refused))
         assert all(a.stored and a.sent for a in group)
         assert js.published == [Subjects("t").answer("r1", "k1"), Subjects("t").answer("r2", "k1")]
         assert replier._atomic is atomic_after

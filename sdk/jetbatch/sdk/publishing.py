@@ -28,7 +28,7 @@ from . import failures
 from .errors import BadRequest, ConnectionFailed, JetbatchError, Overloaded, PayloadTooLarge, RequestTimeout
 from .protocol import JS_MSG_TOO_BIG, JS_STREAM_FULL
 
-__all__ = ["ATOMIC_BATCH_MAX", "BatchIgnored", "PubAcks", "PublishRefused", "publish_with_retries", "settled"]
+__all__ = ["ATOMIC_BATCH_MAX", "AckGroup", "BatchIgnored", "PubAcks", "PublishRefused", "publish_with_retries", "settled"]
 
 # The server's limit on the messages of one atomic batch (nats-server 2.12+, ADR-50).
 ATOMIC_BATCH_MAX = 1000
@@ -102,6 +102,77 @@ class BatchIgnored(PublishRefused):
     batches): only the last was confirmed."""
 
 
+class AckGroup:
+    """Futures awaited together, with one wake-up for the whole group: a batch's PubAcks.
+
+    A future that :class:`PubAcks` resolves for a group carries no callback: the PubAck's
+    arrival counts it here directly. ``asyncio.wait`` (or ``gather``) puts a callback on every
+    future, and each resolved future then schedules it on the event loop: one callback a
+    message, on the worker's hot path (docs/benchmarks.md, "One wake-up a batch"). Any other
+    future is tracked with :meth:`add`."""
+
+    __slots__ = ("_futures", "_left", "_wake")
+
+    def __init__(self) -> None:
+        self._futures: list[asyncio.Future[Any]] = []
+        self._left = 0  # futures not yet resolved
+        self._wake: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def add(self, fut: asyncio.Future[Any]) -> None:
+        """Wait for ``fut`` too (a future this group's PubAcks do not resolve)."""
+        self._futures.append(fut)
+        if not fut.done():
+            self._left += 1
+            fut.add_done_callback(self._resolved_cb)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until every future is done, or ``timeout_s`` passed: those still pending are then
+        cancelled (as they are when the wait itself is cancelled)."""
+        try:
+            if self._left:
+                loop = asyncio.get_running_loop()
+                self._wake = loop.create_future()
+                timer = loop.call_later(timeout_s, _wake_up, self._wake)
+                try:
+                    await self._wake
+                finally:
+                    timer.cancel()
+                    self._wake = None
+        finally:
+            for fut in self._futures:
+                if not fut.done():
+                    fut.cancel()
+
+    def _track(self, fut: asyncio.Future[Any]) -> None:
+        self._futures.append(fut)
+        self._left += 1
+
+    def _resolved(self) -> None:
+        self._left -= 1
+        if self._left <= 0 and self._wake is not None:
+            _wake_up(self._wake)
+
+    def _resolved_cb(self, _: asyncio.Future[Any]) -> None:
+        self._resolved()
+
+
+def _wake_up(wake: asyncio.Future[None]) -> None:
+    if not wake.done():
+        wake.set_result(None)
+
+
+# A publish's bookkeeping until its PubAck: the future, the group counting it, and for an atomic
+# batch's commit the batch id and size its PubAck must confirm.
+_Entry = tuple["asyncio.Future[dict[str, Any]]", "AckGroup | None", "tuple[str, int] | None"]
+
+# Futures given up on (cancelled, timed out) keep their entry until the next sweep: sweeping at
+# twice the size left after the last one keeps it amortised O(1) a publish.
+_SWEEP_MIN = 1024
+
+
 class PubAcks:
     """Publish to JetStream on ``nc`` and collect the PubAcks. A future the caller gives up on
     (cancels) is forgotten here too; a PubAck that arrives later is dropped."""
@@ -110,27 +181,21 @@ class PubAcks:
         self._nc = nc
         self._prefix = f"{nc.new_inbox()}."
         self._sub: Any = None
-        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._waiting: dict[str, _Entry] = {}
         self._next = 0
+        self._sweep_at = _SWEEP_MIN
 
-    async def publish(self, subject: str, body: bytes, headers: dict[str, str]) -> asyncio.Future[dict[str, Any]]:
+    async def publish(
+        self, subject: str, body: bytes, headers: dict[str, str], *, group: AckGroup | None = None
+    ) -> asyncio.Future[dict[str, Any]]:
         """Send one message; the future resolves to its PubAck (a dict) or fails with
-        :class:`PublishRefused`. Raises what ``nc.publish`` raises (closed, buffer full, ...)."""
-        if self._sub is None:
-            self._sub = await self._nc.subscribe(f"{self._prefix}*", cb=self._on_ack)
-        self._next += 1
-        token = str(self._next)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._waiting[token] = fut
-        fut.add_done_callback(lambda _: self._waiting.pop(token, None))
-        try:
-            await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
-        except BaseException:
-            fut.cancel()
-            raise
-        return fut
+        :class:`PublishRefused`; with ``group``, the group counts it (:meth:`AckGroup.wait`).
+        Raises what ``nc.publish`` raises (closed, buffer full, ...)."""
+        return await self._publish(subject, body, headers, group, None)
 
-    async def publish_atomic(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> asyncio.Future[dict[str, Any]]:
+    async def publish_atomic(
+        self, messages: list[tuple[str, bytes, dict[str, str]]], *, group: AckGroup | None = None
+    ) -> asyncio.Future[dict[str, Any]]:
         """Send 2 to :data:`ATOMIC_BATCH_MAX` messages as one atomic batch (a stream with
         ``allow_atomic``, nats-server 2.12+): the stream stores all of them or none, and one
         PubAck, on the last, answers for the batch. The future resolves to that PubAck, checked
@@ -147,30 +212,42 @@ class PubAcks:
             await self._nc.publish(subject, body, headers=marked)
         subject, body, headers = messages[last]
         marked = {**headers, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(last + 1), "Nats-Batch-Commit": "1"}
-        fut = await self.publish(subject, body, marked)
-        checked: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        return await self._publish(subject, body, marked, group, (batch_id, len(messages)))
 
-        def check(done: asyncio.Future[dict[str, Any]]) -> None:
-            if checked.done():
-                return
-            if done.cancelled():
-                checked.cancel()
-            elif done.exception() is not None:
-                checked.set_exception(done.exception())  # type: ignore[arg-type]
-            elif done.result().get("batch") != batch_id or done.result().get("count") != len(messages):
-                checked.set_exception(BatchIgnored(f"the stream did not store the batch atomically ({done.result()})"))
+    async def _publish(
+        self, subject: str, body: bytes, headers: dict[str, str], group: AckGroup | None, expect: tuple[str, int] | None
+    ) -> asyncio.Future[dict[str, Any]]:
+        if self._sub is None:
+            self._sub = await self._nc.subscribe(f"{self._prefix}*", cb=self._on_ack)
+        if len(self._waiting) >= self._sweep_at:
+            self._waiting = {t: e for t, e in self._waiting.items() if not e[0].done()}
+            self._sweep_at = max(_SWEEP_MIN, 2 * len(self._waiting))
+        self._next += 1
+        token = str(self._next)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = (fut, None, expect)  # before the publish: its PubAck may come at once
+        try:
+            await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
+        except BaseException:
+            fut.cancel()
+            self._waiting.pop(token, None)
+            raise
+        if group is not None:
+            if fut.done():
+                group.add(fut)  # answered while the publish was written out
             else:
-                checked.set_result(done.result())
-
-        fut.add_done_callback(check)
-        # Giving up on the batch gives up on its PubAck.
-        checked.add_done_callback(lambda c: fut.cancel() if c.cancelled() else None)
-        return checked
+                self._waiting[token] = (fut, group, expect)
+                group._track(fut)
+        return fut
 
     async def close(self) -> None:
         """Stop listening for PubAcks; futures still waiting are cancelled."""
-        for fut in list(self._waiting.values()):
-            fut.cancel()
+        waiting, self._waiting = self._waiting, {}
+        for fut, group, _ in waiting.values():
+            if not fut.done():
+                fut.cancel()
+                if group is not None:
+                    group._resolved()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             try:
@@ -179,30 +256,43 @@ class PubAcks:
                 pass  # the connection is closing or closed: the subscription goes with it
 
     async def _on_ack(self, msg: Msg) -> None:
-        fut = self._waiting.get(msg.subject[len(self._prefix) :])
-        if fut is None or fut.done():
+        entry = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+        if entry is None:
             return
-        try:
-            ack = msgspec.json.decode(msg.data) if msg.data else None
-        except msgspec.DecodeError:
-            ack = None
-        if isinstance(ack, dict) and "error" not in ack and "stream" in ack:
-            fut.set_result(ack)
-            return
-        # No stream (a 503 status with an empty body), or an API error such as a full stream.
-        error = ack.get("error") if isinstance(ack, dict) else None
-        if isinstance(error, dict):
-            code = error.get("err_code")
-            fut.set_exception(PublishRefused(str(error.get("description", error))[:300], code if isinstance(code, int) else None))
+        fut, group, expect = entry
+        if fut.done():
+            return  # given up on (an AckGroup's wait ended, the caller cancelled)
+        outcome = _outcome(msg)
+        if expect is not None and isinstance(outcome, dict) and (outcome.get("batch"), outcome.get("count")) != expect:
+            outcome = BatchIgnored(f"the stream did not store the batch atomically ({outcome})")
+        if isinstance(outcome, dict):
+            fut.set_result(outcome)
         else:
-            status = (msg.headers or {}).get("Status", "")
-            fut.set_exception(PublishRefused(f"no stream answered (status {status or 'unknown'})"))
+            fut.set_exception(outcome)
+        if group is not None:
+            group._resolved()
+
+
+def _outcome(msg: Msg) -> dict[str, Any] | PublishRefused:
+    """A PubAck's message: the ack (a dict naming its stream), or why nothing was stored."""
+    try:
+        ack = msgspec.json.decode(msg.data) if msg.data else None
+    except msgspec.DecodeError:
+        ack = None
+    if isinstance(ack, dict) and "error" not in ack and "stream" in ack:
+        return ack
+    # No stream (a 503 status with an empty body), or an API error such as a full stream.
+    error = ack.get("error") if isinstance(ack, dict) else None
+    if isinstance(error, dict):
+        code = error.get("err_code")
+        return PublishRefused(str(error.get("description", error))[:300], code if isinstance(code, int) else None)
+    status = (msg.headers or {}).get("Status", "")
+    return PublishRefused(f"no stream answered (status {status or 'unknown'})")
 
 
 async def settled(futures: list[asyncio.Future[Any]], timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for every future; cancel those still pending."""
-    if not futures:
-        return
-    _, pending = await asyncio.wait(futures, timeout=timeout_s)
-    for fut in pending:
-        fut.cancel()
+    group = AckGroup()
+    for fut in futures:
+        group.add(fut)
+    await group.wait(timeout_s)

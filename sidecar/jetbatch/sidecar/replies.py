@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -40,7 +41,7 @@ from jetbatch.sdk.protocol import (
     message_bytes,
 )
 from jetbatch.sdk.errors import JetbatchError
-from jetbatch.sdk.publishing import ATOMIC_BATCH_MAX, BatchIgnored, PublishRefused, PubAcks, publish_with_retries, settled
+from jetbatch.sdk.publishing import ATOMIC_BATCH_MAX, AckGroup, BatchIgnored, PublishRefused, PubAcks, publish_with_retries
 
 from .errors import TRANSPORT_ERRORS
 from .config import RepliesConfig
@@ -69,7 +70,7 @@ def client_message(exc: BaseException, limit: int = 300) -> str:
     return text[:limit]
 
 
-@dataclass
+@dataclass(slots=True)
 class Answer:
     """One request's final answer: body and headers, and where it goes."""
 
@@ -127,7 +128,7 @@ class Replier:
         ``model_failed`` error: sending it would close the connection."""
         # Room for the atomic batch's headers (Nats-Batch-Id, -Sequence, -Commit), added on the way out.
         limit = (self.out.max_payload or 1024 * 1024) - _BATCH_HEADERS_BYTES
-        if message_bytes(answer.headers, answer.body) <= limit:
+        if _rough_bytes(answer) <= limit or message_bytes(answer.headers, answer.body) <= limit:
             return answer
         size = message_bytes(answer.headers, answer.body)
         extra = {k: v for k, v in answer.headers.items() if k.startswith("Jetbatch-") and k not in (Headers.STATUS, Headers.ERROR_CODE)}
@@ -153,6 +154,7 @@ class Replier:
         answer."""
         answers[:] = [self.fit(a) for a in answers]
         stores: list[tuple[list[Answer], asyncio.Future[Any]]] = []
+        pending = AckGroup()  # one wake-up once every PubAck of the batch came
         # In chunks, each handed to the socket before the next is published: the first callers
         # have their answers (and send their next requests) while the rest go out. A batch sent
         # whole kept a closed loop of callers in lockstep with the worker, one batch at a time
@@ -163,7 +165,7 @@ class Replier:
             if i:
                 await asyncio.sleep(0)  # nats-py's flusher writes what is published so far
             if self.config.durable:
-                stores += await self._store_start(chunk)
+                stores += await self._store_start(chunk, pending)
             for a in chunk:
                 if a.meta.reply_key is None or not self.config.durable:
                     await self._send(a)
@@ -176,7 +178,7 @@ class Replier:
             except TRANSPORT_ERRORS as exc:
                 log.warning("flush after replies failed: %r", exc)
         if stores:
-            await self._store_finish(stores)
+            await self._store_finish(stores, pending)
 
     async def resend(self, answer: Answer) -> None:
         """Send an answer found in the results store to its caller again (a redelivered request
@@ -207,9 +209,10 @@ class Replier:
             return answer.stored
         return answer.sent or (answer.meta.reply_to is None and answer.meta.reply_key is None)
 
-    async def _store_start(self, answers: list[Answer]) -> list[tuple[list[Answer], asyncio.Future[Any]]]:
+    async def _store_start(self, answers: list[Answer], pending: AckGroup) -> list[tuple[list[Answer], asyncio.Future[Any]]]:
         """Publish each answer's stored copy; the PubAcks are awaited by :meth:`_store_finish`.
-        Several answers go out as atomic batches (one PubAck each) while the stream allows it.
+        ``pending`` counts the PubAcks awaited. Several answers go out as atomic batches (one
+        PubAck each) while the stream allows it.
         A protocol-3 answer counts as sent once its copy is handed to the connection: that
         publish is its live delivery."""
         if self._acks is None:
@@ -221,9 +224,9 @@ class Replier:
             try:
                 if len(group) == 1:
                     a = group[0]
-                    fut = await self._acks.publish(self.subject_of(a.meta), a.body, a.headers)
+                    fut = await self._acks.publish(self.subject_of(a.meta), a.body, a.headers, group=pending)
                 else:
-                    fut = await self._acks.publish_atomic([(self.subject_of(a.meta), a.body, a.headers) for a in group])
+                    fut = await self._acks.publish_atomic([(self.subject_of(a.meta), a.body, a.headers) for a in group], group=pending)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the requests for redelivery
                 log.warning("storing %d answers (the first of %s) failed: %r", len(group), group[0].meta.request_id, exc)
                 continue
@@ -232,9 +235,11 @@ class Replier:
             groups.append((group, fut))
         return groups
 
-    async def _store_finish(self, groups: list[tuple[list[Answer], asyncio.Future[Any]]]) -> None:
+    async def _store_finish(self, groups: list[tuple[list[Answer], asyncio.Future[Any]]], pending: AckGroup) -> None:
+        """Await the PubAcks ``pending`` counts (the futures of ``groups``), then store again what
+        they did not confirm."""
         started = time.monotonic()
-        await settled([f for _, f in groups], min(_STORE_TIMEOUT_S, self.config.store_timeout_s / 2))
+        await pending.wait(min(_STORE_TIMEOUT_S, self.config.store_timeout_s / 2))
         unanswered: list[Answer] = []
         for group, fut in groups:
             if fut.cancelled():
@@ -331,6 +336,18 @@ class Replier:
         except TRANSPORT_ERRORS as exc:
             log.warning("dead-lettering %s failed: %r", original.get(Headers.MSG_ID), exc)
             return False
+
+
+def _rough_bytes(answer: Answer) -> int:
+    """At least what the answer takes against ``max_payload``, from lengths alone (a character is
+    at most 4 bytes in UTF-8, a header line adds 4): the exact count (``message_bytes``) strips and
+    encodes every value, and is needed only near the limit."""
+    headers = answer.headers
+    try:
+        chars = len(headers) + sum(map(len, headers)) + sum(map(len, headers.values()))
+    except TypeError:  # a value that is not a string: the exact count converts it
+        return sys.maxsize
+    return len(answer.body) + 12 + 4 * chars
 
 
 async def settle(msg: Msg, action: str, *, delay_s: float | None = None) -> bool:

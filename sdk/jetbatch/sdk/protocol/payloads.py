@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import msgspec
 
@@ -253,8 +253,15 @@ MAX_BATCH_HEADER_BYTES = 512  # far above the longest value a worker writes (abo
 
 def batch_header(batch_id: str, size: int, queue_wait_ms: float, loaded: bool, worker: str, trace_id: str = "") -> str:
     """The value of the ``Jetbatch-Batch`` reply header (protocol 2)."""
-    value = f"id={batch_id};size={size};wait_ms={queue_wait_ms:.3f};loaded={1 if loaded else 0};worker={worker}"
-    return f"{value};trace={trace_id}" if trace_id else value
+    return batch_header_of(batch_id, size, loaded, worker, trace_id)(queue_wait_ms)
+
+
+def batch_header_of(batch_id: str, size: int, loaded: bool, worker: str, trace_id: str = "") -> Callable[[float], str]:
+    """:func:`batch_header` for one batch, as a function of each request's queue wait: what the
+    batch's requests share is formatted once (a worker sets the header on every answer)."""
+    head = f"id={batch_id};size={size};wait_ms="
+    tail = f";loaded={1 if loaded else 0};worker={worker}" + (f";trace={trace_id}" if trace_id else "")
+    return lambda queue_wait_ms: f"{head}{queue_wait_ms:.3f}{tail}"
 
 
 def batch_info_from_headers(headers: Mapping[str, str] | None) -> BatchInfo:

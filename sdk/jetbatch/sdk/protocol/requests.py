@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import msgspec
+
 from .names import Headers, Priority, ProtocolError, validate_model_name, validate_token
 
 MAX_REPLY_SUBJECT_BYTES = 255  # far under the server's 4 KiB control line (subject + reply + sizes)
@@ -74,9 +76,9 @@ class ReplyPolicy:
         return tuple(f + "." for f in self.forbidden_prefixes)
 
 
-@dataclass(frozen=True)
-class RequestMeta:
-    """What a sidecar takes from a request's headers, each value checked.
+class RequestMeta(msgspec.Struct, frozen=True):
+    """What a sidecar takes from a request's headers, each value checked (a Struct: built once a
+    request, where a frozen dataclass's ``__init__`` cost ten times as much).
 
     ``problem`` is set when a header is invalid: the request gets ``bad_request`` (sent to
     ``reply_to`` only when the reply subject itself passed the policy) and is not run.

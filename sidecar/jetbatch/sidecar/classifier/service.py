@@ -12,7 +12,6 @@ JetStream, and the ingress message is acked only after JetStream confirmed the r
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
@@ -21,6 +20,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -42,7 +42,7 @@ from jetbatch.sdk.protocol import (
     new_request_id,
     parse_request_headers,
 )
-from jetbatch.sdk.publishing import PubAcks, publish_with_retries, settled
+from jetbatch.sdk.publishing import AckGroup, PubAcks, publish_with_retries
 
 from ..errors import TRANSPORT_ERRORS, pull
 from ..config import Config, ConfigError
@@ -201,7 +201,7 @@ class Classifier:
         if tenant is None and msg.subject != self.subjects.ingress and meta.problem is None:
             # A tenant's ingress whose token names no tenant (``_`` stands for "no tenant"): never
             # served as untenanted.
-            meta = dataclasses.replace(meta, problem=f"ingress subject {msg.subject[:80]!r} names no valid tenant")
+            meta = msgspec.structs.replace(meta, problem=f"ingress subject {msg.subject[:80]!r} names no valid tenant")
         item = Item(headers=headers, data=msg.data, content_type=meta.content_type)
         return item, meta
 
@@ -263,6 +263,7 @@ class Classifier:
         path, retried under its ``Nats-Msg-Id`` with typed errors."""
         failed: list[tuple[Msg, RequestMeta, Route]] = []
         sent: list[tuple[Msg, RequestMeta, Route, str, dict[str, str], asyncio.Future[Any] | None]] = []
+        pending = AckGroup()  # one wake-up once every PubAck of the batch came
         for msg, meta, route in routed:
             prepared = self._prepare(msg, meta, route)
             if isinstance(prepared, tuple) and isinstance(prepared[0], ErrorCode):
@@ -270,11 +271,11 @@ class Classifier:
                 continue
             subject, headers = prepared
             try:
-                fut: asyncio.Future[Any] | None = await self._pubacks.publish(subject, msg.data, headers)
+                fut: asyncio.Future[Any] | None = await self._pubacks.publish(subject, msg.data, headers, group=pending)
             except TRANSPORT_ERRORS:
                 fut = None  # reconnecting with a full buffer, or closed: the careful path decides
             sent.append((msg, meta, route, subject, headers, fut))
-        await settled([fut for *_, fut in sent if fut is not None], _REPUBLISH_ACK_TIMEOUT_S)
+        await pending.wait(_REPUBLISH_ACK_TIMEOUT_S)
         retry = []
         for msg, meta, route, subject, headers, fut in sent:
             if fut is not None and not fut.cancelled() and fut.exception() is None:

@@ -18,10 +18,11 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 import anyio
+import msgspec
 from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import (
-    ContentType, ErrorCode, Headers, ReplyPolicy, batch_header, decode_payload, encode_payload, new_request_id, parse_request_headers, validate_tenant,
+    ContentType, ErrorCode, Headers, ReplyPolicy, RequestMeta, batch_header_of, decode_payload, encode_payload, new_request_id, parse_request_headers, validate_tenant,
 )  # fmt: skip
 
 from ..handlers import BadInput
@@ -146,13 +147,11 @@ class BatchRunner:
         now = self._clock()
         requests = [self.parse(m, now) for m in msgs]
         waits_ms = {id(r): max(0.0, (now - r.enqueued_at) * 1000.0) for r in requests}
-        trace = [""]  # the batch span's trace id, once the span exists
+        # The Jetbatch-Batch header, given a request's wait (with the span's trace id once it exists).
+        batch_value = batch_header_of(batch_id, len(requests), loaded, self.worker_id)
 
         def extra(r: Request) -> dict[str, str]:
-            return {
-                Headers.MODEL: slot.name,
-                Headers.BATCH: batch_header(batch_id, len(requests), waits_ms[id(r)], loaded, self.worker_id, trace[0]),
-            }
+            return {Headers.MODEL: slot.name, Headers.BATCH: batch_value(waits_ms[id(r)])}
 
         predicted_s = self._predicted_s(slot, len(requests))
         rejected, expired, fresh, suspects = _triage(requests, now, predicted_s)
@@ -185,7 +184,9 @@ class BatchRunner:
         ) as span:
             if load_record is not None:
                 self.telemetry.record_load(load_record, span)
-            trace[0] = self.telemetry.trace_id_hex(span) or ""
+            trace_id = self.telemetry.trace_id_hex(span)
+            if trace_id:
+                batch_value = batch_header_of(batch_id, len(requests), loaded, self.worker_id, trace_id)
             for r in rejected:
                 r.action = "term"  # a malformed request will not get better on redelivery
                 r.answer = Answer.failure(r.meta, ErrorCode.BAD_REQUEST, r.meta.problem or "bad request", extra(r))
@@ -405,10 +406,8 @@ def _too_late(r: Request, now: float, predicted_s: float) -> str:
     return f"deadline passed {-left_s:.3f}s before compute" if left_s < 0 else f"{left_s:.3f}s left, a batch takes about {predicted_s:.3f}s"
 
 
-def _with_problem(meta: Any, problem: str) -> Any:
-    from dataclasses import replace
-
-    return replace(meta, problem=f"{meta.problem}; {problem}" if meta.problem else problem)
+def _with_problem(meta: RequestMeta, problem: str) -> RequestMeta:
+    return msgspec.structs.replace(meta, problem=f"{meta.problem}; {problem}" if meta.problem else problem)
 
 
 def _triage(requests: list[Request], now: float, predicted_s: float) -> tuple[list[Request], list[Request], list[Request], list[Request]]:

@@ -38,7 +38,7 @@ class BatchReport:
     decision: str
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One message of a batch, its checked headers, and what became of it."""
 
