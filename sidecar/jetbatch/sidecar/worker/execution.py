@@ -308,9 +308,9 @@ class BatchRunner:
         answers, PubAcks) while the model computes; on the event loop itself once the model's
         last :data:`INLINE_AFTER` passes each took under :data:`INLINE_PASS_S`, until one does
         not. A thread's hand-off and wake-up back cost more than such a pass (about 0.11 ms of
-        CPU and 0.13 ms wall a round trip on the 2-core bench host, ``bench/overhead.py``'s
-        figures in docs/benchmarks.md), and the loop is held no longer than a timer's own
-        lateness."""
+        CPU and 0.11-0.14 ms wall a round trip on the 2-core bench host: ``python -m
+        bench.thread_hop``). The loop is held about twice that at most, but for the one pass that
+        turns out slow (the next goes back to the thread)."""
         predict = slot.handler.predict
         try:
             if slot.quick_passes >= INLINE_AFTER:
