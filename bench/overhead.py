@@ -5,7 +5,7 @@ number of requests and the same producer concurrency; the raw side is the least 
 request/reply needs (no scheduling, no handler thread, no batching window). Run:
 
     python -m bench.overhead [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier] [--compare-durable]
-                             [--raw-stored]
+                             [--raw-stored] [--raw-relayed]
                              [--uvloop] [--profile out.pstats [--profile-only raw|jetbatch|classified]]
 """
 
@@ -171,22 +171,29 @@ async def raw_requests(
     return elapsed, latencies
 
 
-async def raw_round(url: str, n: int, concurrency: int, payload: bytes, *, stored: bool = False) -> tuple[float, list[float]]:
+async def raw_round(
+    url: str, n: int, concurrency: int, payload: bytes, *, stored: bool = False, relayed: bool = False
+) -> tuple[float, list[float]]:
     """Producer: JetStream publish with a reply-to header, await the reply on one inbox.
-    Consumer: fetch up to 64, publish each reply (``stored``: into a results stream), ack each."""
+    Consumer: fetch up to 64, publish each reply (``stored``: into a results stream), ack each.
+    ``relayed`` (stored too): the producer publishes to an ingress stream and :func:`raw_relay`
+    republishes each request to the consumer's, the raw twin of the classifier's hop."""
     prefix = f"raw{uuid.uuid4().hex[:6]}"
+    stored = stored or relayed
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await add_raw_streams(js, prefix, stored=stored)
+    await add_raw_streams(js, prefix, stored=stored, relayed=relayed)
     psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
     stop = asyncio.Event()
-    task = asyncio.create_task(raw_replies(nc, psub, stop, stored=stored))
-    elapsed, latencies = await raw_requests(nc, prefix, n, concurrency, payload, stored=stored)
+    tasks = [asyncio.create_task(raw_replies(nc, psub, stop, stored=stored))]
+    if relayed:
+        rsub = await js.pull_subscribe(f"{prefix}.in", durable="relay", stream=f"{prefix.upper()}_IN")
+        tasks.append(asyncio.create_task(raw_relay(nc, rsub, prefix, stop)))
+    elapsed, latencies = await raw_requests(nc, prefix, n, concurrency, payload, stored=stored, relayed=relayed)
     stop.set()
-    await task
-    await js.delete_stream(prefix.upper())
-    if stored:
-        await js.delete_stream(f"{prefix.upper()}_R")
+    await asyncio.gather(*tasks)
+    for name in (prefix.upper(), *((f"{prefix.upper()}_R",) if stored else ()), *((f"{prefix.upper()}_IN",) if relayed else ())):
+        await js.delete_stream(name)
     await nc.close()
     return n / elapsed, latencies
 
@@ -230,6 +237,27 @@ async def lone_request_overhead(url: str, max_delay_ms: float, rounds: int = 20)
     return statistics.median(r.latency_s for r in run.results) * 1000 - max_delay_ms
 
 
+async def raw_lone_round_trip_ms(url: str, rounds: int = 20) -> float:
+    """Median round trip of the stored raw loop's requests sent one at a time (ms): the same path
+    as a lone jetbatch request's, without a batch window (the floor under its overhead)."""
+    prefix = f"rawl{uuid.uuid4().hex[:6]}"
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await add_raw_streams(js, prefix, stored=True)
+    psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+    stop = asyncio.Event()
+    task = asyncio.create_task(raw_replies(nc, psub, stop, stored=True))
+    latencies: list[float] = []
+    for i in range(rounds + 1):  # the first one warms the path up
+        latencies += (await raw_requests(nc, prefix, 1, 1, b"x", first=i, stored=True))[1][i == 0 :]
+    stop.set()
+    await task
+    for name in (prefix.upper(), f"{prefix.upper()}_R"):
+        await js.delete_stream(name)
+    await nc.close()
+    return statistics.median(latencies) * 1000
+
+
 async def main(args: argparse.Namespace) -> dict[str, object]:
     # What a sidecar process does once ready (sidecar/runtime.py): everything the imports made is
     # frozen out of the cyclic collector, whose full collections otherwise stop this one loop,
@@ -238,7 +266,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     payload = bytes(range(256)) * (args.payload // 256) + bytes(args.payload % 256)
     results: dict[str, list[float]] = {
         "raw_rps": [], "jb_rps": [], "ratio": [], "classified_rps": [], "classified_ratio": [], "volatile_rps": [], "durable_ratio": [],
-        "stored_rps": [], "stored_ratio": [], "jb_over_stored": [],
+        "stored_rps": [], "stored_ratio": [], "jb_over_stored": [], "relayed_ratio": [], "classified_over_relayed": [],
     }  # fmt: skip
     cls_lat: list[float] = []
     raw_lat: list[float] = []
@@ -266,10 +294,15 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
                 results["classified_rps"].append(c_rps)
                 results["classified_ratio"].append(c_rps / raw_rps)
                 cls_lat += cl
+                if args.raw_relayed:
+                    r_rps, _ = await raw_round(server.url, args.requests, args.concurrency, payload, relayed=True)
+                    results["relayed_ratio"].append(r_rps / raw_rps)
+                    results["classified_over_relayed"].append(c_rps / r_rps)
             raw_lat += rl
             jb_lat += jl
             batch_means.append(mean_batch)
         lone = await lone_request_overhead(server.url, max_delay_ms=5.0)
+        raw_lone_ms = await raw_lone_round_trip_ms(server.url)
     summary = {
         "requests": args.requests,
         "concurrency": args.concurrency,
@@ -284,6 +317,9 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "jetbatch_p99_ms": pct(jb_lat, 99) * 1000,
         "jetbatch_mean_batch": statistics.mean(batch_means),
         "lone_request_overhead_ms_beyond_max_delay": lone,
+        # The stored raw loop's lone round trip, in the same process: what the overhead above
+        # cannot go under (the publish, the store, the fetch, the stored answer's delivery).
+        "raw_stored_lone_p50_ms": raw_lone_ms,
     }
     if args.raw_stored:
         summary.update({
@@ -305,6 +341,11 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             "classified_p50_ms": pct(cls_lat, 50) * 1000,
             "classified_p99_ms": pct(cls_lat, 99) * 1000,
         })  # fmt: skip
+    if args.classifier and args.raw_relayed:
+        summary.update({
+            "raw_relayed_over_raw": [round(r, 3) for r in results["relayed_ratio"]],
+            "classified_over_raw_relayed": [round(r, 3) for r in results["classified_over_relayed"]],
+        })  # fmt: skip
     return summary
 
 
@@ -318,6 +359,8 @@ if __name__ == "__main__":
     parser.add_argument("--policy", default="cost-aware")
     parser.add_argument("--classifier", action="store_true", help="also SDK → classifier → worker (requests without a model)")
     parser.add_argument("--raw-stored", action="store_true", help="also the raw loop with its replies stored (PubAck before the ack)")
+    parser.add_argument("--raw-relayed", action="store_true",
+                        help="with --classifier, also the raw twin of the classifier path: a raw relay in front of the stored raw loop")
     parser.add_argument("--compare-durable", action="store_true", help="also run with the results store off (replies.durable = false)")
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--uvloop", action="store_true", help="run everything on uvloop's event loop (jetbatch[fast])")
