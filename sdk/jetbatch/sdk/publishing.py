@@ -28,7 +28,7 @@ from . import failures
 from .errors import BadRequest, ConnectionFailed, JetbatchError, Overloaded, PayloadTooLarge, RequestTimeout
 from .protocol import JS_MSG_TOO_BIG, JS_STREAM_FULL
 
-__all__ = ["ATOMIC_BATCH_MAX", "AckGroup", "BatchIgnored", "PubAcks", "PublishRefused", "publish_with_retries", "settled"]
+__all__ = ["ATOMIC_BATCH_MAX", "AckGroup", "BatchIgnored", "PubAcks", "PublishRefused", "publish_with_retries"]
 
 # The server's limit on the messages of one atomic batch (nats-server 2.12+, ADR-50).
 ATOMIC_BATCH_MAX = 1000
@@ -288,11 +288,3 @@ def _outcome(msg: Msg) -> dict[str, Any] | PublishRefused:
         return PublishRefused(str(error.get("description", error))[:300], code if isinstance(code, int) else None)
     status = (msg.headers or {}).get("Status", "")
     return PublishRefused(f"no stream answered (status {status or 'unknown'})")
-
-
-async def settled(futures: list[asyncio.Future[Any]], timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for every future; cancel those still pending."""
-    group = AckGroup()
-    for fut in futures:
-        group.add(fut)
-    await group.wait(timeout_s)
