@@ -1,0 +1,176 @@
+"""sdk/publishing.py: PubAcks and the AckGroup that awaits a batch of them, with a stand-in
+connection whose PubAcks the test delivers (the real server's are in tests/test_replies.py and
+tests/test_classifier.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any, Awaitable, Callable
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jetbatch.sdk import publishing
+from jetbatch.sdk.publishing import AckGroup, BatchIgnored, PublishRefused, PubAcks
+
+pytestmark = pytest.mark.anyio
+
+
+class StandIn:
+    """What PubAcks needs of a connection: an inbox, a subscription, publishes it records."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, str, dict[str, str] | None]] = []
+        self.on_ack: Callable[[Any], Awaitable[None]] | None = None
+        self.unsubscribed = False
+
+    def new_inbox(self) -> str:
+        return "_INBOX.test"
+
+    async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+        self.on_ack = cb
+
+        async def unsubscribe() -> None:
+            self.unsubscribed = True
+
+        return SimpleNamespace(unsubscribe=unsubscribe)
+
+    async def publish(self, subject: str, body: bytes, reply: str = "", headers: dict[str, str] | None = None) -> None:
+        self.published.append((subject, reply, headers))
+
+    async def ack(self, reply: str, body: dict[str, Any] | None, headers: dict[str, str] | None = None) -> None:
+        """The server's answer to the publish whose reply subject was ``reply``."""
+        assert self.on_ack is not None
+        await self.on_ack(SimpleNamespace(subject=reply, data=json.dumps(body).encode() if body is not None else b"", headers=headers))
+
+
+def _stored(seq: int, **extra: Any) -> dict[str, Any]:
+    return {"stream": "R", "seq": seq, **extra}
+
+
+async def test_a_group_wakes_once_every_pubAck_came_and_each_future_holds_its_own() -> None:
+    nc = StandIn()
+    acks = PubAcks(nc)  # type: ignore[arg-type]
+    group = AckGroup()
+    futs = [await acks.publish(f"s.{i}", b"x", {}, group=group) for i in range(3)]
+    waiting = asyncio.ensure_future(group.wait(5.0))
+    for i, (_, reply, _) in enumerate(nc.published[:2]):
+        await nc.ack(reply, _stored(i + 1))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # one PubAck still to come
+    await nc.ack(nc.published[2][1], {"error": {"code": 400, "err_code": 10077, "description": "maximum messages exceeded"}})
+    await asyncio.wait_for(waiting, 1)
+    assert [f.result()["seq"] for f in futs[:2]] == [1, 2]
+    refused = futs[2].exception()
+    assert isinstance(refused, PublishRefused) and refused.err_code == 10077
+    assert not acks._waiting  # every token answered is forgotten
+
+
+async def test_what_has_no_pubAck_by_the_timeout_is_cancelled_and_a_late_one_is_dropped() -> None:
+    nc = StandIn()
+    acks = PubAcks(nc)  # type: ignore[arg-type]
+    group = AckGroup()
+    answered = await acks.publish("s.1", b"x", {}, group=group)
+    lost = await acks.publish("s.2", b"x", {}, group=group)
+    await nc.ack(nc.published[0][1], _stored(1))
+    waiting = asyncio.ensure_future(group.wait(0.05))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # it waits for the missing one, up to its timeout
+    await asyncio.wait_for(waiting, 5)
+    assert answered.result()["seq"] == 1 and lost.cancelled()
+    await nc.ack(nc.published[1][1], _stored(2))  # too late: dropped, nothing raises
+    assert lost.cancelled()
+
+
+async def test_closing_the_pubAcks_ends_a_groups_wait_at_once() -> None:
+    nc = StandIn()
+    acks = PubAcks(nc)  # type: ignore[arg-type]
+    group = AckGroup()
+    fut = await acks.publish("s.1", b"x", {}, group=group)
+    waiting = asyncio.ensure_future(group.wait(30.0))
+    await asyncio.sleep(0)
+    await acks.close()
+    await asyncio.wait_for(waiting, 1)
+    assert fut.cancelled() and nc.unsubscribed
+
+
+async def test_a_cancelled_wait_cancels_what_it_waited_for() -> None:
+    nc = StandIn()
+    acks = PubAcks(nc)  # type: ignore[arg-type]
+    group = AckGroup()
+    fut = await acks.publish("s.1", b"x", {}, group=group)
+    waiting = asyncio.ensure_future(group.wait(30.0))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert fut.cancelled()
+    await nc.ack(nc.published[0][1], _stored(1))  # its PubAck after all: dropped
+
+
+async def test_an_atomic_batchs_pubAck_must_cover_the_batch() -> None:
+    nc = StandIn()
+    acks = PubAcks(nc)  # type: ignore[arg-type]
+    for answer, ok in (({"batch": None, "count": 3}, True), ({"count": 1}, False), ({"count": 2}, False)):
+        group = AckGroup()
+        nc.published.clear()
+        fut = await acks.publish_atomic([("s.1", b"a", {"H": "1"}), ("s.2", b"b", {}), ("s.3", b"c", {})], group=group)
+        subject, reply, headers = nc.published[-1]
+        assert headers is not None and headers["Nats-Batch-Commit"] == "1" and [p[1] for p in nc.published[:-1]] == ["", ""]
+        batch = headers["Nats-Batch-Id"]
+        await nc.ack(reply, _stored(3, **{**answer, **({"batch": batch} if "batch" in answer else {})}))
+        await group.wait(1.0)
+        if ok:
+            assert fut.result()["count"] == 3
+        else:
+            assert isinstance(fut.exception(), BatchIgnored)
+    assert nc.published[0][2] == {"H": "1", "Nats-Batch-Id": batch, "Nats-Batch-Sequence": "1"}
+
+
+async def test_a_pubAck_with_no_stream_is_a_refusal_naming_the_status() -> None:
+    nc = StandIn()
+    acks = PubAcks(nc)  # type: ignore[arg-type]
+    fut = await acks.publish("s.1", b"x", {})
+    await nc.ack(nc.published[0][1], None, {"Status": "503"})
+    exc = fut.exception()
+    assert isinstance(exc, PublishRefused) and exc.err_code is None and "503" in str(exc)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["ack", "refuse", "give_up", "none"]), min_size=1, max_size=40))
+def test_tokens_given_up_on_are_swept_and_the_table_stays_bounded(outcomes: list[str]) -> None:
+    """Whatever becomes of each publish (answered, refused, given up on by its caller, never
+    answered), the table of tokens holds only futures still waiting once it is swept, and never
+    more than twice what it held after the last sweep, or the sweep's floor."""
+
+    async def run() -> None:
+        nc = StandIn()
+        acks = PubAcks(nc)  # type: ignore[arg-type]
+        acks._sweep_at = floor
+        pending: list[asyncio.Future[Any]] = []
+        for i, outcome in enumerate(outcomes * 3):
+            fut = await acks.publish(f"s.{i}", b"x", {})
+            reply = nc.published[-1][1]
+            if outcome == "ack":
+                await nc.ack(reply, _stored(i))
+                assert fut.done()
+            elif outcome == "refuse":
+                await nc.ack(reply, {"error": {"code": 503, "description": "no"}})
+                assert isinstance(fut.exception(), PublishRefused)
+            elif outcome == "give_up":
+                fut.cancel()
+            else:
+                pending.append(fut)
+            # Answered tokens go at once; given-up ones at the next sweep, which comes once the
+            # table is twice what it held after the last (or the floor).
+            assert len(acks._waiting) <= max(floor, 2 * len(pending)) + 1
+        assert all(not e[0].done() or e[0].cancelled() for e in acks._waiting.values())
+        assert {id(f) for f in pending} <= {id(e[0]) for e in acks._waiting.values()}
+
+    floor = 4  # sweep often: the property is about the sweep, not its floor
+    with mock.patch.object(publishing, "_SWEEP_MIN", floor):
+        asyncio.run(run())
