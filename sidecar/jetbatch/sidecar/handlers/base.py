@@ -4,7 +4,8 @@ results, and how a model moves between the three memory tiers.
 Tiers: *cold* (only on disk), *warm* (weights in host memory, pinned when the device is CUDA) and
 *resident* (on the device, ready to run). The worker decides the moves; a handler carries them
 out. Every method except ``decode``/``encode`` may block (disk, device): the worker calls them in
-a worker thread so the event loop keeps acking and fetching.
+a worker thread so the event loop keeps acking and fetching; ``predict`` too, unless the handler
+declares it cheap and bounded (``inline``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ class Handler(ABC):
     A custom handler needs only ``load``, ``unload`` and ``predict``; without a warm tier its
     ``offload`` is an ``unload``.
     """
+
+    # Whether ``predict`` is cheap and bounded whatever the batch (no device, no blocking call,
+    # little work an item, nothing that needs its own thread): the worker then calls it on the
+    # event loop, which a thread's round trip a batch (about 0.11 ms of CPU, ``python -m
+    # bench.thread_hop``) would cost more than. Otherwise in a worker thread, so that a slow
+    # batch never stops the loop.
+    inline = False
 
     def __init__(self, name: str, config: ModelConfig) -> None:
         self.name = name

@@ -17,7 +17,7 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     decision_per_model_s = 0.0000075    # ... per model the policy looks at (policy/visible.py)
     arrival_delay_s = 0.0005            # from a request's store to the worker knowing of it
     load_overhead_s = 0.003             # per load: the consumer check, adverts and claims
-    batch_overhead_s = 0.001            # per batch, before compute: the fetch (and a slow model's thread hop)
+    batch_overhead_s = 0.001            # per batch, before compute: the fetch and the thread hop
     answer_s = 0.0013                   # per batch, after compute: store the answers, reply (off the device)
     consumer_create_s = 0.002           # a model's first load (consumers on demand): make its consumer
     consumer_idle_s = 600.0             # ... again after this long unused (streams.consumer_idle_s)

@@ -33,18 +33,12 @@ from .counters import Counters
 from .slots import BatchReport, ModelTurn, Request, Slot, ack_info
 from .quarantine import Evidence, Quarantine, Verdict, groups
 
-__all__ = ["GIVE_BACK_DELAY_S", "INLINE_AFTER", "INLINE_PASS_S", "BatchRunner"]
+__all__ = ["GIVE_BACK_DELAY_S", "BatchRunner"]
 
 # A request given back because its answer could not be made safe (the results store refused it,
 # or the batch failed inside jetbatch) is delivered again this long after (a nak's delay): time
 # for the store to recover, and not a spin.
 GIVE_BACK_DELAY_S = 1.0
-
-# A forward pass runs on the event loop, not in a worker thread, once the model's last
-# INLINE_AFTER passes each took less than INLINE_PASS_S (BatchRunner._forward): about twice what
-# the thread's round trip itself costs.
-INLINE_PASS_S = 0.00025
-INLINE_AFTER = 8
 
 _CANCELLED = "cancelled by its caller before it was computed"
 
@@ -305,25 +299,12 @@ class BatchRunner:
 
     async def _forward(self, slot: Slot, values: list[Any]) -> list[Any]:
         """One forward pass: in a worker thread, so that the event loop serves the queues (pulls,
-        answers, PubAcks) while the model computes; on the event loop itself once the model's
-        last :data:`INLINE_AFTER` passes each took under :data:`INLINE_PASS_S`, until one does
-        not. A thread's hand-off and wake-up back cost more than such a pass (about 0.11 ms of
-        CPU and 0.11-0.14 ms wall a round trip on the 2-core bench host: ``python -m
-        bench.thread_hop``). The loop is held about twice that at most, but for the one pass that
-        turns out slow (the next goes back to the thread)."""
-        predict = slot.handler.predict
-        try:
-            if slot.quick_passes >= INLINE_AFTER:
-                started = self.timer()
-                results = predict(values)
-                took_s = self.timer() - started
-            else:
-                results, took_s = await anyio.to_thread.run_sync(_timed, predict, values, self.timer)
-        except BaseException:
-            slot.quick_passes = 0  # a pass that raised counts as slow
-            raise
-        slot.quick_passes = slot.quick_passes + 1 if took_s < INLINE_PASS_S else 0
-        return results
+        answers, PubAcks) while the model computes; on the event loop itself when the handler
+        declares ``predict`` cheap and bounded (:attr:`Handler.inline`), where a thread's round
+        trip would cost more than the pass (about 0.11 ms of CPU: ``python -m bench.thread_hop``)."""
+        if slot.handler.inline:
+            return slot.handler.predict(values)
+        return await anyio.to_thread.run_sync(slot.handler.predict, values)
 
     async def _run_suspects(self, slot: Slot, suspects: list[Request], extra: Callable[[Request], dict[str, str]], turn: ModelTurn) -> None:
         """Redelivered requests: answered from the results store if an earlier delivery was
@@ -418,13 +399,6 @@ class BatchRunner:
             await self._on_settled(slot, [r.msg for r in requests], back_in_s)
         for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
             self.telemetry.requests.add(count, {"jetbatch.model": slot.name, "jetbatch.status": outcome})
-
-
-def _timed(predict: Callable[[list[Any]], list[Any]], values: list[Any], timer: Callable[[], float]) -> tuple[list[Any], float]:
-    """``predict(values)`` and how long it took (in the thread that ran it)."""
-    started = timer()
-    results = predict(values)
-    return results, timer() - started
 
 
 def _suspicion(evidence: Evidence) -> tuple[int, int]:

@@ -187,7 +187,6 @@ class Residency:
         slot.pending_load = LoadRecord(slot.name, started_ns, time.time_ns(), memory, tuple(evict), unloads)
         self._set_tier(slot, "resident")
         slot.fresh_load = True
-        slot.quick_passes = 0  # a new copy of the model: its passes are timed in a thread again
         self.driver.loaded(
             slot.name, tier=tier, seconds=seconds, now=time.time(), share=slot.backlog if share is None else min(share, slot.backlog),
             memory_bytes=memory, host_bytes=slot.handler.host_bytes(),

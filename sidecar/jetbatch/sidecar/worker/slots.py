@@ -65,7 +65,6 @@ class Slot:
     psub: Any = None
     tier: Tier = "cold"
     fresh_load: bool = False  # the next batch is the first after a load: it "paid" the load
-    quick_passes: int = 0  # forward passes in a row shorter than INLINE_PASS_S (worker/execution.py)
     backlog: int = 0
     arrivals: int = 0  # arrival events counted for this model, ever: an open window waits for the next
     oldest_enqueued_at: float | None = None
