@@ -109,7 +109,9 @@ class AckGroup:
     arrival counts it here directly. ``asyncio.wait`` (or ``gather``) puts a callback on every
     future, and each resolved future then schedules it on the event loop: one callback a
     message, on the worker's hot path (docs/benchmarks.md, "One wake-up a batch"). Any other
-    future is tracked with :meth:`add`."""
+    future is tracked with :meth:`add`. A future counted for PubAcks ends with its PubAck, the
+    wait's end or :meth:`PubAcks.close`: one cancelled by anything else leaves the wait to its
+    timeout (give up on the wait, not on its futures)."""
 
     __slots__ = ("_futures", "_left", "_wake")
 
