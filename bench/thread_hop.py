@@ -23,7 +23,6 @@ import anyio.to_thread
 import torch
 
 
-
 async def _timed(passes: int, one: Callable[[], Any], threaded: bool) -> tuple[float, float]:
     """CPU and wall microseconds a pass."""
     cpu, wall = time.process_time(), time.perf_counter()
@@ -40,7 +39,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     batch = [torch.full((64,), float(i)) for i in range(64)]
     work: dict[str, Callable[[], Any]] = {"nothing": lambda: None, "identity_64": lambda: list(batch)}
     rows: list[dict[str, Any]] = []
-    for name, one in work.items():
+    for one in work.values():
         for threaded in (True, False):
             await _timed(200, one, threaded)  # the thread exists, caches are warm
     for r in range(args.rounds):

@@ -3,12 +3,11 @@ header block exactly as nats-py's own does."""
 
 from __future__ import annotations
 
+import nats.aio.client as nats_client
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
-
-import nats.aio.client as nats_client
 
 from jetbatch.sdk.connection import connect_nats, parse_header_lines
 
