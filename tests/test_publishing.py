@@ -86,25 +86,26 @@ async def test_what_has_no_pubAck_by_the_timeout_is_cancelled_and_a_late_one_is_
     assert lost.cancelled()
 
 
-async def test_closing_the_pubAcks_ends_a_groups_wait_at_once() -> None:
+async def _one_waited_for() -> tuple[StandIn, PubAcks, asyncio.Future[Any], asyncio.Future[None]]:
+    """One publish in a group, and the group's wait (long) already waiting for its PubAck."""
     nc = StandIn()
     acks = PubAcks(nc)  # type: ignore[arg-type]
     group = AckGroup()
     fut = await acks.publish("s.1", b"x", {}, group=group)
     waiting = asyncio.ensure_future(group.wait(30.0))
     await asyncio.sleep(0)
+    return nc, acks, fut, waiting
+
+
+async def test_closing_the_pubAcks_ends_a_groups_wait_at_once() -> None:
+    nc, acks, fut, waiting = await _one_waited_for()
     await acks.close()
     await asyncio.wait_for(waiting, 1)
     assert fut.cancelled() and nc.unsubscribed
 
 
 async def test_a_cancelled_wait_cancels_what_it_waited_for() -> None:
-    nc = StandIn()
-    acks = PubAcks(nc)  # type: ignore[arg-type]
-    group = AckGroup()
-    fut = await acks.publish("s.1", b"x", {}, group=group)
-    waiting = asyncio.ensure_future(group.wait(30.0))
-    await asyncio.sleep(0)
+    nc, _, fut, waiting = await _one_waited_for()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
