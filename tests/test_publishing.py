@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 from unittest import mock
 
+import anyio.lowlevel
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -60,7 +61,7 @@ async def test_a_group_wakes_once_every_pubAck_came_and_each_future_holds_its_ow
     waiting = asyncio.ensure_future(group.wait(5.0))
     for i, (_, reply, _) in enumerate(nc.published[:2]):
         await nc.ack(reply, _stored(i + 1))
-    await asyncio.sleep(0)
+    await anyio.lowlevel.checkpoint()  # the waiting task runs up to its wait
     assert not waiting.done()  # one PubAck still to come
     await nc.ack(nc.published[2][1], {"error": {"code": 400, "err_code": 10077, "description": "maximum messages exceeded"}})
     await asyncio.wait_for(waiting, 1)
@@ -78,7 +79,7 @@ async def test_what_has_no_pubAck_by_the_timeout_is_cancelled_and_a_late_one_is_
     lost = await acks.publish("s.2", b"x", {}, group=group)
     await nc.ack(nc.published[0][1], _stored(1))
     waiting = asyncio.ensure_future(group.wait(0.05))
-    await asyncio.sleep(0)
+    await anyio.lowlevel.checkpoint()  # the waiting task runs up to its wait
     assert not waiting.done()  # it waits for the missing one, up to its timeout
     await asyncio.wait_for(waiting, 5)
     assert answered.result()["seq"] == 1 and lost.cancelled()
@@ -93,7 +94,7 @@ async def _one_waited_for() -> tuple[StandIn, PubAcks, asyncio.Future[Any], asyn
     group = AckGroup()
     fut = await acks.publish("s.1", b"x", {}, group=group)
     waiting = asyncio.ensure_future(group.wait(30.0))
-    await asyncio.sleep(0)
+    await anyio.lowlevel.checkpoint()  # the waiting task runs up to its wait
     return nc, acks, fut, waiting
 
 

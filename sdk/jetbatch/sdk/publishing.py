@@ -120,9 +120,6 @@ class AckGroup:
         self._left = 0  # futures not yet resolved
         self._wake: asyncio.Future[None] | None = None
 
-    def __len__(self) -> int:
-        return len(self._futures)
-
     def add(self, fut: asyncio.Future[Any]) -> None:
         """Wait for ``fut`` too (a future this group's PubAcks do not resolve)."""
         self._futures.append(fut)
