@@ -554,6 +554,22 @@ async def test_a_peers_fetch_reaches_the_other_workers_count_through_the_server(
         await peer.stop()
 
 
+@pytest.mark.anyio
+async def test_a_worker_nobody_hears_sends_no_take_events(nats_url: str, prefix: str) -> None:
+    async with _streams(nats_url, prefix, ["m1"]) as (nc, js, subjects):
+        heard = False
+        view, slots = _view("m1")
+        feed = ArrivalFeed(nc, subjects, slots, view, on_arrival=lambda: None, worker_id="w-me", audience=lambda: heard)
+        sub = await nc.subscribe(subjects.taken_wildcard)
+        await feed.took("m1", 2)
+        await feed.settled("m1", 2)
+        heard = True
+        await feed.took("m1", 3)
+        first = await sub.next_msg(timeout=10)  # one connection: the server keeps its order
+        assert first.data == b"+3"
+        await sub.unsubscribe()
+
+
 def test_a_forged_hour_with_an_offset_reads_as_the_full_parse_does() -> None:
     """``T00-00:01`` is an hour with a UTC offset to ``fromisoformat``: the per-minute shortcut
     read it as minute ``00-00`` plus a second (found by the property above)."""

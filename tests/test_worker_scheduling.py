@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +322,48 @@ async def test_a_pin_waits_for_a_peers_claim_on_its_model_and_is_loaded_before_r
                 await conn.close()
 
 
+@contextlib.asynccontextmanager
+async def _a_peer(nc: Any, prefix: str) -> AsyncIterator[None]:
+    """A peer's advert in the cluster bucket (a worker serving nothing), so that a worker's take
+    and settle events have someone to reach (give its workers a long ``peer_timeout_s``: the
+    advert is not renewed)."""
+    from jetbatch.sdk.protocol import SidecarReport, Subjects
+    from jetbatch.sidecar.cluster import ClusterView
+
+    peer = ClusterView(nc.jetstream(), Subjects(prefix), "peer", heartbeat_s=5.0)
+    await peer.start()
+    try:
+        await peer.advertise(SidecarReport(role="worker", id="peer", started_at=time.time(), updated_at=time.time()))
+        yield
+    finally:
+        await peer.stop()
+
+
+async def test_a_worker_alone_tells_nobody_what_it_takes_and_tells_a_peer_once_it_sees_one(nats_url: str, prefix: str) -> None:
+    """Take and settle events are for peers: alone, a worker sends as few messages a request as
+    the raw loop (bench/deployed.py); once a peer's advert is in its view, its takes reach it."""
+    from jetbatch.sidecar.worker.queues import WORKER_HEADER
+
+    config = make_config(prefix, {"m1": sleep_model()}, worker={"peer_timeout_s": 60.0})
+    observer = await nats.connect(nats_url)
+    try:
+        events = await observer.subscribe(config.subjects.taken_wildcard)
+        async with running_worker(config, nats_url) as worker, sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await client.infer(b"alone", model="m1", timeout=10)
+            await wait_until(lambda: not worker.report().in_flight, timeout_s=10, what="the batch settled")
+            # What the worker published before this round trip has reached the observer by its end.
+            await worker.nc.flush(timeout=10)
+            await observer.flush(timeout=10)
+            assert events.pending_msgs == 0
+            async with _a_peer(observer, prefix):
+                await wait_until(worker.peers.heard, timeout_s=10, what="the peer in the worker's view")
+                await client.infer(b"beside a peer", model="m1", timeout=10)
+                took = await events.next_msg(timeout=10)
+        assert took.data == b"+1" and took.headers[WORKER_HEADER] == worker.worker_id
+    finally:
+        await observer.close()
+
+
 def _busy_config(prefix: str, batch_cost_s: float, other: str, **sections: Any) -> Config:
     """One slot, a model ``busy`` whose batches of one take ``batch_cost_s``, and ``other``."""
     busy = sleep_model(max_batch_size=1, options={"load_cost_s": 0.0, "batch_cost_s": batch_cost_s, "item_cost_s": 0.0})
@@ -567,7 +612,7 @@ async def test_a_batchs_answered_requests_stop_counting_as_held_before_its_redel
     requests."""
     from jetbatch.sidecar.replies import Replier
 
-    config = make_config(prefix, {"m1": sleep_model()})
+    config = make_config(prefix, {"m1": sleep_model()}, worker={"peer_timeout_s": 60.0})
     await _prepare_streams(config, nats_url)
     held_at_lookup: list[int] = []
     settles: list[bytes] = []
@@ -592,7 +637,7 @@ async def test_a_batchs_answered_requests_stop_counting_as_held_before_its_redel
             await _delivered_and_given_back(nc, config)
             fresh = [asyncio.ensure_future(client.infer(f"f{i}".encode(), model="m1", timeout=30)) for i in range(3)]
             await _queued(client, 4)
-            async with running_worker(config, nats_url):
+            async with _a_peer(nc, prefix), running_worker(config, nats_url):
                 assert await asyncio.gather(again, *fresh) == [b"again", b"f0", b"f1", b"f2"]
                 await wait_until(lambda: len(settles) >= 3, timeout_s=10, what="the take and settle events")
     finally:

@@ -81,3 +81,57 @@ def test_a_peer_leaving_or_replaced_under_its_id_is_departed_once() -> None:
     view.live = {"w1": SimpleNamespace(started_at=20.0)}  # w2 gone
     assert peers.departed(3.0) == ["w2"]
     assert peers.departed(4.0) == []
+
+
+def test_take_events_are_heard_by_a_peer_in_view_or_by_unknown_peers_without_a_view() -> None:
+    """A worker that knows it is alone sends no take events; with coordination off it cannot
+    know, and sends them."""
+    from jetbatch.sidecar.worker.coordination import Coordinator
+
+    class View:
+        live: dict[str, SimpleNamespace] = {}
+
+        def peers(self, now: float | None = None) -> dict[str, SimpleNamespace]:
+            return dict(self.live)
+
+    nothing = {k: None for k in ("slots", "queues", "residency", "driver", "budget", "counters", "report")}
+    view = View()
+    peers = Coordinator(view, worker_id="w0", **nothing, heartbeat_s=1.0)  # type: ignore[arg-type]
+    assert not peers.heard()
+    view.live = {"w1": SimpleNamespace(started_at=10.0)}
+    assert peers.heard()
+    assert Coordinator(None, worker_id="w0", **nothing, heartbeat_s=1.0).heard()  # type: ignore[arg-type]
+
+
+def test_a_queue_is_left_only_to_a_peer_that_serves_its_model() -> None:
+    """Workers may serve different models: a peer first in a model's taker order but not serving
+    it must not hold its queue back (it deferred the queue a load time for nobody)."""
+    from jetbatch.sidecar.policy import Budget, first_taker_rank
+    from jetbatch.sidecar.worker.coordination import Coordinator
+
+    # A peer id that comes before w0 for m1 when both have room.
+    peer = next(p for p in (f"w{i}" for i in range(1, 100)) if first_taker_rank("m1", "w0", [p], has_warm=lambda _: False, has_room=lambda _: True))
+
+    def advert(models: list[str]) -> SimpleNamespace:
+        return SimpleNamespace(models=models, warm=[], resident=[], loading=None, memory_bytes=0, memory_budget_bytes=None, max_resident_models=None)
+
+    class View:
+        live: dict[str, SimpleNamespace] = {}
+
+        def peers(self, now: float | None = None) -> dict[str, SimpleNamespace]:
+            return dict(self.live)
+
+        def held_by_peers(self, now: float | None = None) -> set[str]:
+            return set()
+
+    view = View()
+    slot = SimpleNamespace(resident=False, oldest_enqueued_at=100.0, tier="cold")
+    peers = Coordinator(
+        view, worker_id="w0", slots={"m1": slot}, queues=SimpleNamespace(waiting={"m1": 3}),  # type: ignore[arg-type]
+        residency=SimpleNamespace(resident_names=lambda: [], load_cost_s=lambda s: 2.0), driver=SimpleNamespace(costs=SimpleNamespace(memory_bytes=lambda n: 1)),  # type: ignore[arg-type]
+        budget=Budget(), counters=None, heartbeat_s=1.0, report=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+    view.live = {peer: advert(["m1"])}
+    assert peers.deferred(now=100.5) == {"m1": 102.0}  # one load time from the queue's head
+    view.live = {peer: advert(["m2"])}
+    assert peers.deferred(now=100.5) == {}

@@ -59,6 +59,7 @@ class Coordinator:
         self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
         self._live: dict[str, float] = {}  # the peers in view at the last departed() call, and when each started
         self._claim_s = 0.0  # how long the claim of the load under way took
+        self._serves: dict[str, tuple[SidecarReport, frozenset[str]]] = {}  # peer -> (its advert, the models it serves)
 
     @property
     def enabled(self) -> bool:
@@ -86,6 +87,11 @@ class Coordinator:
             return True
         return all(self.worker_id < peer for peer in self.cluster.peers())
 
+    def heard(self) -> bool:
+        """Whether anyone hears this worker's take events: a peer in view (a stale view keeps
+        every peer last heard), or no cluster view at all (coordination off: peers unknown)."""
+        return self.cluster is None or bool(self.cluster.peers())
+
     def note_trouble(self) -> None:
         if self.cluster is not None:
             self.cluster.note_trouble()
@@ -102,6 +108,8 @@ class Coordinator:
         live = {wid: adv.started_at for wid, adv in self.cluster.peers(now).items()}
         gone = [wid for wid, started in self._live.items() if live.get(wid, started) != started or wid not in live]
         self._live = live
+        for wid in gone:
+            self._serves.pop(wid, None)
         return gone
 
     def next_departure(self, now: float) -> float:
@@ -160,6 +168,7 @@ class Coordinator:
         if not peers:
             return {}
         held = self.cluster.held_by_peers(now)
+        serves = {w: self._served_by(w, adv) for w, adv in peers.items()}
         out: dict[str, float] = {}
         costs = self._driver.costs
         mine = self._residency.resident_names()
@@ -178,8 +187,12 @@ class Coordinator:
                 budget = Budget(max_bytes=adv.memory_budget_bytes, max_models=adv.max_resident_models)
                 return has_room(budget, len(adv.resident) + (1 if adv.loading else 0), adv.memory_bytes, size)
 
+            # Only a peer that serves the model can take it first (workers may serve different models).
+            takers = [w for w in peers if name in serves[w]]
+            if not takers:
+                continue
             rank = first_taker_rank(
-                name, self.worker_id, peers, has_room=room,
+                name, self.worker_id, takers, has_room=room,
                 has_warm=lambda w, name=name, warm_here=warm_here: warm_here if w == self.worker_id else name in peers[w].warm,
             )  # fmt: skip
             if rank:
@@ -187,6 +200,14 @@ class Coordinator:
                 if until > now:
                     out[name] = until
         return out
+
+    def _served_by(self, worker: str, advert: SidecarReport) -> frozenset[str]:
+        """The models a peer's advert says it serves, as a set made once per advert (a thousand
+        models' list searched per waiting queue per decision would cost more than the decision)."""
+        cached = self._serves.get(worker)
+        if cached is None or cached[0] is not advert:
+            cached = self._serves[worker] = (advert, frozenset(advert.models))
+        return cached[1]
 
     # --- placement changes -----------------------------------------------------------------
 

@@ -141,7 +141,7 @@ class Worker:
         self.cancellations = Cancellations(nc, self.subjects, on_cancel=self._on_cancel, counters=self.stats)
         self.arrivals = ArrivalFeed(
             nc, self.subjects, self.slots, self.queues, on_arrival=self._wake_up, worker_id=self.worker_id, counters=self.stats,
-            cancelled=self.cancellations.cancelled,
+            cancelled=self.cancellations.cancelled, audience=lambda: self.peers.heard(),
         )  # fmt: skip
 
         self.batcher = Batcher(

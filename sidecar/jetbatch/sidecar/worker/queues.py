@@ -540,7 +540,10 @@ class ArrivalFeed:
     :meth:`settled`), so its peers' counts follow at once. Hostile input never raises here: an
     unknown model, a malformed timestamp, deadline or count is ignored or read as "now" / "no
     deadline"; a forged take can hide requests from the count until the next reconcile (a
-    poll interval) at most."""
+    poll interval) at most. ``audience`` says whether any peer hears the take events now: a
+    worker that knows it is alone sends none (two messages a batch the raw loop does not send);
+    one that starts beside it misses its takes until it has read the newcomer's advert
+    (milliseconds), an over-count its next count corrects, as for any lost event."""
 
     def __init__(
         self,
@@ -552,8 +555,10 @@ class ArrivalFeed:
         worker_id: str = "",
         counters: Counters | None = None,
         cancelled: Callable[[str | None, str], bool] = lambda tenant, request_id: False,
+        audience: Callable[[], bool] = lambda: True,
     ) -> None:
         self._nc = nc
+        self._audience = audience
         self._subjects = subjects
         self._slots = slots
         self._view = view
@@ -671,7 +676,7 @@ class ArrivalFeed:
         await self._announce(name, f"-{n}")
 
     async def _announce(self, name: str, text: str) -> None:
-        if self._nc is None or not self._worker_id:
+        if self._nc is None or not self._worker_id or not self._audience():
             return
         try:
             await self._nc.publish(self._subjects.taken(name), text.encode(), headers={WORKER_HEADER: self._worker_id})
