@@ -14,7 +14,10 @@ stream, a raw relay process (fetch up to 64, republish each with its headers as 
 publish, ack each once the batch's PubAcks came) feeds the stored raw loop's consumer; it is what
 SDK → classifier → worker is compared with beyond the one-hop raw loop; ``--relay-fast-ingest``
 also runs it with the relay publishing each batch as a JetStream fast-ingest batch (ADR-50,
-nats-server 2.14+: one flow ack every few messages instead of a PubAck each).
+nats-server 2.14+: one flow ack every few messages instead of a PubAck each). With
+``--raw-republished``, the stored raw loop once more with its request stream republishing each
+stored request's headers, as jetbatch's models stream does for its arrival events: what that costs
+nats-server (``server_us``) with nobody listening.
 After each jetbatch run, ``--lone`` requests one at a time (``--lone-gap-s`` apart): a lone
 request's median latency beyond its batch windows (``lone_p50_over_max_delay_ms``; through the
 classifier, both windows), and how much of that is its worker batch starting past the worker's
@@ -30,7 +33,8 @@ jetbatch, how its worker formed batches (``worker_per_batch``: requests, fetches
 batch; ``worker_events_per_request``: the arrival events it heard), from its status counters.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
-                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--raw-relayed [--relay-fast-ingest]] [--batch-sizes]
+                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--raw-republished] [--raw-relayed [--relay-fast-ingest]]
+                             [--batch-sizes]
 """
 
 from __future__ import annotations
@@ -47,17 +51,24 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import nats
-
-from bench import harness
-from bench.overhead import add_raw_streams, raw_relay, raw_relay_fast, raw_replies, raw_requests
-from bench.scale import cpu_s
 from jetbatch import sdk
 from jetbatch.sdk.protocol import Subjects
 from jetbatch.sidecar.status import collect_status
+
+from bench import harness
+from bench.overhead import (
+    add_raw_streams,
+    raw_relay,
+    raw_relay_fast,
+    raw_replies,
+    raw_requests,
+)
+from bench.scale import cpu_s
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_DELAY_S = 0.002  # the worker's batch window unless --max-delay-s says otherwise
@@ -111,13 +122,13 @@ async def relay(url: str, prefix: str, fast: bool = False) -> None:
 
 async def _raw_producer(
     url: str, prefix: str, n: int, concurrency: int, payload: bytes, stored: bool, lone: int = 0, lone_gap_s: float = 0.0,
-    relayed: bool = False,
+    relayed: bool = False, random_ids: bool = False,
 ) -> tuple[float, list[float]]:
     """``bench.overhead``'s raw producer, one warm-up request before the timed ones; then
     ``lone`` requests one at a time (as jetbatch's lone requests are sent), their latencies."""
     nc = await nats.connect(url)
     alone: list[float] = []
-    how = {"stored": stored, "relayed": relayed}
+    how = {"stored": stored, "relayed": relayed, "random_ids": random_ids}
     try:
         await raw_requests(nc, prefix, 1, 1, payload, first=n, **how)  # warm
         elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, **how)
@@ -132,18 +143,22 @@ async def _raw_producer(
 
 def raw_round(
     url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, stored: bool = False, lone: int = 0, lone_gap_s: float = 0.0,
-    relayed: bool = False, fast_ingest: bool = False,
+    relayed: bool = False, fast_ingest: bool = False, republish: bool = False, random_ids: bool = False,
+    on_timed: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """A raw round; ``relayed``: the producer publishes to an ingress stream, a raw relay process
     republishes each request to the consumer's stream (the classifier's hop), and the consumer
     stores its replies (as the worker does): the raw twin of SDK → classifier → worker.
-    ``fast_ingest``: the relay republishes each batch as a fast-ingest batch."""
+    ``fast_ingest``: the relay republishes each batch as a fast-ingest batch; ``republish``: the
+    request stream republishes each request's headers, as jetbatch's models stream does;
+    ``random_ids``: request ids as the SDK makes them (``raw_requests``); ``on_timed``: called
+    just before the timed requests start (``bench.server_profile`` starts its profile then)."""
     prefix = f"raw{uuid.uuid4().hex[:6]}"
     stored = stored or relayed
 
     async def setup() -> None:
         nc = await nats.connect(url)
-        await add_raw_streams(nc.jetstream(), prefix, stored=stored, relayed=relayed, fast_ingest=fast_ingest)
+        await add_raw_streams(nc.jetstream(), prefix, stored=stored, relayed=relayed, fast_ingest=fast_ingest, republish=republish)
         await nc.close()
 
     asyncio.run(setup())
@@ -156,14 +171,18 @@ def raw_round(
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         msgs = consumer_msgs()
         before = (cpu_s(os.getpid()), sum(cpu_s(p.pid) for p in procs), cpu_s(server_pid))
-        elapsed, alone = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored, lone, lone_gap_s, relayed))
+        if on_timed is not None:
+            on_timed()
+        elapsed, alone = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored, lone, lone_gap_s, relayed, random_ids))
         after = (cpu_s(os.getpid()), sum(cpu_s(p.pid) for p in procs), cpu_s(server_pid))
         msgs_after = consumer_msgs()
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
-    kind = "raw_relayed_fast" if fast_ingest else "raw_relayed" if relayed else "raw_stored" if stored else "raw"
+    kind = "raw_relayed_fast" if fast_ingest else "raw_relayed" if relayed else "raw_republished" if republish else "raw_stored" if stored else "raw"
+    if random_ids:
+        kind += "_random_ids"
     record = {**_record(kind, n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
     if alone:
         # The same path with no batch window: what a lone request's round trip costs the raw loop,
@@ -234,8 +253,10 @@ async def _lone_requests(url: str, prefix: str, n: int, payload: bytes, model: s
 
 def jetbatch_round(
     url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, classifier: bool, lone: int = 0, max_delay_s: float = MAX_DELAY_S,
-    batch_sizes: bool = False, lone_gap_s: float = 0.0,
+    batch_sizes: bool = False, lone_gap_s: float = 0.0, on_timed: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
+    """A jetbatch round (SDK -> worker, or through the classifier); ``on_timed`` as for :func:`raw_round`
+    (called once the sidecars are ready, before the producer's warm-up request)."""
     prefix = f"dep{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(Path(tmp), prefix, classifier, max_delay_s)
@@ -246,6 +267,8 @@ def jetbatch_round(
             model = None if classifier else "ident"
             sizes: list[int] | None = [] if batch_sizes else None
             stats: dict[str, int] = {}
+            if on_timed is not None:
+                on_timed()
             elapsed = asyncio.run(_sdk_producer(url, prefix, n, concurrency, payload, model, sizes, stats))
             after = (cpu_s(os.getpid()), sum(cpu_s(p) for p in sidecars), cpu_s(server_pid))
             msgs_after = consumer_msgs()
@@ -299,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         "--relay-fast-ingest", action="store_true",
         help="also the raw relayed loop with each relayed batch published as a JetStream fast-ingest batch (nats-server 2.14+)",
     )  # fmt: skip
+    parser.add_argument(
+        "--raw-republished", action="store_true",
+        help="also the stored raw loop with its request stream republishing each request's headers (jetbatch's arrival events; the server's part)",
+    )  # fmt: skip
     parser.add_argument("--relay", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
     parser.add_argument("--fast", action="store_true", help=argparse.SUPPRESS)  # the relay's
     parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
@@ -324,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             by_kind = {"raw": raw_round(server.url, server.pid, args.requests, args.concurrency, payload, **lone)}
             if args.raw_stored:
                 by_kind["raw_stored"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True, **lone)
+            if args.raw_republished:
+                by_kind["raw_republished"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True, republish=True, **lone)
             if args.raw_relayed:
                 by_kind["raw_relayed"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, relayed=True, **lone)
             if args.raw_relayed and args.relay_fast_ingest:
@@ -365,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             if "lone_p50_ms" in r["raw_stored"] and "lone_p50_over_max_delay_ms" in r["jetbatch"]:
                 # What jetbatch's lone request takes beyond its window and the raw stored round trip.
                 ratios["lone_over_max_delay_and_raw_stored_ms"] = r["jetbatch"]["lone_p50_over_max_delay_ms"] - r["raw_stored"]["lone_p50_ms"]
+        if "raw_republished" in r and "raw_stored" in r:
+            # What the republish of each request's headers costs nats-server, a request.
+            ratios["server_us_republished_minus_stored"] = r["raw_republished"]["server_us"] - r["raw_stored"]["server_us"]
         if "raw_relayed" in r:
             # The classifier path against its raw twin (two stored hops, replies stored), and the
             # twin against the one-hop raw loop: how much of the gap the raw parts already take.

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import time
 import uuid
@@ -123,11 +124,16 @@ async def raw_relay_fast(nc: Any, psub: Any, prefix: str, stop: asyncio.Event | 
             await m.ack()
 
 
-async def add_raw_streams(js: Any, prefix: str, *, stored: bool, relayed: bool = False, fast_ingest: bool = False) -> None:
+async def add_raw_streams(
+    js: Any, prefix: str, *, stored: bool, relayed: bool = False, fast_ingest: bool = False, republish: bool = False
+) -> None:
     """The raw loop's request stream, with ``stored`` its results stream (file storage, as
     jetbatch's), and with ``relayed`` an ingress stream ``<prefix>.in`` in front of it (the
-    classifier's hop); ``fast_ingest``: the request stream takes fast-ingest batches."""
-    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue", allow_batched=fast_ingest or None)
+    classifier's hop); ``fast_ingest``: the request stream takes fast-ingest batches;
+    ``republish``: it republishes each stored request's headers to ``<prefix>.arrived``, as
+    jetbatch's models stream does for its arrival events (nobody listens: the server's part)."""
+    again = {"src": f"{prefix}.q", "dest": f"{prefix}.arrived", "headers_only": True} if republish else None
+    await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue", allow_batched=fast_ingest or None, republish=again)
     if stored:
         await js.add_stream(name=f"{prefix.upper()}_R", subjects=[f"{prefix}.r.>"], max_age=60)
     if relayed:
@@ -135,12 +141,16 @@ async def add_raw_streams(js: Any, prefix: str, *, stored: bool, relayed: bool =
 
 
 async def raw_requests(
-    nc: Any, prefix: str, n: int, concurrency: int, payload: bytes, *, first: int = 0, stored: bool = False, relayed: bool = False
+    nc: Any, prefix: str, n: int, concurrency: int, payload: bytes, *, first: int = 0, stored: bool = False, relayed: bool = False,
+    random_ids: bool = False,
 ) -> tuple[float, list[float]]:
     """The raw producer: ``n`` JetStream publishes to ``<prefix>.q`` (with ``relayed``: to the
     relay's ``<prefix>.in``) with a reply-to header, at most ``concurrency`` awaiting their reply
     on one inbox (with ``stored``: on subjects of the results stream, where the replies are stored
-    and delivered live at once, as jetbatch's answers are). Returns the seconds and latencies."""
+    and delivered live at once, as jetbatch's answers are). Each request's id (its dedupe id and
+    the last token of its reply subject) is ``r<i>``, or with ``random_ids`` 32 random hex
+    characters, as the SDK makes them: a stored reply's subject then shares no prefix with the
+    one before, which costs nats-server's subject index more. Returns the seconds and latencies."""
     js = nc.jetstream()
     inbox = f"{prefix}.r.{uuid.uuid4().hex}" if stored else nc.new_inbox()
     waiting: dict[str, asyncio.Future[None]] = {}
@@ -155,7 +165,7 @@ async def raw_requests(
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
-        rid = f"r{i}"
+        rid = os.urandom(16).hex() if random_ids else f"r{i}"
         async with gate:
             fut = asyncio.get_running_loop().create_future()
             waiting[rid] = fut

@@ -4,7 +4,7 @@ process, as deployed, under ``python -m cProfile``), the same load as ``bench/ov
 worker, the classifier profiled in its own process too. Run:
 
     python -m bench.process_profiles [--requests 10000] [--concurrency 64] [--priority interactive|batch] [--classifier]
-                                     [--out DIR] [--sampler cprofile|py-spy]
+                                     [--out DIR] [--sampler cprofile|py-spy [--raw-stored]]
 
 Prints, for each process, where its CPU went (grouped by package), its CPU time per request and
 the calls per request that matter on the hot path (messages published and received, header
@@ -21,6 +21,12 @@ functions, and each process's user and system CPU a request over the sampled req
 ``/proc``). A sample counts a process as busy while it waits for a core too: on a small host a
 socket write that wakes nats-server is often preempted there, so socket writes' share of the
 samples can be far above the system CPU's share, which bounds what they really cost.
+
+With ``--raw-stored`` (py-spy only), the same requests then go through the raw loop that stores
+its replies (``bench.deployed --raw-consumer --stored``: fetch up to 64, a JetStream publish of
+each reply, the acks once the PubAcks came), its consumer sampled the same way on the same
+server, and the worker's CPU a request is set beside the raw consumer's, package by package: where
+the worker spends more than the least loop that acks only safe answers, and where less.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ def spy_group(frame: str) -> str:
     where = frame.rpartition("(")[2]
     for part, name in (("/sdk/", "jetbatch SDK"), ("sdk/", "jetbatch SDK"), ("sidecar/", "jetbatch sidecar"), ("nats/", "nats-py"),
                        ("asyncio/", "asyncio"), ("anyio/", "anyio"), ("torch/", "torch"), ("opentelemetry/", "OpenTelemetry"),
-                       ("threading.py", "threads")):  # fmt: skip
+                       ("threading.py", "threads"), ("bench/", "bench loop")):  # fmt: skip
         if where.startswith(part) or f"/{part}" in where:
             return name
     return "other"
@@ -215,7 +221,10 @@ def main() -> None:
     ap.add_argument("--classifier", action="store_true", help="through a classifier process (profiled too)")
     ap.add_argument("--out", default=None, help="keep the .pstats files here (default: a temporary folder)")
     ap.add_argument("--sampler", choices=("cprofile", "py-spy"), default="cprofile", help="how each process is profiled (module docstring)")
+    ap.add_argument("--raw-stored", action="store_true", help="py-spy: then the stored raw loop, its consumer beside the worker (module docstring)")
     args = ap.parse_args()
+    if args.raw_stored and (args.sampler != "py-spy" or args.classifier):
+        ap.error("--raw-stored needs --sampler py-spy, without --classifier")
     if args.sampler == "py-spy":
         return sampled(args)
     out, cfg, roles, env = _setup(args, "jetbatch-profiles-")
@@ -291,8 +300,13 @@ def sampled(args: argparse.Namespace) -> None:
                 proc.send_signal(signal.SIGINT)
             for proc in sidecars.values():
                 proc.wait(60)
+        raw_rps = _raw_stored_round(server.url, out, args.requests, args.concurrency, split) if args.raw_stored else None
     print(f"{args.requests} requests, {rps:.0f} req/s (sampled by py-spy at 500 Hz, not slowed); samples in {out}")
-    for name in ("producer", *roles):
+    names = ("producer", *roles, *(("raw_producer", "raw_consumer") if raw_rps is not None else ()))
+    by_package: dict[str, dict[str, float]] = {}
+    for name in names:
+        if name == "raw_producer":
+            print(f"\nthe stored raw loop, the same requests on the same server: {raw_rps:.0f} req/s")
         busy, groups, functions = spy_summary(out / f"{name}.spy")
         user_us, system_us = split[name]
         print(f"\n{name}: {busy} busy samples; CPU a request: user {user_us:.0f} µs, system {system_us:.0f} µs "
@@ -302,7 +316,67 @@ def sampled(args: argparse.Namespace) -> None:
         print("  top functions (self):")
         for key, n in sorted(functions.items(), key=lambda kv: -kv[1])[:12]:
             print(f"    {100 * n / max(busy, 1):5.1f}%  {key}")
+        by_package[name] = {key: n / max(busy, 1) * sum(split[name]) for key, n in groups.items()}
     print(f"\n(producer process CPU: {producer_us:.0f} µs a request)")
+    if raw_rps is not None:
+        _beside(by_package["worker"], by_package["raw_consumer"])
+
+
+def _beside(worker: dict[str, float], raw: dict[str, float]) -> None:
+    """The worker's CPU a request beside the stored raw consumer's, by package (each process's
+    CPU a request shared out as its busy samples are)."""
+    print(f"\nCPU a request (µs), by package: worker {sum(worker.values()):.0f}, stored raw consumer {sum(raw.values()):.0f}")
+    print(f"  {'':22s} {'worker':>7s} {'raw':>7s} {'worker - raw':>13s}")
+    for key in sorted(set(worker) | set(raw), key=lambda k: -(worker.get(k, 0.0) + raw.get(k, 0.0))):
+        w, r = worker.get(key, 0.0), raw.get(key, 0.0)
+        print(f"  {key:22s} {w:7.1f} {r:7.1f} {w - r:+13.1f}")
+
+
+def _raw_stored_round(url: str, out: Path, n: int, concurrency: int, split: dict[str, tuple[float, float]]) -> float:
+    """The stored raw loop (``bench.deployed``'s consumer process, this process its producer) on
+    the server at ``url``, both sampled; their CPU a request goes into ``split``. Returns req/s."""
+    import uuid
+
+    import nats
+
+    from bench.overhead import add_raw_streams, raw_requests
+
+    prefix = f"raw{uuid.uuid4().hex[:6]}"
+
+    async def setup() -> None:
+        nc = await nats.connect(url)
+        await add_raw_streams(nc.jetstream(), prefix, stored=True)
+        await nc.close()
+
+    asyncio.run(setup())
+    consumer = subprocess.Popen(
+        [sys.executable, "-m", "bench.deployed", "--raw-consumer", url, prefix, "--stored"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert consumer.stdout is not None and consumer.stdout.readline().strip() == "ready"
+        pids = {"raw_producer": os.getpid(), "raw_consumer": consumer.pid}
+
+        async def run() -> float:
+            nc = await nats.connect(url)
+            try:
+                payload = b"x" * 256
+                await raw_requests(nc, prefix, min(n, 2000), concurrency, payload, first=n, stored=True)  # every path warm
+                spies = _Spies(out, pids)
+                await asyncio.sleep(1.0)  # py-spy attached to both processes
+                before = {name: cpu_split(pid) for name, pid in pids.items()}
+                elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, stored=True)
+                for name, pid in pids.items():
+                    (user, system), (user0, system0) = cpu_split(pid), before[name]
+                    split[name] = ((user - user0) / n * 1e6, (system - system0) / n * 1e6)
+                spies.stop()
+                return n / elapsed
+            finally:
+                await nc.close()
+
+        return asyncio.run(run())
+    finally:
+        consumer.kill()
+        consumer.wait()
 
 
 if __name__ == "__main__":

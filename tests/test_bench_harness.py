@@ -133,3 +133,68 @@ def test_the_consumer_sides_messages_are_counted_per_connection_over_the_round()
     before = {1: (100, 50), 2: (10, 10)}
     after = {1: (300, 250), 2: (10, 10), 3: (20, 40)}
     assert _msgs_per_request(before, after, 100) == {"consumer_published": 2.2, "consumer_received": 2.4}
+
+
+async def test_the_stored_raw_loop_republishes_and_takes_random_ids_as_jetbatch_does(nats_url: str, prefix: str) -> None:
+    """``bench.server_profile``'s and ``--raw-republished``'s variants of the baseline: its request
+    stream republishes each stored request's headers, and its ids are 32 random hex characters."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await add_raw_streams(js, prefix, stored=True, republish=True)
+        arrived = await nc.subscribe(f"{prefix}.arrived")
+        psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+        stop = asyncio.Event()
+        consumer = asyncio.create_task(raw_replies(nc, psub, stop, stored=True))
+        _, latencies = await raw_requests(nc, prefix, 10, 4, b"x", stored=True, random_ids=True)
+        stop.set()
+        await consumer
+        assert len(latencies) == 10
+        events = [await arrived.next_msg(timeout=10) for _ in range(10)]
+        assert all(e.data == b"" and len(e.headers["Nats-Msg-Id"]) == 32 for e in events)
+        assert len({e.headers["Nats-Msg-Id"] for e in events}) == 10
+    finally:
+        await nc.close()
+
+
+def _pb_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _pb(field: int, value: int | bytes) -> bytes:
+    if isinstance(value, int):
+        return _pb_varint(field << 3) + _pb_varint(value)
+    return _pb_varint(field << 3 | 2) + _pb_varint(len(value)) + value
+
+
+def test_a_go_cpu_profile_is_read_into_each_functions_inclusive_and_self_cpu(tmp_path: Path) -> None:
+    """``bench.pprof`` against a profile.proto written by hand: main calls f (10 ms on top) and
+    g (30 ms), g inlined into main's location for one sample."""
+    import gzip
+
+    from bench.pprof import read_profile
+
+    strings = ["", "samples", "count", "cpu", "nanoseconds", "main", "f", "g"]
+    functions = [_pb(5, _pb(1, i) + _pb(2, name)) for i, name in ((1, 5), (2, 6), (3, 7))]
+    locations = [_pb(4, _pb(1, i) + _pb(4, _pb(1, i))) for i in (1, 2, 3)]
+    inlined = _pb(4, _pb(1, 4) + _pb(4, _pb(1, 3)) + _pb(4, _pb(1, 1)))  # g inlined into main
+    packed = lambda *xs: b"".join(_pb_varint(x) for x in xs)  # noqa: E731
+    samples = [
+        _pb(2, _pb(1, packed(2, 1)) + _pb(2, packed(1, 10_000_000))),  # f <- main
+        _pb(2, _pb(1, packed(3, 1)) + _pb(2, packed(2, 20_000_000))),  # g <- main
+        _pb(2, _pb(1, 4) + _pb(2, 1) + _pb(2, 10_000_000)),  # g inlined in main, unpacked fields
+    ]
+    body = b"".join([_pb(1, _pb(1, 1) + _pb(2, 2)), _pb(1, _pb(1, 3) + _pb(2, 4)), *samples, *locations, inlined, *functions])
+    body += b"".join(_pb(6, s.encode()) for s in strings)
+    path = tmp_path / "cpu.pb.gz"
+    path.write_bytes(gzip.compress(body))
+    profile = read_profile(path)
+    assert profile.total_ns == 40_000_000
+    assert profile.inclusive_ns == {"main": 40_000_000, "f": 10_000_000, "g": 30_000_000}
+    assert profile.self_ns == {"f": 10_000_000, "g": 30_000_000}
+    assert profile.share("g") == 0.75 and profile.share("absent") == 0.0
