@@ -22,7 +22,7 @@ import yaml
 from jetbatch import sdk
 from jetbatch.sidecar.dev.example_models import sample_inputs
 from jetbatch.sidecar.dev.deployment import Deployment
-from tests.helpers import make_config, running_worker
+from tests.helpers import make_config, running_worker, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,8 +92,18 @@ async def test_protocol_doc_json_request_gets_a_readable_json_answer(deployment:
         assert msg.headers and msg.headers.get("Content-Type") == "application/json"
         probs = json.loads(msg.data)
         assert len(probs) == 3 and abs(sum(probs) - 1.0) < 1e-4
-        stored = await nc.request("$JS.API.DIRECT.GET.EXM_RESULTS.exm.result._.me.doc-req-1", b"", timeout=10)
-        assert json.loads(stored.data) == probs
+        # The live copy can reach its subscriber before the stream has stored it (the server hands
+        # a message to its subscribers and to the stream's queue at once; a full suite's load saw
+        # the direct get come back empty): read the store until it has it.
+        stored: list[Any] = []
+
+        async def in_the_store() -> bool:
+            reply = await nc.request("$JS.API.DIRECT.GET.EXM_RESULTS.exm.result._.me.doc-req-1", b"", timeout=10)
+            stored.extend([reply] if reply.data else [])
+            return bool(stored)
+
+        await wait_until(in_the_store, timeout_s=10, what="the answer in the results store")
+        assert json.loads(stored[0].data) == probs
     finally:
         await nc.close()
     async with sdk.Client.connect(deployment.url, prefix="exm") as client:
