@@ -43,6 +43,8 @@ def _delivered(at_ns: int, pending: int, headers: dict[str, str] | None = None) 
 class Queue:
     """Requests stored "now" on the fake clock; each fetch records how it was asked."""
 
+    buffered = 0  # delivered after their fetch gave up (``Puller.buffered``): none unless a test says
+
     def __init__(self, clock: FakeClock, headers: dict[str, str] | None = None) -> None:
         self.clock = clock
         self.headers = headers
@@ -377,6 +379,8 @@ class ShortQueue:
     """Requests queued long ago; each fetch hands over at most ``per_fetch`` of them and reports
     how many are left, as a JetStream pull split by the server (or a loaded host) does."""
 
+    buffered = 0
+
     def __init__(self, queued: int, per_fetch: int, enqueued_at: float) -> None:
         self.queued, self.per_fetch, self.enqueued_at = queued, per_fetch, enqueued_at
 
@@ -408,6 +412,7 @@ async def test_a_closed_window_stops_topping_up_once_a_peer_takes_what_the_count
 
     class PeerWins:
         fetches = 0
+        buffered = 0
 
         async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
             self.fetches += 1
@@ -434,6 +439,8 @@ async def test_a_request_stored_during_the_first_fetch_joins_the_batch_though_it
     slot, view = _viewed_slot(0.05)
 
     class Racing:
+        buffered = 0
+
         def __init__(self) -> None:
             self.fetches: list[bool] = []
 
@@ -502,6 +509,8 @@ async def test_a_batch_line_arrival_during_an_empty_top_up_keeps_the_line_counte
     interactive = Queue(clock)
 
     class BatchLine:
+        buffered = 0
+
         async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
             await anyio.sleep(0)
             view.arrived(slot, clock(), None, bulk=True, seq=9)  # stored just after this pull was answered
@@ -585,3 +594,74 @@ async def test_a_hold_waits_its_own_time_for_the_first_request_and_its_window_ru
     msgs = await batcher.gather(slot, 64, first_wait_s=0.005)
     assert len(msgs) == 1
     assert clock() == pytest.approx(started + 0.003 + 0.002, abs=1e-9)  # its window, from its arrival
+
+
+async def test_a_request_delivered_after_its_fetch_gave_up_joins_the_open_window() -> None:
+    """A loaded host: the fetch for the request an arrival event counted gives up (20 ms) before
+    the server's answer is read, and the answer lands in the puller's buffer while the window
+    waits for arrival events. None will come for it (its own came already): its delivery wakes
+    the window (``Batcher.late``, which the worker's pullers call) and the batch takes it at once,
+    not at the window's close a minute later. Found by forcing the timing: a full suite's run
+    once saw a test's third request wait out its window so."""
+    clock = FakeClock()
+
+    class Late(Queue):
+        def __init__(self, clock: FakeClock) -> None:
+            super().__init__(clock)
+            self.late: list[Any] = []  # delivered after the fetch that asked for them gave up
+
+        @property
+        def buffered(self) -> int:  # type: ignore[override]
+            return len(self.late)
+
+        async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None) -> list[Any]:
+            if self.late:  # a fetch hands out what was delivered late first (Puller.fetch)
+                got, self.late = self.late[:batch], self.late[batch:]
+                return got
+            if stored_only and self.queued:
+                self.fetches.append((batch, timeout, stored_only))
+                self.clock.now += timeout
+                raise nats.errors.TimeoutError  # stored, but its answer is still on its way
+            return await super().fetch(batch, timeout, stored_only, linger)
+
+    queue = Late(clock)
+    slot = _slot(queue, max_delay_s=60.0)
+
+    def script(i: int) -> float | None:
+        if i == 1:  # the third request is stored, and its arrival event counted
+            queue.queued += 1
+            _counted(slot)
+            return 0.001
+        if i == 2 and queue.queued:  # the given-up fetch's answer arrives while the window waits
+            queue.queued -= 1
+            queue.late.append(_delivered(round(clock() * 1e9), 0))
+            woken = wakeup.woken
+            batcher.late(slot)
+            return 0.001 if wakeup.woken > woken else None
+        return None
+
+    wakeup = FakeWakeup(clock, script)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    start = clock()
+    first = [_delivered(round(start * 1e9), 0), _delivered(round(start * 1e9), 0)]
+    msgs = await batcher.gather(slot, 3, first)
+    assert len(msgs) == 3 and clock() - start < 1.0
+    assert queue.late == []
+
+
+async def test_a_late_delivery_to_another_models_puller_leaves_the_window_waiting() -> None:
+    """``Batcher.late`` wakes only a window of the model whose puller it was."""
+    clock = FakeClock()
+    slot, other = _slot(Queue(clock), max_delay_s=0.05), _slot(Queue(clock), max_delay_s=0.05)
+
+    def script(i: int) -> float | None:
+        woken = wakeup.woken
+        batcher.late(other)
+        return 0.001 if wakeup.woken > woken else None
+
+    wakeup = FakeWakeup(clock, script)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup)  # type: ignore[arg-type]
+    start = clock()
+    msgs = await batcher.gather(slot, 3, [_delivered(round(start * 1e9), 0)])
+    assert len(msgs) == 1 and clock() - start == pytest.approx(0.05, abs=1e-6)  # its whole window
+    assert len(wakeup.waits) == 1  # in one wait, not woken

@@ -122,6 +122,30 @@ async def test_a_delivery_to_a_cancelled_fetch_is_a_leftover_to_hand_back(nats_u
         await nc.close()  # type: ignore[attr-defined]
 
 
+async def test_a_delivery_no_fetch_waits_for_is_told_as_late_and_one_a_fetch_waits_for_is_not(nats_url: str, prefix: str) -> None:
+    """``on_late``: what a batch window waiting on arrival events hears of a request delivered
+    to a request its fetch gave up on (no arrival event comes for it)."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        late: list[int] = []
+        puller = await Puller(nc, prefix.upper(), "c", on_late=lambda: late.append(puller.buffered)).start()
+        fetch = asyncio.ensure_future(puller.fetch(1, timeout=30.0))
+        await pull_waiting(js, prefix.upper())
+        fetch.cancel()  # its request still waits at the server
+        await js.publish(f"{prefix}.q", b"late")  # type: ignore[attr-defined]
+        await wait_until(lambda: late == [1], timeout_s=10, what="the late delivery told")
+        assert [m.data for m in await puller.fetch(1, timeout=5.0)] == [b"late"]  # from the buffer
+        await js.publish(f"{prefix}.q", b"fetched")  # type: ignore[attr-defined]
+        assert [m.data for m in await puller.fetch(1, timeout=5.0)] == [b"fetched"]
+        fill = asyncio.ensure_future(puller.fill(1, wait_s=30.0))
+        await pull_waiting(js, prefix.upper())
+        await js.publish(f"{prefix}.q", b"filled")  # type: ignore[attr-defined]
+        assert [m.data for m in await fill] == [b"filled"]
+        assert late == [1]  # neither delivery a fetch or a fill waited for was told
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
 async def test_a_fill_takes_what_is_stored_and_what_arrives_until_its_own_clock_ends_it(nats_url: str, prefix: str) -> None:
     """A batch window's last wait (the classifier's): what is stored comes at once, arrivals
     join while it waits, and it ends at its wait, on its own clock, not at the server's expiry.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -52,10 +53,15 @@ class PullError(SidecarError):
 
 
 class Puller:
-    """Fetches from one durable pull consumer of ``stream``."""
+    """Fetches from one durable pull consumer of ``stream``. ``on_late`` is called for each
+    message delivered while no fetch or fill waits (it lands in :attr:`buffered`): one whose
+    fetch gave up before the server's answer was read, on a loaded host, comes with no arrival
+    event, so a batch window waiting on those events must hear of it."""
 
-    def __init__(self, nc: Any, stream: str, durable: str) -> None:
+    def __init__(self, nc: Any, stream: str, durable: str, *, on_late: Callable[[], None] | None = None) -> None:
         self._nc = nc
+        self._on_late = on_late
+        self._waiting = False  # a fetch or a fill waits for deliveries now
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._inbox = nc.new_inbox()
         self._buffer: deque[Msg] = deque()
@@ -152,6 +158,8 @@ class Puller:
                     del self._open[oldest]
                 else:
                     self._open[oldest] = (left - 1, end_by)
+            if not self._waiting and self._on_late is not None:
+                self._on_late()
         self._changed.set()
         if self._fill_to is not None and (len(self._buffer) >= self._fill_to or self._ended or self._error is not None):
             self._filled.wake()
@@ -190,12 +198,14 @@ class Puller:
         self._raise_refused()
         if len(self._buffer) < batch:
             self._fill_to = batch
+            self._waiting = True
             try:
                 await self._request({"batch": batch - len(self._buffer), "expires": int((max(wait_s, 0.0) + _FILL_MARGIN_S) * 1e9)})
                 if len(self._buffer) < batch and not self._ended and self._error is None:
                     await self._filled.wait(wait_s)
             finally:
                 self._fill_to = None
+                self._waiting = False
         return self._take(batch)
 
     def _raise_refused(self) -> None:
@@ -216,6 +226,7 @@ class Puller:
 
     async def _wait(self, batch: int, deadline: float) -> None:
         """Until the batch is full, the current request ends, or ``deadline`` (loop time)."""
+        self._waiting = True
         try:
             async with asyncio.timeout_at(deadline):  # one timer, no task
                 while len(self._buffer) < batch and not self._ended:
@@ -223,6 +234,8 @@ class Puller:
                     await self._changed.wait()
         except TimeoutError:
             pass
+        finally:
+            self._waiting = False
 
     def _take(self, batch: int) -> list[Msg]:
         n = min(batch, len(self._buffer))

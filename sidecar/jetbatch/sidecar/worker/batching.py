@@ -8,6 +8,9 @@ millisecond or more after its expiry, rounded up to the next whole millisecond, 
 closed by one ended about a millisecond late, and a lone request waited that too. The window's
 timer aims before its close by what the batches it closed started late after it (the wake-up and
 the hand-on: :class:`~jetbatch.sidecar.policy.CloseLead`), so a batch starts when it is due.
+A request delivered after the fetch that asked for it gave up (on a loaded host, its answer read
+after the fetch's wait ended) lands in the puller with no arrival event; the puller says so
+(:meth:`Batcher.late`), and an open window takes it at once instead of at its close.
 
 Fetches never raise: a timeout is an empty fetch, a reconnect in progress backs off briefly, a
 connection closed for good asks the worker to stop.
@@ -90,6 +93,14 @@ class Batcher:
         if self._waiting is not None and self._waiting[0].arrivals > self._waiting[1]:
             self._wakeup.wake()
 
+    def late(self, slot: Slot) -> None:
+        """A request was delivered to one of ``slot``'s pullers while no fetch waited (the fetch
+        that asked for it gave up before the server's answer was read: a loaded host). No
+        arrival event will say so: an open window of ``slot`` waiting on those events takes it
+        now, not at its close (a minute, for a long ``max_delay``)."""
+        if self._waiting is not None and self._waiting[0] is slot:
+            self._wakeup.wake()
+
     async def fetch(
         self, slot: Slot, n: int, timeout_s: float, *, bulk_first: bool | None = None, stored_only: bool = False, linger: int | None = None
     ) -> list[Msg]:
@@ -101,7 +112,7 @@ class Batcher:
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
         lines = [False]
-        if slot.bulk_psub is not None and slot.bulk > 0:
+        if slot.bulk_psub is not None and (slot.bulk > 0 or slot.bulk_psub.buffered):
             first = slot.interactive == 0 if bulk_first is None else bulk_first
             lines = [True, False] if first else [False, True]
         msgs = await self._pull(slot, lines[0], n, timeout_s, stored_only, linger)
@@ -206,13 +217,16 @@ class Batcher:
                 got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first, linger=1)
                 if not got:
                     break  # nothing came within the first wait: the queue is empty for now
-            elif slot.backlog > 0 and (found_short is None or slot.arrivals > found_short):
+            elif (slot.backlog > 0 and (found_short is None or slot.arrivals > found_short)) or _buffered(slot):
                 # Stored, by the count: one round trip brings them, window open or just closed (a
                 # fetch that came back short, on a loaded host or a pull split by the server, is
                 # topped up so). Nothing is held open for later arrivals: their events wake us.
+                # Or delivered to our pullers after their fetch gave up (``late``): ours already,
+                # in no count, and the fetch hands them out first.
                 counted = slot.arrivals  # before the fetch: one counted during it may be after its answer
                 on_timer = False
-                got = await self.fetch(slot, min(max_items - len(msgs), slot.backlog), _STORED_WAIT_S, bulk_first=bulk_first, stored_only=True)
+                wanted = min(max_items - len(msgs), max(slot.backlog, _buffered(slot)))
+                got = await self.fetch(slot, wanted, _STORED_WAIT_S, bulk_first=bulk_first, stored_only=True)
                 if not got:
                     if wait_s <= 0:
                         break  # closed, and what the count said was stored went elsewhere
@@ -264,6 +278,11 @@ class Batcher:
                 break
             msgs.extend(got)
         return msgs
+
+
+def _buffered(slot: Slot) -> int:
+    """Requests delivered to ``slot``'s pullers that no fetch has handed out (:meth:`Batcher.late`)."""
+    return sum(p.buffered for p in (slot.psub, slot.bulk_psub) if p is not None)
 
 
 def _deadline(msg: Msg) -> float | None:

@@ -307,7 +307,9 @@ class Worker:
                     self.stats.sample("consumer_create", time.perf_counter() - started)
                     slot.consumer_ready_at = now
                 if slot.psub is None:
-                    slot.psub = await Puller(self.nc, self.subjects.models_stream, model_consumer_name(slot.name)).start()
+                    slot.psub = await Puller(
+                        self.nc, self.subjects.models_stream, model_consumer_name(slot.name), on_late=lambda: self.batcher.late(slot)
+                    ).start()
                 # The batch line's consumer: made while batch requests are seen (most models get
                 # none); left to the server's idle removal once they stop.
                 bulk_stale = streams.consumers == "on-demand" and (
@@ -318,7 +320,9 @@ class Worker:
                         await ensure_model_consumer(self.js, self.subjects, streams, slot.name, Priority.BATCH)
                         slot.bulk_consumer_ready_at = now
                     if slot.bulk_psub is None:
-                        slot.bulk_psub = await Puller(self.nc, self.subjects.models_stream, model_consumer_name(slot.name, Priority.BATCH)).start()
+                        slot.bulk_psub = await Puller(
+                            self.nc, self.subjects.models_stream, model_consumer_name(slot.name, Priority.BATCH), on_late=lambda: self.batcher.late(slot)
+                        ).start()
                 elif slot.bulk_psub is not None and bulk_stale:
                     psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
                     try:
