@@ -281,8 +281,12 @@ class Batcher:
 
 
 def _buffered(slot: Slot) -> int:
-    """Requests delivered to ``slot``'s pullers that no fetch has handed out (:meth:`Batcher.late`)."""
-    return sum(p.buffered for p in (slot.psub, slot.bulk_psub) if p is not None)
+    """Requests delivered to ``slot``'s pullers that no fetch has handed out (:meth:`Batcher.late`):
+    a fetch returns them at once (0 without an interactive puller, which :meth:`Batcher.fetch`
+    needs: a window must not loop on fetches that cannot hand them out)."""
+    if slot.psub is None:
+        return 0
+    return slot.psub.buffered + (slot.bulk_psub.buffered if slot.bulk_psub is not None else 0)
 
 
 def _deadline(msg: Msg) -> float | None:
