@@ -543,7 +543,8 @@ class ArrivalFeed:
     poll interval) at most. ``audience`` says whether any peer hears the take events now: a
     worker that knows it is alone sends none (two messages a batch the raw loop does not send);
     one that starts beside it misses its takes until it has read the newcomer's advert
-    (milliseconds), an over-count its next count corrects, as for any lost event."""
+    (its first advert goes out after its start-up), an over-count its next count corrects, as for
+    any lost event."""
 
     def __init__(
         self,
