@@ -185,7 +185,7 @@ async def test_a_fill_takes_what_is_stored_and_what_arrives_until_its_own_clock_
 
 async def test_a_stop_after_a_fill_hands_back_what_its_request_still_delivers(nats_url: str, prefix: str) -> None:
     """A fill returns while its pull request is still open at the server (it ends about a
-    millisecond later). ``drain`` waits for that end, so a request published as the window
+    millisecond later). ``close`` waits for that end, so a request published as the window
     closed is either handed back (leftovers) or still stored: the next puller gets it at once,
     not after its ack wait (delivered to an inbox nobody listens on any more)."""
     nc, js = await _queue(nats_url, prefix)
@@ -194,10 +194,8 @@ async def test_a_stop_after_a_fill_hands_back_what_its_request_still_delivers(na
             puller = await Puller(nc, prefix.upper(), "c").start()
             await puller.fill(4, 0.003)
             await js.publish(f"{prefix}.q", f"late{i}".encode())  # type: ignore[attr-defined]
-            left = await puller.drain(5.0)
-            for m in left:
+            for m in await puller.close(5.0):
                 await m.nak()
-            await puller.unsubscribe()
             nxt = await Puller(nc, prefix.upper(), "c").start()
             got = await nxt.fetch(1, timeout=5.0)
             assert [m.data for m in got] == [f"late{i}".encode()]

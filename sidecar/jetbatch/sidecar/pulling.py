@@ -14,7 +14,7 @@ when nothing is, it asks again with ``expires`` and returns once the batch is fu
 ends (the server's 408 at its expiry, 404, 409) or the wait runs out; like nats-py, it has the
 server expire a waiting request just before it stops listening, and it listens for that end. A
 message that still arrives after a fetch returned (its end lost) is handed out first by the next
-fetch, as nats-py's pending queue did; on ``unsubscribe`` it is left to its ack wait.
+fetch, as nats-py's pending queue did; :meth:`Puller.close` returns it to be handed back.
 :meth:`Puller.quiesce` waits until no request it sent can still deliver, so that a count of the
 consumer taken after it sees each message either undelivered there or in the puller.
 """
@@ -28,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 from nats.aio.msg import Msg
+
+from jetbatch.sdk.failures import TRANSPORT_ERRORS
 
 from .errors import SidecarError
 from .wakeup import Wakeup
@@ -97,14 +99,6 @@ class Puller:
         self._buffer.clear()
         return msgs
 
-    async def drain(self, timeout_s: float) -> list[Msg]:
-        """At a stop: wait (at most ``timeout_s``) for the pull requests to end at the server
-        (a fill's ends about a millisecond after the fill returned), then take the
-        :meth:`leftovers`. Whatever they deliver after ``unsubscribe`` goes nowhere and waits
-        out its ack wait."""
-        await self.quiesce(timeout_s)
-        return self.leftovers()
-
     async def quiesce(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until no pull request this puller sent can still deliver:
         everything they delivered is then in :attr:`buffered` (the server sends a request's end
@@ -133,6 +127,20 @@ class Puller:
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
+
+    async def close(self, timeout_s: float) -> list[Msg]:
+        """Stop pulling for good: wait (at most ``timeout_s``) for the pull requests to end at
+        the server, unsubscribe, and return every message delivered that no fetch took, for the
+        caller to hand back (nak). Taken after the unsubscribe, so none can land in the buffer
+        once it was read; a request still open at the deadline delivers to nobody, and its
+        messages wait out their ack wait. An unsubscribe the connection refuses (closed,
+        reconnecting) leaves the subscription to the connection: the leftovers still come back."""
+        await self.quiesce(timeout_s)
+        try:
+            await self.unsubscribe()
+        except TRANSPORT_ERRORS + (ValueError,):  # nats-py's ValueError: already unsubscribed
+            pass
+        return self.leftovers()
 
     async def _on_msg(self, msg: Msg) -> None:
         headers = msg.headers or {}

@@ -141,11 +141,10 @@ class Classifier:
             with anyio.CancelScope(shield=True):
                 # Delivered after the last fill returned (its request ends just after the window):
                 # back to the queue for the next classifier, not after their ack wait.
-                for msg in await psub.drain(_STOP_DRAIN_S):
+                for msg in await psub.close(_STOP_DRAIN_S):
                     await settle(msg, "nak")
                 try:
                     await status.unsubscribe()
-                    await psub.unsubscribe()
                 except TRANSPORT_ERRORS + (ValueError,):
                     pass
 

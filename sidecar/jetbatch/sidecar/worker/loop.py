@@ -50,13 +50,13 @@ from ..policy import (
     serves_on,
     visible_models,
 )
-from ..pulling import Puller
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
-from ..streams import StreamSetupError, ensure_model_consumer, ensure_model_consumers, ensure_streams, model_consumer_name
+from ..streams import ensure_model_consumers, ensure_streams, model_consumer_name
 from ..telemetry import WorkerTelemetry
 from .batching import Batcher
+from .pullers import Pullers
 from .coordination import Coordinator
 from .counters import Counters
 from .cancellations import Cancellations
@@ -144,6 +144,7 @@ class Worker:
             cancelled=self.cancellations.cancelled, audience=lambda: self.peers.heard(),
         )  # fmt: skip
 
+        self.pullers = Pullers(nc, self.subjects, config.streams, on_late=lambda slot: self.batcher.late(slot), counters=self.stats)
         self.batcher = Batcher(
             self._stopping,
             counters=self.stats,
@@ -294,46 +295,12 @@ class Worker:
             log.info("torch set up for %s in %.2f s", ", ".join(sorted(warmed)), time.perf_counter() - started)
 
     async def _consumer(self, slot: Slot) -> bool:
-        """Make sure ``slot``'s shared consumer exists and this worker is bound to it (created on
-        demand; re-made after half its idle limit, in case the server removed it meanwhile)."""
-        streams = self.config.streams
-        async with slot.consumer_lock:
-            now = time.time()
-            stale = streams.consumers == "on-demand" and (slot.consumer_ready_at is None or now - slot.consumer_ready_at > streams.consumer_idle_s / 2)
-            try:
-                if slot.consumer_ready_at is None or stale:
-                    started = time.perf_counter()
-                    await ensure_model_consumer(self.js, self.subjects, streams, slot.name)
-                    self.stats.sample("consumer_create", time.perf_counter() - started)
-                    slot.consumer_ready_at = now
-                if slot.psub is None:
-                    slot.psub = await Puller(
-                        self.nc, self.subjects.models_stream, model_consumer_name(slot.name), on_late=lambda: self.batcher.late(slot)
-                    ).start()
-                # The batch line's consumer: made while batch requests are seen (most models get
-                # none); left to the server's idle removal once they stop.
-                bulk_stale = streams.consumers == "on-demand" and (
-                    slot.bulk_consumer_ready_at is None or now - slot.bulk_consumer_ready_at > streams.consumer_idle_s / 2
-                )
-                if slot.bulk > 0:
-                    if slot.bulk_consumer_ready_at is None or bulk_stale:
-                        await ensure_model_consumer(self.js, self.subjects, streams, slot.name, Priority.BATCH)
-                        slot.bulk_consumer_ready_at = now
-                    if slot.bulk_psub is None:
-                        slot.bulk_psub = await Puller(
-                            self.nc, self.subjects.models_stream, model_consumer_name(slot.name, Priority.BATCH), on_late=lambda: self.batcher.late(slot)
-                        ).start()
-                elif slot.bulk_psub is not None and bulk_stale:
-                    psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
-                    try:
-                        await psub.unsubscribe()
-                    except TRANSPORT_ERRORS + (ValueError,):
-                        pass
-            except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
-                log.warning("consumer for %s not ready: %s", slot.name, exc)
-                self._note_trouble()
-                return False
-        return True
+        """``slot``'s consumers and pullers ready for a fetch (worker/pullers.py); on trouble,
+        count again soon and back off."""
+        if await self.pullers.ready(slot):
+            return True
+        self._note_trouble()
+        return False
 
     async def run(self) -> None:
         """Set up streams and consumers (retrying while the cluster is slow or electing), then
@@ -378,15 +345,7 @@ class Worker:
                 await self.residency.unload_all()
                 await self.arrivals.stop()
                 await self.cancellations.stop()
-                for slot in self.slots.values():
-                    for psub in (slot.psub, slot.bulk_psub):
-                        if psub is not None:
-                            try:
-                                await psub.unsubscribe()
-                            except TRANSPORT_ERRORS + (ValueError,):
-                                pass
-                            for msg in psub.leftovers():
-                                await settle(msg, "nak")  # delivered to a fetch cancelled by the stop
+                await self.pullers.close(self.slots.values())
 
     def report(self) -> SidecarReport:
         """What this worker reports: its status (the status subject, ``jetbatch status``) and its
@@ -445,15 +404,10 @@ class Worker:
         queue (nak) for whoever serves it now, not after their ack wait. ``leaving``: only these
         models', resident or not (a load's victims, before it starts: a held pull's last
         delivery can come a millisecond after its window closed, ``Puller.fill``)."""
-        slots = self.slots.values() if leaving is None else [self.slots[n] for n in leaving]
-        for slot in slots:
-            if slot.resident and leaving is None:
-                continue
-            for psub in (slot.psub, slot.bulk_psub):
-                if psub is not None and psub.buffered:
-                    for msg in psub.leftovers():
-                        await settle(msg, "nak")
-                        self.stats.add("leftovers_handed_back")
+        if leaving is None:
+            await self.pullers.hand_back(slot for slot in self.slots.values() if not slot.resident)
+        else:
+            await self.pullers.hand_back(self.slots[n] for n in leaving)
 
     def _bulk_model(self, subject: str) -> str | None:
         """The model of a batch-line subject (None for an interactive one)."""

@@ -1,0 +1,120 @@
+"""Each model's pull subscriptions in the worker: its interactive line's, and its batch line's
+while batch requests are seen.
+
+A line's durable consumer is made sure of on demand (and again after half the server's idle
+limit, in case the server removed it meanwhile), its :class:`~jetbatch.sidecar.pulling.Puller`
+started on first use. What a puller was delivered that no fetch took (a pull request answered
+after its fetch returned) goes back to the queue (nak) whenever this worker stops fetching from
+it: the model left the device, the batch line went quiet, or the worker stops. Left in a puller
+nobody fetches from, a request would wait out its ack wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from jetbatch.sdk.protocol import Priority, Subjects
+
+from ..config import StreamsConfig
+from ..errors import TRANSPORT_ERRORS
+from ..pulling import Puller
+from ..replies import settle
+from ..streams import StreamSetupError, ensure_model_consumer, model_consumer_name
+from .counters import Counters
+from .slots import Slot
+
+__all__ = ["Pullers"]
+
+log = logging.getLogger("jetbatch.worker")
+
+# The longest a puller being given up waits for its open pull requests to end (a fill's ends
+# about a millisecond after its window closed; the server's 408 comes within this): what they
+# deliver meanwhile is handed back with the rest.
+CLOSE_WAIT_S = 0.05
+
+
+class Pullers:
+    """The slots' pullers: :meth:`ready` before a fetch, :meth:`hand_back` when the worker stops
+    fetching a model, :meth:`close` at a stop. ``on_late(slot)``: a delivery no fetch waited for
+    (:class:`~jetbatch.sidecar.pulling.Puller`'s ``on_late``)."""
+
+    def __init__(
+        self, nc: Any, subjects: Subjects, streams: StreamsConfig, *, on_late: Callable[[Slot], None], counters: Counters
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._subjects = subjects
+        self._streams = streams
+        self._on_late = on_late
+        self._counters = counters
+
+    async def ready(self, slot: Slot) -> bool:
+        """Make sure ``slot``'s consumers exist and this worker is subscribed to them: the
+        interactive line's always, the batch line's while batch requests wait (``slot.bulk``);
+        a batch line quiet for half the idle limit loses its puller. False (logged) when the
+        server did not answer: the caller backs off as for any trouble."""
+        streams = self._streams
+        async with slot.consumer_lock:
+            now = time.time()
+            try:
+                if self._stale(slot.consumer_ready_at, now):
+                    started = time.perf_counter()
+                    await ensure_model_consumer(self._js, self._subjects, streams, slot.name)
+                    self._counters.sample("consumer_create", time.perf_counter() - started)
+                    slot.consumer_ready_at = now
+                if slot.psub is None:
+                    slot.psub = await self._puller(slot, Priority.INTERACTIVE)
+                # The batch line's consumer: made while batch requests are seen (most models get
+                # none); left to the server's idle removal once they stop.
+                bulk_stale = self._stale(slot.bulk_consumer_ready_at, now)
+                if slot.bulk > 0:
+                    if bulk_stale:
+                        await ensure_model_consumer(self._js, self._subjects, streams, slot.name, Priority.BATCH)
+                        slot.bulk_consumer_ready_at = now
+                    if slot.bulk_psub is None:
+                        slot.bulk_psub = await self._puller(slot, Priority.BATCH)
+                elif slot.bulk_psub is not None and bulk_stale:
+                    # No batch requests of late: the line's puller goes, and what it still holds
+                    # goes back to the queue now (it used to wait out its ack wait: nobody
+                    # fetches from a puller that is gone).
+                    psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
+                    await self._give_back(await psub.close(CLOSE_WAIT_S))
+            except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
+                log.warning("consumer for %s not ready: %s", slot.name, exc)
+                return False
+        return True
+
+    async def hand_back(self, slots: Iterable[Slot]) -> None:
+        """What ``slots``' pullers hold that no fetch took goes back to the queue, for whoever
+        serves those models now."""
+        for slot in slots:
+            for psub in (slot.psub, slot.bulk_psub):
+                if psub is not None and psub.buffered:
+                    await self._give_back(psub.leftovers())
+
+    async def close(self, slots: Iterable[Slot]) -> None:
+        """At a stop: every puller unsubscribed, what it holds handed back (delivered to a fetch
+        the stop cancelled)."""
+        for slot in slots:
+            for psub in (slot.psub, slot.bulk_psub):
+                if psub is not None:
+                    await self._give_back(await psub.close(CLOSE_WAIT_S))
+
+    def _stale(self, ready_at: float | None, now: float) -> bool:
+        """Not made sure of yet, or (consumers made on demand) long enough ago that the server
+        may have removed it as idle."""
+        if ready_at is None:
+            return True
+        return self._streams.consumers == "on-demand" and now - ready_at > self._streams.consumer_idle_s / 2
+
+    async def _puller(self, slot: Slot, priority: Priority) -> Puller:
+        name = model_consumer_name(slot.name, priority)
+        return await Puller(self._nc, self._subjects.models_stream, name, on_late=lambda: self._on_late(slot)).start()
+
+    async def _give_back(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            await settle(msg, "nak")
+            self._counters.add("leftovers_handed_back")

@@ -1,0 +1,91 @@
+"""The worker's pull subscriptions (sidecar/worker/pullers.py) against a real nats-server: what a
+puller holds goes back to the queue when the worker stops fetching from it, not after its ack
+wait."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import nats
+import pytest
+
+from jetbatch.sdk.protocol import Priority
+from jetbatch.sidecar.pulling import Puller
+from jetbatch.sidecar.streams import ensure_streams, model_consumer_name
+from jetbatch.sidecar.worker.counters import Counters
+from jetbatch.sidecar.worker.pullers import Pullers
+from jetbatch.sidecar.worker.slots import Slot
+from tests.helpers import make_config, pull_waiting, sleep_model, wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+async def _a_leftover(js: Any, stream: str, consumer: str, psub: Any, subject: str) -> None:
+    """A request delivered to ``psub`` that no fetch takes: its fetch was cancelled while its
+    pull request waited at the server (as a stop or a window closing early leaves one)."""
+    fetch = asyncio.ensure_future(psub.fetch(1, timeout=30.0))
+    await pull_waiting(js, stream, consumer)
+    fetch.cancel()
+    await js.publish(subject, b"left over")
+    await wait_until(lambda: psub.buffered == 1, timeout_s=10, what="the delivery in the puller's buffer")
+
+
+async def _given_back(nc: Any, stream: str, consumer: str) -> None:
+    """The request is back in the queue: the next fetch gets it again now, not after its ack
+    wait (five minutes in these tests)."""
+    again = await Puller(nc, stream, consumer).start()
+    got = await again.fetch(1, timeout=10.0)
+    assert [(m.data, m.metadata.num_delivered) for m in got] == [(b"left over", 2)]
+    await again.unsubscribe()
+
+
+async def test_a_quiet_batch_line_loses_its_puller_and_what_it_held_goes_back_at_once(nats_url: str, prefix: str) -> None:
+    # The ack wait is long: a request left in the dropped puller would wait all of it.
+    config = make_config(prefix, {"m1": sleep_model()}, streams={"consumers": "on-demand", "ack_wait_s": 300.0})
+    subjects, streams = config.subjects, config.streams
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_streams(js, subjects, streams, ["m1"])
+        counters = Counters()
+        pullers = Pullers(nc, subjects, streams, on_late=lambda slot: None, counters=counters)
+        slot = Slot(name="m1", config=SimpleNamespace(), handler=None, window=None)  # type: ignore[arg-type]
+        slot.bulk = 1  # batch requests seen: the batch line gets a puller
+        assert await pullers.ready(slot)
+        bulk_consumer = model_consumer_name("m1", Priority.BATCH)
+        psub = slot.bulk_psub
+        assert psub is not None
+        await _a_leftover(js, subjects.models_stream, bulk_consumer, psub, subjects.model("m1", Priority.BATCH))
+
+        slot.bulk = 0
+        assert await pullers.ready(slot) and slot.bulk_psub is psub  # recently made: kept
+        slot.bulk_consumer_ready_at = time.time() - streams.consumer_idle_s  # quiet for its idle limit
+        assert await pullers.ready(slot)
+        assert slot.bulk_psub is None and slot.psub is not None
+        await _given_back(nc, subjects.models_stream, bulk_consumer)
+        assert counters["leftovers_handed_back"] == 1
+    finally:
+        await nc.close()
+
+
+async def test_a_stop_hands_back_what_each_line_held(nats_url: str, prefix: str) -> None:
+    config = make_config(prefix, {"m1": sleep_model()}, streams={"ack_wait_s": 300.0})
+    subjects, streams = config.subjects, config.streams
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_streams(js, subjects, streams, ["m1"])
+        pullers = Pullers(nc, subjects, streams, on_late=lambda slot: None, counters=Counters())
+        slot = Slot(name="m1", config=SimpleNamespace(), handler=None, window=None)  # type: ignore[arg-type]
+        slot.bulk = 1
+        assert await pullers.ready(slot)
+        for priority, psub in ((Priority.INTERACTIVE, slot.psub), (Priority.BATCH, slot.bulk_psub)):
+            await _a_leftover(js, subjects.models_stream, model_consumer_name("m1", priority), psub, subjects.model("m1", priority))
+        await pullers.close([slot])
+        for priority in Priority:
+            await _given_back(nc, subjects.models_stream, model_consumer_name("m1", priority))
+    finally:
+        await nc.close()
