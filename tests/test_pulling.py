@@ -5,7 +5,9 @@ consumer removed under a waiting pull ends it instead of hanging."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from typing import Any
 
 import nats
 import pytest
@@ -93,6 +95,73 @@ async def test_an_idle_fetch_with_linger_returns_at_the_first_arrival_and_leaves
         assert (info.num_pending, info.num_waiting) == (1, 0)
         assert [m.data for m in await puller.fetch(64, timeout=5.0)] == [b"second"]
         await puller.unsubscribe()
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+def _count_pulls(nc: Any) -> list[dict[str, Any]]:
+    """The pull requests ``nc`` sends from now on (their bodies), in order."""
+    sent: list[dict[str, Any]] = []
+    publish = nc.publish
+
+    async def counting(subject: str, payload: bytes = b"", reply: str = "", headers: Any = None) -> None:
+        if subject.startswith("$JS.API.CONSUMER.MSG.NEXT."):
+            sent.append(json.loads(payload))
+        await publish(subject, payload, reply=reply, headers=headers)
+
+    nc.publish = counting
+    return sent
+
+
+async def test_a_hold_is_one_request_whose_later_deliveries_wait_in_the_buffer_and_cover_a_fill(nats_url: str, prefix: str) -> None:
+    """A worker's hold (``fetch(hold=True)``): one pull request for a whole batch, held open. It
+    returns with what is stored, or else with the first arrival, and the request stays open:
+    later arrivals land in the buffer, and a fill while it still covers the window sends no
+    request of its own. One request where a fetch sends a ``no_wait`` one (and gets its 404)
+    and then a second one."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        for i in range(3):
+            await js.publish(f"{prefix}.q", f"stored{i}".encode())  # type: ignore[attr-defined]
+        got = await puller.fetch(64, timeout=30.0, hold=True)
+        await wait_until(lambda: len(got) + puller.buffered == 3, timeout_s=10, what="the stored three delivered")
+        if puller.buffered:  # what came after the fetch's first wake: the next fetch's, no request
+            got += await puller.fetch(64, timeout=5.0)
+        assert [m.data for m in got] == [b"stored0", b"stored1", b"stored2"]
+        assert len(sent) == 1 and "no_wait" not in sent[0] and sent[0]["batch"] == 64
+        info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+        assert info.num_waiting == 1  # still open for arrivals
+
+        await js.publish(f"{prefix}.q", b"arrived")  # type: ignore[attr-defined]
+        await wait_until(lambda: puller.buffered == 1, timeout_s=10, what="the arrival in the buffer")
+        fill = asyncio.ensure_future(puller.fill(3, wait_s=5.0))
+        await js.publish(f"{prefix}.q", b"during the fill")  # type: ignore[attr-defined]
+        await js.publish(f"{prefix}.q", b"fills it")  # type: ignore[attr-defined]
+        assert [m.data for m in await asyncio.wait_for(fill, 10)] == [b"arrived", b"during the fill", b"fills it"]
+        assert len(sent) == 1  # the hold's request covered the fill
+        for m in got:
+            await m.ack()
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url: str, prefix: str) -> None:
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        started = time.monotonic()
+        assert await puller.fetch(64, timeout=0.05, hold=True) == []
+        assert time.monotonic() - started >= 0.05 - 0.0005  # it waited its whole hold
+        info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+        assert info.num_waiting == 0  # ended at the server by its expiry before the fetch returned
+
+        fetch = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold=True))
+        await pull_waiting(js, prefix.upper())
+        await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
+        assert [m.data for m in await asyncio.wait_for(fetch, 10)] == [b"first"]  # not 64, not 30 s
+        await puller.close(0.0)
     finally:
         await nc.close()  # type: ignore[attr-defined]
 

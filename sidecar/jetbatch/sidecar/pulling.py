@@ -172,16 +172,32 @@ class Puller:
         if self._fill_to is not None and (len(self._buffer) >= self._fill_to or self._ended or self._error is not None):
             self._filled.wake()
 
-    async def fetch(self, batch: int, timeout: float, *, linger: int | None = None, stored_only: bool = False) -> list[Msg]:
+    async def fetch(self, batch: int, timeout: float, *, linger: int | None = None, stored_only: bool = False, hold: bool = False) -> list[Msg]:
         """Up to ``batch`` messages within ``timeout`` seconds ([] when none came). ``linger``:
         when nothing is stored, the waiting request asks for that many (fewer than ``batch``) and
         the fetch returns once they came: an idle caller's wait for its first message.
-        ``stored_only``: what is stored, in one round trip; no request waits for arrivals."""
+        ``stored_only``: what is stored, in one round trip; no request waits for arrivals.
+        ``hold``: one request for the whole batch, held open for ``timeout``; the fetch returns
+        with what is stored, or else with the first arrival, and the request goes on
+        delivering to the buffer until it has its batch or expires, for the next fetch or
+        :meth:`fill` (keep ``timeout`` short: a worker's hold of its served model's next
+        batch, a few milliseconds)."""
         self._raise_refused()
         if self._buffer:
             return self._take(batch)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        if hold and not stored_only:
+            # One request: what is stored comes at once, or else the first arrival. The fetch
+            # returns when its first delivery wakes it (what the server sent with it is in the
+            # buffer by then: nats-py hands a subscription everything it read before it yields);
+            # the rest follow into the buffer, each delivery saying how many are still stored
+            # behind it. No no_wait request, its 404 and second request: one message and,
+            # unless the request fills, its 408.
+            expires_s = max(timeout - _EXPIRES_EARLY_S, 0.001)
+            await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
+            await self._wait(1, deadline + _END_GRACE_S)
+            return self._take(batch)
         # What is stored comes at once (the server ends a no_wait request with 404 when it has
         # fewer than asked for); only when nothing is does a request wait for arrivals.
         await self._request({"batch": batch, "no_wait": True})
@@ -208,13 +224,22 @@ class Puller:
             self._fill_to = batch
             self._waiting = True
             try:
-                await self._request({"batch": batch - len(self._buffer), "expires": int((max(wait_s, 0.0) + _FILL_MARGIN_S) * 1e9)})
+                expires_s = max(wait_s, 0.0) + _FILL_MARGIN_S
+                if not self._covered(batch - len(self._buffer), expires_s):
+                    await self._request({"batch": batch - len(self._buffer), "expires": int(expires_s * 1e9)})
                 if len(self._buffer) < batch and not self._ended and self._error is None:
                     await self._filled.wait(wait_s)
             finally:
                 self._fill_to = None
                 self._waiting = False
         return self._take(batch)
+
+    def _covered(self, n: int, for_s: float) -> bool:
+        """Whether the pull requests open now can still bring ``n`` messages and wait at the
+        server at least ``for_s`` more (a hold's request, open past the window it opened): a
+        fill then sends none of its own."""
+        ends_after = asyncio.get_running_loop().time() + for_s + _END_GRACE_S
+        return self._error is None and sum(left for left, end_by in self._open.values() if end_by >= ends_after) >= n
 
     def _raise_refused(self) -> None:
         """Raise the error status the last request ended with (once)."""

@@ -102,20 +102,29 @@ class Batcher:
             self._wakeup.wake()
 
     async def fetch(
-        self, slot: Slot, n: int, timeout_s: float, *, bulk_first: bool | None = None, stored_only: bool = False, linger: int | None = None
+        self,
+        slot: Slot,
+        n: int,
+        timeout_s: float,
+        *,
+        bulk_first: bool | None = None,
+        stored_only: bool = False,
+        linger: int | None = None,
+        hold: bool = False,
     ) -> list[Msg]:
         """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure. The
         interactive line first; the batch line when the count says batch requests wait (first
         when ``bulk_first``, by default when no interactive one waits), topped up from the other
         line without waiting long. ``stored_only``: what is stored now, waiting for no arrival;
-        ``linger``: when nothing is stored, return once that many came."""
+        ``linger``: when nothing is stored, return once that many came; ``hold``: the
+        interactive line by one request held open for ``timeout_s`` (``Puller.fetch``)."""
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
         lines = [False]
         if slot.bulk_psub is not None and (slot.bulk > 0 or slot.bulk_psub.buffered):
             first = slot.interactive == 0 if bulk_first is None else bulk_first
             lines = [True, False] if first else [False, True]
-        msgs = await self._pull(slot, lines[0], n, timeout_s, stored_only, linger)
+        msgs = await self._pull(slot, lines[0], n, timeout_s, stored_only, linger, hold=hold and not lines[0])
         if len(lines) > 1 and len(msgs) < n and not self._stopping.is_set():
             # What is stored there comes within a round trip; later arrivals on their events. A
             # pull that waited for the rest of the batch held the batch (and a request arriving
@@ -131,11 +140,21 @@ class Batcher:
         return msgs
 
     async def _pull(
-        self, slot: Slot, bulk: bool, n: int, timeout_s: float, stored_only: bool = False, linger: int | None = None, fill: bool = False
+        self,
+        slot: Slot,
+        bulk: bool,
+        n: int,
+        timeout_s: float,
+        stored_only: bool = False,
+        linger: int | None = None,
+        fill: bool = False,
+        *,
+        hold: bool = False,
     ) -> list[Msg]:
         started = self._clock()
         self._counters.add("fetches")
-        pulled = await pull(slot.bulk_psub if bulk else slot.psub, n, timeout_s, stored_only=stored_only, linger=linger, fill=fill)
+        psub = slot.bulk_psub if bulk else slot.psub
+        pulled = await pull(psub, n, timeout_s, stored_only=stored_only, linger=linger, fill=fill, hold=hold)
         if pulled.closed:
             self._stopping.set()
             return []
@@ -160,12 +179,15 @@ class Batcher:
                 slot.backlog = max(0, slot.backlog - len(msgs)) if pending is None else pending
         return msgs
 
-    async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None, *, compute_s: float = 0.0, first_wait_s: float | None = None) -> list[Msg]:
+    async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None, *, compute_s: float = 0.0, hold_s: float | None = None) -> list[Msg]:
         """Pull until the window closes: ``max_items``, or ``max_delay`` after the first request
         of the batch was enqueued. While a batch of this model still runs, keep filling; once the
         window has closed, still take what the queue reported waiting, up to ``max_items``.
         The window also closes when the earliest deadline among the gathered requests leaves
-        only ``compute_s`` (the batch's estimated time): waiting longer would make it late."""
+        only ``compute_s`` (the batch's estimated time): waiting longer would make it late.
+        ``hold_s``: a hold (policy/interest.py): the first request is waited for this long, on
+        one pull request for the whole batch that stays open for it, and the window's fill
+        sends no request of its own while that one covers it."""
         window = slot.window
         msgs: list[Msg] = list(first or [])
         # Which line this batch takes first (policy/window.py: one batch in BATCH_LINE_EVERY goes
@@ -199,6 +221,7 @@ class Batcher:
         # on the timer, and when its batch starts measures the lead (not after a fetch's round
         # trip, nor a recheck while the device was busy).
         on_timer = False
+        first_wait_s = hold_s
         if first_wait_s is None:
             first_wait_s = min(self.poll_interval_s, 0.5)
             if slot.backlog > 0:
@@ -214,7 +237,7 @@ class Batcher:
                 # ones come on their events. Waiting here for a whole batch held the first request
                 # to this wait's end (20 ms after a count ahead of the queue).
                 on_timer = False
-                got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first, linger=1)
+                got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first, linger=1, hold=hold_s is not None)
                 if not got:
                     break  # nothing came within the first wait: the queue is empty for now
             elif (slot.backlog > 0 and (found_short is None or slot.arrivals > found_short)) or _buffered(slot):

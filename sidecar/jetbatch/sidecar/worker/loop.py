@@ -455,7 +455,7 @@ class Worker:
                 # request opens the window with no arrival event and no decision between
                 # (policy/interest.py; the simulator holds too).
                 held = self.slots[self.state.serving]
-                await self._serve(tg, held, Serve(held.name, held.config.max_batch_size, reason="hold"), first_wait_s=held_s)
+                await self._serve(tg, held, Serve(held.name, held.config.max_batch_size, reason="hold"), hold_s=held_s)
                 continue
             serves = decision.model if isinstance(decision, Serve) and self.slots[decision.model].resident else None
             if self.state.serving is not None and serves != self.state.serving:
@@ -583,7 +583,7 @@ class Worker:
                 await self._wake.wait()
         self._wake = anyio.Event()
 
-    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve, *, first_wait_s: float | None = None) -> None:
+    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve, *, hold_s: float | None = None) -> None:
         # Pipelining: gather the next batch while the previous one computes, and compute while
         # earlier answers are stored (a bounded number: policy/window.py).
         await slot.wait_pipeline_room()
@@ -592,9 +592,9 @@ class Worker:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
         else:
             # The window closes early enough for the earliest deadline gathered (window.py).
-            msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items), first_wait_s=first_wait_s)
+            msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items), hold_s=hold_s)
         if not msgs:
-            if first_wait_s is not None:
+            if hold_s is not None:
                 # A hold that came back empty ends the serving: the next turn listens to the line
                 # again and counts it (_follow_arrivals), and the worker idles on the events.
                 self.state.hold_missed = True
