@@ -29,8 +29,9 @@ Reported per round: throughput, and each process's CPU seconds per request (from
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server; and the
 messages the consumer side published and received per request (``consumer_published``,
 ``consumer_received``, from nats-server's ``/connz``, which counts messages, not PINGs); for
-jetbatch, how its worker formed batches (``worker_per_batch``: requests, fetches and decisions a
-batch; ``worker_events_per_request``: the arrival events it heard), from its status counters.
+jetbatch, how its worker formed batches (``worker_per_batch``: requests, fetches, decisions, pull
+requests sent and pull requests ended by a status message a batch; ``worker_events_per_request``:
+the arrival events it heard), from its status counters.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
                              [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--raw-republished] [--raw-relayed [--relay-fast-ingest]]
@@ -283,6 +284,7 @@ def jetbatch_round(
         record["worker_per_batch"] = {
             "requests": stats.get("requests", 0) / batches, "fetches": stats.get("fetches", 0) / batches,
             "decisions": stats.get("decisions", 0) / batches,
+            "pull_requests": stats.get("pull_requests", 0) / batches, "pull_ends": stats.get("pull_ends", 0) / batches,
         }  # fmt: skip
         record["worker_events_per_request"] = stats.get("arrival_delay_n", 0) / max(1, stats.get("requests", 0))
     if alone:

@@ -67,6 +67,7 @@ async def test_a_quiet_batch_line_loses_its_puller_and_what_it_held_goes_back_at
         assert slot.bulk_psub is None and slot.psub is not None
         await _given_back(nc, subjects.models_stream, bulk_consumer)
         assert counters["leftovers_handed_back"] == 1
+        assert pullers.counts([slot])["pull_requests"] == 2  # the dropped puller's still count
     finally:
         await nc.close()
 
@@ -87,5 +88,8 @@ async def test_a_stop_hands_back_what_each_line_held(nats_url: str, prefix: str)
         await pullers.close([slot])
         for priority in Priority:
             await _given_back(nc, subjects.models_stream, model_consumer_name("m1", priority))
+        # The status counters: each line's cancelled fetch sent a no_wait request (ended by its
+        # 404: nothing was stored) and one that waited (ended by the delivery it asked for).
+        assert pullers.counts([slot]) == {"pull_requests": 4, "pull_ends": 2}
     finally:
         await nc.close()

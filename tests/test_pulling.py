@@ -140,7 +140,7 @@ async def test_a_hold_is_one_request_whose_later_deliveries_wait_in_the_buffer_a
         await js.publish(f"{prefix}.q", b"during the fill")  # type: ignore[attr-defined]
         await js.publish(f"{prefix}.q", b"fills it")  # type: ignore[attr-defined]
         assert [m.data for m in await asyncio.wait_for(fill, 10)] == [b"arrived", b"during the fill", b"fills it"]
-        assert len(sent) == 1  # the hold's request covered the fill
+        assert len(sent) == 1 == puller.pulls  # the hold's request covered the fill
         for m in got:
             await m.ack()
     finally:
@@ -156,6 +156,7 @@ async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url:
         assert time.monotonic() - started >= 0.05 - 0.0005  # it waited its whole hold
         info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
         assert info.num_waiting == 0  # ended at the server by its expiry before the fetch returned
+        assert (puller.pulls, puller.ends) == (1, 1)  # one request, its 408
 
         fetch = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold=True))
         await pull_waiting(js, prefix.upper())

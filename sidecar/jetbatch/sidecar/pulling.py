@@ -7,7 +7,10 @@ request (docs/benchmarks.md, "As deployed"). A :class:`Puller` sends the same pu
 its callback buffers what arrives: a fetch waits on one event with one deadline.
 
 A :meth:`Puller.fill` is a batch window's last wait: one request for the rest of the batch, ended
-by the puller's own precise clock rather than the server's expiry.
+by the puller's own precise clock rather than the server's expiry. A hold (``fetch(hold=True)``)
+is a worker's short wait for its served model's next batch: one request for a whole batch, left
+open after the fetch returned, whose later deliveries wait in the buffer, and a fill it still
+covers sends no request of its own.
 
 The semantics are nats-py's: a fetch first asks for what is stored (``no_wait``) and returns it;
 when nothing is, it asks again with ``expires`` and returns once the batch is full, the request
@@ -80,6 +83,8 @@ class Puller:
         # (its expiry and the grace a fetch listens for an end; past it, an end that never came
         # is given up on).
         self._open: dict[str, tuple[int, float]] = {}
+        self.pulls = 0  # pull requests sent (each one message published)
+        self.ends = 0  # pull requests ended by a status message (404, 408, 409, an error)
 
     async def start(self) -> "Puller":
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg, pending_msgs_limit=100_000)
@@ -150,6 +155,7 @@ class Puller:
             if status == _HEARTBEAT:
                 return
             self._open.pop(token, None)
+            self.ends += 1
             if token == self._current:
                 self._ended = True
             if status not in _END:
@@ -249,6 +255,7 @@ class Puller:
 
     async def _request(self, body: dict[str, Any]) -> None:
         self._seq += 1
+        self.pulls += 1
         self._current, self._ended = str(self._seq), False
         expires_s = body.get("expires", 0) / 1e9
         if len(self._open) > 64:  # ends lost in a reconnect: forget those long over

@@ -25,7 +25,9 @@ serves a model's batches needs none of them for the line its batches fill from:
 **A hold instead of an idle.** A worker whose next decision is to idle while it serves a model's
 batches (nothing counted waiting anywhere) first holds that model's next batch open for up to
 ``HOLD_S``, on a pull held on its interactive line (:func:`hold_s`): the first request stored
-there opens the next batch's window with no arrival event, and no decision in between. Only when
+there opens the next batch's window with no arrival event, and no decision in between. The
+hold's pull request asks for the whole batch and stays open for the hold, so the window it opens
+fills from it without a request of its own while it lasts (``Puller.fetch(hold=True)``). Only when
 a hold comes back empty does the worker listen again, count, and idle on the events. At 64
 requests in flight the callers' next requests come within a few milliseconds of a batch's
 answers: holds of 2 ms missed often enough for 0.2 arrival events a request to remain, 5 ms left

@@ -50,6 +50,7 @@ class Pullers:
         self._streams = streams
         self._on_late = on_late
         self._counters = counters
+        self._retired = (0, 0)  # the pull messages of pullers given up (requests, ends)
 
     async def ready(self, slot: Slot) -> bool:
         """Make sure ``slot``'s consumers exist and this worker is subscribed to them: the
@@ -82,6 +83,7 @@ class Pullers:
                     # fetches from a puller that is gone).
                     psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
                     await self._give_back(await psub.close(CLOSE_WAIT_S))
+                    self._retired = (self._retired[0] + psub.pulls, self._retired[1] + psub.ends)
             except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
                 log.warning("consumer for %s not ready: %s", slot.name, exc)
                 return False
@@ -102,6 +104,17 @@ class Pullers:
             for psub in (slot.psub, slot.bulk_psub):
                 if psub is not None:
                     await self._give_back(await psub.close(CLOSE_WAIT_S))
+
+    def counts(self, slots: Iterable[Slot]) -> dict[str, int]:
+        """The pull messages so far, for the status counters: requests sent (``pull_requests``)
+        and requests ended by a status message (``pull_ends``), the worker's share of the
+        messages it publishes and receives beyond its requests, answers and acks."""
+        pulls, ends = self._retired
+        for slot in slots:
+            for psub in (slot.psub, slot.bulk_psub):
+                if psub is not None:
+                    pulls, ends = pulls + psub.pulls, ends + psub.ends
+        return {"pull_requests": pulls, "pull_ends": ends}
 
     def _stale(self, ready_at: float | None, now: float) -> bool:
         """Not made sure of yet, or (consumers made on demand) long enough ago that the server
