@@ -53,17 +53,20 @@ class Queue:
         # A request stored this long into the next fetch that waits: a request asking for
         # ``linger`` gets it then; one asking for a whole batch runs its whole timeout first.
         self.arrives_in: float | None = None
-        self.holds = 0  # fetches by one request held open (``Puller.fetch(hold=True)``)
+        self.holds: list[float] = []  # how long each hold's one request stays open (``Puller.fetch``)
 
-    async def fetch(self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None, hold: bool = False) -> list[Any]:
+    async def fetch(
+        self, batch: int, timeout: float, stored_only: bool = False, linger: int | None = None, hold_open_s: float | None = None
+    ) -> list[Any]:
         await anyio.sleep(0)
         self.fetches.append((batch, timeout, stored_only))
-        self.holds += hold
+        if hold_open_s is not None:
+            self.holds.append(hold_open_s)
         if not self.queued and not stored_only and self.arrives_in is not None and self.arrives_in < timeout:
             self.clock.now += self.arrives_in
             stored_ns = round(self.clock() * 1e9)
             self.arrives_in = None
-            if not linger and not hold:
+            if not linger and hold_open_s is None:
                 self.clock.now += timeout  # the rest of its wait (the real one ends at its expiry)
             return [_delivered(stored_ns, 0, self.headers)]
         if self.queued:
@@ -585,21 +588,21 @@ async def test_a_listened_line_still_waits_on_its_arrival_events() -> None:
 async def test_a_hold_waits_its_own_time_for_the_first_request_and_its_window_runs_from_it() -> None:
     """A worker about to idle holds the served model's next batch open (policy/interest.py,
     ``hold_s``): the first fetch waits that long for a first arrival, on one pull request for a
-    whole batch held open (``Puller.fetch(hold=True)``); none: the batch is empty at the hold's
-    end."""
+    whole batch open through the window that arrival opens (``Puller.fetch(hold_open_s=...)``);
+    none: the batch is empty at the hold's end."""
     clock, queue, _, batcher, slot = _held(0.002)
     started = clock()
     assert await batcher.gather(slot, 64, hold_s=0.005) == []
-    assert queue.fetches == [(64, 0.005, False)] and queue.holds == 1
+    assert queue.fetches == [(64, 0.005, False)] and queue.holds == [pytest.approx(0.005 + 0.002 + 0.001)]
     assert clock() == pytest.approx(started + 0.005, abs=1e-9)
     queue.arrives_in = 0.003
     started = clock()
     msgs = await batcher.gather(slot, 64, hold_s=0.005)
-    assert len(msgs) == 1 and queue.holds == 2
+    assert len(msgs) == 1 and len(queue.holds) == 2
     assert clock() == pytest.approx(started + 0.003 + 0.002, abs=1e-9)  # its window, from its arrival
     queue.queued = 3
     assert len(await batcher.gather(slot, 64)) == 3  # not a hold: the plain fetch
-    assert queue.holds == 2
+    assert len(queue.holds) == 2
 
 
 async def test_a_request_delivered_after_its_fetch_gave_up_joins_the_open_window() -> None:

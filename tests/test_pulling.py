@@ -114,7 +114,7 @@ def _count_pulls(nc: Any) -> list[dict[str, Any]]:
 
 
 async def test_a_hold_is_one_request_whose_later_deliveries_wait_in_the_buffer_and_cover_a_fill(nats_url: str, prefix: str) -> None:
-    """A worker's hold (``fetch(hold=True)``): one pull request for a whole batch, held open. It
+    """A worker's hold (``fetch(hold_open_s=...)``): one pull request for a whole batch, held open. It
     returns with what is stored, or else with the first arrival, and the request stays open:
     later arrivals land in the buffer, and a fill while it still covers the window sends no
     request of its own. One request where a fetch sends a ``no_wait`` one (and gets its 404)
@@ -125,7 +125,7 @@ async def test_a_hold_is_one_request_whose_later_deliveries_wait_in_the_buffer_a
         sent = _count_pulls(nc)
         for i in range(3):
             await js.publish(f"{prefix}.q", f"stored{i}".encode())  # type: ignore[attr-defined]
-        got = await puller.fetch(64, timeout=30.0, hold=True)
+        got = await puller.fetch(64, timeout=30.0, hold_open_s=30.0)
         await wait_until(lambda: len(got) + puller.buffered == 3, timeout_s=10, what="the stored three delivered")
         if puller.buffered:  # what came after the fetch's first wake: the next fetch's, no request
             got += await puller.fetch(64, timeout=5.0)
@@ -141,8 +141,42 @@ async def test_a_hold_is_one_request_whose_later_deliveries_wait_in_the_buffer_a
         await js.publish(f"{prefix}.q", b"fills it")  # type: ignore[attr-defined]
         assert [m.data for m in await asyncio.wait_for(fill, 10)] == [b"arrived", b"during the fill", b"fills it"]
         assert len(sent) == 1 == puller.pulls  # the hold's request covered the fill
+
+        # A request that ended since (a no_wait one: nothing stored) does not end a fill the
+        # hold's request covers: the fill waits for what that one brings.
+        assert await puller.fetch(4, timeout=5.0, stored_only=True) == []
+        assert len(sent) == 2 and sent[1].get("no_wait")
+        fill = asyncio.ensure_future(puller.fill(1, wait_s=5.0))
+        await js.publish(f"{prefix}.q", b"after the 404")  # type: ignore[attr-defined]
+        assert [m.data for m in await asyncio.wait_for(fill, 10)] == [b"after the 404"]
+        assert len(sent) == 2
         for m in got:
             await m.ack()
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_fill_a_hold_covers_in_part_asks_only_for_the_rest(nats_url: str, prefix: str) -> None:
+    """A window kept open past the hold's request (the device busy): its fill asks only for
+    what the hold's open request will not bring, so the two bring the batch and nothing more
+    (two requests each for the whole rest left a request's worth in this puller)."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        fetch = asyncio.ensure_future(puller.fetch(3, timeout=30.0, hold_open_s=30.0))
+        await pull_waiting(js, prefix.upper())
+        await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
+        got = await asyncio.wait_for(fetch, 10)
+        fill = asyncio.ensure_future(puller.fill(4, wait_s=60.0))  # past the hold's request
+        for i in range(4):
+            await js.publish(f"{prefix}.q", f"r{i}".encode())  # type: ignore[attr-defined]
+        got += await asyncio.wait_for(fill, 10)
+        assert [m.data for m in got] == [b"first", b"r0", b"r1", b"r2", b"r3"]
+        assert [body["batch"] for body in sent] == [3, 2]  # the hold's 3; the fill's 4 less its 2
+        await js.publish(f"{prefix}.q", b"for the next batch")  # type: ignore[attr-defined]
+        info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+        assert (info.num_pending, info.num_waiting, puller.buffered) == (1, 0, 0)  # stored, not ours
     finally:
         await nc.close()  # type: ignore[attr-defined]
 
@@ -152,13 +186,13 @@ async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url:
     try:
         puller = await Puller(nc, prefix.upper(), "c").start()
         started = time.monotonic()
-        assert await puller.fetch(64, timeout=0.05, hold=True) == []
+        assert await puller.fetch(64, timeout=0.05, hold_open_s=0.05) == []
         assert time.monotonic() - started >= 0.05 - 0.0005  # it waited its whole hold
         info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
         assert info.num_waiting == 0  # ended at the server by its expiry before the fetch returned
         assert (puller.pulls, puller.ends) == (1, 1)  # one request, its 408
 
-        fetch = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold=True))
+        fetch = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold_open_s=30.0))
         await pull_waiting(js, prefix.upper())
         await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
         assert [m.data for m in await asyncio.wait_for(fetch, 10)] == [b"first"]  # not 64, not 30 s

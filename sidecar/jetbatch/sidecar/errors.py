@@ -32,20 +32,27 @@ class Pulled:
 
 
 async def pull(
-    psub: Any, n: int, timeout_s: float, *, linger: int | None = None, stored_only: bool = False, fill: bool = False, hold: bool = False
+    psub: Any,
+    n: int,
+    timeout_s: float,
+    *,
+    linger: int | None = None,
+    stored_only: bool = False,
+    fill: bool = False,
+    hold_open_s: float | None = None,
 ) -> Pulled:
     """Fetch up to ``n`` messages within ``timeout_s``, the NATS errors mapped once for the
     worker's batcher and the classifier: a pull never raises. ``linger`` (a
     :class:`~sidecar.pulling.Puller` only): when nothing is stored, return once that many came.
     ``stored_only`` (a ``Puller`` only): what is stored now, without waiting for arrivals.
     ``fill`` (a ``Puller`` only): until ``n`` came or exactly ``timeout_s`` passed.
-    ``hold`` (a ``Puller`` only): one request held open for ``timeout_s``, returning with what
-    is stored or the first arrival (``Puller.fetch``)."""
+    ``hold_open_s`` (a ``Puller`` only): one request open that long, the fetch returning with
+    what is stored or the first arrival within ``timeout_s`` (``Puller.fetch``)."""
     try:
         if fill:
             return Pulled(await psub.fill(n, timeout_s))
-        if hold:
-            return Pulled(await psub.fetch(batch=n, timeout=timeout_s, hold=True))
+        if hold_open_s is not None:
+            return Pulled(await psub.fetch(batch=n, timeout=timeout_s, hold_open_s=hold_open_s))
         if stored_only:
             return Pulled(await psub.fetch(batch=n, timeout=timeout_s, stored_only=True))
         if linger is not None:

@@ -83,6 +83,9 @@ class Puller:
         # (its expiry and the grace a fetch listens for an end; past it, an end that never came
         # is given up on).
         self._open: dict[str, tuple[int, float]] = {}
+        # The requests of fills that returned (a fill's ends just after its window): what they
+        # may still bring goes to the next fetch, and no later fill waits on it.
+        self._tails: set[str] = set()
         self.pulls = 0  # pull requests sent (each one message published)
         self.ends = 0  # pull requests ended by a status message (404, 408, 409, an error)
 
@@ -178,31 +181,36 @@ class Puller:
         if self._fill_to is not None and (len(self._buffer) >= self._fill_to or self._ended or self._error is not None):
             self._filled.wake()
 
-    async def fetch(self, batch: int, timeout: float, *, linger: int | None = None, stored_only: bool = False, hold: bool = False) -> list[Msg]:
+    async def fetch(
+        self, batch: int, timeout: float, *, linger: int | None = None, stored_only: bool = False, hold_open_s: float | None = None
+    ) -> list[Msg]:
         """Up to ``batch`` messages within ``timeout`` seconds ([] when none came). ``linger``:
         when nothing is stored, the waiting request asks for that many (fewer than ``batch``) and
         the fetch returns once they came: an idle caller's wait for its first message.
         ``stored_only``: what is stored, in one round trip; no request waits for arrivals.
-        ``hold``: one request for the whole batch, held open for ``timeout``; the fetch returns
-        with what is stored, or else with the first arrival, and the request goes on
-        delivering to the buffer until it has its batch or expires, for the next fetch or
-        :meth:`fill` (keep ``timeout`` short: a worker's hold of its served model's next
-        batch, a few milliseconds)."""
+        ``hold_open_s`` (a hold: a worker's short wait for its served model's next batch): one
+        request for the whole batch, open that long (no less than ``timeout``); the fetch
+        returns with what is stored, or else with the first arrival within ``timeout``, and
+        the request goes on delivering to the buffer until it has its batch or expires, for
+        the next fetch or a :meth:`fill` it covers. Keep it short (milliseconds): what it
+        delivers is this puller's."""
         self._raise_refused()
         if self._buffer:
             return self._take(batch)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        if hold and not stored_only:
+        if hold_open_s is not None and not stored_only:
             # One request: what is stored comes at once, or else the first arrival. The fetch
             # returns when its first delivery wakes it (what the server sent with it is in the
             # buffer by then: nats-py hands a subscription everything it read before it yields);
             # the rest follow into the buffer, each delivery saying how many are still stored
             # behind it. No no_wait request, its 404 and second request: one message and,
             # unless the request fills, its 408.
-            expires_s = max(timeout - _EXPIRES_EARLY_S, 0.001)
-            await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
-            await self._wait(1, deadline + _END_GRACE_S)
+            open_s = max(hold_open_s, timeout)
+            await self._request({"batch": batch, "expires": int(max(open_s - _EXPIRES_EARLY_S, 0.001) * 1e9)})
+            # Past the fetch's own wait the request may still deliver: that is the next fetch's
+            # (a hold that came back empty hands it on to the count, which waits for its end).
+            await self._wait(1, deadline + (_END_GRACE_S if open_s <= timeout else 0.0))
             return self._take(batch)
         # What is stored comes at once (the server ends a no_wait request with 404 when it has
         # fewer than asked for); only when nothing is does a request wait for arrivals.
@@ -231,8 +239,17 @@ class Puller:
             self._waiting = True
             try:
                 expires_s = max(wait_s, 0.0) + _FILL_MARGIN_S
-                if not self._covered(batch - len(self._buffer), expires_s):
-                    await self._request({"batch": batch - len(self._buffer), "expires": int(expires_s * 1e9)})
+                need = batch - len(self._buffer)
+                token, covered = self._cover(need, expires_s)
+                if token is not None:
+                    # A hold's request still open past this fill's end brings what it needs:
+                    # no request of its own, and that one's end (a refusal) ends the fill.
+                    self._current, self._ended = token, False
+                else:
+                    # Only the rest: the hold's request still open brings its part (two open
+                    # for the whole rest brought more than the window took, left in this puller).
+                    await self._request({"batch": need - covered, "expires": int(expires_s * 1e9)})
+                    self._tails.add(self._current)
                 if len(self._buffer) < batch and not self._ended and self._error is None:
                     await self._filled.wait(wait_s)
             finally:
@@ -240,12 +257,19 @@ class Puller:
                 self._waiting = False
         return self._take(batch)
 
-    def _covered(self, n: int, for_s: float) -> bool:
-        """Whether the pull requests open now can still bring ``n`` messages and wait at the
-        server at least ``for_s`` more (a hold's request, open past the window it opened): a
-        fill then sends none of its own."""
+    def _cover(self, n: int, for_s: float) -> tuple[str | None, int]:
+        """What the pull requests open now (a hold's, not a returned fill's) can still bring
+        toward a fill of ``n`` that waits ``for_s``: one that alone brings them and stays open
+        at the server past the fill's end (None if none does), else how many they bring in all
+        (fewer than ``n``). A returned fill's request ends just after its window: the next
+        window must not count on it."""
+        if self._error is not None:
+            return None, 0
+        self._tails &= self._open.keys()
         ends_after = asyncio.get_running_loop().time() + for_s + _END_GRACE_S
-        return self._error is None and sum(left for left, end_by in self._open.values() if end_by >= ends_after) >= n
+        open_ = [(token, left, end_by) for token, (left, end_by) in self._open.items() if token not in self._tails]
+        alone = next((token for token, left, end_by in open_ if left >= n and end_by >= ends_after), None)
+        return alone, n if alone is not None else min(n - 1, sum(left for _, left, _ in open_))
 
     def _raise_refused(self) -> None:
         """Raise the error status the last request ended with (once)."""

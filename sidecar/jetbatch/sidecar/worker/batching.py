@@ -43,6 +43,9 @@ log = logging.getLogger("jetbatch.worker")
 # first (the 4-worker cluster bench lost a sixth of its serves so). Too short on a slow server is
 # harmless: the worker asks the consumer before holding anything back.
 _STORED_WAIT_S = 0.02
+# A hold's pull request stays open this long past the close of the window its first request
+# opens at the latest (the window's timer aims earlier, never later).
+_HOLD_MARGIN_S = 0.001
 
 
 class Batcher:
@@ -110,21 +113,21 @@ class Batcher:
         bulk_first: bool | None = None,
         stored_only: bool = False,
         linger: int | None = None,
-        hold: bool = False,
+        hold_open_s: float | None = None,
     ) -> list[Msg]:
         """Up to ``n`` messages of ``slot``'s queue within ``timeout_s``; [] on any failure. The
         interactive line first; the batch line when the count says batch requests wait (first
         when ``bulk_first``, by default when no interactive one waits), topped up from the other
         line without waiting long. ``stored_only``: what is stored now, waiting for no arrival;
-        ``linger``: when nothing is stored, return once that many came; ``hold``: the
-        interactive line by one request held open for ``timeout_s`` (``Puller.fetch``)."""
+        ``linger``: when nothing is stored, return once that many came; ``hold_open_s``: the
+        interactive line by one request open that long (``Puller.fetch``)."""
         if timeout_s < 0.001 or n <= 0 or slot.psub is None:
             return []
         lines = [False]
         if slot.bulk_psub is not None and (slot.bulk > 0 or slot.bulk_psub.buffered):
             first = slot.interactive == 0 if bulk_first is None else bulk_first
             lines = [True, False] if first else [False, True]
-        msgs = await self._pull(slot, lines[0], n, timeout_s, stored_only, linger, hold=hold and not lines[0])
+        msgs = await self._pull(slot, lines[0], n, timeout_s, stored_only, linger, hold_open_s=None if lines[0] else hold_open_s)
         if len(lines) > 1 and len(msgs) < n and not self._stopping.is_set():
             # What is stored there comes within a round trip; later arrivals on their events. A
             # pull that waited for the rest of the batch held the batch (and a request arriving
@@ -149,12 +152,12 @@ class Batcher:
         linger: int | None = None,
         fill: bool = False,
         *,
-        hold: bool = False,
+        hold_open_s: float | None = None,
     ) -> list[Msg]:
         started = self._clock()
         self._counters.add("fetches")
         psub = slot.bulk_psub if bulk else slot.psub
-        pulled = await pull(psub, n, timeout_s, stored_only=stored_only, linger=linger, fill=fill, hold=hold)
+        pulled = await pull(psub, n, timeout_s, stored_only=stored_only, linger=linger, fill=fill, hold_open_s=hold_open_s)
         if pulled.closed:
             self._stopping.set()
             return []
@@ -186,8 +189,8 @@ class Batcher:
         The window also closes when the earliest deadline among the gathered requests leaves
         only ``compute_s`` (the batch's estimated time): waiting longer would make it late.
         ``hold_s``: a hold (policy/interest.py): the first request is waited for this long, on
-        one pull request for the whole batch that stays open for it, and the window's fill
-        sends no request of its own while that one covers it."""
+        one pull request for the whole batch that stays open through the window it opens, so
+        that the window's fill sends no request of its own."""
         window = slot.window
         msgs: list[Msg] = list(first or [])
         # Which line this batch takes first (policy/window.py: one batch in BATCH_LINE_EVERY goes
@@ -237,7 +240,10 @@ class Batcher:
                 # ones come on their events. Waiting here for a whole batch held the first request
                 # to this wait's end (20 ms after a count ahead of the queue).
                 on_timer = False
-                got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first, linger=1, hold=hold_s is not None)
+                # A hold's request stays open through the window its first request opens, so
+                # that window's fill needs no request of its own (Puller.fill).
+                hold_open_s = None if hold_s is None else hold_s + window.max_delay_s + _HOLD_MARGIN_S
+                got = await self.fetch(slot, max_items, max(wait_s, 0.001), bulk_first=bulk_first, linger=1, hold_open_s=hold_open_s)
                 if not got:
                     break  # nothing came within the first wait: the queue is empty for now
             elif (slot.backlog > 0 and (found_short is None or slot.arrivals > found_short)) or _buffered(slot):

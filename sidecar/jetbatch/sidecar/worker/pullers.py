@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import anyio
+
 from jetbatch.sdk.protocol import Priority, Subjects
 
 from ..config import StreamsConfig
@@ -55,8 +57,9 @@ class Pullers:
     async def ready(self, slot: Slot) -> bool:
         """Make sure ``slot``'s consumers exist and this worker is subscribed to them: the
         interactive line's always, the batch line's while batch requests wait (``slot.bulk``);
-        a batch line quiet for half the idle limit loses its puller. False (logged) when the
-        server did not answer: the caller backs off as for any trouble."""
+        a batch line with none counted, whose consumer was last made sure of more than half
+        the idle limit ago, loses its puller. False (logged) when the server did not answer:
+        the caller backs off as for any trouble."""
         streams = self._streams
         async with slot.consumer_lock:
             now = time.time()
@@ -77,12 +80,15 @@ class Pullers:
                         slot.bulk_consumer_ready_at = now
                     if slot.bulk_psub is None:
                         slot.bulk_psub = await self._puller(slot, Priority.BATCH)
-                elif slot.bulk_psub is not None and bulk_stale:
-                    # No batch requests of late: the line's puller goes, and what it still holds
+                elif slot.bulk_psub is not None and bulk_stale and not slot.bulk_psub.buffered:
+                    # No batch request counted, and its consumer last made sure of half the idle
+                    # limit ago: the line's puller goes (while it holds deliveries, the next fetch
+                    # takes them first: it stays). What its requests still deliver while it goes
                     # goes back to the queue now (it used to wait out its ack wait: nobody
-                    # fetches from a puller that is gone).
+                    # fetches from a puller that is gone), even if a stop cancels this.
                     psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
-                    await self._give_back(await psub.close(CLOSE_WAIT_S))
+                    with anyio.CancelScope(shield=True):
+                        await self._give_back(await psub.close(CLOSE_WAIT_S))
                     self._retired = (self._retired[0] + psub.pulls, self._retired[1] + psub.ends)
             except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
                 log.warning("consumer for %s not ready: %s", slot.name, exc)
