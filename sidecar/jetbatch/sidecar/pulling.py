@@ -50,6 +50,9 @@ _END_GRACE_S = 0.05  # ... and the fetch listens this long past it for the reque
 # A fill's request asks the server to end it this long after the fill stops waiting (the server
 # ends it 0.4 ms or more later still): never before, so the fill's own clock closes the window.
 _FILL_MARGIN_S = 0.0005
+# A hold whose request stays open past its wait waits this much longer, as long as a fetch waits
+# for its request's end after the expiry.
+_HOLD_END_S = 0.001
 
 
 class PullError(SidecarError):
@@ -210,7 +213,10 @@ class Puller:
             await self._request({"batch": batch, "expires": int(max(open_s - _EXPIRES_EARLY_S, 0.001) * 1e9)})
             # Past the fetch's own wait the request may still deliver: that is the next fetch's
             # (a hold that came back empty hands it on to the count, which waits for its end).
-            await self._wait(1, deadline + (_END_GRACE_S if open_s <= timeout else 0.0))
+            # A fetch waits for its request's end, which the server sends 0.4-1 ms past its
+            # expiry: a hold waits as long (shortened by that much, one to five times as many
+            # holds came back empty at 64 in flight through the classifier).
+            await self._wait(1, deadline + (_END_GRACE_S if open_s <= timeout else _HOLD_END_S))
             return self._take(batch)
         # What is stored comes at once (the server ends a no_wait request with 404 when it has
         # fewer than asked for); only when nothing is does a request wait for arrivals.
