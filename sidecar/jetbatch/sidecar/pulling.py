@@ -7,7 +7,7 @@ request (docs/benchmarks.md, "As deployed"). A :class:`Puller` sends the same pu
 its callback buffers what arrives: a fetch waits on one event with one deadline.
 
 A :meth:`Puller.fill` is a batch window's last wait: one request for the rest of the batch, ended
-by the puller's own precise clock rather than the server's expiry. A hold (``fetch(hold=True)``)
+by the puller's own precise clock rather than the server's expiry. A hold (``fetch(hold_open_s=)``)
 is a worker's short wait for its served model's next batch: one request for a whole batch, left
 open after the fetch returned, whose later deliveries wait in the buffer, and a fill it still
 covers sends no request of its own.
@@ -214,8 +214,8 @@ class Puller:
             # Past the fetch's own wait the request may still deliver: that is the next fetch's
             # (a hold that came back empty hands it on to the count, which waits for its end).
             # A fetch waits for its request's end, which the server sends 0.4-1 ms past its
-            # expiry: a hold waits as long (shortened by that much, one to five times as many
-            # holds came back empty at 64 in flight through the classifier).
+            # expiry, and a hold waits as long: one that gave up at its expiry came back empty
+            # four to five times as often through the classifier (docs/benchmarks.md).
             await self._wait(1, deadline + (_END_GRACE_S if open_s <= timeout else _HOLD_END_S))
             return self._take(batch)
         # What is stored comes at once (the server ends a no_wait request with 404 when it has
