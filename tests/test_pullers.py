@@ -5,7 +5,9 @@ wait."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +15,7 @@ import nats
 import pytest
 
 from jetbatch.sdk.protocol import Priority
+from jetbatch.sidecar.config import Config
 from jetbatch.sidecar.pulling import Puller
 from jetbatch.sidecar.streams import ensure_streams, model_consumer_name
 from jetbatch.sidecar.worker.counters import Counters
@@ -42,21 +45,31 @@ async def _given_back(nc: Any, stream: str, consumer: str) -> None:
     await again.unsubscribe()
 
 
+@contextlib.asynccontextmanager
+async def _both_lines(url: str, prefix: str, **streams: Any) -> AsyncIterator[tuple[Any, Config, Pullers, Slot]]:
+    """A connection, model m1's streams (a five-minute ack wait: a request left in a puller
+    nobody fetches from would wait all of it), its slot with batch requests counted, and its
+    pullers made for both lines."""
+    config = make_config(prefix, {"m1": sleep_model()}, streams={"ack_wait_s": 300.0, **streams})
+    nc = await nats.connect(url)
+    try:
+        await ensure_streams(nc.jetstream(), config.subjects, config.streams, ["m1"])
+        pullers = Pullers(nc, config.subjects, config.streams, on_late=lambda slot: None, counters=Counters())
+        slot = Slot(name="m1", config=SimpleNamespace(), handler=None, window=None)  # type: ignore[arg-type]
+        slot.bulk = 1  # batch requests seen: the batch line gets a puller
+        assert await pullers.ready(slot)
+        yield nc, config, pullers, slot
+    finally:
+        await nc.close()
+
+
 async def test_a_quiet_batch_line_keeps_its_puller_while_it_holds_a_delivery_then_loses_it(nats_url: str, prefix: str) -> None:
     """A batch line with no request counted loses its puller once its consumer was made sure of
     half the idle limit ago, but not while the puller holds a delivery no fetch took: the next
     fetch takes that first (dropped with it, it used to wait out its ack wait, five minutes
     here)."""
-    config = make_config(prefix, {"m1": sleep_model()}, streams={"consumers": "on-demand", "ack_wait_s": 300.0})
-    subjects, streams = config.subjects, config.streams
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    try:
-        await ensure_streams(js, subjects, streams, ["m1"])
-        pullers = Pullers(nc, subjects, streams, on_late=lambda slot: None, counters=Counters())
-        slot = Slot(name="m1", config=SimpleNamespace(), handler=None, window=None)  # type: ignore[arg-type]
-        slot.bulk = 1  # batch requests seen: the batch line gets a puller
-        assert await pullers.ready(slot)
+    async with _both_lines(nats_url, prefix, consumers="on-demand") as (nc, config, pullers, slot):
+        js, subjects, streams = nc.jetstream(), config.subjects, config.streams
         bulk_consumer = model_consumer_name("m1", Priority.BATCH)
         psub = slot.bulk_psub
         assert psub is not None
@@ -72,21 +85,11 @@ async def test_a_quiet_batch_line_keeps_its_puller_while_it_holds_a_delivery_the
         assert await pullers.ready(slot)
         assert slot.bulk_psub is None and slot.psub is not None  # nothing held: gone
         assert pullers.counts([slot])["pull_requests"] == 2  # the dropped puller's still count
-    finally:
-        await nc.close()
 
 
 async def test_a_stop_hands_back_what_each_line_held(nats_url: str, prefix: str) -> None:
-    config = make_config(prefix, {"m1": sleep_model()}, streams={"ack_wait_s": 300.0})
-    subjects, streams = config.subjects, config.streams
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    try:
-        await ensure_streams(js, subjects, streams, ["m1"])
-        pullers = Pullers(nc, subjects, streams, on_late=lambda slot: None, counters=Counters())
-        slot = Slot(name="m1", config=SimpleNamespace(), handler=None, window=None)  # type: ignore[arg-type]
-        slot.bulk = 1
-        assert await pullers.ready(slot)
+    async with _both_lines(nats_url, prefix) as (nc, config, pullers, slot):
+        subjects, js = config.subjects, nc.jetstream()
         for priority, psub in ((Priority.INTERACTIVE, slot.psub), (Priority.BATCH, slot.bulk_psub)):
             await _a_leftover(js, subjects.models_stream, model_consumer_name("m1", priority), psub, subjects.model("m1", priority))
         await pullers.close([slot])
@@ -95,5 +98,3 @@ async def test_a_stop_hands_back_what_each_line_held(nats_url: str, prefix: str)
         # The status counters: each line's cancelled fetch sent a no_wait request (ended by its
         # 404: nothing was stored) and one that waited (ended by the delivery it asked for).
         assert pullers.counts([slot]) == {"pull_requests": 4, "pull_ends": 2}
-    finally:
-        await nc.close()
