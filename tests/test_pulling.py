@@ -181,39 +181,6 @@ async def test_a_fill_a_hold_covers_in_part_asks_only_for_the_rest(nats_url: str
         await nc.close()  # type: ignore[attr-defined]
 
 
-async def test_a_hold_waits_on_the_last_holds_request_while_it_is_open_and_asks_again_once_it_ends(nats_url: str, prefix: str) -> None:
-    """A hold's request outlives the window it opened; the next hold, while it is still open,
-    waits on it (no request, and none of the 408s a request that does not fill ends with),
-    and asks again when it ends before anything came."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
-        sent = _count_pulls(nc)
-        first = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold_open_s=30.0))
-        await pull_waiting(js, prefix.upper())
-        await js.publish(f"{prefix}.q", b"a")  # type: ignore[attr-defined]
-        assert [m.data for m in await asyncio.wait_for(first, 10)] == [b"a"]
-        second = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold_open_s=30.0))
-        await js.publish(f"{prefix}.q", b"b")  # type: ignore[attr-defined]
-        assert [m.data for m in await asyncio.wait_for(second, 10)] == [b"b"]
-        assert len(sent) == 1  # the first hold's request brought both
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
-
-    nc, js = await _queue(nats_url, prefix + "x")
-    try:
-        puller = await Puller(nc, prefix.upper() + "X", "c").start()
-        sent = _count_pulls(nc)
-        assert await puller.fetch(64, timeout=0.001, hold_open_s=0.3) == []  # its request: open 0.3 s
-        third = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold_open_s=30.0))
-        await wait_until(lambda: len(sent) == 2, timeout_s=10, what="a new request once the open one ended")
-        await js.publish(f"{prefix}x.q", b"c")  # type: ignore[attr-defined]
-        assert [m.data for m in await asyncio.wait_for(third, 10)] == [b"c"]
-        assert (sent[1]["batch"], puller.ends) == (64, 1)  # the first request's 408
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
-
-
 async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url: str, prefix: str) -> None:
     nc, js = await _queue(nats_url, prefix)
     try:

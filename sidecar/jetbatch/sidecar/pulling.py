@@ -208,25 +208,15 @@ class Puller:
             # buffer by then: nats-py hands a subscription everything it read before it yields);
             # the rest follow into the buffer, each delivery saying how many are still stored
             # behind it. No no_wait request, its 404 and second request: one message and,
-            # unless the request fills, its 408. A hold's request still open from the last
-            # hold (it outlives the window it opened) serves this one too: no request, and no
-            # 408 a hold. Past the fetch's own wait the request may still deliver: that is the
-            # next fetch's (a hold that came back empty hands it on to the count, which waits
-            # for its end). A fetch waits for its request's end, which the server sends 0.4-1 ms
-            # past its expiry, and a hold waits as long: one that gave up at its expiry came
-            # back empty four to five times as often through the classifier (docs/benchmarks.md).
-            open_until = loop.time() + max(hold_open_s, timeout)
-            end_wait = deadline + (_END_GRACE_S if hold_open_s <= timeout else _HOLD_END_S)
-            while not self._buffer and self._error is None and loop.time() < deadline:
-                token = self._still_open(loop.time())
-                if token is not None:
-                    self._current, self._ended = token, False
-                else:
-                    expires_s = max(open_until - loop.time() - _EXPIRES_EARLY_S, 0.001)
-                    await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
-                await self._wait(1, end_wait)
-                if not self._ended:
-                    break  # a delivery, or the wait's end
+            # unless the request fills, its 408.
+            open_s = max(hold_open_s, timeout)
+            await self._request({"batch": batch, "expires": int(max(open_s - _EXPIRES_EARLY_S, 0.001) * 1e9)})
+            # Past the fetch's own wait the request may still deliver: that is the next fetch's
+            # (a hold that came back empty hands it on to the count, which waits for its end).
+            # A fetch waits for its request's end, which the server sends 0.4-1 ms past its
+            # expiry, and a hold waits as long: one that gave up at its expiry came back empty
+            # four to five times as often through the classifier (docs/benchmarks.md).
+            await self._wait(1, deadline + (_END_GRACE_S if open_s <= timeout else _HOLD_END_S))
             return self._take(batch)
         # What is stored comes at once (the server ends a no_wait request with 404 when it has
         # fewer than asked for); only when nothing is does a request wait for arrivals.
@@ -286,13 +276,6 @@ class Puller:
         open_ = [(token, left, end_by) for token, (left, end_by) in self._open.items() if token not in self._tails]
         alone = next((token for token, left, end_by in open_ if left >= n and end_by >= ends_after), None)
         return alone, n if alone is not None else min(n - 1, sum(left for _, left, _ in open_))
-
-    def _still_open(self, now: float) -> str | None:
-        """A request open at the server now that may still bring messages, other than a
-        returned fill's (a hold's: the last ending, if several)."""
-        self._tails &= self._open.keys()
-        lasting = [(end_by, token) for token, (left, end_by) in self._open.items() if left > 0 and token not in self._tails and end_by - _END_GRACE_S > now]
-        return max(lasting)[1] if lasting else None
 
     def _raise_refused(self) -> None:
         """Raise the error status the last request ended with (once)."""
