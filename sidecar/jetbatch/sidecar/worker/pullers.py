@@ -98,29 +98,25 @@ class Pullers:
     async def hand_back(self, slots: Iterable[Slot]) -> None:
         """What ``slots``' pullers hold that no fetch took goes back to the queue, for whoever
         serves those models now."""
-        for slot in slots:
-            for psub in (slot.psub, slot.bulk_psub):
-                if psub is not None and psub.buffered:
-                    await self._give_back(psub.leftovers())
+        for psub in _pullers_of(slots):
+            if psub.buffered:
+                await self._give_back(psub.leftovers())
 
     async def close(self, slots: Iterable[Slot]) -> None:
         """At a stop: every puller unsubscribed, what it holds handed back (delivered to a fetch
         the stop cancelled)."""
-        for slot in slots:
-            for psub in (slot.psub, slot.bulk_psub):
-                if psub is not None:
-                    await self._give_back(await psub.close(CLOSE_WAIT_S))
+        for psub in _pullers_of(slots):
+            await self._give_back(await psub.close(CLOSE_WAIT_S))
 
     def counts(self, slots: Iterable[Slot]) -> dict[str, int]:
         """The pull messages so far, for the status counters: requests sent (``pull_requests``)
         and requests ended by a status message (``pull_ends``), the worker's share of the
         messages it publishes and receives beyond its requests, answers and acks."""
-        pulls, ends = self._retired
-        for slot in slots:
-            for psub in (slot.psub, slot.bulk_psub):
-                if psub is not None:
-                    pulls, ends = pulls + psub.pulls, ends + psub.ends
-        return {"pull_requests": pulls, "pull_ends": ends}
+        pullers = _pullers_of(slots)
+        return {
+            "pull_requests": self._retired[0] + sum(p.pulls for p in pullers),
+            "pull_ends": self._retired[1] + sum(p.ends for p in pullers),
+        }
 
     def _stale(self, ready_at: float | None, now: float) -> bool:
         """Not made sure of yet, or (consumers made on demand) long enough ago that the server
@@ -137,3 +133,8 @@ class Pullers:
         for msg in msgs:
             await settle(msg, "nak")
             self._counters.add("leftovers_handed_back")
+
+
+def _pullers_of(slots: Iterable[Slot]) -> list[Puller]:
+    """The pullers ``slots`` have (an interactive line's, a batch line's)."""
+    return [p for slot in slots for p in (slot.psub, slot.bulk_psub) if p is not None]
