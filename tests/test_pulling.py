@@ -157,18 +157,18 @@ async def test_a_hold_is_one_request_whose_later_deliveries_wait_in_the_buffer_a
 
 
 async def test_a_fill_a_hold_covers_in_part_asks_only_for_the_rest(nats_url: str, prefix: str) -> None:
-    """A window kept open past the hold's request (the device busy): its fill asks only for
-    what the hold's open request will not bring, so the two bring the batch and nothing more
-    (two requests each for the whole rest left a request's worth in this puller)."""
+    """A fill whose batch is more than the hold's request still open past the fill's end will
+    bring: it asks only for the rest, so the two bring the batch and nothing more (two requests
+    each for the whole rest left a request's worth in this puller)."""
     nc, js = await _queue(nats_url, prefix)
     try:
         puller = await Puller(nc, prefix.upper(), "c").start()
         sent = _count_pulls(nc)
-        fetch = asyncio.ensure_future(puller.fetch(3, timeout=30.0, hold_open_s=30.0))
+        fetch = asyncio.ensure_future(puller.fetch(3, timeout=30.0, hold_open_s=60.0))
         await pull_waiting(js, prefix.upper())
         await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
         got = await asyncio.wait_for(fetch, 10)
-        fill = asyncio.ensure_future(puller.fill(4, wait_s=60.0))  # past the hold's request
+        fill = asyncio.ensure_future(puller.fill(4, wait_s=30.0))  # the hold's request outlasts it
         for i in range(4):
             await js.publish(f"{prefix}.q", f"r{i}".encode())  # type: ignore[attr-defined]
         got += await asyncio.wait_for(fill, 10)
@@ -177,6 +177,28 @@ async def test_a_fill_a_hold_covers_in_part_asks_only_for_the_rest(nats_url: str
         await js.publish(f"{prefix}.q", b"for the next batch")  # type: ignore[attr-defined]
         info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
         assert (info.num_pending, info.num_waiting, puller.buffered) == (1, 0, 0)  # stored, not ours
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_fill_counts_on_no_request_that_ends_before_it_does(nats_url: str, prefix: str) -> None:
+    """A hold's request that expires inside the next window (the window opened on a delivery it
+    left in the buffer) brings nothing after its end: the fill asks for its whole rest itself.
+    Counting on it left the fill a request short of its batch, waiting out its window while
+    the rest stayed stored."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
+        got = await puller.fetch(3, timeout=0.3, hold_open_s=0.3)  # stored: at once, and open on
+        fill = asyncio.ensure_future(puller.fill(4, wait_s=60.0))  # outlasts the hold's request
+        await wait_until(lambda: puller.ends == 1, timeout_s=10, what="the hold's request ended")
+        for i in range(4):
+            await js.publish(f"{prefix}.q", f"r{i}".encode())  # type: ignore[attr-defined]
+        got += await asyncio.wait_for(fill, 10)
+        assert [m.data for m in got] == [b"first", b"r0", b"r1", b"r2", b"r3"]
+        assert [body["batch"] for body in sent] == [3, 4]
     finally:
         await nc.close()  # type: ignore[attr-defined]
 

@@ -264,18 +264,20 @@ class Puller:
         return self._take(batch)
 
     def _cover(self, n: int, for_s: float) -> tuple[str | None, int]:
-        """What the pull requests open now (a hold's, not a returned fill's) can still bring
-        toward a fill of ``n`` that waits ``for_s``: one that alone brings them and stays open
-        at the server past the fill's end (None if none does), else how many they bring in all
-        (fewer than ``n``). A returned fill's request ends just after its window: the next
-        window must not count on it."""
+        """What the pull requests open now that stay open at the server past the end of a fill of
+        ``n`` waiting ``for_s`` (a hold's, not a returned fill's) can still bring toward it: one
+        that alone brings them (None if none does), else how many they bring in all (fewer than
+        ``n``). A returned fill's request ends just after its window, and a hold's that expires
+        inside this one brings nothing after its end (the fill would wait out its window a
+        request short): the fill counts on neither. What such a request still brings before its
+        end is over the batch, the next fetch's."""
         if self._error is not None:
             return None, 0
         self._tails &= self._open.keys()
         ends_after = asyncio.get_running_loop().time() + for_s + _END_GRACE_S
-        open_ = [(token, left, end_by) for token, (left, end_by) in self._open.items() if token not in self._tails]
-        alone = next((token for token, left, end_by in open_ if left >= n and end_by >= ends_after), None)
-        return alone, n if alone is not None else min(n - 1, sum(left for _, left, _ in open_))
+        lasting = [(token, left) for token, (left, end_by) in self._open.items() if token not in self._tails and end_by >= ends_after]
+        alone = next((token for token, left in lasting if left >= n), None)
+        return alone, n if alone is not None else min(n - 1, sum(left for _, left in lasting))
 
     def _raise_refused(self) -> None:
         """Raise the error status the last request ended with (once)."""
