@@ -89,12 +89,14 @@ class HeldQueue(Queue):
     def __init__(self, clock: FakeClock) -> None:
         super().__init__(clock)
         self.fills: list[tuple[int, float]] = []
+        self.fills_open: list[float | None] = []  # how long each fill's request stays open
         self.stored_in: dict[float, int] = {}
         self.ends_early = False
 
-    async def fill(self, batch: int, wait_s: float) -> list[Any]:
+    async def fill(self, batch: int, wait_s: float, open_s: float | None = None) -> list[Any]:
         await anyio.sleep(0)
         self.fills.append((batch, wait_s))
+        self.fills_open.append(open_s)
         if self.ends_early:
             return []
         got: list[Any] = []
@@ -544,7 +546,9 @@ async def test_a_line_not_listened_to_fills_its_open_window_from_one_held_pull_c
     """The worker does not listen to the arrivals of the line whose batches it serves
     (policy/interest.py): once the first fetch took what was stored, the rest of the window is
     one pull held to its close, which the server answers with each request as it is stored. No
-    arrival event is waited for, and the window closes at exactly ``max_delay``."""
+    arrival event is waited for, and the window closes at exactly ``max_delay``. Its request is
+    asked to stay open a window (and a millisecond) past the close: the next window's, as the
+    worker serves this line's batches back to back (``Puller.fill(open_s=...)``)."""
     clock, queue, wakeup, batcher, slot = _held(0.01)
     queue.queued = 1
     queue.stored_in = {0.003: 2, 0.007: 1}
@@ -552,6 +556,7 @@ async def test_a_line_not_listened_to_fills_its_open_window_from_one_held_pull_c
     msgs = await batcher.gather(slot, 64)
     assert len(msgs) == 4
     assert queue.fills == [(63, pytest.approx(0.01))]  # the rest of the batch, to the close
+    assert queue.fills_open == [pytest.approx(0.01 + 0.01 + 0.001)]
     assert wakeup.waits == []  # no arrival event waited for
     assert clock() == pytest.approx(opened + 0.01, abs=1e-9)
 

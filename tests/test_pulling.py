@@ -203,6 +203,72 @@ async def test_a_fill_counts_on_no_request_that_ends_before_it_does(nats_url: st
         await nc.close()  # type: ignore[attr-defined]
 
 
+async def test_a_window_s_request_left_open_serves_the_next_hold_and_ends_filled(nats_url: str, prefix: str) -> None:
+    """A worker serving a model's batches back to back (``fill(open_s=...)``): the window's
+    request stays open past it, the next hold sends none of its own and takes the next arrival
+    from it, and the request ends filled, with no 408 to read."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        await js.publish(f"{prefix}.q", b"a")  # type: ignore[attr-defined]
+        got = await puller.fill(2, wait_s=0.05, open_s=60.0)
+        assert [m.data for m in got] == [b"a"] and [body["batch"] for body in sent] == [2]
+        hold = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold_open_s=30.0))
+        await js.publish(f"{prefix}.q", b"b")  # type: ignore[attr-defined]
+        got += await asyncio.wait_for(hold, 10)
+        assert [m.data for m in got] == [b"a", b"b"]
+        assert len(sent) == 1 and puller.ends == 0
+        info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+        assert (info.num_waiting, info.num_ack_pending) == (0, 2)  # filled, and both delivered here
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_hold_whose_open_request_ends_empty_handed_asks_for_itself(nats_url: str, prefix: str) -> None:
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        assert await puller.fill(2, wait_s=0.01, open_s=0.3) == []  # open 0.3 s past its start
+        hold = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold_open_s=30.0))
+        await wait_until(lambda: puller.ends == 1 and len(sent) == 2, timeout_s=10, what="the hold's own request")
+        await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
+        assert [m.data for m in await asyncio.wait_for(hold, 10)] == [b"first"]
+        assert [body["batch"] for body in sent] == [2, 64]
+        await puller.close(0.0)
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_request_s_end_recounts_what_the_younger_ones_still_bring(nats_url: str, prefix: str) -> None:
+    """nats-server serves open pull requests in turn, and a delivery does not say whose it is: it
+    is counted against the oldest. The oldest's end says how many it still had; counted too
+    high, the younger one looked open after it had filled, and the next hold waited on it to
+    its end (30 s here) while the arrival stayed stored."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        assert await puller.fill(2, wait_s=0.01, open_s=2.0) == []  # open 2 s past its start
+        # Too short-lived for this window, so the fill asks for all of it: two requests open.
+        fill = asyncio.ensure_future(puller.fill(2, wait_s=30.0, open_s=60.0))
+        await wait_until(lambda: len(sent) == 2, timeout_s=10, what="the second request")
+        await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
+        await js.publish(f"{prefix}.q", b"m1")  # type: ignore[attr-defined]
+        got = await asyncio.wait_for(fill, 10)  # one each: the first request still has one to bring
+        await wait_until(lambda: puller.ends == 1, timeout_s=10, what="the first request's end")
+        for i in (2, 3):
+            hold = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold_open_s=30.0))
+            await js.publish(f"{prefix}.q", f"m{i}".encode())  # type: ignore[attr-defined]
+            got += await asyncio.wait_for(hold, 10)
+        assert [m.data for m in got] == [b"m0", b"m1", b"m2", b"m3"]
+        assert [body["batch"] for body in sent] == [2, 2, 64]  # m2 filled the second; m3 asked anew
+        await puller.close(0.0)
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
 async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url: str, prefix: str) -> None:
     nc, js = await _queue(nats_url, prefix)
     try:

@@ -47,9 +47,12 @@ async def pull(
     ``stored_only`` (a ``Puller`` only): what is stored now, without waiting for arrivals.
     ``fill`` (a ``Puller`` only): until ``n`` came or exactly ``timeout_s`` passed.
     ``hold_open_s`` (a ``Puller`` only): one request open that long, the fetch returning with
-    what is stored or the first arrival within ``timeout_s`` (``Puller.fetch``)."""
+    what is stored or the first arrival within ``timeout_s`` (``Puller.fetch``); with ``fill``,
+    the fill's request stays open that long, for the next window (``Puller.fill``)."""
     try:
         if fill:
+            if hold_open_s is not None:
+                return Pulled(await psub.fill(n, timeout_s, open_s=hold_open_s))
             return Pulled(await psub.fill(n, timeout_s))
         if hold_open_s is not None:
             return Pulled(await psub.fetch(batch=n, timeout=timeout_s, hold_open_s=hold_open_s))

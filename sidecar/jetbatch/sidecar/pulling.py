@@ -10,7 +10,9 @@ A :meth:`Puller.fill` is a batch window's last wait: one request for the rest of
 by the puller's own precise clock rather than the server's expiry. A hold (``fetch(hold_open_s=)``)
 is a worker's short wait for its served model's next batch: one request for a whole batch, left
 open after the fetch returned, whose later deliveries wait in the buffer, and a fill it still
-covers sends no request of its own.
+covers sends no request of its own. A fill's request may stay open past its window too
+(``fill(open_s=)``): the next hold then sends none, and under load requests end filled rather
+than on their expiry, so a batch costs the worker fewer pull messages than a fetch loop's.
 
 The semantics are nats-py's: a fetch first asks for what is stored (``no_wait``) and returns it;
 when nothing is, it asks again with ``expires`` and returns once the batch is full, the request
@@ -160,7 +162,8 @@ class Puller:
         if status:
             if status == _HEARTBEAT:
                 return
-            self._open.pop(token, None)
+            left, _ = self._open.pop(token, (0, 0.0))
+            self._recount(left, headers.get("Nats-Pending-Messages"))
             self.ends += 1
             if token == self._current:
                 self._ended = True
@@ -168,9 +171,10 @@ class Puller:
                 self._error = f"{status} {headers.get('Description', '')}".strip()
         else:
             self._buffer.append(msg)
-            # A delivery names its stream subject, not its request: the server serves waiting
-            # requests oldest first, so it is the oldest open one's. One whose whole batch came
-            # has no end to wait for.
+            # A delivery names its stream subject, not its request: it is counted against the
+            # oldest open one (the server serves waiting requests in turn, so a younger one may
+            # have had it: a request's end says how many it still had, :meth:`_recount`). One
+            # whose whole batch came has no end to wait for.
             oldest = next(iter(self._open), None)
             if oldest is not None:
                 left, end_by = self._open[oldest]
@@ -192,7 +196,8 @@ class Puller:
         the fetch returns once they came: an idle caller's wait for its first message.
         ``stored_only``: what is stored, in one round trip; no request waits for arrivals.
         ``hold_open_s`` (a hold: a worker's short wait for its served model's next batch): one
-        request for the whole batch, open that long (no less than ``timeout``); the fetch
+        request for the whole batch, open that long (no less than ``timeout``), or none while
+        one left open by a fill or an earlier hold may still bring a message; the fetch
         returns with what is stored, or else with the first arrival within ``timeout``, and
         the request goes on delivering to the buffer until it has its batch or expires, for
         the next fetch or a :meth:`fill` it covers. Keep it short (milliseconds): what it
@@ -209,14 +214,26 @@ class Puller:
             # the rest follow into the buffer, each delivery saying how many are still stored
             # behind it. No no_wait request, its 404 and second request: one message and,
             # unless the request fills, its 408.
-            open_s = max(hold_open_s, timeout)
-            await self._request({"batch": batch, "expires": int(max(open_s - _EXPIRES_EARLY_S, 0.001) * 1e9)})
+            # A request a window left open for the next (``fill(open_s=)``) or the last hold's
+            # serves this hold too: no request of its own, and, as that one fills, no 408. One
+            # that ends first (408) empty-handed is followed by a request of this hold's own.
             # Past the fetch's own wait the request may still deliver: that is the next fetch's
             # (a hold that came back empty hands it on to the count, which waits for its end).
             # A fetch waits for its request's end, which the server sends 0.4-1 ms past its
             # expiry, and a hold waits as long: one that gave up at its expiry came back empty
             # four to five times as often through the classifier (docs/benchmarks.md).
-            await self._wait(1, deadline + (_END_GRACE_S if open_s <= timeout else _HOLD_END_S))
+            open_until = loop.time() + max(hold_open_s, timeout)
+            end_wait = deadline + (_END_GRACE_S if hold_open_s <= timeout else _HOLD_END_S)
+            while not self._buffer and self._error is None and loop.time() < deadline:
+                token = self._lasting(loop.time())
+                if token is not None:
+                    self._current, self._ended = token, False
+                else:
+                    expires_s = max(open_until - loop.time() - _EXPIRES_EARLY_S, 0.001)
+                    await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
+                await self._wait(1, end_wait)
+                if not self._ended:
+                    break  # a delivery, or the wait's end
             return self._take(batch)
         # What is stored comes at once (the server ends a no_wait request with 404 when it has
         # fewer than asked for); only when nothing is does a request wait for arrivals.
@@ -233,11 +250,13 @@ class Puller:
             await self._wait(wanted, deadline + _END_GRACE_S)
         return self._take(batch)
 
-    async def fill(self, batch: int, wait_s: float) -> list[Msg]:
+    async def fill(self, batch: int, wait_s: float, *, open_s: float | None = None) -> list[Msg]:
         """Up to ``batch`` messages: what is buffered and stored, then what arrives, until the
         batch is full or ``wait_s`` passed, timed on a :class:`Wakeup` (a batch window's close:
         a fetch ends on the server's expiry, up to a millisecond late). The pull request asks
-        the server to end it just after; a message it still delivers is handed out first by the
+        the server to end it just after, or ``open_s`` after the fill began (a worker serving a
+        model's batches back to back: the next window counts on it, and it ends filled, not by
+        its expiry); a message it delivers after the fill returned is handed out first by the
         next fetch (a caller that stops fetching hands :meth:`leftovers` back)."""
         self._raise_refused()
         if len(self._buffer) < batch:
@@ -245,6 +264,9 @@ class Puller:
             self._waiting = True
             try:
                 expires_s = max(wait_s, 0.0) + _FILL_MARGIN_S
+                lasting = open_s is not None and open_s > expires_s
+                if lasting:
+                    expires_s = open_s
                 need = batch - len(self._buffer)
                 token, covered = self._cover(need, expires_s)
                 if token is not None:
@@ -255,7 +277,8 @@ class Puller:
                     # Only the rest: the hold's request still open brings its part (two open
                     # for the whole rest brought more than the window took, left in this puller).
                     await self._request({"batch": need - covered, "expires": int(expires_s * 1e9)})
-                    self._tails.add(self._current)
+                    if not lasting:
+                        self._tails.add(self._current)
                 if len(self._buffer) < batch and not self._ended and self._error is None:
                     await self._filled.wait(wait_s)
             finally:
@@ -278,6 +301,36 @@ class Puller:
         lasting = [(token, left) for token, (left, end_by) in self._open.items() if token not in self._tails and end_by >= ends_after]
         alone = next((token for token, left in lasting if left >= n), None)
         return alone, n if alone is not None else min(n - 1, sum(left for _, left in lasting))
+
+    def _recount(self, counted_left: int, pending: str | None) -> None:
+        """A request ended with ``pending`` (its ``Nats-Pending-Messages``) of its batch still
+        undelivered, where ``counted_left`` were counted: more means deliveries counted against it
+        went to younger open requests, which then have that many fewer to bring. Left counted
+        too high, a request that had filled looked open, and a hold waited on it to its end. One
+        found to have filled ends the wait on it, as its end would."""
+        try:
+            over = int(pending or 0) - counted_left
+        except ValueError:  # not the server's: count nothing
+            return
+        for token in reversed(list(self._open)):
+            if over <= 0:
+                break
+            left, end_by = self._open[token]
+            taken = min(left, over)
+            over -= taken
+            if left > taken:
+                self._open[token] = (left - taken, end_by)
+            else:
+                del self._open[token]
+                if token == self._current:
+                    self._ended = True
+
+    def _lasting(self, now: float) -> str | None:
+        """An open request (not a returned fill's) that may still bring messages and has not
+        expired at the server by ``now``: the one ending last, if several."""
+        self._tails &= self._open.keys()
+        lasting = [(end_by, token) for token, (left, end_by) in self._open.items() if left > 0 and token not in self._tails and end_by - _END_GRACE_S > now]
+        return max(lasting)[1] if lasting else None
 
     def _raise_refused(self) -> None:
         """Raise the error status the last request ended with (once)."""

@@ -268,9 +268,12 @@ class Batcher:
             elif not bulk_first and self._filled(slot):
                 # The line's arrivals are not listened to (policy/interest.py): a pull held open
                 # to the close delivers each as it is stored (Puller.fill, ended on the puller's
-                # own clock; what it delivers after the close is the next fetch's).
+                # own clock; what it delivers after the close is the next fetch's). Its request
+                # stays open a window past the close, as the worker serves this line's batches
+                # back to back: the next hold and window take what it has still to bring, and it
+                # ends filled, not on its expiry (a 408 a batch, and a request a hold).
                 started = self._clock()
-                got = await self._pull(slot, False, max_items - len(msgs), wait_s, fill=True)
+                got = await self._pull(slot, False, max_items - len(msgs), wait_s, fill=True, hold_open_s=wait_s + window.max_delay_s + _HOLD_MARGIN_S)
                 on_timer = not busy
                 if not got:
                     rest_s = wait_s - (self._clock() - started)
