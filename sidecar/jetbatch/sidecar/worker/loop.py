@@ -73,8 +73,8 @@ __all__ = ["Worker"]
 log = logging.getLogger("jetbatch.worker")
 T = TypeVar("T")
 
-# The longest a count of a line waits for its puller's open pull requests to end (a fill's ends
-# about a millisecond after its window closed; the server's 408 comes within this).
+# The longest a count of a line waits for its puller's open pull requests to end (a hold's or a
+# fill's ends within a hold and a window, and the server's 408 within a millisecond after).
 _QUIESCE_S = 0.05
 
 # A count for requests given back with a delay is taken this long after they fall due (the server
@@ -535,20 +535,22 @@ class Worker:
         count too few: a request stored meanwhile then waited for the next count."""
         name = model_consumer_name(slot.name, Priority.BATCH if bulk else Priority.INTERACTIVE)
         psub = slot.bulk_psub if bulk else slot.psub
-        if psub is not None:
-            # A held pull (a fill) can still be open at the server, about a millisecond after its
-            # window closed: what it delivers after the count's answer would be neither pending
-            # there nor in the puller yet, and no event would come for it (found by an attack:
-            # a request waited for the periodic count). Its end comes after its deliveries.
-            await psub.quiesce(_QUIESCE_S)
+        # What the count costs the loop, the wait for the puller's requests included (the
+        # simulator charges it: Control.count_line_s).
         started = time.perf_counter()
+        if psub is not None:
+            # A held pull can still be open at the server: a hold's, or a fill's until it filled
+            # or up to ``max_delay`` and a millisecond past its window (``Puller.fill(open_s=)``).
+            # What it delivers after the count's answer would be neither pending there nor in
+            # the puller yet, and no event would come for it (found by an attack: a request
+            # waited for the periodic count). Its end comes after its deliveries.
+            await psub.quiesce(_QUIESCE_S)
         try:
             info = await self.js.consumer_info(self.subjects.models_stream, name)
         except TRANSPORT_ERRORS as exc:
             log.debug("consumer info for %s failed: %r", name, exc)
             self.state.next_refresh = -math.inf  # the stream count, at once
             return
-        # What the round trip costs the loop (the simulator charges it: Control.count_line_s).
         self.stats.sample("count_line", time.perf_counter() - started)
         # Delivered to this worker's puller after a fetch returned (a held pull's late answer),
         # not yet taken: no longer undelivered, and no event will come for it.
