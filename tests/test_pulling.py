@@ -269,6 +269,108 @@ async def test_a_request_s_end_recounts_what_the_younger_ones_still_bring(nats_u
         await nc.close()  # type: ignore[attr-defined]
 
 
+async def test_a_request_that_ends_with_more_than_counted_gives_it_back_to_the_older_one(nats_url: str, prefix: str) -> None:
+    """The other way round: the younger request ends first, with fewer left than counted (it had
+    a delivery counted against the older one). The older one is then still open, and a count
+    taken after :meth:`Puller.quiesce` must wait for it, or what it delivers after the count's
+    answer is in neither (found by a review: the older one looked filled)."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
+        got = await puller.fetch(3, timeout=60.0, hold_open_s=60.0)  # open 60 s, 2 to come
+        fill = asyncio.ensure_future(puller.fill(4, wait_s=2.0))  # asks for the other 2, open 2 s
+        await wait_until(lambda: len(sent) == 2, timeout_s=10, what="the fill's request")
+        await js.publish(f"{prefix}.q", b"m1")  # type: ignore[attr-defined]
+        await js.publish(f"{prefix}.q", b"m2")  # type: ignore[attr-defined]
+        got += await asyncio.wait_for(fill, 10)
+        await wait_until(lambda: puller.ends == 1, timeout_s=10, what="the fill's request's end")
+        assert [m.data for m in got] == [b"m0", b"m1", b"m2"]
+        assert not await puller.quiesce(0.05)  # the hold's request still brings one
+        info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
+        assert info.num_waiting == 1
+        await js.publish(f"{prefix}.q", b"m3")  # type: ignore[attr-defined]
+        await wait_until(lambda: puller.buffered == 1, timeout_s=10, what="m3 in the puller")
+        assert await puller.quiesce(10.0)  # filled: nothing more to wait for
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_fill_counts_on_a_request_open_past_its_own_end_not_past_its_request_s(nats_url: str, prefix: str) -> None:
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
+        got = await puller.fetch(3, timeout=60.0, hold_open_s=60.0)
+        fill = asyncio.ensure_future(puller.fill(2, wait_s=5.0, open_s=120.0))  # the hold's request covers it
+        await js.publish(f"{prefix}.q", b"m1")  # type: ignore[attr-defined]
+        await js.publish(f"{prefix}.q", b"m2")  # type: ignore[attr-defined]
+        got += await asyncio.wait_for(fill, 10)
+        assert [m.data for m in got] == [b"m0", b"m1", b"m2"] and len(sent) == 1
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_hold_refused_at_once_sends_no_second_request(nats_url: str, prefix: str) -> None:
+    """A request refused with a 409 (the consumer's waiting requests at their limit) ends a hold
+    that asked for itself: asking again at once spun a request a round trip."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await js.add_stream(name=prefix.upper(), subjects=[f"{prefix}.q"], retention="workqueue")
+        await js.add_consumer(prefix.upper(), durable_name="c", ack_policy="explicit", max_waiting=1)
+        other = await Puller(nc, prefix.upper(), "c").start()
+        waiting = asyncio.ensure_future(other.fetch(1, timeout=30.0, hold_open_s=30.0))  # the one waiting slot
+        await pull_waiting(js, prefix.upper())
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        assert await puller.fetch(64, timeout=0.5, hold_open_s=0.5) == []
+        assert (puller.pulls, puller.ends) == (1, 1)
+        waiting.cancel()
+    finally:
+        await nc.close()
+
+
+async def test_a_request_that_could_not_be_sent_is_not_counted_on(nats_url: str, prefix: str) -> None:
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        publish = nc.publish  # type: ignore[attr-defined]
+
+        async def refused(*args: Any, **kwargs: Any) -> None:
+            nc.publish = publish  # type: ignore[attr-defined]
+            raise nats.errors.OutboundBufferLimitError
+
+        nc.publish = refused  # type: ignore[attr-defined]
+        with pytest.raises(nats.errors.OutboundBufferLimitError):
+            await puller.fetch(64, timeout=30.0, hold_open_s=30.0)
+        sent = _count_pulls(nc)
+        fill = asyncio.ensure_future(puller.fill(1, wait_s=10.0))  # within the hold's 30 s, had it gone out
+        await wait_until(lambda: len(sent) == 1, timeout_s=5, what="the fill's own request")
+        await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
+        assert [m.data for m in await asyncio.wait_for(fill, 10)] == [b"m0"]
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_stored_request_with_a_status_header_and_no_body_is_a_delivery(nats_url: str, prefix: str) -> None:
+    """Statuses come on the pull request's reply subject; a stored request names its stream
+    subject. One with no body and headers of its own (a Status, a huge pending count) is
+    handed out like any other, not taken for an end or an error."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        headers = {"Status": "503", "Description": "No Responders", "Nats-Pending-Messages": "99999"}
+        await js.publish(f"{prefix}.q", b"", headers=headers)  # type: ignore[attr-defined]
+        got = await puller.fetch(4, timeout=5.0)
+        assert len(got) == 1 and got[0].headers["Status"] == "503"
+        await got[0].ack()
+        assert await puller.fetch(4, timeout=0.05) == []  # no PullError
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
 async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url: str, prefix: str) -> None:
     nc, js = await _queue(nats_url, prefix)
     try:

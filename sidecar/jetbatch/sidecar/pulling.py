@@ -57,6 +57,20 @@ _FILL_MARGIN_S = 0.0005
 _HOLD_END_S = 0.001
 
 
+class _Request:
+    """A pull request this puller sent: how many messages it asked for, how many of those are
+    still counted to come, and by when (loop time) the server has ended it at the latest (its
+    expiry and the grace a fetch listens for an end; past it, an end that never came is given
+    up on)."""
+
+    __slots__ = ("asked", "left", "end_by")
+
+    def __init__(self, asked: int, end_by: float) -> None:
+        self.asked = asked
+        self.left = asked
+        self.end_by = end_by
+
+
 class PullError(SidecarError):
     """JetStream answered a pull request with an error status (the worker backs off, as for any
     trouble on the way to the server)."""
@@ -74,6 +88,7 @@ class Puller:
         self._waiting = False  # a fetch or a fill waits for deliveries now
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._inbox = nc.new_inbox()
+        self._replies = f"{self._inbox}."  # a request's end comes on its own reply subject
         self._buffer: deque[Msg] = deque()
         self._changed = asyncio.Event()
         self._sub: Any = None
@@ -83,11 +98,10 @@ class Puller:
         self._error: str | None = None
         self._filled = Wakeup()  # what a fill waits on
         self._fill_to: int | None = None  # the buffer's size at which the waiting fill ends
-        # The pull requests that may still deliver, oldest first, by token: how many messages
-        # each may still bring, and by when (loop time) the server has ended it at the latest
-        # (its expiry and the grace a fetch listens for an end; past it, an end that never came
-        # is given up on).
-        self._open: dict[str, tuple[int, float]] = {}
+        # The pull requests not ended yet, oldest first, by token. One whose whole batch is
+        # counted delivered stays (with nothing left) until its end_by: the count may be wrong
+        # (:meth:`_recount`), and then it is still open.
+        self._open: dict[str, _Request] = {}
         # The requests of fills that returned (a fill's ends just after its window): what they
         # may still bring goes to the next fetch, and no later fill waits on it.
         self._tails: set[str] = set()
@@ -123,15 +137,17 @@ class Puller:
         deadline = loop.time() + timeout_s
         while True:
             now = loop.time()
-            for token in [t for t, (_, end_by) in self._open.items() if end_by <= now]:
-                del self._open[token]  # ended long ago by the server: its end was lost
-            if not self._open:
+            self._forget_over(now)
+            # One with nothing counted to come has filled (it sends no end); recounted, it is
+            # waited for again.
+            delivering = [r.end_by for r in self._open.values() if r.left > 0]
+            if not delivering:
                 return True
             if now >= deadline or self._error is not None:
                 return False
             self._changed.clear()
             try:
-                async with asyncio.timeout_at(min(deadline, min(end_by for _, end_by in self._open.values()))):
+                async with asyncio.timeout_at(min(deadline, min(delivering))):
                     await self._changed.wait()
             except TimeoutError:
                 pass
@@ -157,13 +173,16 @@ class Puller:
 
     async def _on_msg(self, msg: Msg) -> None:
         headers = msg.headers or {}
-        status = headers.get("Status") if not msg.data else None
-        token = msg.subject.rsplit(".", 1)[-1]
+        # A status comes on the request's own reply subject; a delivery names its stream
+        # subject, so a stored request with no body and a Status header of its own is a
+        # delivery like any other (counted, buffered, answered), never taken for an end.
+        status = headers.get("Status") if not msg.data and msg.subject.startswith(self._replies) else None
+        token = msg.subject[len(self._replies) :]
         if status:
             if status == _HEARTBEAT:
                 return
-            left, _ = self._open.pop(token, (0, 0.0))
-            self._recount(left, headers.get("Nats-Pending-Messages"))
+            if token in self._open:  # one forgotten since (its end_by passed) recounts nothing
+                self._recount(token, headers.get("Nats-Pending-Messages"))
             self.ends += 1
             if token == self._current:
                 self._ended = True
@@ -172,16 +191,13 @@ class Puller:
         else:
             self._buffer.append(msg)
             # A delivery names its stream subject, not its request: it is counted against the
-            # oldest open one (the server serves waiting requests in turn, so a younger one may
-            # have had it: a request's end says how many it still had, :meth:`_recount`). One
-            # whose whole batch came has no end to wait for.
-            oldest = next(iter(self._open), None)
-            if oldest is not None:
-                left, end_by = self._open[oldest]
-                if left <= 1:
-                    del self._open[oldest]
-                else:
-                    self._open[oldest] = (left - 1, end_by)
+            # oldest open one with any left to come (the server serves waiting requests in turn,
+            # so another may have had it: a request's end says how many it still had,
+            # :meth:`_recount`). One whose whole batch came has no end to wait for.
+            for request in self._open.values():
+                if request.left > 0:
+                    request.left -= 1
+                    break
             if not self._waiting and self._on_late is not None:
                 self._on_late()
         self._changed.set()
@@ -224,13 +240,17 @@ class Puller:
             # four to five times as often through the classifier (docs/benchmarks.md).
             open_until = loop.time() + max(hold_open_s, timeout)
             end_wait = deadline + (_END_GRACE_S if hold_open_s <= timeout else _HOLD_END_S)
+            asked = False
             while not self._buffer and self._error is None and loop.time() < deadline:
-                token = self._lasting(loop.time())
+                token = None if asked else self._lasting(loop.time())
                 if token is not None:
                     self._current, self._ended = token, False
+                elif asked:
+                    break  # its own request ended early (a 409: no second one, no spin)
                 else:
                     expires_s = max(open_until - loop.time() - _EXPIRES_EARLY_S, 0.001)
                     await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
+                    asked = True
                 await self._wait(1, end_wait)
                 if not self._ended:
                     break  # a delivery, or the wait's end
@@ -263,12 +283,11 @@ class Puller:
             self._fill_to = batch
             self._waiting = True
             try:
-                expires_s = max(wait_s, 0.0) + _FILL_MARGIN_S
-                lasting = open_s is not None and open_s > expires_s
-                if lasting:
-                    expires_s = open_s
+                ends_s = max(wait_s, 0.0) + _FILL_MARGIN_S  # the fill's end (and its request's)
+                lasting = open_s is not None and open_s > ends_s
+                expires_s = open_s if lasting and open_s is not None else ends_s
                 need = batch - len(self._buffer)
-                token, covered = self._cover(need, expires_s)
+                token, covered = self._cover(need, ends_s)
                 if token is not None:
                     # A hold's request still open past this fill's end brings what it needs:
                     # no request of its own, and that one's end (a refusal) ends the fill.
@@ -298,38 +317,56 @@ class Puller:
             return None, 0
         self._tails &= self._open.keys()
         ends_after = asyncio.get_running_loop().time() + for_s + _END_GRACE_S
-        lasting = [(token, left) for token, (left, end_by) in self._open.items() if token not in self._tails and end_by >= ends_after]
+        lasting = [(token, r.left) for token, r in self._open.items() if r.left > 0 and token not in self._tails and r.end_by >= ends_after]
         alone = next((token for token, left in lasting if left >= n), None)
         return alone, n if alone is not None else min(n - 1, sum(left for _, left in lasting))
 
-    def _recount(self, counted_left: int, pending: str | None) -> None:
-        """A request ended with ``pending`` (its ``Nats-Pending-Messages``) of its batch still
-        undelivered, where ``counted_left`` were counted: more means deliveries counted against it
-        went to younger open requests, which then have that many fewer to bring. Left counted
-        too high, a request that had filled looked open, and a hold waited on it to its end. One
-        found to have filled ends the wait on it, as its end would."""
+    def _recount(self, token: str, pending: str | None) -> None:
+        """The request ``token`` ended with ``pending`` (its ``Nats-Pending-Messages``) of its
+        batch undelivered. Each delivery was counted against the oldest request with any left,
+        and the server serves them in turn: more than counted means younger ones had deliveries
+        counted against it, and have that many fewer to come (counted too many, a request that
+        had filled looked open, and a hold waited on it to its end); fewer means it had
+        deliveries counted against older ones, which have that many more (counted too few, an
+        open one looked filled, and a count of the consumer taken before its end missed what it
+        delivered after). One found filled ends a wait on it, as its end would."""
+        tokens = list(self._open)
+        ended = self._open.pop(token)
         try:
-            over = int(pending or 0) - counted_left
-        except ValueError:  # not the server's: count nothing
+            over = int(pending or "") - ended.left
+        except ValueError:  # none (a 404 may carry none), or not the server's: count nothing
             return
-        for token in reversed(list(self._open)):
-            if over <= 0:
-                break
-            left, end_by = self._open[token]
-            taken = min(left, over)
-            over -= taken
-            if left > taken:
-                self._open[token] = (left - taken, end_by)
-            else:
-                del self._open[token]
-                if token == self._current:
+        at = tokens.index(token)
+        if over > 0:
+            for younger in reversed(tokens[at + 1 :]):
+                request = self._open[younger]
+                taken = min(request.left, over)
+                request.left -= taken
+                over -= taken
+                if request.left == 0 and younger == self._current:
                     self._ended = True
+                if over <= 0:
+                    break
+        elif over < 0:
+            for older in tokens[:at]:
+                request = self._open[older]
+                given = min(request.asked - request.left, -over)
+                request.left += given
+                over += given
+                if over >= 0:
+                    break
+
+    def _forget_over(self, now: float) -> None:
+        """Forget the requests ended at the server by ``now`` at the latest (their ends lost, in
+        a reconnect, or not sent: a request that filled)."""
+        for token in [t for t, r in self._open.items() if r.end_by <= now]:
+            del self._open[token]
 
     def _lasting(self, now: float) -> str | None:
         """An open request (not a returned fill's) that may still bring messages and has not
         expired at the server by ``now``: the one ending last, if several."""
         self._tails &= self._open.keys()
-        lasting = [(end_by, token) for token, (left, end_by) in self._open.items() if left > 0 and token not in self._tails and end_by - _END_GRACE_S > now]
+        lasting = [(r.end_by, token) for token, r in self._open.items() if r.left > 0 and token not in self._tails and r.end_by - _END_GRACE_S > now]
         return max(lasting)[1] if lasting else None
 
     def _raise_refused(self) -> None:
@@ -343,11 +380,17 @@ class Puller:
         self.pulls += 1
         self._current, self._ended = str(self._seq), False
         expires_s = body.get("expires", 0) / 1e9
-        if len(self._open) > 64:  # ends lost in a reconnect: forget those long over
-            now = asyncio.get_running_loop().time()
-            self._open = {t: e for t, e in self._open.items() if e[1] > now}
-        self._open[self._current] = (int(body["batch"]), asyncio.get_running_loop().time() + expires_s + _END_GRACE_S)
-        await self._nc.publish(self._api, json.dumps(body).encode(), reply=f"{self._inbox}.{self._current}")
+        now = asyncio.get_running_loop().time()
+        if len(self._open) > 8:
+            self._forget_over(now)
+        token = self._current
+        self._open[token] = _Request(int(body["batch"]), now + expires_s + _END_GRACE_S)
+        try:
+            await self._nc.publish(self._api, json.dumps(body).encode(), reply=f"{self._replies}{token}")
+        except BaseException:
+            # Not sent (the connection closed, or the fetch cancelled): nothing will come of it.
+            self._open.pop(token, None)
+            raise
 
     async def _wait(self, batch: int, deadline: float) -> None:
         """Until the batch is full, the current request ends, or ``deadline`` (loop time)."""

@@ -493,6 +493,10 @@ class Worker:
                 await self._follow_arrivals(leaving=True)  # a load holds the worker for its whole time
                 await self._hand_back_leftovers(decision.evict)
                 await self._load(self.slots[decision.model], decision.evict, reason=decision.reason)
+                # And what a victim's pull requests still open at the hand-back (a window's stays
+                # open past its close) delivered during the load: back now, not at the next
+                # refresh's hand-back of models not on the device.
+                await self._hand_back_leftovers(decision.evict)
                 revisited = False
             else:
                 await self._follow_arrivals(leaving=True)  # an idle worker wakes on arrival events
