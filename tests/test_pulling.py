@@ -11,6 +11,9 @@ from typing import Any
 
 import nats
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from nats.aio.msg import Msg
 
 from jetbatch.sidecar.pulling import Puller
 from tests.helpers import pull_waiting, wait_until
@@ -533,3 +536,94 @@ async def test_once_quiesced_a_request_stored_as_a_fill_ended_is_either_in_the_p
 async def _pending(js: object, prefix: str, n: int) -> bool:
     info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
     return bool(info.num_pending == n)
+
+
+class _Consumer:
+    """nats-server's side of one pull consumer, as a puller sees it, for the property below:
+    waiting requests are served in turn (the one served goes to the back while it has room),
+    what arrives with none waiting is stored and goes to the next request at once, and a
+    request's end (408) says how many it still had. Deliveries name the stream subject."""
+
+    def __init__(self) -> None:
+        self.waiting: list[list[Any]] = []  # [reply subject, left], in the order served
+        self.stored = 0
+        self._cb: Any = None
+
+    def new_inbox(self) -> str:
+        return "_INBOX.p"
+
+    async def subscribe(self, subject: str, cb: Any, pending_msgs_limit: int) -> Any:
+        self._cb = cb
+        return self
+
+    async def unsubscribe(self) -> None:
+        pass
+
+    async def publish(self, subject: str, data: bytes, reply: str = "", headers: Any = None) -> None:
+        body = json.loads(data)
+        n = int(body["batch"])
+        taken = min(n, self.stored)
+        self.stored -= taken
+        for _ in range(taken):
+            await self._cb(Msg(None, subject="s.q", data=b"m"))  # type: ignore[arg-type]
+        if n > taken:
+            self.waiting.append([reply, n - taken])
+
+    async def arrive(self) -> None:
+        if not self.waiting:
+            self.stored += 1
+            return
+        request = self.waiting.pop(0)
+        request[1] -= 1
+        if request[1]:
+            self.waiting.append(request)
+        await self._cb(Msg(None, subject="s.q", data=b"m"))  # type: ignore[arg-type]
+
+    async def expire(self, i: int) -> None:
+        reply, left = self.waiting.pop(i % len(self.waiting))
+        await self._cb(Msg(None, subject=reply, headers={"Status": "408", "Nats-Pending-Messages": str(left)}))  # type: ignore[arg-type]
+
+
+_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("fill"), st.integers(1, 6)),
+        st.tuples(st.just("hold"), st.integers(1, 6)),
+        st.tuples(st.just("arrive"), st.integers(1, 4)),
+        st.tuples(st.just("expire"), st.integers(0, 5)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_STEPS)
+# Two requests open, served in turn, the younger ending first: the older one looked filled.
+@example([("fill", 2), ("fill", 3), ("arrive", 2), ("expire", 1)])
+# The older ending first with more left than counted: the younger one had filled.
+@example([("fill", 2), ("fill", 3), ("arrive", 2), ("expire", 0), ("hold", 1)])
+def test_the_puller_counts_a_request_open_while_the_server_has_it_open(steps: list[tuple[str, int]]) -> None:
+    """Whatever the order of windows, holds, arrivals and ends (a delivery never says whose it
+    is): the puller waits for a request (``quiesce``) exactly while the server holds one that
+    can still deliver, and counts on none that cannot. Counted too few, a count of the consumer
+    missed what came after it; too many, a hold waited on a request that had filled."""
+
+    async def run() -> None:
+        server = _Consumer()
+        puller = await Puller(server, "S", "c").start()
+        for op, k in steps:
+            if op == "fill":
+                await puller.fill(k, wait_s=0.0005, open_s=60.0)
+            elif op == "hold":
+                await puller.fetch(k, timeout=0.0005, hold_open_s=60.0)
+            elif op == "arrive":
+                for _ in range(k):
+                    await server.arrive()
+            elif server.waiting:
+                await server.expire(k)
+            can_deliver = any(left > 0 for _, left in server.waiting)
+            assert await puller.quiesce(0.0) is not can_deliver, (op, k, server.waiting)
+        while server.waiting:
+            await server.expire(0)
+        assert await puller.quiesce(0.0)
+
+    asyncio.run(run())
