@@ -595,12 +595,14 @@ _STEPS = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(_STEPS)
 # Two requests open, served in turn, the younger ending first: the older one looked filled.
 @example([("fill", 2), ("fill", 3), ("arrive", 2), ("expire", 1)])
 # The older ending first with more left than counted: the younger one had filled.
 @example([("fill", 2), ("fill", 3), ("arrive", 2), ("expire", 0), ("hold", 1)])
+# The same, three open: the one whose count is corrected is the one that had deliveries then.
+@example([("fill", 2), ("fill", 3), ("arrive", 2), ("fill", 4)])
 def test_the_puller_counts_a_request_open_while_the_server_has_it_open(steps: list[tuple[str, int]]) -> None:
     """Whatever the order of windows, holds, arrivals and ends (a delivery never says whose it
     is): the puller waits for a request (``quiesce``) exactly while the server holds one that

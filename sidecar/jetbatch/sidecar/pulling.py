@@ -58,17 +58,23 @@ _HOLD_END_S = 0.001
 
 
 class _Request:
-    """A pull request this puller sent: how many messages it asked for, how many of those are
-    still counted to come, and by when (loop time) the server has ended it at the latest (its
-    expiry and the grace a fetch listens for an end; past it, an end that never came is given
-    up on)."""
+    """A pull request this puller sent: how many messages it asked for, how many deliveries are
+    counted as its (``left``: the rest still to come), how many deliveries the puller had had
+    when it was sent (it can have had only later ones), and by when (loop time) the server has
+    ended it at the latest (its expiry and the grace a fetch listens for an end; past it, an
+    end that never came is given up on)."""
 
-    __slots__ = ("asked", "left", "end_by")
+    __slots__ = ("asked", "counted", "born", "end_by")
 
-    def __init__(self, asked: int, end_by: float) -> None:
+    def __init__(self, asked: int, born: int, end_by: float) -> None:
         self.asked = asked
-        self.left = asked
+        self.counted = 0
+        self.born = born
         self.end_by = end_by
+
+    @property
+    def left(self) -> int:
+        return self.asked - self.counted
 
 
 class PullError(SidecarError):
@@ -90,6 +96,7 @@ class Puller:
         self._inbox = nc.new_inbox()
         self._replies = f"{self._inbox}."  # a request's end comes on its own reply subject
         self._buffer: deque[Msg] = deque()
+        self._deliveries = 0  # every delivery so far, to anyone
         self._changed = asyncio.Event()
         self._sub: Any = None
         self._seq = 0
@@ -194,9 +201,10 @@ class Puller:
             # oldest open one with any left to come (the server serves waiting requests in turn,
             # so another may have had it: a request's end says how many it still had,
             # :meth:`_recount`). One whose whole batch came has no end to wait for.
+            self._deliveries += 1
             for request in self._open.values():
                 if request.left > 0:
-                    request.left -= 1
+                    request.counted += 1
                     break
             if not self._waiting and self._on_late is not None:
                 self._on_late()
@@ -324,37 +332,33 @@ class Puller:
     def _recount(self, token: str, pending: str | None) -> None:
         """The request ``token`` ended with ``pending`` (its ``Nats-Pending-Messages``) of its
         batch undelivered. Each delivery was counted against the oldest request with any left,
-        and the server serves them in turn: more than counted means younger ones had deliveries
-        counted against it, and have that many fewer to come (counted too many, a request that
-        had filled looked open, and a hold waited on it to its end); fewer means it had
-        deliveries counted against older ones, which have that many more (counted too few, an
-        open one looked filled, and a count of the consumer taken before its end missed what it
-        delivered after). One found filled ends a wait on it, as its end would."""
-        tokens = list(self._open)
+        and the server serves them in turn, so the end corrects the others: fewer delivered to
+        it than counted means others had deliveries not counted as theirs, and have that many
+        fewer to come (counted too many, a request that had filled looked open, and a hold
+        waited on it to its end); more means others were counted deliveries that were its, and
+        have more to come (counted too few, an open one looked filled, and a count of the
+        consumer taken before its end missed what it delivered after). Oldest first (they have
+        had the most deliveries in turn), and none takes more than it can have had: no delivery
+        from before it was sent. One found filled ends a wait on it, as its end would."""
         ended = self._open.pop(token)
         try:
             over = int(pending or "") - ended.left
-        except ValueError:  # none (a 404 may carry none), or not the server's: count nothing
+        except ValueError:  # none (a 404 carries none), or not the server's: count nothing
             return
-        at = tokens.index(token)
-        if over > 0:
-            for younger in reversed(tokens[at + 1 :]):
-                request = self._open[younger]
-                taken = min(request.left, over)
-                request.left -= taken
-                over -= taken
-                if request.left == 0 and younger == self._current:
-                    self._ended = True
-                if over <= 0:
-                    break
-        elif over < 0:
-            for older in tokens[:at]:
-                request = self._open[older]
-                given = min(request.asked - request.left, -over)
-                request.left += given
+        for other, request in self._open.items():
+            if over == 0:
+                break
+            if over > 0:  # others had deliveries not counted as theirs
+                taken = min(over, request.left, self._deliveries - request.born - request.counted)
+                if taken > 0:
+                    request.counted += taken
+                    over -= taken
+                    if request.left == 0 and other == self._current:
+                        self._ended = True
+            else:  # deliveries counted as others' were this one's
+                given = min(-over, request.counted)
+                request.counted -= given
                 over += given
-                if over >= 0:
-                    break
 
     def _forget_over(self, now: float) -> None:
         """Forget the requests ended at the server by ``now`` at the latest (their ends lost, in
@@ -384,7 +388,7 @@ class Puller:
         if len(self._open) > 8:
             self._forget_over(now)
         token = self._current
-        self._open[token] = _Request(int(body["batch"]), now + expires_s + _END_GRACE_S)
+        self._open[token] = _Request(int(body["batch"]), self._deliveries, now + expires_s + _END_GRACE_S)
         try:
             await self._nc.publish(self._api, json.dumps(body).encode(), reply=f"{self._replies}{token}")
         except BaseException:
