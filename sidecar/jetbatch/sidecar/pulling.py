@@ -391,8 +391,10 @@ class Puller:
         self._open[token] = _Request(int(body["batch"]), self._deliveries, now + expires_s + _END_GRACE_S)
         try:
             await self._nc.publish(self._api, json.dumps(body).encode(), reply=f"{self._replies}{token}")
-        except BaseException:
-            # Not sent (the connection closed, or the fetch cancelled): nothing will come of it.
+        except Exception:
+            # Not sent (the connection closed, the outbound buffer full: nats-py raises those
+            # before it queues the message): nothing will come of it. A cancellation comes only
+            # after it was queued, so that request goes out and stays counted.
             self._open.pop(token, None)
             raise
 
