@@ -51,9 +51,7 @@ async def pull(
     the fill's request stays open that long, for the next window (``Puller.fill``)."""
     try:
         if fill:
-            if hold_open_s is not None:
-                return Pulled(await psub.fill(n, timeout_s, open_s=hold_open_s))
-            return Pulled(await psub.fill(n, timeout_s))
+            return Pulled(await psub.fill(n, timeout_s, open_s=hold_open_s))
         if hold_open_s is not None:
             return Pulled(await psub.fetch(batch=n, timeout=timeout_s, hold_open_s=hold_open_s))
         if stored_only:

@@ -292,8 +292,7 @@ class Puller:
             self._waiting = True
             try:
                 ends_s = max(wait_s, 0.0) + _FILL_MARGIN_S  # the fill's end (and its request's)
-                lasting = open_s is not None and open_s > ends_s
-                expires_s = open_s if lasting and open_s is not None else ends_s
+                expires_s = max(open_s or 0.0, ends_s)
                 need = batch - len(self._buffer)
                 token, covered = self._cover(need, ends_s)
                 if token is not None:
@@ -304,7 +303,7 @@ class Puller:
                     # Only the rest: the hold's request still open brings its part (two open
                     # for the whole rest brought more than the window took, left in this puller).
                     await self._request({"batch": need - covered, "expires": int(expires_s * 1e9)})
-                    if not lasting:
+                    if expires_s == ends_s:  # not left open for the next window
                         self._tails.add(self._current)
                 if len(self._buffer) < batch and not self._ended and self._error is None:
                     await self._filled.wait(wait_s)
@@ -323,11 +322,9 @@ class Puller:
         end is over the batch, the next fetch's."""
         if self._error is not None:
             return None, 0
-        self._tails &= self._open.keys()
-        ends_after = asyncio.get_running_loop().time() + for_s + _END_GRACE_S
-        lasting = [(token, r.left) for token, r in self._open.items() if r.left > 0 and token not in self._tails and r.end_by >= ends_after]
-        alone = next((token for token, left in lasting if left >= n), None)
-        return alone, n if alone is not None else min(n - 1, sum(left for _, left in lasting))
+        lasting = self._counted_on(asyncio.get_running_loop().time() + for_s)
+        alone = next((token for token, r in lasting if r.left >= n), None)
+        return alone, n if alone is not None else min(n - 1, sum(r.left for _, r in lasting))
 
     def _recount(self, token: str, pending: str | None) -> None:
         """The request ``token`` ended with ``pending`` (its ``Nats-Pending-Messages``) of its
@@ -369,9 +366,15 @@ class Puller:
     def _lasting(self, now: float) -> str | None:
         """An open request (not a returned fill's) that may still bring messages and has not
         expired at the server by ``now``: the one ending last, if several."""
+        lasting = self._counted_on(now)
+        return max(lasting, key=lambda item: item[1].end_by)[0] if lasting else None
+
+    def _counted_on(self, until: float) -> list[tuple[str, _Request]]:
+        """The open requests a wait may count on until ``until`` (loop time): with messages still
+        to come, open at the server past it, and not a returned fill's (a fill's ends just after
+        its window: the next window must not count on it)."""
         self._tails &= self._open.keys()
-        lasting = [(r.end_by, token) for token, r in self._open.items() if r.left > 0 and token not in self._tails and r.end_by - _END_GRACE_S > now]
-        return max(lasting)[1] if lasting else None
+        return [(t, r) for t, r in self._open.items() if r.left > 0 and t not in self._tails and r.end_by - _END_GRACE_S >= until]
 
     def _raise_refused(self) -> None:
         """Raise the error status the last request ended with (once)."""
