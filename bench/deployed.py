@@ -83,19 +83,30 @@ CONSUMER_NAMES = ("raw-consumer", "raw-relay", "jetbatch-worker", "jetbatch-work
 _monitor_port: int | None = None  # nats-server's monitoring port (set by main)
 
 
-def consumer_msgs() -> dict[int, tuple[int, int]]:
-    """Messages each consumer-side connection published and was sent so far, by connection id."""
+def consumer_msgs() -> dict[int, tuple[str, int, int]]:
+    """Messages each consumer-side connection published and was sent so far, with its name, by
+    connection id."""
     if _monitor_port is None:
         return {}
     with urllib.request.urlopen(f"http://127.0.0.1:{_monitor_port}/connz?limit=4096", timeout=10) as r:
         conns = json.load(r).get("connections") or []
-    return {c["cid"]: (int(c["in_msgs"]), int(c["out_msgs"])) for c in conns if c.get("name") in CONSUMER_NAMES}
+    return {c["cid"]: (c["name"], int(c["in_msgs"]), int(c["out_msgs"])) for c in conns if c.get("name") in CONSUMER_NAMES}
 
 
-def _msgs_per_request(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], n: int) -> dict[str, float]:
-    published = sum(a[0] - before.get(cid, (0, 0))[0] for cid, a in after.items())
-    received = sum(a[1] - before.get(cid, (0, 0))[1] for cid, a in after.items())
-    return {"consumer_published": published / n, "consumer_received": received / n}
+def _msgs_per_request(before: dict[int, tuple[str, int, int]], after: dict[int, tuple[str, int, int]], n: int) -> dict[str, Any]:
+    """Messages the consumer side published and received a request, in all and by connection name
+    (``consumer_msgs_by_connection``: ``[published, received]``; which hop pays what)."""
+    by_name: dict[str, list[float]] = {}
+    for cid, (name, published, received) in after.items():
+        _, published_before, received_before = before.get(cid, (name, 0, 0))
+        mine = by_name.setdefault(name, [0.0, 0.0])
+        mine[0] += (published - published_before) / n
+        mine[1] += (received - received_before) / n
+    return {
+        "consumer_published": sum(p for p, _ in by_name.values()),
+        "consumer_received": sum(r for _, r in by_name.values()),
+        "consumer_msgs_by_connection": {name: [round(p, 4), round(r, 4)] for name, (p, r) in sorted(by_name.items())},
+    }
 
 
 # --- the raw consumer (its own process) ----------------------------------------------------------

@@ -130,9 +130,12 @@ def test_the_consumer_sides_messages_are_counted_per_connection_over_the_round()
     a connection made during it counted from zero (a sidecar's reconnect), per request."""
     from bench.deployed import _msgs_per_request
 
-    before = {1: (100, 50), 2: (10, 10)}
-    after = {1: (300, 250), 2: (10, 10), 3: (20, 40)}
-    assert _msgs_per_request(before, after, 100) == {"consumer_published": 2.2, "consumer_received": 2.4}
+    before = {1: ("jetbatch-worker", 100, 50), 2: ("jetbatch-classifier", 10, 10)}
+    after = {1: ("jetbatch-worker", 300, 250), 2: ("jetbatch-classifier", 10, 10), 3: ("jetbatch-worker", 20, 40)}
+    counted = _msgs_per_request(before, after, 100)
+    assert counted["consumer_published"] == pytest.approx(2.2) and counted["consumer_received"] == pytest.approx(2.4)
+    # Which hop pays what: the worker's two connections (one since the round began) together.
+    assert counted["consumer_msgs_by_connection"] == {"jetbatch-classifier": [0.0, 0.0], "jetbatch-worker": [2.2, 2.4]}
 
 
 async def test_the_stored_raw_loop_republishes_and_takes_random_ids_as_jetbatch_does(nats_url: str, prefix: str) -> None:

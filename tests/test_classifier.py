@@ -18,6 +18,7 @@ import torch
 from jetbatch import sdk
 from jetbatch.sdk.protocol import ContentType, Headers, Tensor, header_bytes
 from jetbatch.sidecar.config import Config
+from jetbatch.sidecar.status import collect_status
 from jetbatch.sidecar.streams import ensure_classifier_streams, ensure_model_consumer, ensure_streams
 from tests import classifier_fixtures
 from tests.helpers import running_classifier, running_worker, wait_until
@@ -135,6 +136,28 @@ async def test_garbled_payload_bad_request_and_producer_choice_skips_classificat
     assert good.batch.model == "m1"
     assert classifier_fixtures.BATCH_SIZES == [1]
     assert classifier.stats["direct"] == 1
+
+
+async def test_lone_requests_share_one_waiting_pull_request_through_the_classifier(nats_url: str, prefix: str) -> None:
+    """The classifier's first wait of a batch asks for the whole batch on one request left open a
+    window past the wait (``Puller.fetch(hold_open_s=)``): the window it opens fills from it, and
+    the next batch's wait sends none while it is open. Lone requests one after another once
+    cost three pull requests each (what is stored, the first arrival, the window's fill) and two
+    status messages; now one request serves several of them."""
+    cfg = config(prefix, {"router": "rules", "default_model": "m1"})
+    async with running_worker(cfg, nats_url), running_classifier(cfg, nats_url) as classifier:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"warm", timeout=20) == b"warm"
+            before = classifier.pull_counts()
+            n = 6
+            for i in range(n):
+                assert await client.infer(f"r{i}".encode(), timeout=20) == f"r{i}".encode()
+            after = classifier.pull_counts()
+            reported = await collect_status(client.nats, cfg.subjects, wait_s=0.5)
+    pulls, ends = (after[k] - before[k] for k in ("pull_requests", "pull_ends"))
+    # A request open 0.27 s (the idle wait and a window) serves every request that comes within it.
+    assert pulls < n and ends < n, (pulls, ends)
+    assert any(r.role == "classifier" and r.stats["pull_requests"] >= pulls for r in reported)  # in its status report too
 
 
 async def test_two_replicas_split_the_work(nats_url: str, prefix: str) -> None:

@@ -283,12 +283,13 @@ async def test_a_request_that_ends_with_more_than_counted_gives_it_back_to_the_o
         sent = _count_pulls(nc)
         await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
         got = await puller.fetch(3, timeout=60.0, hold_open_s=60.0)  # open 60 s, 2 to come
-        fill = asyncio.ensure_future(puller.fill(4, wait_s=2.0))  # asks for the other 2, open 2 s
-        await wait_until(lambda: len(sent) == 2, timeout_s=10, what="the fill's request")
+        # A plain fetch: what is stored (nothing: a 404), then a request for 2 open 2 s.
+        fetch = asyncio.ensure_future(puller.fetch(2, timeout=2.0))
+        await wait_until(lambda: len(sent) == 3, timeout_s=10, what="the fetch's waiting request")
         await js.publish(f"{prefix}.q", b"m1")  # type: ignore[attr-defined]
         await js.publish(f"{prefix}.q", b"m2")  # type: ignore[attr-defined]
-        got += await asyncio.wait_for(fill, 10)
-        await wait_until(lambda: puller.ends == 1, timeout_s=10, what="the fill's request's end")
+        got += await asyncio.wait_for(fetch, 10)
+        await wait_until(lambda: puller.ends == 2, timeout_s=10, what="the fetch's request's end")
         assert [m.data for m in got] == [b"m0", b"m1", b"m2"]
         assert not await puller.quiesce(0.05)  # the hold's request still brings one
         info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
@@ -312,6 +313,32 @@ async def test_a_fill_counts_on_a_request_open_past_its_own_end_not_past_its_req
         await js.publish(f"{prefix}.q", b"m2")  # type: ignore[attr-defined]
         got += await asyncio.wait_for(fill, 10)
         assert [m.data for m in got] == [b"m0", b"m1", b"m2"] and len(sent) == 1
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_fill_takes_what_an_open_request_brings_before_it_asks_for_the_rest(nats_url: str, prefix: str) -> None:
+    """A request open past a fill's end that brings only part of its batch (a hold's, which an
+    earlier window took from) brings that part first; the fill asks for the rest only once it
+    came, with time left. At light traffic no request is sent: asked for at once, a request
+    for a batch's last few went out every window and ended with a 408."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
+        got = await puller.fetch(3, timeout=60.0, hold_open_s=60.0)  # open 60 s, 2 to come
+        assert await puller.fill(4, wait_s=0.05) == [] and len(sent) == 1  # nothing came: nothing asked
+        fill = asyncio.ensure_future(puller.fill(4, wait_s=30.0))
+        for i in (1, 2):
+            await js.publish(f"{prefix}.q", f"m{i}".encode())  # type: ignore[attr-defined]
+        # The hold's request brought its 2: the fill asks for the other 2, and they come.
+        await wait_until(lambda: len(sent) == 2, timeout_s=10, what="the request for the rest")
+        assert sent[-1]["batch"] == 2
+        for i in (3, 4):
+            await js.publish(f"{prefix}.q", f"m{i}".encode())  # type: ignore[attr-defined]
+        got += await asyncio.wait_for(fill, 10)
+        assert [m.data for m in got] == [b"m0", b"m1", b"m2", b"m3", b"m4"] and len(sent) == 2
     finally:
         await nc.close()  # type: ignore[attr-defined]
 

@@ -285,28 +285,46 @@ class Puller:
         the server to end it just after, or ``open_s`` after the fill began (a worker serving a
         model's batches back to back: the next window counts on it, and it ends filled, not by
         its expiry); a message it delivers after the fill returned is handed out first by the
-        next fetch (a caller that stops fetching hands :meth:`leftovers` back)."""
+        next fetch (a caller that stops fetching hands :meth:`leftovers` back). Requests still
+        open past the fill's end (a hold's, an earlier window's) bring their part first: the
+        fill asks for the rest only once they brought it, with time left."""
         self._raise_refused()
         if len(self._buffer) < batch:
             self._fill_to = batch
             self._waiting = True
             try:
-                ends_s = max(wait_s, 0.0) + _FILL_MARGIN_S  # the fill's end (and its request's)
-                expires_s = max(open_s or 0.0, ends_s)
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                ends_at = started + max(wait_s, 0.0)  # the fill's end, on its own clock
+                # Its request's end: just after the fill's, or ``open_s`` after it began.
+                open_until = started + max(open_s or 0.0, max(wait_s, 0.0) + _FILL_MARGIN_S)
                 need = batch - len(self._buffer)
-                token, covered = self._cover(need, ends_s)
+                token, covered = self._cover(need, ends_at - started + _FILL_MARGIN_S)
                 if token is not None:
-                    # A hold's request still open past this fill's end brings what it needs:
-                    # no request of its own, and that one's end (a refusal) ends the fill.
+                    # A request still open past this fill's end brings what it needs: no
+                    # request of its own, and that one's end (a refusal) ends the fill.
                     self._current, self._ended = token, False
                 else:
-                    # Only the rest: the hold's request still open brings its part (two open
-                    # for the whole rest brought more than the window took, left in this puller).
-                    await self._request({"batch": need - covered, "expires": int(expires_s * 1e9)})
-                    if expires_s == ends_s:  # not left open for the next window
-                        self._tails.add(self._current)
-                if len(self._buffer) < batch and not self._ended and self._error is None:
-                    await self._filled.wait(wait_s)
+                    # Several, or one that brings only part (or none): that part first, then a
+                    # request for the rest. Asked for at once, a small request for a batch's
+                    # last few was sent every window and ended by its expiry when traffic is
+                    # light (a request and a 408 a lone request); two for the whole rest brought
+                    # more than the window took, left in this puller.
+                    self._current, self._ended = "", False
+                    self._fill_to = len(self._buffer) + covered
+                while len(self._buffer) < batch and not self._ended and self._error is None:
+                    now = loop.time()
+                    if len(self._buffer) >= self._fill_to:
+                        # What open requests were counted on for came (or none was): ask for the rest.
+                        if now >= ends_at:
+                            break
+                        self._fill_to = batch
+                        await self._request({"batch": batch - len(self._buffer), "expires": int((open_until - now) * 1e9)})
+                        if open_s is None or open_s <= wait_s + _FILL_MARGIN_S:
+                            self._tails.add(self._current)  # not left open for the next window
+                        continue
+                    if now >= ends_at or not await self._filled.wait(ends_at - now):
+                        break
             finally:
                 self._fill_to = None
                 self._waiting = False

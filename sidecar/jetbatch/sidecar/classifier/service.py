@@ -63,6 +63,8 @@ _REPUBLISH_ACK_TIMEOUT_S = 5.0  # then the careful path retries (same Nats-Msg-I
 # At a stop, how long to wait for the last pull request to end (a fill's ends about a millisecond
 # after the window) before handing back what it delivered.
 _STOP_DRAIN_S = 0.05
+# A wait's pull request stays open this long past the next window's close at the latest.
+_OPEN_PAST_S = 0.001
 
 
 class Classifier:
@@ -84,6 +86,7 @@ class Classifier:
         self.id = self.cfg.id or f"classifier-{socket.gethostname()}-{os.getpid()}"
         self.http_address = ""  # where its endpoints listen (set by runtime.serve_sidecar), for the report
         self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
+        self._puller: Puller | None = None
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.reply_policy = config.reply_policy
         self.window = BatchWindow(self.cfg.max_batch_size, self.cfg.max_delay_s)
@@ -110,14 +113,22 @@ class Classifier:
 
     def report(self) -> SidecarReport:
         return SidecarReport(
-            role="classifier", id=self.id, version=__version__, stats=dict(self.stats), started_at=self._started_at, updated_at=time.time(),
+            role="classifier", id=self.id, version=__version__, stats={**self.stats, **self.pull_counts()}, started_at=self._started_at,
+            updated_at=time.time(),
             http=self.http_address,
         )  # fmt: skip
+
+    def pull_counts(self) -> dict[str, int]:
+        """The pull messages so far, as the worker reports them: pull requests sent
+        (``pull_requests``) and pull requests ended by a status message (``pull_ends``)."""
+        puller = self._puller
+        return {"pull_requests": puller.pulls if puller else 0, "pull_ends": puller.ends if puller else 0}
 
     async def _setup(self) -> Any:
         await ensure_classifier_streams(self.js, self.subjects, self.config.streams, self.config.replies)
         # The worker's pull (sidecar/pulling.py): nats-py's fetch made a task per message.
-        return await Puller(self.nc, self.subjects.ingress_stream, classifier_consumer_name()).start()
+        self._puller = await Puller(self.nc, self.subjects.ingress_stream, classifier_consumer_name()).start()
+        return self._puller
 
     async def run(self) -> None:
         psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
@@ -166,13 +177,19 @@ class Classifier:
             wait_s = self.window.wait_s(len(msgs), close_at, now, idle_wait_s=0.25)
             if msgs and wait_s <= 0.0005:
                 break
-            # Idle (nothing stored), the wait is for the first request only: a waiting pull for a
-            # whole batch would hold a lone request until the batch filled or the idle wait ran
-            # out. Its window opens when it comes; one fill takes the rest of the batch until it
-            # closes, on the puller's own clock (the server's expiry of a waiting pull ends up to
-            # a millisecond late, and so did a lone request's window).
+            # The first wait returns with what is stored or else the first arrival (a wait for a
+            # whole batch would hold a lone request until it filled). Its window opens then; one
+            # fill takes the rest of the batch until it closes, on the puller's own clock (the
+            # server's expiry of a waiting pull ends up to a millisecond late). Each wait's pull
+            # request asks for the whole batch and stays open a window past its own end, as the
+            # worker's do: the next wait (the fill, then the next batch's first wait, pipelined
+            # while this batch is republished) sends none while it may still deliver, and under
+            # load it ends filled, not by a status message (Puller.fetch(hold_open_s=)). It
+            # cannot be withdrawn; at a stop, unsubscribing ends it at the server.
             room = self.cfg.max_batch_size - len(msgs)
-            pulled = await pull(psub, room, wait_s, fill=True) if msgs else await pull(psub, room, max(wait_s, 0.001), linger=1)
+            wait_s = max(wait_s, 0.001)
+            open_s = wait_s + self.window.max_delay_s + _OPEN_PAST_S
+            pulled = await pull(psub, room, wait_s, fill=bool(msgs), hold_open_s=open_s)
             if pulled.closed:
                 self._stopping.set()
                 break
