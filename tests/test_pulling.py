@@ -343,6 +343,55 @@ async def test_a_fill_takes_what_an_open_request_brings_before_it_asks_for_the_r
         await nc.close()  # type: ignore[attr-defined]
 
 
+async def test_after_a_count_what_an_open_request_delivers_that_the_count_missed_is_reported(nats_url: str, prefix: str) -> None:
+    """``watch``: a count of the consumer was answered while a hold's request is still open. The
+    buffered messages the count missed are returned, and each later delivery it missed goes to
+    ``on_uncounted`` until every request open at the count has ended (the worker's predicate
+    is ``queues.missed_by``; here it names the messages)."""
+    nc, js = await _queue(nats_url, prefix)
+    reported: list[bytes] = []
+    try:
+        puller = await Puller(nc, prefix.upper(), "c", on_uncounted=lambda msg: reported.append(msg.data)).start()
+        assert await puller.fetch(3, timeout=0.01, hold_open_s=1.0) == []  # its request open 1 s
+        assert puller.watch(lambda msg: msg.data != b"counted") == 0
+        for data in (b"counted", b"missed"):
+            await js.publish(f"{prefix}.q", data)  # type: ignore[attr-defined]
+        await wait_until(lambda: puller.buffered == 2, timeout_s=10, what="both in the puller")
+        assert reported == [b"missed"]
+        assert puller.watch(lambda msg: True) == 2 and puller.watch(lambda msg: msg.data == b"missed") == 1
+        await wait_until(lambda: puller.ends == 1, timeout_s=10, what="the request's end")
+        await js.publish(f"{prefix}.q", b"after")  # type: ignore[attr-defined]
+        got = await puller.fetch(3, timeout=5.0)
+        assert [m.data for m in got] == [b"counted", b"missed"]
+        assert [m.data for m in await puller.fetch(3, timeout=5.0)] == [b"after"]
+        assert reported == [b"missed"]  # nothing was open any more: nothing watched
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_an_interrupt_ends_a_holds_wait_and_its_request_serves_the_next_fetch(nats_url: str, prefix: str) -> None:
+    """A hold waits for its first delivery until another's arrival interrupts it: it returns
+    empty-handed at once, and its request, still open, serves the next fetch. An interrupt
+    with no hold waiting ends the next one at once, with no request, unless taken back."""
+    nc, js = await _queue(nats_url, prefix)
+    try:
+        puller = await Puller(nc, prefix.upper(), "c").start()
+        sent = _count_pulls(nc)
+        puller.interrupt()
+        assert await puller.fetch(3, timeout=60.0, hold_open_s=60.0) == [] and sent == []
+        puller.interrupt()
+        puller.resume()
+        hold = asyncio.ensure_future(puller.fetch(3, timeout=60.0, hold_open_s=60.0))
+        await wait_until(lambda: len(sent) == 1, timeout_s=10, what="the hold's request")
+        puller.interrupt()
+        assert await asyncio.wait_for(hold, 10) == []
+        await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
+        got = await puller.fetch(3, timeout=10.0, hold_open_s=10.0)
+        assert [m.data for m in got] == [b"m0"] and len(sent) == 1  # the cut hold's request brought it
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
 async def test_a_hold_refused_at_once_sends_no_second_request(nats_url: str, prefix: str) -> None:
     """A request refused with a 409 (the consumer's waiting requests at their limit) ends a hold
     that asked for itself: asking again at once spun a request a round trip."""

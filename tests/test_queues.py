@@ -11,13 +11,14 @@ from typing import Any, AsyncIterator
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jetbatch.sdk.protocol import Headers, Subjects
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams, model_consumer_name
-from jetbatch.sidecar.worker.queues import ArrivalFeed, QueueView, parse_stream_timestamp
+from jetbatch.sidecar.worker.queues import ArrivalFeed, QueueView, missed_by, parse_stream_timestamp
 from jetbatch.sidecar.worker.slots import Slot
 from tests.helpers import wait_until
 
@@ -160,6 +161,39 @@ def test_the_feed_reads_the_stream_sequence_of_an_arrival_and_nothing_forged() -
     for text in ("41", "-1", "1e3", "４２", "9" * 21, "", " 7"):
         feed.note(subjects.arrived("m1"), {"Nats-Sequence": text}, now=2e9)
     assert [entry[3] for entry in slots["m1"].known_times] == [41, None, None, None, None, None, None]
+
+
+def _delivery(delivered: int, seq: int, *, stored_s: float = 5.0, headers: dict[str, str] | None = None) -> Msg:
+    """A delivery of the models stream: its ack subject says how often it was delivered, its
+    stream sequence, and when it was stored."""
+    reply = f"$JS.ACK.S.C.{delivered}.{seq}.{seq}.{int(stored_s * 1e9)}.0"
+    return Msg(None, subject="p.model.m1", reply=reply, data=b"", headers=headers)  # type: ignore[arg-type]
+
+
+def test_a_count_missed_the_deliveries_it_had_made_and_the_redeliveries() -> None:
+    """``missed_by``: a consumer count (its last delivered stream sequence 10) left out what it
+    had delivered by then (still on its way to the puller) and redeliveries (unacked while they
+    waited); a first delivery after it was undelivered then, and is in it. A message with no
+    JetStream ack subject is no request."""
+    missed = missed_by(SimpleNamespace(delivered=SimpleNamespace(stream_seq=10)))
+    assert missed(_delivery(1, 9)) and missed(_delivery(1, 10)) and missed(_delivery(2, 11))
+    assert not missed(_delivery(1, 11))
+    forged = Msg(None, subject="p.model.m1", reply="$JS.ACK.S.C.x.9.9.0.0", data=b"")  # type: ignore[arg-type]
+    assert not missed(forged) and not missed(Msg(None, subject="x", reply="", data=b""))  # type: ignore[arg-type]
+
+
+def test_a_delivery_a_count_missed_is_counted_as_its_arrival_event_would_be() -> None:
+    view, slots = _view("m1")
+    woken: list[int] = []
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: woken.append(1))
+    s = slots["m1"]
+    feed.missed(s, _delivery(1, 9, stored_s=4.0, headers={Headers.DEADLINE: "7000"}), bulk=False, now=5.0)
+    feed.missed(s, _delivery(1, 12, headers={Headers.DEADLINE: "not a deadline"}), bulk=True, now=5.0)
+    assert (s.backlog, s.bulk, s.interactive) == (2, 1, 1) and woken == [1, 1]
+    assert s.oldest_enqueued_at == 4.0 and s.known_times[0][1] == 7.0  # stored at 4 s, its deadline 7 s
+    assert [entry[3] for entry in s.known_times] == [9] and [entry[3] for entry in s.known_bulk] == [12]
+    feed.missed(s, Msg(None, subject="p.model.m1", reply="", data=b""), bulk=False, now=6.0)  # type: ignore[arg-type]
+    assert s.backlog == 3 and s.known_times[-1][0] == 6.0  # no ack subject: counted as stored now
 
 
 def test_an_arrival_stored_after_the_count_was_taken_stays_counted() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from jetbatch.sidecar.policy import HOLD_S
 from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.simulator import build_workload, load_workload, lower_bound, simulate
 from jetbatch.sidecar.simulator.report import format_table
@@ -459,13 +460,23 @@ def test_a_simulated_hold_serves_the_served_models_next_request_with_no_decision
     a's request 2 ms after that batch opens it with no decision in between (one costs 1 ms)."""
     held = _two_models_trace([(0.0, "a"), (0.0, "a"), (0.013, "a")], decision_s=0.001)
     assert [round(start, 6) for start, *_ in held.batches] == [0.001, 0.013]
-    # Past the hold (5 ms): the worker idled, and the request is served after a decision.
-    idled = _two_models_trace([(0.0, "a"), (0.0, "a"), (0.05, "a")], decision_s=0.001)
-    assert [round(start, 6) for start, *_ in idled.batches] == [0.001, 0.051]
+    # Past the hold (from 12 ms, HOLD_S): the worker idled, and the request is served after a decision.
+    late = round(0.012 + HOLD_S + 0.008, 6)
+    idled = _two_models_trace([(0.0, "a"), (0.0, "a"), (late, "a")], decision_s=0.001)
+    assert [round(start, 6) for start, *_ in idled.batches] == [0.001, round(late + 0.001, 6)]
     # After a lone request's batch there is no hold: the worker idles on the arrival events.
     lone = _two_models_trace([(0.0, "a"), (0.013, "a")], decision_s=0.001)
     assert [round(start, 6) for start, *_ in lone.batches] == [0.001, 0.014]
     # After a hold came back empty, a pair is no longer enough to hold again (serves_on): the
     # request 2 ms after the second pair's batch waits for a decision.
-    pairs = _two_models_trace([(0.0, "a"), (0.0, "a"), (0.02, "a"), (0.02, "a"), (0.034, "a")], decision_s=0.001)
-    assert [round(start, 6) for start, *_ in pairs.batches] == [0.001, 0.021, 0.035]
+    pairs = _two_models_trace([(0.0, "a"), (0.0, "a"), (late, "a"), (late, "a"), (late + 0.014, "a")], decision_s=0.001)
+    assert [round(start, 6) for start, *_ in pairs.batches] == [0.001, round(late + 0.001, 6), round(late + 0.015, 6)]
+
+
+def test_a_simulated_hold_ends_with_another_models_arrival() -> None:
+    """As live: b's request 3 ms into a's hold (from 12 ms) ends it at once; the worker counts
+    a's line (2 ms) and decides (1 ms) to load b at 18 ms, not after the hold's HOLD_S."""
+    trace = [(0.0, "a"), (0.0, "a"), (0.015, "b")]
+    cut = _two_models_trace(trace, decision_s=0.001, count_line_s=0.002)
+    assert [round(start, 6) for start, _, model in cut.load_log] == [0.018]
+    assert 0.018 < 0.012 + HOLD_S

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -763,3 +764,24 @@ async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats
         assert [m.data for m in again] == [b"late"] and again[0].metadata.num_delivered == 2
         await nc.close()
 
+
+
+async def test_another_models_request_ends_a_hold_at_once(nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """About to idle after a batch of two of a, the worker holds a's next batch open on a pull
+    (policy/interest.py). b's request, stored meanwhile, ends the hold with its arrival event:
+    served now, not at the hold's end (a minute here, so that only the event can end it)."""
+    from jetbatch.sidecar.worker import loop
+
+    held = loop.hold_s
+    monkeypatch.setattr(loop, "hold_s", lambda state, serving, *, until, now: 60.0 if held(state, serving, until=until, now=now) else 0.0)
+    config = make_config(prefix, {"a": sleep_model(max_delay_ms=5), "b": sleep_model(max_delay_ms=5)})
+    await _prepare_streams(config, nats_url)
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(functools.partial(client.infer, f"a{i}".encode(), model="a", timeout=20))
+            await _queued(client, 2)  # both in a's first batch
+            async with running_worker(config, nats_url) as worker:
+                await wait_until(lambda: worker.stats["holds"] >= 1, timeout_s=10, what="a hold of a's next batch")
+                assert await client.infer(b"b0", model="b", timeout=10) == b"b0"
+                assert worker.stats["holds_cut"] == 1

@@ -8,11 +8,13 @@ its callback buffers what arrives: a fetch waits on one event with one deadline.
 
 A :meth:`Puller.fill` is a batch window's last wait: one request for the rest of the batch, ended
 by the puller's own precise clock rather than the server's expiry. A hold (``fetch(hold_open_s=)``)
-is a worker's short wait for its served model's next batch: one request for a whole batch, left
-open after the fetch returned, whose later deliveries wait in the buffer, and a fill it still
-covers sends no request of its own. A fill's request may stay open past its window too
-(``fill(open_s=)``): the next hold then sends none, and under load requests end filled rather
-than on their expiry, so a batch costs the worker fewer pull messages than a fetch loop's.
+is a worker's short wait for its served model's next batch (and the classifier's first wait of
+a batch): one request for a whole batch, left open after the fetch returned, whose later
+deliveries wait in the buffer, and a fill it still covers sends no request of its own; another
+line's arrival ends its wait (:meth:`Puller.interrupt`). A fill's request may stay open past its
+window too (``fill(open_s=)``): the next hold then sends none, and under load requests end
+filled rather than on their expiry, so a batch costs fewer pull messages than a fetch loop's.
+A fill takes what requests still open bring before it asks for the rest.
 
 The semantics are nats-py's: a fetch first asks for what is stored (``no_wait``) and returns it;
 when nothing is, it asks again with ``expires`` and returns once the batch is full, the request
@@ -20,14 +22,18 @@ ends (the server's 408 at its expiry, 404, 409) or the wait runs out; like nats-
 server expire a waiting request just before it stops listening, and it listens for that end. A
 message that still arrives after a fetch returned (its end lost) is handed out first by the next
 fetch, as nats-py's pending queue did; :meth:`Puller.close` returns it to be handed back.
-:meth:`Puller.quiesce` waits until no request it sent can still deliver, so that a count of the
-consumer taken after it sees each message either undelivered there or in the puller.
+:meth:`Puller.quiesce` waits until no request it sent can still deliver (a stop hands back what
+they brought). A count of the consumer taken while one is open sees a message it delivered
+before the count neither undelivered there nor, if it reaches the puller after the count's
+answer, in the puller: :meth:`Puller.watch` says which buffered ones the count missed, and
+reports each such later delivery.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -86,11 +92,23 @@ class Puller:
     """Fetches from one durable pull consumer of ``stream``. ``on_late`` is called for each
     message delivered while no fetch or fill waits (it lands in :attr:`buffered`): one whose
     fetch gave up before the server's answer was read, on a loaded host, comes with no arrival
-    event, so a batch window waiting on those events must hear of it."""
+    event, so a batch window waiting on those events must hear of it. ``on_uncounted`` is
+    called for each delivery a count of the consumer missed (:meth:`watch`)."""
 
-    def __init__(self, nc: Any, stream: str, durable: str, *, on_late: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, nc: Any, stream: str, durable: str, *, on_late: Callable[[], None] | None = None,
+        on_uncounted: Callable[[Msg], None] | None = None,
+    ) -> None:
         self._nc = nc
         self._on_late = on_late
+        self._on_uncounted = on_uncounted
+        # After a count of the consumer (:meth:`watch`): which deliveries it missed, and the
+        # requests open then (only they can still bring one).
+        self._missed: Callable[[Msg], bool] | None = None
+        self._watched: set[str] = set()
+        self._watch_until = -math.inf
+        self._holding = False  # a hold waits for its first delivery now
+        self._interrupted = False  # a hold was asked to stop waiting (:meth:`interrupt`)
         self._waiting = False  # a fetch or a fill waits for deliveries now
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._inbox = nc.new_inbox()
@@ -132,6 +150,37 @@ class Puller:
         msgs = list(self._buffer)
         self._buffer.clear()
         return msgs
+
+    def watch(self, missed: Callable[[Msg], bool]) -> int:
+        """A count of the consumer was just answered, while pull requests of this puller may
+        still be open: how many buffered messages it missed, and from now until each request
+        open now has ended, every later delivery it missed goes to ``on_uncounted``. ``missed``
+        says which (the caller reads the count: a delivery from before the count was taken, its
+        stream sequence no later than the consumer's last delivered one, is in neither its
+        undelivered count nor, if it is still on its way, this buffer). Waiting for the requests
+        to end instead (:meth:`quiesce`) held the count up to a hold and a window; a delivery
+        that reaches the puller later than the count's answer is why it must not be dropped:
+        the server sends them from different places."""
+        self._forget_over(asyncio.get_running_loop().time())
+        # Each one, even one counted filled (the count may be wrong: :meth:`_recount`), until its
+        # end or the latest its end can come.
+        self._watched = set(self._open)
+        self._watch_until = max((r.end_by for r in self._open.values()), default=-math.inf)
+        self._missed = missed if self._watched else None
+        return sum(1 for msg in self._buffer if missed(msg))
+
+    def interrupt(self) -> None:
+        """End a hold's wait for its first delivery (something else wants the worker): the one
+        waiting now, or else the next to start, which then sends no request. The fetch returns
+        what it has; a request it left open stays open at the server, delivering to the buffer,
+        for the next fetch. A caller whose hold is over without one takes it back
+        (:meth:`resume`)."""
+        self._interrupted = True
+        self._changed.set()
+
+    def resume(self) -> None:
+        """Forget an :meth:`interrupt` no hold took."""
+        self._interrupted = False
 
     async def quiesce(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until no pull request this puller sent can still deliver:
@@ -190,6 +239,10 @@ class Puller:
                 return
             if token in self._open:  # one forgotten since (its end_by passed) recounts nothing
                 self._recount(token, headers.get("Nats-Pending-Messages"))
+            if self._missed is not None:
+                self._watched.discard(token)
+                if not self._watched:
+                    self._missed = None
             self.ends += 1
             if token == self._current:
                 self._ended = True
@@ -206,6 +259,11 @@ class Puller:
                 if request.left > 0:
                     request.counted += 1
                     break
+            if self._missed is not None:
+                if asyncio.get_running_loop().time() > self._watch_until:
+                    self._missed = None  # what was open at the count has ended by now
+                elif self._missed(msg) and self._on_uncounted is not None:
+                    self._on_uncounted(msg)
             if not self._waiting and self._on_late is not None:
                 self._on_late()
         self._changed.set()
@@ -246,22 +304,27 @@ class Puller:
             # A fetch waits for its request's end, which the server sends 0.4-1 ms past its
             # expiry, and a hold waits as long: one that gave up at its expiry came back empty
             # four to five times as often through the classifier (docs/benchmarks.md).
+            # Another's arrival can end the wait (:meth:`interrupt`).
             open_until = loop.time() + max(hold_open_s, timeout)
             end_wait = deadline + (_END_GRACE_S if hold_open_s <= timeout else _HOLD_END_S)
             asked = False
-            while not self._buffer and self._error is None and loop.time() < deadline:
-                token = None if asked else self._lasting(loop.time())
-                if token is not None:
-                    self._current, self._ended = token, False
-                elif asked:
-                    break  # its own request ended early (a 409: no second one, no spin)
-                else:
-                    expires_s = max(open_until - loop.time() - _EXPIRES_EARLY_S, 0.001)
-                    await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
-                    asked = True
-                await self._wait(1, end_wait)
-                if not self._ended:
-                    break  # a delivery, or the wait's end
+            self._holding = True
+            try:
+                while not self._buffer and self._error is None and not self._interrupted and loop.time() < deadline:
+                    token = None if asked else self._lasting(loop.time())
+                    if token is not None:
+                        self._current, self._ended = token, False
+                    elif asked:
+                        break  # its own request ended early (a 409: no second one, no spin)
+                    else:
+                        expires_s = max(open_until - loop.time() - _EXPIRES_EARLY_S, 0.001)
+                        await self._request({"batch": batch, "expires": int(expires_s * 1e9)})
+                        asked = True
+                    await self._wait(1, end_wait)
+                    if not self._ended:
+                        break  # a delivery, an interrupt, or the wait's end
+            finally:
+                self._holding = self._interrupted = False
             return self._take(batch)
         # What is stored comes at once (the server ends a no_wait request with 404 when it has
         # fewer than asked for); only when nothing is does a request wait for arrivals.
@@ -424,7 +487,7 @@ class Puller:
         self._waiting = True
         try:
             async with asyncio.timeout_at(deadline):  # one timer, no task
-                while len(self._buffer) < batch and not self._ended:
+                while len(self._buffer) < batch and not self._ended and not (self._holding and self._interrupted):
                     self._changed.clear()
                     await self._changed.wait()
         except TimeoutError:

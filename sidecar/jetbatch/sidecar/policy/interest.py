@@ -27,12 +27,16 @@ batches (nothing counted waiting anywhere) first holds that model's next batch o
 ``HOLD_S``, on a pull held on its interactive line (:func:`hold_s`): the first request stored
 there opens the next batch's window with no arrival event, and no decision in between. The
 hold's pull request asks for the whole batch and stays open for the hold, so the window it opens
-fills from it without a request of its own while it lasts (``Puller.fetch(hold=True)``). Only when
-a hold comes back empty does the worker listen again, count, and idle on the events. At 64
+fills from it without a request of its own while it lasts (``Puller.fetch(hold_open_s=)``). The
+first arrival event the worker hears during a hold (another model's request, or one on the
+served model's batch line) ends it at once, as one counted since the decision does; so does
+its end with nothing come. Then the worker listens again, counts the served line, and decides
+(an event, a count and a decision: what the request would have waited without the hold). At 64
 requests in flight the callers' next requests come within a few milliseconds of a batch's
-answers: holds of 2 ms missed often enough for 0.2 arrival events a request to remain, 5 ms left
-0.01-0.06 (docs/benchmarks.md). The price: a request of another model stored during a hold waits
-for its end, up to ``HOLD_S``, as it would wait for a batch window.
+answers, and through the classifier its batches come about 5 ms apart: holds of 2 ms missed
+often enough for 0.2 arrival events a request to remain, 5 ms left 0.01-0.06 direct and 0.06-0.3
+through the classifier; 20 ms, which no other model waits out, leave next to none
+(docs/benchmarks.md). A hold that ends empty costs its pull request's end (a 408).
 
 While it does not listen, the worker's count of a line is a lower bound: what its last fetch or
 count said, less what peers took since; requests stored since are counted by the next fetch.
@@ -67,8 +71,9 @@ SERVING_FROM = 2
 # (an attack measured 1.2-2.1 ms of worker CPU a request against 0.85-1.5 ms with the events).
 SERVING_AGAIN_FROM = 8
 
-# How long a worker about to idle holds the next batch of the model it serves open (hold_s)...
-HOLD_S = 0.005
+# How long a worker about to idle holds the next batch of the model it serves open (hold_s; the
+# first arrival event it hears meanwhile ends it sooner)...
+HOLD_S = 0.02
 # ...and the shortest hold worth its pull request (a shorter one idles at once).
 MIN_HOLD_S = 0.001
 
@@ -106,8 +111,9 @@ def hold_s(state: SchedulerState, serving: str | None, *, until: float, now: flo
     """How long a worker that decided to idle (until ``until``) first holds the next batch of the
     model whose batches it serves (``serving``) open, on a pull held on that model's interactive
     line (0: it idles at once, as for a hold shorter than ``MIN_HOLD_S``). Only while that model
-    is on the device and nothing else is counted waiting. A hold that comes back empty ends the
-    serving: the worker listens again, and idles on the events."""
+    is on the device and nothing else is counted waiting; the first arrival event the worker
+    hears ends it sooner. A hold that comes back empty (or cut short) ends the serving: the
+    worker listens again, counts the line, and decides."""
     if serving is None:
         return 0.0
     served = state.models.get(serving)

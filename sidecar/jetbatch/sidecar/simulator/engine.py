@@ -156,6 +156,7 @@ class _Worker:
     serving: str | None = None
     holding_until: float = -math.inf
     hold_missed: bool = False
+    hold_seen: int = 0  # the arrivals known when the hold began, or last looked at: later ones may end it
 
     @property
     def id(self) -> str:
@@ -360,18 +361,23 @@ class _Sim:
     def step(self, worker: _Worker) -> None:
         if worker.holding_until > -math.inf and worker.serving is not None:
             # As live: a hold ends with the served model's first interactive request, whose batch
-            # it serves with no decision in between, or empty at its end; other models' requests
-            # wait for it.
+            # it serves with no decision in between; with another line's first arrival (an event
+            # the worker hears), or empty at its end.
             held = worker.serving
             if self.queues[held].urgent and held in worker.resident:
                 worker.holding_until = -math.inf
                 m = self.w.models[held]
                 self.serve(worker, Serve(held, m.max_batch_size, reason="hold"))
                 return
-            if self.t < worker.holding_until - 1e-12:
+            interrupted = any(
+                self.arrivals[i][1] != held or (self.classes and not self.w.interactive[i]) for i in range(worker.hold_seen, self.next_arrival)
+            )  # fmt: skip
+            worker.hold_seen = self.next_arrival
+            if self.t < worker.holding_until - 1e-12 and not interrupted:
                 self.wake(worker, min(self.next_arrival_at(), worker.holding_until))
                 return
-            # As live: empty, it ends the serving; the worker listens again and counts the line.
+            # As live: empty (or cut short), it ends the serving; the worker listens again,
+            # counts the line, and decides.
             worker.holding_until = -math.inf
             worker.hold_missed = True
             worker.serving = None
@@ -398,6 +404,7 @@ class _Sim:
             if held_s > 0:
                 # As live: rather than idle, hold the served model's next batch open.
                 worker.holding_until = self.t + cost_s + held_s
+                worker.hold_seen = self.next_arrival
                 self.wake(worker, min(max(self.next_arrival_at(), self.t + cost_s), worker.holding_until))
                 return
         serves = decision.model if isinstance(decision, Serve) and decision.model in worker.resident else None

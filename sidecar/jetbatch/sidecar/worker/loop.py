@@ -32,6 +32,7 @@ from ..config import Config, ConfigError
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..handlers.modules import warm_start
 from ..errors import TRANSPORT_ERRORS
+from ..pulling import Puller
 from ..policy import (
     PROBE_AFTER_REFUSALS,
     RECENT_S,
@@ -64,7 +65,7 @@ from .execution import GIVE_BACK_DELAY_S, BatchRunner
 from .slots import BatchReport, ModelTurn, Slot
 from .state import LoopState
 from .quarantine import Quarantine
-from .queues import RECHECK_S, ArrivalFeed, QueueView, empty_fetch
+from .queues import RECHECK_S, ArrivalFeed, QueueView, empty_fetch, missed_by
 from . import view
 from .residency import Residency, default_host_budget_bytes
 
@@ -72,10 +73,6 @@ __all__ = ["Worker"]
 
 log = logging.getLogger("jetbatch.worker")
 T = TypeVar("T")
-
-# The longest a count of a line waits for its puller's open pull requests to end (a hold's or a
-# fill's ends within a hold and a window, and the server's 408 within a millisecond after).
-_QUIESCE_S = 0.05
 
 # A count for requests given back with a delay is taken this long after they fall due (the server
 # redelivers on its own timer): counted before, a fetch would miss them and hold the queue back
@@ -129,6 +126,7 @@ class Worker:
         self._stopping = anyio.Event()
         self._ready = anyio.Event()
         self._wake = anyio.Event()  # an arrival, or a stop: the idle loop looks again
+        self._holding: Puller | None = None  # the puller of a hold under way (_wake_up ends it)
         self.state = LoopState(started_at=time.time())
         self.http_address = ""  # where its endpoints listen (set by runtime.serve_sidecar), for the report
         # Loads and batches never overlap on the device; a free lock is taken without yielding.
@@ -144,7 +142,10 @@ class Worker:
             cancelled=self.cancellations.cancelled, audience=lambda: self.peers.heard(),
         )  # fmt: skip
 
-        self.pullers = Pullers(nc, self.subjects, config.streams, on_late=lambda slot: self.batcher.late(slot), counters=self.stats)
+        self.pullers = Pullers(
+            nc, self.subjects, config.streams, on_late=lambda slot: self.batcher.late(slot), counters=self.stats,
+            on_uncounted=lambda slot, bulk, msg: self.arrivals.missed(slot, msg, bulk=bulk),
+        )  # fmt: skip
         self.batcher = Batcher(
             self._stopping,
             counters=self.stats,
@@ -202,6 +203,9 @@ class Worker:
     def _wake_up(self) -> None:
         self._wake.set()
         self.batcher.arrived()  # an open batch window counts again too
+        if self._holding is not None:
+            # Something else waits (another line's arrival): a hold ends now, not at its end.
+            self._holding.interrupt()
 
     def _check_models(self) -> None:
         """Report a model that cannot load (a missing file) now, in one line, not at its first request."""
@@ -436,6 +440,9 @@ class Worker:
                 await self._refresh(now)
                 now = time.time()
             started = time.perf_counter()
+            # An arrival counted from here on is in no state this decision sees: it wakes an
+            # idle, and ends a hold (even one about to start).
+            self._wake = anyio.Event()
             state = self._scheduler_state(now)
             idle = self._idle_unloads(state, now)
             if idle:
@@ -539,16 +546,8 @@ class Worker:
         count too few: a request stored meanwhile then waited for the next count."""
         name = model_consumer_name(slot.name, Priority.BATCH if bulk else Priority.INTERACTIVE)
         psub = slot.bulk_psub if bulk else slot.psub
-        # What the count costs the loop, the wait for the puller's requests included (the
-        # simulator charges it: Control.count_line_s).
+        # What the count costs the loop (the simulator charges it: Control.count_line_s).
         started = time.perf_counter()
-        if psub is not None:
-            # A held pull can still be open at the server: a hold's, or a fill's until it filled
-            # or up to ``max_delay`` and a millisecond past its window (``Puller.fill(open_s=)``).
-            # What it delivers after the count's answer would be neither pending there nor in
-            # the puller yet, and no event would come for it (found by an attack: a request
-            # waited for the periodic count). Its end comes after its deliveries.
-            await psub.quiesce(_QUIESCE_S)
         try:
             info = await self.js.consumer_info(self.subjects.models_stream, name)
         except TRANSPORT_ERRORS as exc:
@@ -556,10 +555,16 @@ class Worker:
             self.state.next_refresh = -math.inf  # the stream count, at once
             return
         self.stats.sample("count_line", time.perf_counter() - started)
-        # Delivered to this worker's puller after a fetch returned (a held pull's late answer),
-        # not yet taken: no longer undelivered, and no event will come for it.
-        buffered = psub.buffered if psub is not None else 0
-        self.queues.line_counted(slot, int(info.num_pending or 0) + buffered, slot.arrivals - counted, bulk=bulk)
+        # A held pull can still be open at the server: a hold's, or a fill's until it filled or
+        # up to ``max_delay`` and a millisecond past its window (``Puller.fill(open_s=)``). What
+        # it delivered before the count was taken is not undelivered there, and may reach the
+        # puller after the count's answer, with no event (found by an attack: a request waited
+        # for the periodic count). Those in the puller now are added, and those still on their
+        # way are counted as they land (``Puller.watch``; the count used to wait for every
+        # such request to end, up to a hold and a window). What it delivers later was
+        # undelivered at the count, and is in it.
+        missed = psub.watch(missed_by(info)) if psub is not None else 0
+        self.queues.line_counted(slot, int(info.num_pending or 0) + missed, slot.arrivals - counted, bulk=bulk)
 
     def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:
         """Resident models idle past their ``idle_unload_s`` (``Driver.idle_unloads``, the
@@ -596,13 +601,28 @@ class Worker:
         max_items = max(1, min(decision.max_items, slot.config.max_batch_size))
         if decision.before is not None:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
+        elif hold_s is not None and slot.psub is not None:
+            # Another line's arrival ends the hold at once (_wake_up), as one counted since the
+            # decision does: the worker then counts the served line and decides again, and the
+            # request waits a count, not the hold (the simulator does the same).
+            self.stats.add("holds")
+            self._holding = slot.psub
+            if self._wake.is_set():
+                slot.psub.interrupt()
+            try:
+                msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items), hold_s=hold_s)
+            finally:
+                self._holding = None
+                slot.psub.resume()
+            if not msgs and self._wake.is_set():
+                self.stats.add("holds_cut")
         else:
             # The window closes early enough for the earliest deadline gathered (window.py).
-            msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items), hold_s=hold_s)
+            msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items))
         if not msgs:
             if hold_s is not None:
-                # A hold that came back empty ends the serving: the next turn listens to the line
-                # again and counts it (_follow_arrivals), and the worker idles on the events.
+                # A hold that came back empty (or was cut short) ends the serving: the next turn
+                # listens to the line again and counts it (_follow_arrivals), and decides.
                 self.state.hold_missed = True
                 self.state.serving = None
             await self._found_nothing(slot)

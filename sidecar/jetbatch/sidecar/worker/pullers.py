@@ -41,16 +41,19 @@ CLOSE_WAIT_S = 0.05
 class Pullers:
     """The slots' pullers: :meth:`ready` before a fetch, :meth:`hand_back` when the worker stops
     fetching a model, :meth:`close` at a stop. ``on_late(slot)``: a delivery no fetch waited for
-    (:class:`~jetbatch.sidecar.pulling.Puller`'s ``on_late``)."""
+    (:class:`~jetbatch.sidecar.pulling.Puller`'s ``on_late``); ``on_uncounted(slot, bulk, msg)``:
+    a delivery a count of the line missed (its ``on_uncounted``)."""
 
     def __init__(
-        self, nc: Any, subjects: Subjects, streams: StreamsConfig, *, on_late: Callable[[Slot], None], counters: Counters
+        self, nc: Any, subjects: Subjects, streams: StreamsConfig, *, on_late: Callable[[Slot], None], counters: Counters,
+        on_uncounted: Callable[[Slot, bool, Any], None] = lambda slot, bulk, msg: None,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._subjects = subjects
         self._streams = streams
         self._on_late = on_late
+        self._on_uncounted = on_uncounted
         self._counters = counters
         self._retired = (0, 0)  # the pull messages of pullers given up (requests, ends)
 
@@ -127,7 +130,11 @@ class Pullers:
 
     async def _puller(self, slot: Slot, priority: Priority) -> Puller:
         name = model_consumer_name(slot.name, priority)
-        return await Puller(self._nc, self._subjects.models_stream, name, on_late=lambda: self._on_late(slot)).start()
+        bulk = priority is Priority.BATCH
+        return await Puller(
+            self._nc, self._subjects.models_stream, name, on_late=lambda: self._on_late(slot),
+            on_uncounted=lambda msg: self._on_uncounted(slot, bulk, msg),
+        ).start()  # fmt: skip
 
     async def _give_back(self, msgs: list[Any]) -> None:
         for msg in msgs:

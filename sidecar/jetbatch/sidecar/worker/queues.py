@@ -44,9 +44,9 @@ from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, de
 
 from ..errors import TRANSPORT_ERRORS
 from .counters import Counters
-from .slots import Slot
+from .slots import Slot, ack_info
 
-__all__ = ["RECHECK_S", "ArrivalFeed", "EmptyFetch", "QueueView", "empty_fetch", "parse_stream_timestamp"]
+__all__ = ["RECHECK_S", "ArrivalFeed", "EmptyFetch", "QueueView", "empty_fetch", "missed_by", "parse_stream_timestamp"]
 
 log = logging.getLogger("jetbatch.worker")
 
@@ -530,6 +530,22 @@ class QueueView:
         self.set_unknown_head(slot, min(at, now) if at is not None else now, deadline)
 
 
+def missed_by(count: Any) -> Callable[[Msg], bool]:
+    """Which deliveries a count of a line's consumer (its ``ConsumerInfo``) did not count as
+    undelivered, though they may reach this worker's puller only after its answer (the server
+    sends deliveries and API answers from different places): those delivered when the count was
+    taken (a stream sequence no later than the consumer's last delivered one: it delivers in
+    stream order), and redeliveries (counted as unacked while they waited). A message whose ack
+    subject is not JetStream's is no request, never counted."""
+    delivered = getattr(count.delivered, "stream_seq", None) or 0
+
+    def missed(msg: Msg) -> bool:
+        info = ack_info(msg)
+        return info is not None and (info.delivered > 1 or info.stream_seq <= delivered)
+
+    return missed
+
+
 class ArrivalFeed:
     """The event feed of the queues. ``<prefix>.arrived.>``: each republished request counts into
     its model's queue and wakes the worker. Each line of each served model has its own
@@ -650,21 +666,34 @@ class ArrivalFeed:
         now = time.time() if now is None else now
         headers = headers or {}
         at = parse_stream_timestamp(headers.get("Nats-Time-Stamp"))
+        self._arrived(slot, at, headers, queue[1] is Priority.BATCH, parse_stream_sequence(headers.get("Nats-Sequence")), now)
+        self.seen += 1
+        if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
+            self._counters.sample("arrival_delay", now - at)
+        self._on_arrival()
+
+    def missed(self, slot: Slot, msg: Msg, *, bulk: bool, now: float | None = None) -> None:
+        """Count a delivery to this worker's puller that a count of its line missed, as its
+        arrival event would have been counted (``Puller.watch``: delivered before the count was
+        taken, it reached the puller after the count's answer; stored while the worker did not
+        listen, it had no event). Its ack subject says when it was stored, and where."""
+        now = time.time() if now is None else now
+        info = ack_info(msg)
+        self._arrived(slot, None if info is None else info.stored_at_s, msg.headers or {}, bulk, None if info is None else info.stream_seq, now)
+        self._counters.add("arrivals_missed_by_counts")
+        self._on_arrival()
+
+    def _arrived(self, slot: Slot, at: float | None, headers: Mapping[str, str], bulk: bool, seq: int | None, now: float) -> None:
         try:
             deadline = deadline_from_headers(headers)
         except ProtocolError:
             deadline = None
         key = _request_key(headers)
-        seq = parse_stream_sequence(headers.get("Nats-Sequence"))
-        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=queue[1] is Priority.BATCH, key=key, seq=seq)
+        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=bulk, key=key, seq=seq)
         if key is not None and self._cancelled(key[0] or None, key[1]):
             # Its cancel came before this event (a tenant's request goes through the classifier,
             # the notice straight to the workers): counted as cancelled at once.
             self._view.cancel(key)
-        self.seen += 1
-        if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
-            self._counters.sample("arrival_delay", now - at)
-        self._on_arrival()
 
 
     async def took(self, name: str, n: int) -> None:
