@@ -227,6 +227,8 @@ class Worker:
         """Ask for a graceful stop; :meth:`run` returns once in-flight work is drained."""
         self._stopping.set()
         self._wake.set()
+        if self._holding is not None:
+            self._holding.interrupt()
 
     def model_ready(self, model: str) -> tuple[int, str]:
         """Whether ``model`` can be served now (``/readyz?model=``, ``jetbatch probe --model``):
@@ -589,7 +591,7 @@ class Worker:
         now = time.time()
         wake_at = min(decision.until, self.state.next_count(), self.state.defer_wake, self.state.idle_wake, self.peers.next_departure(now))
         wait_s = wake_at - now
-        if wait_s > 0 and not self._wake.is_set():
+        if wait_s > 0 and not self._wake.is_set() and not self._stopping.is_set():
             with anyio.move_on_after(wait_s):
                 await self._wake.wait()
         self._wake = anyio.Event()
