@@ -28,7 +28,8 @@ floor under jetbatch's (the raw loop has no window to wait).
 Reported per round: throughput, and each process's CPU seconds per request (from /proc): the
 producer, the consumer side (raw consumer, or worker, and the classifier), nats-server; and the
 messages the consumer side published and received per request (``consumer_published``,
-``consumer_received``, from nats-server's ``/connz``, which counts messages, not PINGs); for
+``consumer_received``, from nats-server's ``/connz``, which counts messages, not PINGs; by
+connection name in ``consumer_msgs_by_connection``: which hop pays what); for
 jetbatch, how its worker formed batches (``worker_per_batch``: requests, fetches, decisions, pull
 requests sent and pull requests ended by a status message a batch; ``worker_events_per_request``:
 the arrival events it heard), from its status counters.
