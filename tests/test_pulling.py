@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import nats
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 from nats.aio.msg import Msg
 
 from jetbatch.sidecar.pulling import Puller
+from jetbatch.sidecar.worker.queues import missed_by
 from tests.helpers import pull_waiting, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -346,25 +349,68 @@ async def test_a_fill_takes_what_an_open_request_brings_before_it_asks_for_the_r
 async def test_after_a_count_what_an_open_request_delivers_that_the_count_missed_is_reported(nats_url: str, prefix: str) -> None:
     """``watch``: a count of the consumer was answered while a hold's request is still open. The
     buffered messages the count missed are returned, and each later delivery it missed goes to
-    ``on_uncounted`` until every request open at the count has ended (the worker's predicate
-    is ``queues.missed_by``; here it names the messages)."""
+    ``on_uncounted``: by the first predicate until the next watch or until it says None (the
+    worker's, ``queues.missed_by``, reads first deliveries' stream sequences: one landing late
+    after a stall of the loop is still reported), by the second only until every request open
+    at the count has ended (redeliveries). Here the predicates name the messages."""
+    nc, js = await _queue(nats_url, prefix)
+    reported: list[bytes] = []
+
+    def before(msg: Msg) -> bool | None:
+        return True if msg.data.startswith(b"missed") else None if msg.data == b"later" else False
+
+    try:
+        puller = await Puller(nc, prefix.upper(), "c", on_uncounted=lambda msg: reported.append(msg.data)).start()
+        assert await puller.fetch(4, timeout=0.01, hold_open_s=0.5) == []  # its request open 0.5 s, for 4
+        assert puller.watch(before, lambda msg: msg.data.startswith(b"again")) == 0
+        for data in (b"counted", b"missed1", b"again1"):
+            await js.publish(f"{prefix}.q", data)  # type: ignore[attr-defined]
+        await wait_until(lambda: puller.buffered == 3, timeout_s=10, what="the three in the puller")
+        assert reported == [b"missed1", b"again1"]
+        assert puller.watch(before, lambda msg: True) == 3 and puller.watch(before) == 1
+        puller.watch(before, lambda msg: msg.data.startswith(b"again"))
+        await wait_until(lambda: puller.ends == 1, timeout_s=10, what="the request's end (a 408)")
+        assert [m.data for m in await puller.fetch(3, timeout=5.0)] == [b"counted", b"missed1", b"again1"]
+        for data in (b"again2", b"missed2", b"later", b"missed3"):
+            await js.publish(f"{prefix}.q", data)  # type: ignore[attr-defined]
+        got = await puller.fetch(4, timeout=5.0)
+        got += await puller.fetch(4, timeout=5.0) if len(got) < 4 else []
+        assert [m.data for m in got] == [b"again2", b"missed2", b"later", b"missed3"]
+        # The second predicate no longer (the request open at the watch ended), the first until "later".
+        assert reported == [b"missed1", b"again1", b"missed2"]
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_a_delivery_a_count_missed_is_reported_however_late_the_loop_reads_it(nats_url: str, prefix: str) -> None:
+    """Found by a review: the request open at the count delivered a request before the count was
+    taken, and a stalled event loop read it only after that request's latest end. Reporting
+    first deliveries only until then left it counted nowhere; they are reported until the
+    next count. The stall is the event loop blocked (a busy host), the publish from a thread."""
     nc, js = await _queue(nats_url, prefix)
     reported: list[bytes] = []
     try:
         puller = await Puller(nc, prefix.upper(), "c", on_uncounted=lambda msg: reported.append(msg.data)).start()
-        assert await puller.fetch(3, timeout=0.01, hold_open_s=1.0) == []  # its request open 1 s
-        assert puller.watch(lambda msg: msg.data != b"counted") == 0
-        for data in (b"counted", b"missed"):
-            await js.publish(f"{prefix}.q", data)  # type: ignore[attr-defined]
-        await wait_until(lambda: puller.buffered == 2, timeout_s=10, what="both in the puller")
+        assert await puller.fetch(4, timeout=0.001, hold_open_s=0.3) == []  # its request open 0.3 s
+        started = time.monotonic()
+        # The count's answer said stream sequence 1 was delivered when it was taken.
+        assert puller.watch(*missed_by(SimpleNamespace(delivered=SimpleNamespace(stream_seq=1)))) == 0
+
+        def publish() -> None:
+            async def once() -> None:
+                other = await nats.connect(nats_url)
+                await other.jetstream().publish(f"{prefix}.q", b"missed")
+                await other.close()
+
+            asyncio.run(once())
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        thread.join()  # delivered to the open request while the loop does not run
+        assert time.monotonic() - started < 0.25, "the publish came after the request's expiry: nothing shown"
+        time.sleep(max(0.0, 0.4 - (time.monotonic() - started)))  # the stall, past the request's latest end
+        await wait_until(lambda: puller.buffered == 1, timeout_s=5, what="the delivery read")
         assert reported == [b"missed"]
-        assert puller.watch(lambda msg: True) == 2 and puller.watch(lambda msg: msg.data == b"missed") == 1
-        await wait_until(lambda: puller.ends == 1, timeout_s=10, what="the request's end")
-        await js.publish(f"{prefix}.q", b"after")  # type: ignore[attr-defined]
-        got = await puller.fetch(3, timeout=5.0)
-        assert [m.data for m in got] == [b"counted", b"missed"]
-        assert [m.data for m in await puller.fetch(3, timeout=5.0)] == [b"after"]
-        assert reported == [b"missed"]  # nothing was open any more: nothing watched
     finally:
         await nc.close()  # type: ignore[attr-defined]
 
@@ -703,5 +749,29 @@ def test_the_puller_counts_a_request_open_while_the_server_has_it_open(steps: li
         while server.waiting:
             await server.expire(0)
         assert await puller.quiesce(0.0)
+
+    asyncio.run(run())
+
+
+def test_a_fill_asks_for_the_rest_when_a_request_it_counts_on_ends_early() -> None:
+    """Found by a review: a fill waiting for what an open request brings (a hold's) before it
+    asks for the rest waited out its whole window when that request ended early (a refusal, or
+    an end the server sent sooner): it now asks for the rest at once. Against the model of the
+    consumer above."""
+
+    async def run() -> None:
+        server = _Consumer()
+        puller = await Puller(server, "S", "c").start()
+        await server.arrive()  # stored: the hold's request takes it at once
+        assert len(await puller.fetch(3, timeout=0.01, hold_open_s=60.0)) == 1  # 2 still to come
+        fill = asyncio.ensure_future(puller.fill(3, wait_s=30.0))
+        await asyncio.sleep(0)  # the fill counts on the hold's request for 2 of its 3
+        assert [left for _, left in server.waiting] == [2]
+        await server.expire(0)  # it ends early, with its 2 undelivered
+        await asyncio.sleep(0)
+        assert [left for _, left in server.waiting] == [3]  # the rest, asked for at once
+        for _ in range(3):
+            await server.arrive()
+        assert len(await asyncio.wait_for(fill, 5)) == 3
 
     asyncio.run(run())

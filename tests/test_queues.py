@@ -175,11 +175,15 @@ def test_a_count_missed_the_deliveries_it_had_made_and_the_redeliveries() -> Non
     had delivered by then (still on its way to the puller) and redeliveries (unacked while they
     waited); a first delivery after it was undelivered then, and is in it. A message with no
     JetStream ack subject is no request."""
-    missed = missed_by(SimpleNamespace(delivered=SimpleNamespace(stream_seq=10)))
-    assert missed(_delivery(1, 9)) and missed(_delivery(1, 10)) and missed(_delivery(2, 11))
-    assert not missed(_delivery(1, 11))
+    before, again = missed_by(SimpleNamespace(delivered=SimpleNamespace(stream_seq=10)))
+    assert before(_delivery(1, 9)) is True and before(_delivery(1, 10)) is True
+    # A later first delivery was made after the count, so after every earlier one: none later can be missed.
+    assert before(_delivery(1, 11)) is None
+    assert before(_delivery(2, 9)) is False and again(_delivery(2, 9)) and again(_delivery(3, 11))
+    assert not again(_delivery(1, 9))
     forged = Msg(None, subject="p.model.m1", reply="$JS.ACK.S.C.x.9.9.0.0", data=b"")  # type: ignore[arg-type]
-    assert not missed(forged) and not missed(Msg(None, subject="x", reply="", data=b""))  # type: ignore[arg-type]
+    for message in (forged, Msg(None, subject="x", reply="", data=b"")):  # type: ignore[arg-type]
+        assert before(message) is False and not again(message)
 
 
 def test_a_delivery_a_count_missed_is_counted_as_its_arrival_event_would_be() -> None:

@@ -104,7 +104,8 @@ class Puller:
         self._on_uncounted = on_uncounted
         # After a count of the consumer (:meth:`watch`): which deliveries it missed, and the
         # requests open then (only they can still bring one).
-        self._missed: Callable[[Msg], bool] | None = None
+        self._missed: Callable[[Msg], bool | None] | None = None
+        self._again: Callable[[Msg], bool] | None = None
         self._watched: set[str] = set()
         self._watch_until = -math.inf
         self._holding = False  # a hold waits for its first delivery now
@@ -122,7 +123,10 @@ class Puller:
         self._ended = False  # that request was ended by a status
         self._error: str | None = None
         self._filled = Wakeup()  # what a fill waits on
-        self._fill_to: int | None = None  # the buffer's size at which the waiting fill ends
+        # The buffer's size at which the waiting fill ends, or asks for the rest of its batch,
+        # and the open requests it counts on until then.
+        self._fill_to: int | None = None
+        self._covering: set[str] = set()
         # The pull requests not ended yet, oldest first, by token. One whose whole batch is
         # counted delivered stays (with nothing left) until its end_by: the count may be wrong
         # (:meth:`_recount`), and then it is still open.
@@ -151,23 +155,46 @@ class Puller:
         self._buffer.clear()
         return msgs
 
-    def watch(self, missed: Callable[[Msg], bool]) -> int:
+    def watch(self, missed: Callable[[Msg], bool | None], again: Callable[[Msg], bool] | None = None) -> int:
         """A count of the consumer was just answered, while pull requests of this puller may
-        still be open: how many buffered messages it missed, and from now until each request
-        open now has ended, every later delivery it missed goes to ``on_uncounted``. ``missed``
-        says which (the caller reads the count: a delivery from before the count was taken, its
-        stream sequence no later than the consumer's last delivered one, is in neither its
-        undelivered count nor, if it is still on its way, this buffer). Waiting for the requests
-        to end instead (:meth:`quiesce`) held the count up to a hold and a window; a delivery
-        that reaches the puller later than the count's answer is why it must not be dropped:
-        the server sends them from different places."""
+        still be open: how many buffered messages it missed, and each later delivery it missed
+        goes to ``on_uncounted``. ``missed``: those it missed wherever they land, until the next
+        watch or until it says None (none later can be one: a first delivery made after the
+        count comes after every one made before it). The caller reads the count: a first
+        delivery from before the count was taken, its stream sequence no later than the
+        consumer's last delivered one, is in neither its undelivered count nor, if still on its
+        way, this buffer, and it lands whenever the event loop reads it. ``again``: those it missed only until every request open now has ended
+        (a redelivery: counted unacked while it waited, and delivered to whichever request is
+        open). Waiting for the requests to end instead (:meth:`quiesce`) held the count up to a
+        hold and a window; a delivery must not be dropped for reaching the puller after the
+        count's answer: the server sends them from different places."""
         self._forget_over(asyncio.get_running_loop().time())
         # Each one, even one counted filled (the count may be wrong: :meth:`_recount`), until its
         # end or the latest its end can come.
         self._watched = set(self._open)
         self._watch_until = max((r.end_by for r in self._open.values()), default=-math.inf)
-        self._missed = missed if self._watched else None
-        return sum(1 for msg in self._buffer if missed(msg))
+        self._missed = missed
+        self._again = again if self._watched else None
+        n = 0
+        for msg in self._buffer:
+            verdict = missed(msg)
+            if verdict is None:
+                self._missed = None  # a later first delivery is here: every earlier one is too
+            n += bool(verdict or (again is not None and again(msg)))
+        return n
+
+    def _uncounted(self, msg: Msg) -> None:
+        """Report a delivery the last count (:meth:`watch`) missed."""
+        verdict = self._missed(msg) if self._missed is not None else False
+        if verdict is None:
+            self._missed = None  # none later can be one the count missed
+        if not verdict and self._again is not None:
+            if asyncio.get_running_loop().time() > self._watch_until:
+                self._again = None  # what was open at the count has ended by now
+            else:
+                verdict = self._again(msg)
+        if verdict and self._on_uncounted is not None:
+            self._on_uncounted(msg)
 
     def interrupt(self) -> None:
         """End a hold's wait for its first delivery (something else wants the worker): the one
@@ -239,10 +266,13 @@ class Puller:
                 return
             if token in self._open:  # one forgotten since (its end_by passed) recounts nothing
                 self._recount(token, headers.get("Nats-Pending-Messages"))
-            if self._missed is not None:
+            if self._again is not None:
                 self._watched.discard(token)
                 if not self._watched:
-                    self._missed = None
+                    self._again = None
+            if token in self._covering and self._fill_to is not None:
+                self._covering.discard(token)
+                self._fill_to = min(self._fill_to, len(self._buffer))  # the rest is asked for now
             self.ends += 1
             if token == self._current:
                 self._ended = True
@@ -259,11 +289,8 @@ class Puller:
                 if request.left > 0:
                     request.counted += 1
                     break
-            if self._missed is not None:
-                if asyncio.get_running_loop().time() > self._watch_until:
-                    self._missed = None  # what was open at the count has ended by now
-                elif self._missed(msg) and self._on_uncounted is not None:
-                    self._on_uncounted(msg)
+            if self._missed is not None or self._again is not None:
+                self._uncounted(msg)
             if not self._waiting and self._on_late is not None:
                 self._on_late()
         self._changed.set()
@@ -362,7 +389,7 @@ class Puller:
                 # Its request's end: just after the fill's, or ``open_s`` after it began.
                 open_until = started + max(open_s or 0.0, max(wait_s, 0.0) + _FILL_MARGIN_S)
                 need = batch - len(self._buffer)
-                token, covered = self._cover(need, ends_at - started + _FILL_MARGIN_S)
+                token, covering, covered = self._cover(need, ends_at - started + _FILL_MARGIN_S)
                 if token is not None:
                     # A request still open past this fill's end brings what it needs: no
                     # request of its own, and that one's end (a refusal) ends the fill.
@@ -373,8 +400,10 @@ class Puller:
                     # last few was sent every window and ended by its expiry when traffic is
                     # light (a request and a 408 a lone request); two for the whole rest brought
                     # more than the window took, left in this puller.
+                    # One of them ending early (a refusal) has the fill ask for the rest then.
                     self._current, self._ended = "", False
                     self._fill_to = len(self._buffer) + covered
+                    self._covering = covering
                 while len(self._buffer) < batch and not self._ended and self._error is None:
                     now = loop.time()
                     if len(self._buffer) >= self._fill_to:
@@ -390,22 +419,23 @@ class Puller:
                         break
             finally:
                 self._fill_to = None
+                self._covering = set()
                 self._waiting = False
         return self._take(batch)
 
-    def _cover(self, n: int, for_s: float) -> tuple[str | None, int]:
+    def _cover(self, n: int, for_s: float) -> tuple[str | None, set[str], int]:
         """What the pull requests open now that stay open at the server past the end of a fill of
         ``n`` waiting ``for_s`` (a hold's, not a returned fill's) can still bring toward it: one
-        that alone brings them (None if none does), else how many they bring in all (fewer than
-        ``n``). A returned fill's request ends just after its window, and a hold's that expires
-        inside this one brings nothing after its end (the fill would wait out its window a
-        request short): the fill counts on neither. What such a request still brings before its
-        end is over the batch, the next fetch's."""
+        that alone brings them (None if none does), the ones counted on, and how many they bring
+        in all (at most ``n``). A returned fill's request ends just after its window, and a
+        hold's that expires inside this one brings nothing after its end (the fill would wait
+        out its window a request short): the fill counts on neither. What such a request still
+        brings before its end is over the batch, the next fetch's."""
         if self._error is not None:
-            return None, 0
+            return None, set(), 0
         lasting = self._counted_on(asyncio.get_running_loop().time() + for_s)
         alone = next((token for token, r in lasting if r.left >= n), None)
-        return alone, n if alone is not None else min(n - 1, sum(r.left for _, r in lasting))
+        return alone, {token for token, _ in lasting}, min(n, sum(r.left for _, r in lasting))
 
     def _recount(self, token: str, pending: str | None) -> None:
         """The request ``token`` ended with ``pending`` (its ``Nats-Pending-Messages``) of its

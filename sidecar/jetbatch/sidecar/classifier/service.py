@@ -60,11 +60,14 @@ __all__ = ["Classifier"]
 log = logging.getLogger("jetbatch.classifier")
 _tracer_name = "jetbatch.sidecar"
 _REPUBLISH_ACK_TIMEOUT_S = 5.0  # then the careful path retries (same Nats-Msg-Id: no duplicates)
-# At a stop, how long to wait for the last pull request to end (a fill's ends about a millisecond
-# after the window) before handing back what it delivered.
-_STOP_DRAIN_S = 0.05
+# How long an idle classifier waits for a request before it looks at its stop flag again.
+_IDLE_WAIT_S = 0.25
 # A wait's pull request stays open this long past the next window's close at the latest.
 _OPEN_PAST_S = 0.001
+# At a stop, how much longer than a request can stay open (an idle wait and a window) to wait for
+# the last ones to end before handing back what they delivered: the server ends it at once when
+# the classifier unsubscribes, but nats-py drops what it read and had not handed on yet.
+_STOP_GRACE_S = 0.05
 
 
 class Classifier:
@@ -150,9 +153,10 @@ class Classifier:
                         await anyio.lowlevel.checkpoint()
         finally:
             with anyio.CancelScope(shield=True):
-                # Delivered after the last fill returned (its request ends just after the window):
-                # back to the queue for the next classifier, not after their ack wait.
-                for msg in await psub.close(_STOP_DRAIN_S):
+                # Delivered after the last wait returned (its request stays open up to an idle wait
+                # and a window; it ends sooner once it filled): back to the queue for the next
+                # classifier, not after their ack wait.
+                for msg in await psub.close(_IDLE_WAIT_S + self.window.max_delay_s + _OPEN_PAST_S + _STOP_GRACE_S):
                     await settle(msg, "nak")
                 try:
                     await status.unsubscribe()
@@ -174,7 +178,7 @@ class Classifier:
         close_at: float | None = None
         while not self._stopping.is_set():
             now = time.time()
-            wait_s = self.window.wait_s(len(msgs), close_at, now, idle_wait_s=0.25)
+            wait_s = self.window.wait_s(len(msgs), close_at, now, idle_wait_s=_IDLE_WAIT_S)
             if msgs and wait_s <= 0.0005:
                 break
             # The first wait returns with what is stored or else the first arrival (a wait for a
@@ -185,7 +189,7 @@ class Classifier:
             # worker's do: the next wait (the fill, then the next batch's first wait, pipelined
             # while this batch is republished) sends none while it may still deliver, and under
             # load it ends filled, not by a status message (Puller.fetch(hold_open_s=)). It
-            # cannot be withdrawn; at a stop, unsubscribing ends it at the server.
+            # cannot be withdrawn: a stop waits for it to end (see run).
             room = self.cfg.max_batch_size - len(msgs)
             wait_s = max(wait_s, 0.001)
             open_s = wait_s + self.window.max_delay_s + _OPEN_PAST_S

@@ -369,8 +369,11 @@ class _Sim:
                 m = self.w.models[held]
                 self.serve(worker, Serve(held, m.max_batch_size, reason="hold"))
                 return
+            # A line it does not listen to sends no event: the held model's interactive one, and
+            # any it drains deep (worker.quiet).
             interrupted = any(
-                self.arrivals[i][1] != held or (self.classes and not self.w.interactive[i]) for i in range(worker.hold_seen, self.next_arrival)
+                line != (held, False) and line not in worker.quiet
+                for line in ((self.arrivals[i][1], self.classes and not self.w.interactive[i]) for i in range(worker.hold_seen, self.next_arrival))
             )  # fmt: skip
             worker.hold_seen = self.next_arrival
             if self.t < worker.holding_until - 1e-12 and not interrupted:

@@ -563,9 +563,10 @@ class Worker:
         # puller after the count's answer, with no event (found by an attack: a request waited
         # for the periodic count). Those in the puller now are added, and those still on their
         # way are counted as they land (``Puller.watch``; the count used to wait for every
-        # such request to end, up to a hold and a window). What it delivers later was
-        # undelivered at the count, and is in it.
-        missed = psub.watch(missed_by(info)) if psub is not None else 0
+        # such request to end, up to a hold and a window), as are redeliveries until those
+        # requests end. What it delivers later for the first time was undelivered at the
+        # count, and is in it.
+        missed = psub.watch(*missed_by(info)) if psub is not None else 0
         self.queues.line_counted(slot, int(info.num_pending or 0) + missed, slot.arrivals - counted, bulk=bulk)
 
     def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:

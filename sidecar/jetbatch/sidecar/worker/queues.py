@@ -530,20 +530,28 @@ class QueueView:
         self.set_unknown_head(slot, min(at, now) if at is not None else now, deadline)
 
 
-def missed_by(count: Any) -> Callable[[Msg], bool]:
+def missed_by(count: Any) -> tuple[Callable[[Msg], bool | None], Callable[[Msg], bool]]:
     """Which deliveries a count of a line's consumer (its ``ConsumerInfo``) did not count as
     undelivered, though they may reach this worker's puller only after its answer (the server
-    sends deliveries and API answers from different places): those delivered when the count was
-    taken (a stream sequence no later than the consumer's last delivered one: it delivers in
-    stream order), and redeliveries (counted as unacked while they waited). A message whose ack
-    subject is not JetStream's is no request, never counted."""
+    sends deliveries and API answers from different places): first deliveries made when the
+    count was taken (a stream sequence no later than the consumer's last delivered one: it
+    delivers in stream order, so a later first delivery of such a sequence was on its way), and
+    redeliveries (counted as unacked while they waited, whenever they come). A message whose ack
+    subject is not JetStream's is no request, never counted. ``Puller.watch`` takes the two; the
+    first says None at a later first delivery: the ones before it came first on the connection."""
     delivered = getattr(count.delivered, "stream_seq", None) or 0
 
-    def missed(msg: Msg) -> bool:
+    def before(msg: Msg) -> bool | None:
         info = ack_info(msg)
-        return info is not None and (info.delivered > 1 or info.stream_seq <= delivered)
+        if info is None or info.delivered > 1:
+            return False
+        return True if info.stream_seq <= delivered else None
 
-    return missed
+    def again(msg: Msg) -> bool:
+        info = ack_info(msg)
+        return info is not None and info.delivered > 1
+
+    return before, again
 
 
 class ArrivalFeed:
