@@ -5,10 +5,12 @@ consumer removed under a waiting pull ends it instead of hanging."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
 from types import SimpleNamespace
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -32,10 +34,19 @@ async def _queue(url: str, prefix: str) -> tuple[object, object]:
     return nc, js
 
 
-async def test_stored_messages_come_at_once_and_arrivals_within_the_wait(nats_url: str, prefix: str) -> None:
-    nc, js = await _queue(nats_url, prefix)
+@contextlib.asynccontextmanager
+async def _pulling(url: str, prefix: str, **options: Any) -> AsyncIterator[tuple[object, object, Puller]]:
+    """A work queue and its consumer (``_queue``), a started puller of it, and the connection
+    closed at the end."""
+    nc, js = await _queue(url, prefix)
     try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+        yield nc, js, await Puller(nc, prefix.upper(), "c", **options).start()
+    finally:
+        await nc.close()  # type: ignore[attr-defined]
+
+
+async def test_stored_messages_come_at_once_and_arrivals_within_the_wait(nats_url: str, prefix: str) -> None:
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         for i in range(3):
             await js.publish(f"{prefix}.q", str(i).encode())  # type: ignore[attr-defined]
         started = time.monotonic()
@@ -52,46 +63,34 @@ async def test_stored_messages_come_at_once_and_arrivals_within_the_wait(nats_ur
         await js.publish(f"{prefix}.q", b"late")  # type: ignore[attr-defined]
         assert [m.data for m in await fetch] == [b"late"]
         await puller.unsubscribe()
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_an_empty_fetch_waits_its_whole_timeout(nats_url: str, prefix: str) -> None:
     """The server ends the pull request a hair before the fetch's deadline, not milliseconds
     before (an idle wait ends when it says). A lower bound only: how late it ends depends on the
     host."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         for timeout_s in (0.05, 0.02):
             started = time.monotonic()
             assert await puller.fetch(8, timeout=timeout_s) == []
             assert time.monotonic() - started >= timeout_s - 0.0005
         info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
         assert info.num_waiting == 0  # each request ended at the server before its fetch returned
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_removed_consumer_ends_a_waiting_pull(nats_url: str, prefix: str) -> None:
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         fetch = asyncio.ensure_future(puller.fetch(4, timeout=30.0))
         await pull_waiting(js, prefix.upper())
         await js.delete_consumer(prefix.upper(), "c")  # type: ignore[attr-defined]
         assert await asyncio.wait_for(fetch, 10) == []  # 409 Consumer Deleted ends it
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_an_idle_fetch_with_linger_returns_at_the_first_arrival_and_leaves_no_request_behind(nats_url: str, prefix: str) -> None:
     """The classifier's idle wait: a fetch for a whole batch, lingering for one, returns when one
     request comes (not at its 30 s timeout, nor when 64 came), and its waiting request, satisfied,
     takes nothing more: the next arrival stays in the stream for the next fetch."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         fetch = asyncio.ensure_future(puller.fetch(64, timeout=30.0, linger=1))
         await pull_waiting(js, prefix.upper())
         await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
@@ -101,8 +100,6 @@ async def test_an_idle_fetch_with_linger_returns_at_the_first_arrival_and_leaves
         assert (info.num_pending, info.num_waiting) == (1, 0)
         assert [m.data for m in await puller.fetch(64, timeout=5.0)] == [b"second"]
         await puller.unsubscribe()
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 def _count_pulls(nc: Any) -> list[dict[str, Any]]:
@@ -125,9 +122,7 @@ async def test_a_hold_is_one_request_whose_later_deliveries_wait_in_the_buffer_a
     later arrivals land in the buffer, and a fill while it still covers the window sends no
     request of its own. One request where a fetch sends a ``no_wait`` one (and gets its 404)
     and then a second one."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         for i in range(3):
             await js.publish(f"{prefix}.q", f"stored{i}".encode())  # type: ignore[attr-defined]
@@ -158,17 +153,13 @@ async def test_a_hold_is_one_request_whose_later_deliveries_wait_in_the_buffer_a
         assert len(sent) == 2
         for m in got:
             await m.ack()
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_fill_a_hold_covers_in_part_asks_only_for_the_rest(nats_url: str, prefix: str) -> None:
     """A fill whose batch is more than the hold's request still open past the fill's end will
     bring: it asks only for the rest, so the two bring the batch and nothing more (two requests
     each for the whole rest left a request's worth in this puller)."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         fetch = asyncio.ensure_future(puller.fetch(3, timeout=30.0, hold_open_s=60.0))
         await pull_waiting(js, prefix.upper())
@@ -183,8 +174,6 @@ async def test_a_fill_a_hold_covers_in_part_asks_only_for_the_rest(nats_url: str
         await js.publish(f"{prefix}.q", b"for the next batch")  # type: ignore[attr-defined]
         info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
         assert (info.num_pending, info.num_waiting, puller.buffered) == (1, 0, 0)  # stored, not ours
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_fill_counts_on_no_request_that_ends_before_it_does(nats_url: str, prefix: str) -> None:
@@ -192,9 +181,7 @@ async def test_a_fill_counts_on_no_request_that_ends_before_it_does(nats_url: st
     left in the buffer) brings nothing after its end: the fill asks for its whole rest itself.
     Counting on it left the fill a request short of its batch, waiting out its window while
     the rest stayed stored."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
         got = await puller.fetch(3, timeout=0.3, hold_open_s=0.3)  # stored: at once, and open on
@@ -205,17 +192,13 @@ async def test_a_fill_counts_on_no_request_that_ends_before_it_does(nats_url: st
         got += await asyncio.wait_for(fill, 10)
         assert [m.data for m in got] == [b"first", b"r0", b"r1", b"r2", b"r3"]
         assert [body["batch"] for body in sent] == [3, 4]
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_window_s_request_left_open_serves_the_next_hold_and_ends_filled(nats_url: str, prefix: str) -> None:
     """A worker serving a model's batches back to back (``fill(open_s=...)``): the window's
     request stays open past it, the next hold sends none of its own and takes the next arrival
     from it, and the request ends filled, with no 408 to read."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         await js.publish(f"{prefix}.q", b"a")  # type: ignore[attr-defined]
         got = await puller.fill(2, wait_s=0.05, open_s=60.0)
@@ -227,14 +210,10 @@ async def test_a_window_s_request_left_open_serves_the_next_hold_and_ends_filled
         assert len(sent) == 1 and puller.ends == 0
         info = await js.consumer_info(prefix.upper(), "c")  # type: ignore[attr-defined]
         assert (info.num_waiting, info.num_ack_pending) == (0, 2)  # filled, and both delivered here
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_hold_whose_open_request_ends_empty_handed_asks_for_itself(nats_url: str, prefix: str) -> None:
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         assert await puller.fill(2, wait_s=0.01, open_s=0.3) == []  # open 0.3 s past its start
         hold = asyncio.ensure_future(puller.fetch(64, timeout=30.0, hold_open_s=30.0))
@@ -243,8 +222,6 @@ async def test_a_hold_whose_open_request_ends_empty_handed_asks_for_itself(nats_
         assert [m.data for m in await asyncio.wait_for(hold, 10)] == [b"first"]
         assert [body["batch"] for body in sent] == [2, 64]
         await puller.close(0.0)
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_request_s_end_recounts_what_the_younger_ones_still_bring(nats_url: str, prefix: str) -> None:
@@ -252,9 +229,7 @@ async def test_a_request_s_end_recounts_what_the_younger_ones_still_bring(nats_u
     is counted against the oldest. The oldest's end says how many it still had; counted too
     high, the younger one looked open after it had filled, and the next hold waited on it to
     its end (30 s here) while the arrival stayed stored."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         assert await puller.fill(2, wait_s=0.01, open_s=2.0) == []  # open 2 s past its start
         # Too short-lived for this window, so the fill asks for all of it: two requests open.
@@ -271,8 +246,6 @@ async def test_a_request_s_end_recounts_what_the_younger_ones_still_bring(nats_u
         assert [m.data for m in got] == [b"m0", b"m1", b"m2", b"m3"]
         assert [body["batch"] for body in sent] == [2, 2, 64]  # m2 filled the second; m3 asked anew
         await puller.close(0.0)
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_request_that_ends_with_more_than_counted_gives_it_back_to_the_older_one(nats_url: str, prefix: str) -> None:
@@ -280,9 +253,7 @@ async def test_a_request_that_ends_with_more_than_counted_gives_it_back_to_the_o
     a delivery counted against the older one). The older one is then still open, and a count
     taken after :meth:`Puller.quiesce` must wait for it, or what it delivers after the count's
     answer is in neither (found by a review: the older one looked filled)."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
         got = await puller.fetch(3, timeout=60.0, hold_open_s=60.0)  # open 60 s, 2 to come
@@ -300,14 +271,10 @@ async def test_a_request_that_ends_with_more_than_counted_gives_it_back_to_the_o
         await js.publish(f"{prefix}.q", b"m3")  # type: ignore[attr-defined]
         await wait_until(lambda: puller.buffered == 1, timeout_s=10, what="m3 in the puller")
         assert await puller.quiesce(10.0)  # filled: nothing more to wait for
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_fill_counts_on_a_request_open_past_its_own_end_not_past_its_request_s(nats_url: str, prefix: str) -> None:
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
         got = await puller.fetch(3, timeout=60.0, hold_open_s=60.0)
@@ -316,8 +283,6 @@ async def test_a_fill_counts_on_a_request_open_past_its_own_end_not_past_its_req
         await js.publish(f"{prefix}.q", b"m2")  # type: ignore[attr-defined]
         got += await asyncio.wait_for(fill, 10)
         assert [m.data for m in got] == [b"m0", b"m1", b"m2"] and len(sent) == 1
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_fill_takes_what_an_open_request_brings_before_it_asks_for_the_rest(nats_url: str, prefix: str) -> None:
@@ -325,9 +290,7 @@ async def test_a_fill_takes_what_an_open_request_brings_before_it_asks_for_the_r
     earlier window took from) brings that part first; the fill asks for the rest only once it
     came, with time left. At light traffic no request is sent: asked for at once, a request
     for a batch's last few went out every window and ended with a 408."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
         got = await puller.fetch(3, timeout=60.0, hold_open_s=60.0)  # open 60 s, 2 to come
@@ -342,8 +305,6 @@ async def test_a_fill_takes_what_an_open_request_brings_before_it_asks_for_the_r
             await js.publish(f"{prefix}.q", f"m{i}".encode())  # type: ignore[attr-defined]
         got += await asyncio.wait_for(fill, 10)
         assert [m.data for m in got] == [b"m0", b"m1", b"m2", b"m3", b"m4"] and len(sent) == 2
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_after_a_count_what_an_open_request_delivers_that_the_count_missed_is_reported(nats_url: str, prefix: str) -> None:
@@ -419,9 +380,7 @@ async def test_an_interrupt_ends_a_holds_wait_and_its_request_serves_the_next_fe
     """A hold waits for its first delivery until another's arrival interrupts it: it returns
     empty-handed at once, and its request, still open, serves the next fetch. An interrupt
     with no hold waiting ends the next one at once, with no request, unless taken back."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         sent = _count_pulls(nc)
         puller.interrupt()
         assert await puller.fetch(3, timeout=60.0, hold_open_s=60.0) == [] and sent == []
@@ -434,8 +393,6 @@ async def test_an_interrupt_ends_a_holds_wait_and_its_request_serves_the_next_fe
         await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
         got = await puller.fetch(3, timeout=10.0, hold_open_s=10.0)
         assert [m.data for m in got] == [b"m0"] and len(sent) == 1  # the cut hold's request brought it
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_hold_refused_at_once_sends_no_second_request(nats_url: str, prefix: str) -> None:
@@ -458,9 +415,7 @@ async def test_a_hold_refused_at_once_sends_no_second_request(nats_url: str, pre
 
 
 async def test_a_request_that_could_not_be_sent_is_not_counted_on(nats_url: str, prefix: str) -> None:
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         publish = nc.publish  # type: ignore[attr-defined]
 
         async def refused(*args: Any, **kwargs: Any) -> None:
@@ -475,31 +430,23 @@ async def test_a_request_that_could_not_be_sent_is_not_counted_on(nats_url: str,
         await wait_until(lambda: len(sent) == 1, timeout_s=5, what="the fill's own request")
         await js.publish(f"{prefix}.q", b"m0")  # type: ignore[attr-defined]
         assert [m.data for m in await asyncio.wait_for(fill, 10)] == [b"m0"]
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_stored_request_with_a_status_header_and_no_body_is_a_delivery(nats_url: str, prefix: str) -> None:
     """Statuses come on the pull request's reply subject; a stored request names its stream
     subject. One with no body and headers of its own (a Status, a huge pending count) is
     handed out like any other, not taken for an end or an error."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         headers = {"Status": "503", "Description": "No Responders", "Nats-Pending-Messages": "99999"}
         await js.publish(f"{prefix}.q", b"", headers=headers)  # type: ignore[attr-defined]
         got = await puller.fetch(4, timeout=5.0)
         assert len(got) == 1 and got[0].headers["Status"] == "503"
         await got[0].ack()
         assert await puller.fetch(4, timeout=0.05) == []  # no PullError
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url: str, prefix: str) -> None:
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         started = time.monotonic()
         assert await puller.fetch(64, timeout=0.05, hold_open_s=0.05) == []
         assert time.monotonic() - started >= 0.05 - 0.0005  # it waited its whole hold
@@ -512,17 +459,13 @@ async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url:
         await js.publish(f"{prefix}.q", b"first")  # type: ignore[attr-defined]
         assert [m.data for m in await asyncio.wait_for(fetch, 10)] == [b"first"]  # not 64, not 30 s
         await puller.close(0.0)
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_delivery_to_a_cancelled_fetch_is_a_leftover_to_hand_back(nats_url: str, prefix: str) -> None:
     """A fetch cancelled while its pull request waits at the server (a stop, a cancelled batch)
     leaves that request live: what it is delivered lands in the buffer. The next fetch returns it,
     or ``leftovers()`` hands it to a caller that naks it back to the queue at once."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         fetch = asyncio.ensure_future(puller.fetch(1, timeout=30.0))
         await pull_waiting(js, prefix.upper())
         fetch.cancel()
@@ -537,8 +480,6 @@ async def test_a_delivery_to_a_cancelled_fetch_is_a_leftover_to_hand_back(nats_u
         await msg.nak()
         again = await puller.fetch(1, timeout=5.0)  # back in the queue, for any puller
         assert [m.data for m in again] == [b"late"] and again[0].metadata.num_delivered == 2
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_delivery_no_fetch_waits_for_is_told_as_late_and_one_a_fetch_waits_for_is_not(nats_url: str, prefix: str) -> None:
@@ -569,9 +510,7 @@ async def test_a_fill_takes_what_is_stored_and_what_arrives_until_its_own_clock_
     """A batch window's last wait (the classifier's): what is stored comes at once, arrivals
     join while it waits, and it ends at its wait, on its own clock, not at the server's expiry.
     A batch already full needs no wait at all."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         await js.publish(f"{prefix}.q", b"stored")  # type: ignore[attr-defined]
         started = time.monotonic()
         fill = asyncio.ensure_future(puller.fill(3, 0.3))
@@ -598,8 +537,6 @@ async def test_a_fill_takes_what_is_stored_and_what_arrives_until_its_own_clock_
         await js.publish(f"{prefix}.q", b"after")  # type: ignore[attr-defined]
         assert [m.data for m in await puller.fetch(1, timeout=5.0)] == [b"after"]
         await puller.unsubscribe()
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def test_a_stop_after_a_fill_hands_back_what_its_request_still_delivers(nats_url: str, prefix: str) -> None:
@@ -629,9 +566,7 @@ async def test_once_quiesced_a_request_stored_as_a_fill_ended_is_either_in_the_p
     count of the consumer taken then could miss a request that request delivers after the
     count's answer: in neither ``num_pending`` nor the puller. ``quiesce`` waits for every open
     request's end, so a count after it sees each request in one or the other."""
-    nc, js = await _queue(nats_url, prefix)
-    try:
-        puller = await Puller(nc, prefix.upper(), "c").start()
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
         for i in range(10):
             await puller.fill(4, 0.002)
             await js.publish(f"{prefix}.q", f"late{i}".encode())  # type: ignore[attr-defined]
@@ -651,8 +586,6 @@ async def test_once_quiesced_a_request_stored_as_a_fill_ended_is_either_in_the_p
         assert len(got) == 2
         assert await puller.quiesce(0.0)
         await puller.unsubscribe()
-    finally:
-        await nc.close()  # type: ignore[attr-defined]
 
 
 async def _pending(js: object, prefix: str, n: int) -> bool:
@@ -765,11 +698,11 @@ def test_a_fill_asks_for_the_rest_when_a_request_it_counts_on_ends_early() -> No
         await server.arrive()  # stored: the hold's request takes it at once
         assert len(await puller.fetch(3, timeout=0.01, hold_open_s=60.0)) == 1  # 2 still to come
         fill = asyncio.ensure_future(puller.fill(3, wait_s=30.0))
-        await asyncio.sleep(0)  # the fill counts on the hold's request for 2 of its 3
+        await asyncio.sleep(0)  # a yield, no time: the fill runs to its wait, counting on the hold's request for 2 of its 3
         assert [left for _, left in server.waiting] == [2]
         await server.expire(0)  # it ends early, with its 2 undelivered
-        await asyncio.sleep(0)
-        assert [left for _, left in server.waiting] == [3]  # the rest, asked for at once
+        # The rest, asked for at once (without the fix, not before the fill's 30 s end).
+        await wait_until(lambda: [left for _, left in server.waiting] == [3], timeout_s=5, what="the request for the rest")
         for _ in range(3):
             await server.arrive()
         assert len(await asyncio.wait_for(fill, 5)) == 3

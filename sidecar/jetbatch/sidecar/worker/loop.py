@@ -444,7 +444,8 @@ class Worker:
             started = time.perf_counter()
             # An arrival counted from here on is in no state this decision sees: it wakes an
             # idle, and ends a hold (even one about to start).
-            self._wake = anyio.Event()
+            if self._wake.is_set():
+                self._wake = anyio.Event()
             state = self._scheduler_state(now)
             idle = self._idle_unloads(state, now)
             if idle:
