@@ -199,6 +199,42 @@ async def test_a_tenant_cannot_aim_replies_at_another_tenants_inbox(nats_url: st
             await attacker.close()
 
 
+async def test_a_message_forged_onto_a_sidecars_pull_inbox_is_neither_answered_nor_settled(nats_url: str, prefix: str) -> None:
+    """A sidecar's pull inbox is named in each pull request it sends, so whoever can see those
+    and publish there can send it a message that looks like a request. Taken as a delivery, the
+    worker answered it under the tenant and key its headers claimed and settled it by
+    publishing to the reply subject the forger chose (found by sending one). Both sidecars drop
+    it, count it (``forged_deliveries``), and keep serving."""
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)}, classifier={"router": "rules", "default_model": "m1"})
+    async with running_worker(config, nats_url) as worker, running_classifier(config, nats_url) as classifier:
+        nc = await nats.connect(nats_url)
+        try:
+            pulls = await nc.subscribe("$JS.API.CONSUMER.MSG.NEXT.>")
+            forged_id = uuid.uuid4().hex
+            seen = await _spy(nc, ["forged.>", f"{subjects.prefix}.result.*.*.{forged_id}", f"{subjects.prefix}.result.{forged_id}"])
+            inboxes: dict[str, str] = {}
+            async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                assert await client.infer(b"first", timeout=20) == b"first"  # both sidecars have pulled
+                while len(inboxes) < 2:
+                    pull = await pulls.next_msg(timeout=10)
+                    stream = pull.subject.split(".")[5]
+                    inboxes.setdefault(stream, pull.reply)
+                assert set(inboxes) == {subjects.ingress_stream, subjects.models_stream}
+                headers = {Headers.MSG_ID: forged_id, Headers.TENANT: "app1", Headers.REPLY_KEY: "k1", Headers.MODEL: "m1"}
+                for inbox in inboxes.values():
+                    await nc.publish(inbox, b"forged", reply="forged.ack", headers=headers)
+                await nc.flush()
+                await wait_until(lambda: worker.report().stats["forged_deliveries"] == 1, what="the worker's forgery dropped")
+                await wait_until(lambda: classifier.pull_counts()["forged_deliveries"] == 1, what="the classifier's forgery dropped")
+                for i in range(3):  # the next fetches find nothing forged in the buffers
+                    assert await client.infer(f"r{i}".encode(), timeout=20) == f"r{i}".encode()
+                    assert await client.infer(f"d{i}".encode(), model="m1", timeout=20) == f"d{i}".encode()
+            assert seen == []
+        finally:
+            await nc.close()
+
+
 # --- the parser itself ---------------------------------------------------------------------------
 
 POLICY = ReplyPolicy(forbidden_prefixes=("jetbatch",))

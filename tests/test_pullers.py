@@ -97,4 +97,4 @@ async def test_a_stop_hands_back_what_each_line_held(nats_url: str, prefix: str)
             await _given_back(nc, subjects.models_stream, model_consumer_name("m1", priority))
         # The status counters: each line's cancelled fetch sent a no_wait request (ended by its
         # 404: nothing was stored) and one that waited (ended by the delivery it asked for).
-        assert pullers.counts([slot]) == {"pull_requests": 4, "pull_ends": 2}
+        assert pullers.counts([slot]) == {"pull_requests": 4, "pull_ends": 2, "forged_deliveries": 0}

@@ -445,6 +445,40 @@ async def test_a_stored_request_with_a_status_header_and_no_body_is_a_delivery(n
         assert await puller.fetch(4, timeout=0.05) == []  # no PullError
 
 
+async def test_only_what_jetstream_sends_reaches_the_buffer(nats_url: str, prefix: str) -> None:
+    """Anyone who may publish to a puller's inbox (its name is on the wire in every pull
+    request) can send it a message. One on the inbox with a body, or a status on no request this
+    puller sent, is dropped and counted (taken as a delivery, the worker answered it under the
+    tenant it claimed and acked it by publishing where its reply subject said); an error status
+    for a request that has ended raises nothing; the server's deliveries and ends still count."""
+    async with _pulling(nats_url, prefix) as (nc, js, puller):
+        sniffed = await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{prefix.upper()}.c")  # type: ignore[attr-defined]
+        assert await puller.fetch(4, timeout=0.05) == []
+        inbox = (await sniffed.next_msg(timeout=5)).reply.rsplit(".", 1)[0]
+        attacker = await nats.connect(nats_url)
+        try:
+            forged = [
+                (f"{inbox}.1", b"a request, with any headers", {"Jetbatch-Tenant": "other"}),
+                (f"{inbox}.1", b"", None),  # neither a status nor a delivery
+                (f"{inbox}.x", b"", {"Status": "503"}),
+                (f"{inbox}.99", b"", {"Status": "408"}),  # not sent yet
+                (f"{inbox}." + "9" * 1000, b"", {"Status": "408"}),
+                (f"{inbox}.\u00b2", b"", {"Status": "408"}),  # a digit to str.isdigit, not to int()
+            ]
+            for subject, data, headers in forged:
+                await attacker.publish(subject, data, reply="forged.ack", headers=headers)
+            await attacker.publish(f"{inbox}.1", b"", headers={"Status": "503", "Description": "forged"})  # request 1 has ended
+            await attacker.flush()
+            await wait_until(lambda: puller.forged == len(forged), timeout_s=5, what="the forgeries dropped")
+        finally:
+            await attacker.close()
+        assert puller.buffered == 0
+        await js.publish(f"{prefix}.q", b"real")  # type: ignore[attr-defined]
+        got = await puller.fetch(4, timeout=5.0)  # no PullError: the 503 was for no open request
+        assert [m.data for m in got] == [b"real"] and got[0].metadata.sequence.stream == 1
+        assert puller.forged == len(forged)
+
+
 async def test_a_hold_returns_at_the_first_arrival_or_empty_at_its_end(nats_url: str, prefix: str) -> None:
     async with _pulling(nats_url, prefix) as (nc, js, puller):
         started = time.monotonic()
@@ -597,12 +631,18 @@ class _Consumer:
     """nats-server's side of one pull consumer, as a puller sees it, for the property below:
     waiting requests are served in turn (the one served goes to the back while it has room),
     what arrives with none waiting is stored and goes to the next request at once, and a
-    request's end (408) says how many it still had. Deliveries name the stream subject."""
+    request's end (408) says how many it still had. Deliveries name the stream subject and
+    carry an ack subject."""
 
     def __init__(self) -> None:
         self.waiting: list[list[Any]] = []  # [reply subject, left], in the order served
         self.stored = 0
         self._cb: Any = None
+        self._seq = 0
+
+    def _delivery(self) -> Msg:
+        self._seq += 1
+        return Msg(None, subject="s.q", reply=f"$JS.ACK.S.c.1.{self._seq}.{self._seq}.1700000000000000000.0", data=b"m")  # type: ignore[arg-type]
 
     def new_inbox(self) -> str:
         return "_INBOX.p"
@@ -620,7 +660,7 @@ class _Consumer:
         taken = min(n, self.stored)
         self.stored -= taken
         for _ in range(taken):
-            await self._cb(Msg(None, subject="s.q", data=b"m"))  # type: ignore[arg-type]
+            await self._cb(self._delivery())
         if n > taken:
             self.waiting.append([reply, n - taken])
 
@@ -632,7 +672,7 @@ class _Consumer:
         request[1] -= 1
         if request[1]:
             self.waiting.append(request)
-        await self._cb(Msg(None, subject="s.q", data=b"m"))  # type: ignore[arg-type]
+        await self._cb(self._delivery())
 
     async def expire(self, i: int) -> None:
         reply, left = self.waiting.pop(i % len(self.waiting))

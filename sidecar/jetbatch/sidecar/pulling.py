@@ -27,12 +27,17 @@ they brought). A count of the consumer taken while one is open sees a message it
 before the count neither undelivered there nor, if it reaches the puller after the count's
 answer, in the puller: :meth:`Puller.watch` says which buffered ones the count missed, and
 reports each such later delivery.
+
+Only what nats-server sends reaches the buffer: a delivery names its stream subject and carries
+a ``$JS.ACK.`` reply (no client may set one), a status comes on the inbox for a request this
+puller sent. Anything else on the inbox is someone else's, dropped and counted (:attr:`forged`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +51,8 @@ from .errors import SidecarError
 from .wakeup import Wakeup
 
 __all__ = ["PullError", "Puller"]
+
+log = logging.getLogger(__name__)
 
 # Status codes that end a pull request without an error (nats-py treats them the same way).
 _END = frozenset({"404", "408", "409"})
@@ -136,6 +143,7 @@ class Puller:
         self._tails: set[str] = set()
         self.pulls = 0  # pull requests sent (each one message published)
         self.ends = 0  # pull requests ended by a status message (404, 408, 409, an error)
+        self.forged = 0  # messages on the inbox that JetStream did not send, dropped
 
     async def start(self) -> "Puller":
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg, pending_msgs_limit=100_000)
@@ -259,12 +267,23 @@ class Puller:
         # A status comes on the request's own reply subject; a delivery names its stream
         # subject, so a stored request with no body and a Status header of its own is a
         # delivery like any other (counted, buffered, answered), never taken for an end.
-        status = headers.get("Status") if not msg.data and msg.subject.startswith(self._replies) else None
+        on_inbox = msg.subject.startswith(self._replies)
+        status = headers.get("Status") if on_inbox and not msg.data else None
         token = msg.subject[len(self._replies) :]
+        if not (status and self._sent(token)) and (on_inbox or not (msg.reply or "").startswith("$JS.ACK.")):
+            # Not the server's: its deliveries name their stream subject and carry an ack
+            # subject (which nats-server lets no client set), its statuses come on a request
+            # this puller sent. Anyone who may publish to the inbox (its name is on the wire in
+            # every pull request) could otherwise have the worker answer, under a tenant it
+            # claims, and settle by publishing to the reply subject it chose.
+            self._forged(msg)
+            return
         if status:
             if status == _HEARTBEAT:
                 return
-            if token in self._open:  # one forgotten since (its end_by passed) recounts nothing
+            # One forgotten since (its end_by passed), or ended already, changes nothing.
+            open_ = token in self._open
+            if open_:
                 self._recount(token, headers.get("Nats-Pending-Messages"))
             if self._again is not None:
                 self._watched.discard(token)
@@ -276,8 +295,8 @@ class Puller:
             self.ends += 1
             if token == self._current:
                 self._ended = True
-            if status not in _END:
-                self._error = f"{status} {headers.get('Description', '')}".strip()
+            if status not in _END and open_:
+                self._error = f"{status} {headers.get('Description', '')}"[:200].strip()
         else:
             self._buffer.append(msg)
             # A delivery names its stream subject, not its request: it is counted against the
@@ -296,6 +315,15 @@ class Puller:
         self._changed.set()
         if self._fill_to is not None and (len(self._buffer) >= self._fill_to or self._ended or self._error is not None):
             self._filled.wake()
+
+    def _sent(self, token: str) -> bool:
+        """``token`` names a pull request this puller sent (never raises: the subject is anyone's)."""
+        return 0 < len(token) <= 19 and token.isascii() and token.isdigit() and int(token) <= self._seq
+
+    def _forged(self, msg: Msg) -> None:
+        self.forged += 1
+        if self.forged == 1 or self.forged % 1000 == 0:
+            log.warning("dropped %d message(s) on the pull inbox of %s that JetStream did not send (the last on %.80r)", self.forged, self._api, msg.subject)
 
     async def fetch(
         self, batch: int, timeout: float, *, linger: int | None = None, stored_only: bool = False, hold_open_s: float | None = None

@@ -123,9 +123,13 @@ class Classifier:
 
     def pull_counts(self) -> dict[str, int]:
         """The pull messages so far, as the worker reports them: pull requests sent
-        (``pull_requests``) and pull requests ended by a status message (``pull_ends``)."""
+        (``pull_requests``), pull requests ended by a status message (``pull_ends``), and
+        messages dropped from the pull inbox because JetStream did not send them
+        (``forged_deliveries``)."""
         puller = self._puller
-        return {"pull_requests": puller.pulls if puller else 0, "pull_ends": puller.ends if puller else 0}
+        if puller is None:
+            return {"pull_requests": 0, "pull_ends": 0, "forged_deliveries": 0}
+        return {"pull_requests": puller.pulls, "pull_ends": puller.ends, "forged_deliveries": puller.forged}
 
     async def _setup(self) -> Any:
         await ensure_classifier_streams(self.js, self.subjects, self.config.streams, self.config.replies)

@@ -55,7 +55,7 @@ class Pullers:
         self._on_late = on_late
         self._on_uncounted = on_uncounted
         self._counters = counters
-        self._retired = (0, 0)  # the pull messages of pullers given up (requests, ends)
+        self._retired = (0, 0, 0)  # the counts of pullers given up (requests, ends, forged)
 
     async def ready(self, slot: Slot) -> bool:
         """Make sure ``slot``'s consumers exist and this worker is subscribed to them: the
@@ -92,7 +92,7 @@ class Pullers:
                     psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
                     with anyio.CancelScope(shield=True):
                         await self._give_back(await psub.close(CLOSE_WAIT_S))
-                    self._retired = (self._retired[0] + psub.pulls, self._retired[1] + psub.ends)
+                    self._retired = (self._retired[0] + psub.pulls, self._retired[1] + psub.ends, self._retired[2] + psub.forged)
             except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
                 log.warning("consumer for %s not ready: %s", slot.name, exc)
                 return False
@@ -114,11 +114,14 @@ class Pullers:
     def counts(self, slots: Iterable[Slot]) -> dict[str, int]:
         """The pull messages so far, for the status counters: requests sent (``pull_requests``)
         and requests ended by a status message (``pull_ends``), the worker's share of the
-        messages it publishes and receives beyond its requests, answers and acks."""
+        messages it publishes and receives beyond its requests, answers and acks; and messages
+        dropped from the pull inboxes because JetStream did not send them
+        (``forged_deliveries``)."""
         pullers = _pullers_of(slots)
         return {
             "pull_requests": self._retired[0] + sum(p.pulls for p in pullers),
             "pull_ends": self._retired[1] + sum(p.ends for p in pullers),
+            "forged_deliveries": self._retired[2] + sum(p.forged for p in pullers),
         }
 
     def _stale(self, ready_at: float | None, now: float) -> bool:
