@@ -250,6 +250,25 @@ def test_reply_policy_refuses(subject: str) -> None:
         POLICY.check(subject)
 
 
+def test_a_sidecars_own_inbox_namespace_is_never_a_reply_target() -> None:
+    """With least privilege each sidecar has an inbox namespace of its own (docs/security.md):
+    its pull requests' and PubAcks' replies come there, and an answer the caller chose, sent
+    there, would pose as one. The default ``_INBOX`` is the callers' too, and stays allowed."""
+    config = make_config(
+        "jb", {"m1": sleep_model()},
+        nats={"inbox_prefix": "_INBOX.worker", "reply_identity": {"user": "r", "password": "p", "inbox_prefix": "_INBOX.worker-replies"}},
+    )  # fmt: skip
+    policy = config.reply_policy
+    for subject in ("_INBOX.worker.Zx81.1", "_INBOX.worker-replies.Zx81.7", "_INBOX.worker"):
+        with pytest.raises(ProtocolError):
+            policy.check(subject)
+    with pytest.raises(ProtocolError):
+        policy.check("_INBOX.worker.Zx81.1", tenant="worker")  # a tenant that shares the name
+    assert policy.check("_INBOX.workers.abc.r1") == "_INBOX.workers.abc.r1"
+    assert policy.check("_INBOX.app1.abc", tenant="app1") == "_INBOX.app1.abc"
+    assert make_config("jb", {"m1": sleep_model()}).reply_policy.forbidden_prefixes == ("jb",)
+
+
 def test_reply_policy_allows_inboxes_and_binds_tenants() -> None:
     assert POLICY.check("_INBOX.abc.r1") == "_INBOX.abc.r1"
     assert POLICY.check("_INBOX.app1.abc", tenant="app1")

@@ -349,11 +349,16 @@ class Config(_Base):
 
     @property
     def reply_policy(self) -> ReplyPolicy:
-        """The reply policy of this deployment (the deployment's own prefix is never a reply target)."""
+        """The reply policy of this deployment: the deployment's own prefix is never a reply
+        target, nor a sidecar's own inbox namespace when it has one (``inbox_prefix`` other than a
+        callers' prefix): its pull requests' and PubAcks' replies come there, and a caller who
+        learnt one of those subjects could otherwise have an answer it chose sent to it."""
+        own = {i.inbox_prefix for i in (self.nats, self.nats.reply_identity) if i is not None}
+        callers = {*self.replies.allowed_prefixes, self.replies.tenant_prefix}
         return ReplyPolicy(
             allowed_prefixes=tuple(self.replies.allowed_prefixes),
             tenant_prefix=self.replies.tenant_prefix,
-            forbidden_prefixes=(self.nats.prefix,),
+            forbidden_prefixes=(self.nats.prefix, *sorted(own - callers)),
         )
 
 
