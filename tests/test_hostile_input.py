@@ -6,6 +6,7 @@ they can with ``bad_request``, dead-letter what they cannot answer, and keep ser
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
@@ -231,6 +232,40 @@ async def test_a_message_forged_onto_a_sidecars_pull_inbox_is_neither_answered_n
                     assert await client.infer(f"r{i}".encode(), timeout=20) == f"r{i}".encode()
                     assert await client.infer(f"d{i}".encode(), model="m1", timeout=20) == f"d{i}".encode()
             assert seen == []
+        finally:
+            await nc.close()
+
+
+async def test_a_caller_cannot_aim_a_reply_at_the_inbox_where_the_workers_pubacks_come(nats_url: str, prefix: str) -> None:
+    """An answer's own publish carries the worker's PubAck subject as its reply, and every
+    subscriber of the answer sees it. A protocol-2 caller that aimed its reply at the next one
+    would hand the worker a PubAck it wrote (the answer's body is the caller's): refused and
+    dead-lettered like any reply outside the allowlist, and the worker keeps serving."""
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)})
+    async with running_worker(config, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            answers = await nc.subscribe(subjects.results_wildcard)
+            async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                assert await client.infer(b"first", model="m1", timeout=20) == b"first"
+                seen = (await answers.next_msg(timeout=10)).reply
+                inbox, token = seen.rsplit(".", 1)
+                assert seen.startswith("_INBOX.") and token.isdigit()  # in sight of the caller
+                aimed = f"{inbox}.{int(token) + 1}"
+                forged_ack = json.dumps({"stream": subjects.results_stream, "seq": 1}).encode()
+                await js.publish(subjects.model("m1"), forged_ack, headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: aimed})
+                dlq: list[Any] = []
+
+                async def refused() -> bool:
+                    dlq[:] = [(await js.stream_info(subjects.dead_letter_stream)).state]
+                    return dlq[0].messages == 1
+
+                await wait_until(refused, what="the request aimed at the worker's own inbox dead-lettered")
+                reason = (await js.get_msg(subjects.dead_letter_stream, seq=dlq[0].first_seq)).headers[Headers.DLQ_REASON]
+                assert "not allowed" in reason
+                assert await client.infer(b"still serving", model="m1", timeout=20) == b"still serving"
         finally:
             await nc.close()
 

@@ -203,6 +203,19 @@ def test_reply_policy_follows_its_rules_for_any_subject(subject: str) -> None:
     assert accepted == _reply_allowed_by_the_rules(subject, ("_INBOX", "a.b"), ("jetbatch",))
 
 
+def test_a_policy_forbidding_a_sidecars_inboxes_keeps_the_callers_prefix() -> None:
+    from jetbatch.sdk.protocol import ReplyPolicy
+
+    policy = ReplyPolicy(forbidden_prefixes=("jetbatch",))
+    assert policy.forbidding(["_INBOX"]) is policy  # the callers' own prefix: never forbidden
+    mine = policy.forbidding(["_INBOX.3f9a0c1b2d4e", "_INBOX", "jetbatch"])
+    assert mine.forbidden_prefixes == ("jetbatch", "_INBOX.3f9a0c1b2d4e")
+    for subject in ("_INBOX.3f9a0c1b2d4e.Zq1.7", "_INBOX.3f9a0c1b2d4e"):
+        with pytest.raises(ProtocolError):
+            mine.check(subject)
+    assert mine.check("_INBOX.3f9a0c1b2d4f.r1") == "_INBOX.3f9a0c1b2d4f.r1"
+
+
 def test_forwardable_headers_drop_every_nats_header_whatever_its_case() -> None:
     """What a sidecar copies from a request onto its own publish: never a header the server acts on."""
     request = {

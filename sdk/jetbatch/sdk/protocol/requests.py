@@ -8,11 +8,12 @@ reply policy (an allowlist of reply prefixes).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import msgspec
 
@@ -66,6 +67,13 @@ class ReplyPolicy:
         if not subject.startswith(heads):
             raise ProtocolError(f"header {Headers.REPLY_TO}: reply subjects must lie under {' or '.join(heads)}")
         return subject
+
+    def forbidding(self, prefixes: Iterable[str]) -> "ReplyPolicy":
+        """This policy, refusing replies under ``prefixes`` too (a sidecar's own inboxes), except
+        one that is itself an allowed prefix (the callers' ``_INBOX``: forbidding it would refuse
+        them all)."""
+        extra = tuple(p for p in prefixes if p not in self.allowed_prefixes and p not in self.forbidden_prefixes)
+        return dataclasses.replace(self, forbidden_prefixes=self.forbidden_prefixes + extra) if extra else self
 
     @functools.cached_property
     def _allowed_heads(self) -> tuple[str, ...]:
