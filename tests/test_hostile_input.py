@@ -236,36 +236,39 @@ async def test_a_message_forged_onto_a_sidecars_pull_inbox_is_neither_answered_n
             await nc.close()
 
 
-async def test_a_caller_cannot_aim_a_reply_at_the_inbox_where_the_workers_pubacks_come(nats_url: str, prefix: str) -> None:
-    """An answer's own publish carries the worker's PubAck subject as its reply, and every
-    subscriber of the answer sees it. A protocol-2 caller that aimed its reply at the next one
-    would hand the worker a PubAck it wrote (the answer's body is the caller's): refused and
-    dead-lettered like any reply outside the allowlist, and the worker keeps serving."""
+async def test_a_caller_cannot_aim_a_reply_at_the_inbox_where_a_workers_pubacks_come(nats_url: str, prefix: str) -> None:
+    """An answer's own publish carries its worker's PubAck subject as its reply, and every
+    subscriber of the answer sees it. A protocol-2 caller that aimed a reply at the next one,
+    through another worker (which cannot know its peer's inbox), would hand the first a PubAck it
+    wrote (the answer's body is the caller's). Every sidecar inbox carries one mark, and no
+    sidecar answers there: refused and dead-lettered, and both workers keep serving."""
     subjects = Subjects(prefix)
-    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)})
-    async with running_worker(config, nats_url):
+    a = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)}, worker={"id": "a"})
+    b = make_config(prefix, {"m2": sleep_model(max_delay_ms=5)}, worker={"id": "b"})
+    async with running_worker(a, nats_url), running_worker(b, nats_url):
         nc = await nats.connect(nats_url)
         try:
             js = nc.jetstream()
             answers = await nc.subscribe(subjects.results_wildcard)
             async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
-                assert await client.infer(b"first", model="m1", timeout=20) == b"first"
-                seen = (await answers.next_msg(timeout=10)).reply
+                assert await client.infer(b"to b", model="m2", timeout=20) == b"to b"
+                seen = (await answers.next_msg(timeout=10)).reply  # b's PubAck subject
                 inbox, token = seen.rsplit(".", 1)
                 assert seen.startswith("_INBOX.") and token.isdigit()  # in sight of the caller
-                aimed = f"{inbox}.{int(token) + 1}"
                 forged_ack = json.dumps({"stream": subjects.results_stream, "seq": 1}).encode()
-                await js.publish(subjects.model("m1"), forged_ack, headers={Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: aimed})
+                headers = {Headers.MSG_ID: uuid.uuid4().hex, Headers.REPLY_TO: f"{inbox}.{int(token) + 1}"}
+                await js.publish(subjects.model("m1"), forged_ack, headers=headers)  # served by a
                 dlq: list[Any] = []
 
                 async def refused() -> bool:
                     dlq[:] = [(await js.stream_info(subjects.dead_letter_stream)).state]
                     return dlq[0].messages == 1
 
-                await wait_until(refused, what="the request aimed at the worker's own inbox dead-lettered")
+                await wait_until(refused, what="the request aimed at b's inbox dead-lettered")
                 reason = (await js.get_msg(subjects.dead_letter_stream, seq=dlq[0].first_seq)).headers[Headers.DLQ_REASON]
-                assert "not allowed" in reason
-                assert await client.infer(b"still serving", model="m1", timeout=20) == b"still serving"
+                assert "sidecar's own inbox" in reason
+                assert await client.infer(b"still serving", model="m2", timeout=20) == b"still serving"
+                assert await client.infer(b"a too", model="m1", timeout=20) == b"a too"
         finally:
             await nc.close()
 
@@ -286,15 +289,16 @@ def test_reply_policy_refuses(subject: str) -> None:
 
 
 def test_a_sidecars_own_inbox_namespace_is_never_a_reply_target() -> None:
-    """With least privilege each sidecar has an inbox namespace of its own (docs/security.md):
-    its pull requests' and PubAcks' replies come there, and an answer the caller chose, sent
-    there, would pose as one. The default ``_INBOX`` is the callers' too, and stays allowed."""
+    """With least privilege each sidecar has an inbox namespace of its own (docs/security.md),
+    and every sidecar connection's inboxes carry a mark (``_INBOX._jbs<hex>.``): its pull
+    requests' and PubAcks' replies come there, and an answer the caller chose, sent there, would
+    pose as one. The default ``_INBOX`` is the callers' too, and stays allowed."""
     config = make_config(
         "jb", {"m1": sleep_model()},
         nats={"inbox_prefix": "_INBOX.worker", "reply_identity": {"user": "r", "password": "p", "inbox_prefix": "_INBOX.worker-replies"}},
     )  # fmt: skip
     policy = config.reply_policy
-    for subject in ("_INBOX.worker.Zx81.1", "_INBOX.worker-replies.Zx81.7", "_INBOX.worker"):
+    for subject in ("_INBOX.worker.Zx81.1", "_INBOX.worker-replies.Zx81.7", "_INBOX.worker", "_INBOX._jbs3f9a0c1b2d4e.Zx81.1", "_INBOX.app._jbs1.x"):
         with pytest.raises(ProtocolError):
             policy.check(subject)
     with pytest.raises(ProtocolError):

@@ -447,10 +447,11 @@ async def test_a_stored_request_with_a_status_header_and_no_body_is_a_delivery(n
 
 async def test_only_what_jetstream_sends_reaches_the_buffer(nats_url: str, prefix: str) -> None:
     """Anyone who may publish to a puller's inbox (its name is on the wire in every pull
-    request) can send it a message. One on the inbox with a body, or a status on no request this
-    puller sent, is dropped and counted (taken as a delivery, the worker answered it under the
-    tenant it claimed and acked it by publishing where its reply subject said); an error status
-    for a request that has ended raises nothing; the server's deliveries and ends still count."""
+    request) can send it a message, and whoever may use the JetStream API can have a consumer
+    of their own deliver to it. One on the inbox with a body, a status on no request this puller
+    sent, or another consumer's delivery is dropped and counted (taken as a delivery, the worker
+    answered it under the tenant it claimed and acked it where its reply subject said); an error
+    status for a request that has ended raises nothing; the consumer's deliveries still count."""
     async with _pulling(nats_url, prefix) as (nc, js, puller):
         sniffed = await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{prefix.upper()}.c")  # type: ignore[attr-defined]
         assert await puller.fetch(4, timeout=0.05) == []
@@ -468,6 +469,14 @@ async def test_only_what_jetstream_sends_reaches_the_buffer(nats_url: str, prefi
             for subject, data, headers in forged:
                 await attacker.publish(subject, data, reply="forged.ack", headers=headers)
             await attacker.publish(f"{inbox}.1", b"", headers={"Status": "503", "Description": "forged"})  # request 1 has ended
+            # Delivered by JetStream itself, from a stream and consumer of the attacker's (a pull
+            # request of theirs, with this inbox as its reply): not this puller's consumer.
+            ajs = attacker.jetstream()
+            await ajs.add_stream(name=f"{prefix.upper()}EVIL", subjects=[f"{prefix}.evil"])
+            await ajs.add_consumer(f"{prefix.upper()}EVIL", durable_name="c", ack_policy="explicit")
+            await ajs.publish(f"{prefix}.evil", b"delivered by a consumer not ours", headers={"Jetbatch-Tenant": "other"})
+            await attacker.publish(f"$JS.API.CONSUMER.MSG.NEXT.{prefix.upper()}EVIL.c", b'{"batch": 1}', reply=f"{inbox}.1")
+            forged.append((f"{prefix}.evil", b"", None))
             await attacker.flush()
             await wait_until(lambda: puller.forged == len(forged), timeout_s=5, what="the forgeries dropped")
         finally:

@@ -28,9 +28,10 @@ before the count neither undelivered there nor, if it reaches the puller after t
 answer, in the puller: :meth:`Puller.watch` says which buffered ones the count missed, and
 reports each such later delivery.
 
-Only what nats-server sends reaches the buffer: a delivery names its stream subject and carries
-a ``$JS.ACK.`` reply (no client may set one), a status comes on the inbox for a request this
-puller sent. Anything else on the inbox is someone else's, dropped and counted (:attr:`forged`).
+Only what the consumer sends reaches the buffer: a delivery names its stream subject and carries
+the consumer's ``$JS.ACK.<stream>.<consumer>.`` reply (no client may set one), a status comes on
+the inbox for a request this puller sent. Anything else on the inbox is someone else's (a
+publish, another consumer's delivery), dropped and counted (:attr:`forged`).
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class Puller:
         self._interrupted = False  # a hold was asked to stop waiting (:meth:`interrupt`)
         self._waiting = False  # a fetch or a fill waits for deliveries now
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self._stream, self._durable = stream, durable
+        self._acks = f"$JS.ACK.{stream}.{durable}."  # what our consumer's deliveries are acked on
         self._inbox = nc.new_inbox()
         self._replies = f"{self._inbox}."  # a request's end comes on its own reply subject
         self._buffer: deque[Msg] = deque()
@@ -270,12 +273,13 @@ class Puller:
         on_inbox = msg.subject.startswith(self._replies)
         status = headers.get("Status") if on_inbox and not msg.data else None
         token = msg.subject[len(self._replies) :]
-        if not (status and self._sent(token)) and (on_inbox or not (msg.reply or "").startswith("$JS.ACK.")):
-            # Not the server's: its deliveries name their stream subject and carry an ack
+        if not (status and self._sent(token)) and (on_inbox or not self._ours(msg.reply)):
+            # Not our consumer's: its deliveries name their stream subject and carry its ack
             # subject (which nats-server lets no client set), its statuses come on a request
             # this puller sent. Anyone who may publish to the inbox (its name is on the wire in
             # every pull request) could otherwise have the worker answer, under a tenant it
-            # claims, and settle by publishing to the reply subject it chose.
+            # claims, and settle by publishing to the reply subject it chose; anyone who may use
+            # the JetStream API could have a consumer of their own deliver to it.
             self._forged(msg)
             return
         if status:
@@ -315,6 +319,18 @@ class Puller:
         self._changed.set()
         if self._fill_to is not None and (len(self._buffer) >= self._fill_to or self._ended or self._error is not None):
             self._filled.wake()
+
+    def _ours(self, reply: str | None) -> bool:
+        """``reply`` is an ack subject of this puller's consumer: ``$JS.ACK.<stream>.<consumer>.``,
+        or with a domain and an account hash before them (ADR-15)."""
+        if not reply:
+            return False
+        if reply.startswith(self._acks):
+            return True
+        if not reply.startswith("$JS.ACK."):
+            return False
+        tokens = reply.split(".", 7)
+        return len(tokens) == 8 and tokens[4] == self._stream and tokens[5] == self._durable
 
     def _sent(self, token: str) -> bool:
         """``token`` names a pull request this puller sent (never raises: the subject is anyone's)."""

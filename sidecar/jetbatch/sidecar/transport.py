@@ -10,24 +10,25 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from jetbatch.sdk.connection import connect_nats
+from jetbatch.sdk.protocol import SIDECAR_INBOX_MARK
 
 from .config import ConfigError, NatsConfig, NatsIdentity
 
-__all__ = ["connect", "connect_options", "connect_replies", "own_inboxes"]
+__all__ = ["connect", "connect_options", "connect_replies"]
 
 
 def connect_options(cfg: NatsConfig, identity: NatsIdentity | None = None) -> dict[str, Any]:
     """nats-py keyword arguments for ``cfg``'s credentials and TLS (secrets are never logged).
     With ``identity``, its credentials and inbox replace the main ones (TLS stays).
 
-    The connection's inboxes lie under one random token of its own below the configured prefix
-    (``_INBOX.<12 hex>.``, within the same server permissions): the sidecar's pull requests and
-    PubAcks are answered there, and a caller who saw one of those subjects (an answer's own
-    PubAck subject reaches its subscribers) must not be able to aim a reply at it, while the
-    callers' inboxes under the same ``_INBOX`` stay allowed (:func:`own_inboxes`)."""
+    The connection's inboxes lie under one token of its own below the configured prefix,
+    marked as a sidecar's (``_INBOX._jbs<12 hex>.``, within the same server permissions): the
+    sidecar's pull requests, PubAcks and watchers are answered there, and no sidecar's reply
+    policy lets a caller aim an answer at a subject with that mark (``SIDECAR_INBOX_MARK``),
+    while the callers' inboxes under the same ``_INBOX`` stay allowed."""
     options: dict[str, Any] = {}
     creds: Any = identity if identity is not None else cfg
-    options["inbox_prefix"] = f"{creds.inbox_prefix}.{secrets.token_hex(6)}"
+    options["inbox_prefix"] = f"{creds.inbox_prefix}.{SIDECAR_INBOX_MARK}{secrets.token_hex(6)}"
     options.update(_credentials(creds))
     options.update(_tls(cfg))
     return options
@@ -85,8 +86,3 @@ async def connect_replies(cfg: NatsConfig, url: str | None = None, *, name: str 
     options = connect_options(cfg, cfg.reply_identity)
     return await connect_nats(url or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, **options)
 
-
-def own_inboxes(*connections: NATS | None) -> tuple[str, ...]:
-    """The inbox namespace of each connection (the prefix of what ``new_inbox`` makes), for the
-    reply policy to refuse (``ReplyPolicy.forbidding``)."""
-    return tuple(sorted({nc.new_inbox().rsplit(".", 1)[0] for nc in connections if nc is not None}))

@@ -8,11 +8,10 @@ reply policy (an allowlist of reply prefixes).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -25,6 +24,12 @@ MAX_TRACEPARENT_BYTES = 256
 MAX_TRACESTATE_BYTES = 512  # the W3C limit a propagator must keep
 MAX_DEADLINE_DIGITS = 15  # Unix milliseconds up to the year 33658
 DEFAULT_REPLY_PREFIXES: tuple[str, ...] = ("_INBOX",)
+# Every sidecar connection makes its inboxes under a token that starts with this (below its
+# configured inbox prefix: ``_INBOX._jbs<12 hex>.``), and no sidecar answers there: its pull
+# requests, PubAcks and watchers are answered there, and their subjects are not secret (an
+# answer's own publish carries the worker's PubAck subject as its reply, in its caller's sight).
+# Callers' inboxes never have such a token (nats-py's are ``_INBOX.<22 alphanumerics>``).
+SIDECAR_INBOX_MARK = "_jbs"
 DEFAULT_TENANT_REPLY_PREFIX = "_INBOX.{tenant}"
 
 _SUBJECT_CHARS_RE = re.compile(r"^[!-~]+$")  # printable ASCII, no spaces or control characters
@@ -62,18 +67,13 @@ class ReplyPolicy:
             )
         if subject.startswith("$") or subject in self.forbidden_prefixes or subject.startswith(self._forbidden_heads):
             raise ProtocolError(f"header {Headers.REPLY_TO}: replies to {subject.split('.')[0]}.* are not allowed")
+        if "." + SIDECAR_INBOX_MARK in subject:
+            raise ProtocolError(f"header {Headers.REPLY_TO}: replies to a sidecar's own inbox ({SIDECAR_INBOX_MARK}...) are not allowed")
         # A subject "under" a prefix has at least one more token, and tokens are never empty.
         heads = (self.tenant_prefix.format(tenant=tenant) + ".",) if tenant is not None else self._allowed_heads
         if not subject.startswith(heads):
             raise ProtocolError(f"header {Headers.REPLY_TO}: reply subjects must lie under {' or '.join(heads)}")
         return subject
-
-    def forbidding(self, prefixes: Iterable[str]) -> "ReplyPolicy":
-        """This policy, refusing replies under ``prefixes`` too (a sidecar's own inboxes), except
-        one that is itself an allowed prefix (the callers' ``_INBOX``: forbidding it would refuse
-        them all)."""
-        extra = tuple(p for p in prefixes if p not in self.allowed_prefixes and p not in self.forbidden_prefixes)
-        return dataclasses.replace(self, forbidden_prefixes=self.forbidden_prefixes + extra) if extra else self
 
     @functools.cached_property
     def _allowed_heads(self) -> tuple[str, ...]:

@@ -46,7 +46,6 @@ from jetbatch.sdk.publishing import AckGroup, PubAcks, publish_with_retries
 
 from ..errors import TRANSPORT_ERRORS, pull
 from ..config import Config, ConfigError
-from ..transport import own_inboxes
 from ..policy import BatchWindow
 from ..pulling import Puller
 from ..replies import Answer, Replier, client_message, settle
@@ -92,8 +91,7 @@ class Classifier:
         self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
         self._puller: Puller | None = None
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
-        # Never a reply under the classifier's own inboxes (its pulls' and PubAcks' answers come there).
-        self.reply_policy = config.reply_policy.forbidding(own_inboxes(nc, reply_nc))
+        self.reply_policy = config.reply_policy
         self.window = BatchWindow(self.cfg.max_batch_size, self.cfg.max_delay_s)
         self._stopping = anyio.Event()
         self._ready = anyio.Event()

@@ -29,7 +29,6 @@ from jetbatch.sdk.protocol import ErrorCode, Priority, SidecarReport, Subjects
 
 from ..cluster import ClusterView
 from ..config import Config, ConfigError
-from ..transport import own_inboxes
 from ..handlers import HandlerError, create_handler, resolve_device
 from ..handlers.modules import warm_start
 from ..errors import TRANSPORT_ERRORS
@@ -133,8 +132,6 @@ class Worker:
         # Loads and batches never overlap on the device; a free lock is taken without yielding.
         self._device_lock = anyio.Lock(fast_acquire=True)
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
-        # Never a reply under this worker's own inboxes (its pulls' and PubAcks' answers come there).
-        self.reply_policy = config.reply_policy.forbidding(own_inboxes(nc, reply_nc))
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
         # A peer's take event counts until it settles, or for two heartbeats (its advert tells then).
         self.queues = QueueView(self.slots, peer_event_s=2 * config.worker.heartbeat_s)
@@ -163,7 +160,7 @@ class Worker:
             quarantine=self.quarantine,
             telemetry=self.telemetry,
             driver=self.driver,
-            reply_policy=self.reply_policy,
+            reply_policy=config.reply_policy,
             max_deliver=config.streams.max_deliver,
             counters=self.stats,
             device_lock=self._device_lock,
@@ -320,7 +317,7 @@ class Worker:
             starting.start_soon(self._warm_start)
             await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=f"worker {self.worker_id}")
         await self.peers.advertise()
-        status_sub = await serve_status(self.nc, self.subjects, self.report, self.reply_policy, out=self.replier.out)
+        status_sub = await serve_status(self.nc, self.subjects, self.report, self.config.reply_policy, out=self.replier.out)
         await self._preload()
         log.info("worker %s serving %s on %s", self.worker_id, ", ".join(self.slots), self.device)
         self._ready.set()
