@@ -431,15 +431,15 @@ def test_a_worker_draining_a_deep_queue_sees_the_count_of_its_last_take(tmp_path
     assert policy.seen[-1][1] == 4  # drained listening again: the last batch's four, exactly
 
 
-def _two_models_trace(trace: list[tuple[float, str]], **control: float) -> Any:
-    """Models a (on the device at the start) and b, one device slot, the arrivals ``trace``, and
-    an ideal control plane but for ``control``."""
+def _two_models_trace(trace: list[tuple[float, str]], b: dict[str, Any] | None = None, **control: float) -> Any:
+    """Models a (on the device at the start) and b (``b``: its settings beyond a's), one device
+    slot, the arrivals ``trace``, and an ideal control plane but for ``control``."""
     from dataclasses import replace
 
     from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
 
     model = {"load_cost_s": 0.1, "batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 8, "max_delay_s": 0.0}
-    base = build_workload({"models": {"a": model, "b": model}})
+    base = build_workload({"models": {"a": model, "b": {**model, **(b or {})}}})
     return simulate(replace(base, arrivals=tuple(trace), control=replace(IDEAL_CONTROL, **control), resident_at_start=("a",)), "cost-aware")
 
 
@@ -480,3 +480,23 @@ def test_a_simulated_hold_ends_with_another_models_arrival() -> None:
     cut = _two_models_trace(trace, decision_s=0.001, count_line_s=0.002)
     assert [round(start, 6) for start, _, model in cut.load_log] == [0.018]
     assert 0.018 < 0.012 + HOLD_S
+
+
+def test_a_simulated_cancel_notice_ends_a_hold_as_an_arrival_does() -> None:
+    """As live (``Worker._on_cancel`` wakes the worker, which ends a hold). Two workers: the
+    first serves a; b's request comes with a's pair, and the second loads b for it (100 ms), so
+    to the first it is known but not its backlog, and it holds a's next batch open after the
+    pair's. b's caller cancels 15 ms after its request, 3 ms into the hold: the hold ends, the
+    worker counts a's line (1 ms) and idles, and a's request at 25 ms, which the hold would have
+    taken at once, waits for a decision (1 ms)."""
+    from jetbatch.sidecar.simulator.workloads import IDEAL_CONTROL
+
+    model = {"load_cost_s": 0.1, "batch_cost_s": 0.01, "item_cost_s": 0.0, "max_batch_size": 8, "max_delay_s": 0.0}
+    trace = ((0.0, "a"), (0.0, "a"), (0.0, "b"), (0.025, "a"))
+    control = replace(IDEAL_CONTROL, decision_s=0.001, count_line_s=0.001)
+    starts = []
+    for b in (model, {**model, "cancel_after_s": 0.015}):
+        base = build_workload({"models": {"a": model, "b": b}, "workers": {"count": 2}})
+        result = simulate(replace(base, arrivals=trace, control=control, resident_at_start=("a",)), "cost-aware")
+        starts.append([round(start, 6) for start, _, name, *_ in result.batches if name == "a"])
+    assert starts == [[0.001, 0.025], [0.001, 0.026]]

@@ -16,7 +16,8 @@ their batch starts, or that the estimated batch time would carry past it, are no
 The control plane costs what it costs live (``Workload.control``): each decision holds the worker
 for its CPU time (fixed, and per model the policy is shown: ``policy.visible_models``, the same
 rule as live), an arrival is known only ``arrival_delay_s`` after it is stored (and, while the
-worker drains that queue deep, at its next take: ``policy.listens``), each load pays a
+worker drains that queue deep, at its next take: ``policy.listens``), a caller's cancel notice
+wakes the worker (ending a hold) as an arrival does, each load pays a
 fixed overhead (the consumer check; with peers, the claims, adverts and release), and each
 batch its fetch before compute and the storing and sending of its answers after it.
 """
@@ -157,6 +158,7 @@ class _Worker:
     holding_until: float = -math.inf
     hold_missed: bool = False
     hold_seen: int = 0  # the arrivals known when the hold began, or last looked at: later ones may end it
+    hold_checked: float = -math.inf  # when the hold last looked: cancel notices since may end it
 
     @property
     def id(self) -> str:
@@ -181,6 +183,8 @@ class _Sim:
         self.queues: dict[str, _Queue] = {name: _Queue() for name in workload.models}
         # Classes are told apart only when the workload gives them (else all are interactive).
         self.classes = bool(workload.interactive)
+        # Callers that cancel send a notice, which wakes the live worker as an arrival does.
+        self.cancels = any(m.cancel_after_s is not None for m in workload.models.values())
         self.windows = {name: BatchWindow(m.max_batch_size, m.max_delay_s) for name, m in workload.models.items()}
         self.arrivals = list(workload.arrivals)
         self.next_arrival = 0
@@ -231,6 +235,26 @@ class _Sim:
             self.nonempty.add(model)
             self.arrival_log.append(req)
             self.next_arrival += 1
+
+    def next_cancel(self, worker: _Worker, after: float) -> float:
+        """When, after ``after``, the first caller cancels a request ``worker`` knows to wait: the
+        SDK's cancel notice wakes the live worker (``Worker._on_cancel``) when it names one it
+        heard arrive, so not one on a line it does not listen to (``worker.quiet``, the served
+        model's interactive line). Cancel times follow arrival order within a line (arrival +
+        the model's ``cancel_after_s``)."""
+        if not self.cancels:
+            return math.inf
+        first = math.inf
+        for name in self.nonempty:
+            q = self.queues[name]
+            for bulk, line in ((False, q.urgent), (True, q.bulk)):
+                if (name, bulk) in worker.quiet or (not bulk and name == worker.serving):
+                    continue
+                for r in line:
+                    if r.cancel_at > after:
+                        first = min(first, r.cancel_at)
+                        break
+        return first
 
     def next_arrival_at(self) -> float:
         """When the next arrival becomes known to the workers."""
@@ -374,10 +398,11 @@ class _Sim:
             interrupted = any(
                 line != (held, False) and line not in worker.quiet
                 for line in ((self.arrivals[i][1], self.classes and not self.w.interactive[i]) for i in range(worker.hold_seen, self.next_arrival))
-            )  # fmt: skip
+            ) or self.next_cancel(worker, worker.hold_checked) <= self.t + 1e-12  # fmt: skip
             worker.hold_seen = self.next_arrival
+            worker.hold_checked = self.t
             if self.t < worker.holding_until - 1e-12 and not interrupted:
-                self.wake(worker, min(self.next_arrival_at(), worker.holding_until))
+                self.wake(worker, min(self.next_arrival_at(), worker.holding_until, self.next_cancel(worker, self.t)))
                 return
             # As live: empty (or cut short), it ends the serving; the worker listens again,
             # counts the line, and decides.
@@ -408,7 +433,8 @@ class _Sim:
                 # As live: rather than idle, hold the served model's next batch open.
                 worker.holding_until = self.t + cost_s + held_s
                 worker.hold_seen = self.next_arrival
-                self.wake(worker, min(max(self.next_arrival_at(), self.t + cost_s), worker.holding_until))
+                worker.hold_checked = self.t
+                self.wake(worker, min(max(min(self.next_arrival_at(), self.next_cancel(worker, self.t)), self.t + cost_s), worker.holding_until))
                 return
         serves = decision.model if isinstance(decision, Serve) and decision.model in worker.resident else None
         if worker.serving is not None and serves != worker.serving:
@@ -443,7 +469,8 @@ class _Sim:
     def idle(self, worker: _Worker, decision: Idle) -> None:
         nxt = self.next_arrival_at()
         if any(self.queues.values()):
-            self.wake(worker, max(min(decision.until, nxt, worker.defer_wake, worker.idle_wake), self.t + 1e-6))
+            # As live: an arrival, a cancel notice, or the decision's own deadline wakes it.
+            self.wake(worker, max(min(decision.until, nxt, worker.defer_wake, worker.idle_wake, self.next_cancel(worker, self.t)), self.t + 1e-6))
         elif nxt < math.inf:
             self.wake(worker, max(min(nxt, worker.idle_wake), self.t))
         # else: nothing left to arrive and nothing queued: this worker is done (an idle unload
