@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+import msgspec
 import nats
 import pytest
 
-from jetbatch.sdk.protocol import Subjects
+from jetbatch.sdk.protocol import SidecarReport, Subjects
+from jetbatch.sidecar import cluster
 from jetbatch.sidecar.cluster import ClusterView
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -52,3 +55,38 @@ async def test_a_lost_claim_gives_back_what_it_took(views: list[ClusterView]) ->
 async def test_disjoint_changes_go_ahead_together(views: list[ClusterView]) -> None:
     a, b = await asyncio.gather(views[0].claim(["m1", "m2"]), views[1].claim(["m3", "m4"]))
     assert a is True and b is True
+
+
+async def test_expired_adverts_are_forgotten_and_a_flood_of_them_is_bounded(nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by an attack on a running worker: the bucket drops an expired advert with no event
+    to its watchers, so every worker id ever heard stayed in the view (100 000 fake keys: each
+    decision scanned them, every request took 1.7 s instead of 24 ms, until a restart; each
+    restarted worker leaves one too). Adverts unheard past the timeout are forgotten while the
+    view is fresh, and a view keeps at most ``MAX_PEERS``."""
+    monkeypatch.setattr(cluster, "MAX_PEERS", 20)
+    nc = await nats.connect(nats_url)
+    view = ClusterView(nc.jetstream(), Subjects(prefix), "me", heartbeat_s=0.1, peer_timeout_s=0.3)
+    await view.start()
+    kv = await nc.jetstream().key_value(Subjects(prefix).kv_bucket)
+
+    async def advertise() -> None:
+        while True:  # the worker's heartbeat: the view stays fresh only while it hears itself
+            await view.advertise(SidecarReport(role="worker", id="me"))
+            await asyncio.sleep(view.heartbeat_s)
+
+    tasks = [asyncio.ensure_future(view.watch()), asyncio.ensure_future(advertise())]
+    try:
+        await wait_until(lambda: view.view_fresh(), what="our own advert heard")
+        for i in range(50):
+            await kv.put(f"ghost{i}", msgspec.json.encode(SidecarReport(role="worker", id=f"ghost{i}", models=["m1"])))
+        await wait_until(lambda: len(view.peers()) == 19, what="the ghosts heard, up to the bound")
+        assert view.heard == 20
+        # No delete comes when they expire (the bucket's TTL, 0.3 s): they leave the view all the same.
+        await wait_until(lambda: view.heard == 1, timeout_s=10, what="the expired adverts forgotten")
+        assert view.peers() == {}
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await view.stop()
+        await nc.close()

@@ -572,6 +572,23 @@ def test_a_forged_take_event_never_raises_nor_counts_below_zero(data: bytes, pee
     assert slots["m1"].backlog in (0, 1) and view.peers_hold("m1", 11.0) >= 0
 
 
+def test_take_events_under_ever_new_ids_keep_a_bounded_table() -> None:
+    """Found by an attack on a running worker: ``+1`` under a new ``Jetbatch-Worker`` id each
+    time, on a model that never waited, left 460 800 entries (137 MB) for good. At most
+    ``MAX_PEERS_A_MODEL`` peers a model are kept; a new one past that is not counted, and old
+    ones make room once their events are old."""
+    from jetbatch.sidecar.worker.queues import MAX_PEERS_A_MODEL
+
+    view, slots = _view("m1")
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me")
+    for i in range(MAX_PEERS_A_MODEL + 1000):
+        feed.note_taken("p.taken.m1", {"Jetbatch-Worker": f"ghost{i}"}, b"+1", now=11.0)
+    assert view.peers_hold("m1", 11.0) == MAX_PEERS_A_MODEL
+    later = 11.0 + view.peer_event_s + 2.0
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "real"}, b"+2", now=later)
+    assert view.peers_hold("m1", later) == 2
+
+
 @pytest.mark.anyio
 async def test_a_peers_fetch_reaches_the_other_workers_count_through_the_server(nats_url: str, prefix: str) -> None:
     async with _streams(nats_url, prefix, ["m1"]) as (nc, js, subjects):

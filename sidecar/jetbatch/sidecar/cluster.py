@@ -35,6 +35,10 @@ CLAIM_PREFIX = "claim."
 
 log = logging.getLogger("jetbatch.cluster")
 
+# Adverts kept at most: far beyond any fleet, a bound on what a bucket flooded with keys (anyone
+# who may write to it) costs the view's memory and every decision's scan of it.
+MAX_PEERS = 4096
+
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SidecarReport)
@@ -58,6 +62,8 @@ class ClusterView:
         self._seen_at: dict[str, float] = {}  # local clock when each advert last arrived
         self._own_seen_at = 0.0  # when our own advert last came back through the watch
         self._trouble_at = -1e18  # when we last saw JetStream fail (a fetch, a put, a stream info)
+        self._forgot_at = -math.inf  # when adverts unheard past the timeout were last forgotten
+        self._refused = 0  # adverts of new peers refused at MAX_PEERS
         self._kv: object | None = None
         self._watcher: object | None = None
 
@@ -98,15 +104,25 @@ class ClusterView:
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 self._peers.pop(entry.key, None)
+                self._seen_at.pop(entry.key, None)
                 continue
+            now = time.time()
+            if entry.key not in self._peers and len(self._peers) >= MAX_PEERS:
+                self._forget_unheard(now)
+                if len(self._peers) >= MAX_PEERS:
+                    self._refused += 1
+                    if self._refused == 1 or self._refused % 1000 == 0:
+                        log.warning("%d adverts of new workers ignored: %d kept already (MAX_PEERS)", self._refused, len(self._peers))
+                    continue
             try:
                 self._peers[entry.key] = _decoder.decode(entry.value)
             except msgspec.DecodeError:
                 continue
-            now = time.time()
             self._seen_at[entry.key] = now
             if entry.key == self.worker_id:
                 self._own_seen_at = now
+            if now - self._forgot_at > self.heartbeat_s:
+                self._forget_unheard(now)
 
     async def advertise(self, advert: SidecarReport) -> None:
         if self._kv is None:
@@ -202,10 +218,30 @@ class ClusterView:
         now = time.time() if now is None else now
         return now - self._own_seen_at <= self.ttl_s and now - self._trouble_at > self.peer_timeout_s
 
+    @property
+    def heard(self) -> int:
+        """How many adverts the view holds, live or not (this worker's own among them)."""
+        return len(self._peers)
+
+    def _forget_unheard(self, now: float) -> None:
+        """Forget the adverts unheard past the timeout, while the view is fresh: the bucket drops
+        an expired advert with no event to its watchers, so without this every worker id ever
+        heard (each restarted process has a new one; a flood of keys, thousands) stayed, and
+        every decision scanned it. One heard again is read again."""
+        if not self.view_fresh(now):
+            return  # peers we cannot hear are not gone (view_fresh)
+        self._forgot_at = now
+        timeout_s = max(self.ttl_s, self.peer_timeout_s)
+        for wid in [w for w, at in self._seen_at.items() if now - at > timeout_s]:
+            del self._seen_at[wid]
+            self._peers.pop(wid, None)
+
     def peers(self, now: float | None = None) -> dict[str, SidecarReport]:
         """Live peers (not this worker): adverts heard within ``peer_timeout_s``, on our own clock.
         With a stale view (see :meth:`view_fresh`) every peer last heard is kept."""
         now = time.time() if now is None else now
+        if now - self._forgot_at > self.heartbeat_s:
+            self._forget_unheard(now)
         fresh = self.view_fresh(now)
         return {
             wid: adv

@@ -689,7 +689,9 @@ class Worker:
             slot.unreachable_seen_at = now
             await self._refresh(now)
         else:
-            if why == "unreachable":
+            if why == "unreachable" and now - slot.unreachable_warned_at > 60.0:
+                # Once a minute a model at most: forged arrival events can bring this on at will.
+                slot.unreachable_warned_at = now
                 log.warning("%s: %d requests stored that its consumer will never deliver: not counted until they are gone", slot.name, slot.backlog)
             self._held_back(slot, unreachable=why == "unreachable")
 

@@ -59,6 +59,7 @@ MAX_HEAD_READS = 16
 RECHECK_S = 1.0
 # Limits on the take events (core messages any worker-permitted client can send: hostile input).
 MAX_PEER_HELD = 100_000
+MAX_PEERS_A_MODEL = 256  # peers whose unsettled takes of one model are kept
 _MAX_TAKE_CHARS = 8
 _MAX_PEER_ID_CHARS = 128
 WORKER_HEADER = "Jetbatch-Worker"
@@ -211,6 +212,7 @@ class QueueView:
         self.peer_event_s = peer_event_s
         # model -> peer -> (requests it took and has not settled, when last told)
         self._peer_held: dict[str, dict[str, tuple[int, float]]] = {}
+        self._peers_pruned_at: dict[str, float] = {}  # model -> when peer_took last dropped old entries
 
     # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
 
@@ -303,6 +305,17 @@ class QueueView:
         peer's served requests stayed in the count for up to a poll interval, and a worker loaded
         a model for requests already answered (the 4-worker bench: more loads than batches)."""
         held = self._peer_held.setdefault(slot.name, {})
+        if peer not in held and len(held) >= MAX_PEERS_A_MODEL:
+            # Entries go when the model waits (peers_hold) or the peer leaves the view: events
+            # under ever new ids (anyone who may publish take events) grew this for good. Old
+            # ones are dropped at most once a second; a new peer past the limit is not counted
+            # (an over-count, which the next count corrects).
+            if now - self._peers_pruned_at.get(slot.name, -math.inf) > 1.0:
+                self._peers_pruned_at[slot.name] = now
+                self.peers_hold(slot.name, now)
+                held = self._peer_held.setdefault(slot.name, {})
+            if len(held) >= MAX_PEERS_A_MODEL:
+                return
         count = held.get(peer, (0, now))[0]
         held[peer] = (min(count + n, MAX_PEER_HELD), now)
         # Peers pull the interactive line first, as we do.

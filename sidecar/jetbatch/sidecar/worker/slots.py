@@ -97,6 +97,7 @@ class Slot:
     # When an empty fetch last looked "unreachable" (nothing undelivered, nothing unacked): the
     # stream is counted and the queue fetched again before that is believed.
     unreachable_seen_at: float = -math.inf
+    unreachable_warned_at: float = -math.inf  # when the worker last warned of them (once a minute)
     stranded_since: float | None = None  # when the count first showed stranded messages
     # Enqueue times (and deadlines) of the newest waiting interactive requests, oldest first,
     # from the arrival events; the same for the batch class (``known_bulk``); older waiting
