@@ -85,4 +85,3 @@ async def connect_replies(cfg: NatsConfig, url: str | None = None, *, name: str 
         return None
     options = connect_options(cfg, cfg.reply_identity)
     return await connect_nats(url or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, **options)
-
