@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import uuid
 from typing import Any
 
@@ -271,6 +272,42 @@ async def test_a_caller_cannot_aim_a_reply_at_the_inbox_where_a_workers_pubacks_
                 assert await client.infer(b"a too", model="m1", timeout=20) == b"a too"
         finally:
             await nc.close()
+
+
+def _raw_hpub(url: str, subject: str, header_block: bytes, payload: bytes) -> None:
+    """One HPUB written on a socket of its own, bytes as given (nats-py encodes what it sends)."""
+    host, port = url.removeprefix("nats://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.recv(4096)  # INFO
+        head = b"NATS/1.0" + header_block + b"\r\n\r\n"
+        sock.sendall(
+            b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n'
+            + b"HPUB %s %d %d\r\n" % (subject.encode(), len(head), len(head) + len(payload)) + head + payload + b"\r\nPING\r\n"
+        )
+        seen = b""
+        while b"PONG" not in seen:
+            chunk = sock.recv(4096)
+            assert chunk and b"-ERR" not in chunk, chunk
+            seen += chunk
+
+
+async def test_a_status_line_that_is_not_utf8_stops_no_connections_reading(nats_url: str, prefix: str) -> None:
+    """Found by an attack: nats-py decodes a message's inline status ("NATS/1.0 <status>") outside
+    its try, so one message whose status is not UTF-8 ended the connection's read loop for good,
+    with the connection still "connected". Any tenant may publish to its cancel subject, which
+    every worker reads: one such message and no worker read another delivery, and every producer
+    timed out; sent to a caller's answer subject, that caller timed out on everything after.
+    jetbatch's connections read such a message as one without headers, and go on."""
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"before", model="m1", timeout=10) == b"before"
+            for subject in (subjects.cancel("app1"), subjects.cancel(), subjects.answers(client._key)):
+                _raw_hpub(nats_url, subject, b" \xff\xfe\xfd", b"x")
+            for i in range(3):
+                assert await client.infer(f"after {i}".encode(), model="m1", timeout=10) == f"after {i}".encode()
+            assert client.nats.is_connected
 
 
 # --- the parser itself ---------------------------------------------------------------------------

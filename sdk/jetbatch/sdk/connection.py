@@ -118,10 +118,26 @@ def _parse_bytes(raw: bytes) -> dict[str, str]:
 
 def _use_fast_header_parser(nc: NATS) -> None:
     """Have ``nc`` parse header blocks with :func:`parse_header_lines` (nats-py calls
-    ``self._parse_header_lines(raw)``; an attribute of the instance answers it). Only on
-    connections jetbatch opens; a nats-py without that method keeps its own parser."""
+    ``self._parse_header_lines(raw)``; an attribute of the instance answers it), and read a
+    message whose header block it cannot parse as one without headers. Only on connections
+    jetbatch opens; a nats-py without those methods keeps its own."""
     if hasattr(type(nc), "_parse_header_lines"):
         nc._parse_header_lines = parse_header_lines  # type: ignore[method-assign]
+    process = getattr(nc, "_process_headers", None)
+    if process is not None:
+
+        async def headers_or_none(raw: bytes) -> dict[str, str] | None:
+            # nats-py 2.16 decodes an inline status line ("NATS/1.0 <status> <description>")
+            # outside its try: one message whose status is not UTF-8 (any client may publish one
+            # to a subject the sidecar listens to: a tenant to its cancel subject) raised out of
+            # the read loop, which then stopped for good with the connection still "connected":
+            # no delivery, PubAck or cancel was read again.
+            try:
+                return await process(raw)
+            except Exception:  # noqa: BLE001 - hostile bytes: the message goes on without headers
+                return None
+
+        nc._process_headers = headers_or_none  # type: ignore[method-assign]
 
 
 # What nats-py's ``str.translate`` table does to a header value (CR and LF become spaces), as a
