@@ -312,3 +312,15 @@ def test_a_fresh_request_id_is_one_token_of_32_hex_characters_and_never_repeats(
     ids = {new_request_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(len(i) == 32 and set(i) <= set("0123456789abcdef") and validate_token(i, "id") == i for i in ids)
+
+
+def test_a_body_nested_too_deep_is_a_protocol_error_and_an_error_body_falls_back() -> None:
+    """msgspec raises RecursionError past its nesting limit: a typed ProtocolError for a payload
+    (the SDK then raises JetbatchError, not RecursionError), a fallback body for an error."""
+    from jetbatch.sdk.protocol import decode_error, decode_payload
+
+    for data, ctype in ((b"\x91" * 100_000 + b"\xc0", "application/msgpack"), (b"[" * 100_000 + b"]" * 100_000, "application/json")):
+        with pytest.raises(ProtocolError, match="nested too deep"):
+            decode_payload(data, ctype)
+    body = decode_error(b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"code":"bad_request"}')
+    assert body.code == ErrorCode.INTERNAL.value

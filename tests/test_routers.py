@@ -164,3 +164,22 @@ def test_header_rules_route_on_the_loop_and_field_rules_and_networks_in_a_thread
     assert [r.model for r in headers.route([Item(headers={"X-Kind": "a"}, data=b"", content_type=None)])] == ["m1"]
     assert not rules({"header": "X-Kind", "equals": "a", "model": "m1"}, {"field": "kind", "equals": "b", "model": "m1"}).inline
     assert not router().inline
+
+
+def test_a_payload_nested_too_deep_is_its_own_bad_request_not_its_batchs_failure() -> None:
+    """Found by an attack: msgspec raises RecursionError on a deeply nested body, which
+    ``decode_payload`` let through, so a field rule failed the whole batch (every tenant's
+    request in it answered ``internal``). It is now that request's ``bad_request``."""
+    from jetbatch.sidecar.classifier.routers import RulesRouter
+
+    router_ = RulesRouter(msgspec.convert(
+        {"router": "rules", "rules": [{"field": "kind", "equals": "b", "model": "m1"}], "default_model": "m0"}, ClassifierConfig,
+    ))  # fmt: skip
+    deep = b"\x91" * 100_000 + b"\xc0"
+    batch = [Item(headers={}, data=msgspec.msgpack.encode({"kind": "b"}), content_type="application/msgpack"),
+             Item(headers={}, data=deep, content_type="application/msgpack"),
+             Item(headers={}, data=b"[" * 100_000 + b"]" * 100_000, content_type="application/json"),
+             Item(headers={}, data=msgspec.msgpack.encode({"kind": "a"}), content_type="application/msgpack")]  # fmt: skip
+    routed = router_.route(batch)
+    assert [r.model for r in routed] == ["m1", None, None, "m0"]
+    assert [r.error[0] if r.error else None for r in routed] == [None, ErrorCode.BAD_REQUEST, ErrorCode.BAD_REQUEST, None]

@@ -229,6 +229,9 @@ def decode_payload(data: bytes, content_type: str | None) -> Any:
             return _json_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"undecodable {ctype} payload: {exc}") from exc
+    except RecursionError:
+        # msgspec's own limit on nesting: a deep payload is this request's fault, not its batch's.
+        raise ProtocolError(f"undecodable {ctype} payload: nested too deep") from None
     raise ProtocolError(f"unsupported content type {content_type!r}; expected one of {[c.value for c in ContentType]}")
 
 
@@ -239,7 +242,7 @@ def encode_error(code: ErrorCode, message: str, request_id: str = "") -> bytes:
 def decode_error(data: bytes) -> ErrorBody:
     try:
         return _error_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return ErrorBody(code=ErrorCode.INTERNAL.value, message=data[:200].decode("utf-8", "replace"))
 
 
