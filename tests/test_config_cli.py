@@ -294,3 +294,16 @@ def test_otlp_over_grpc_is_refused_in_one_line(tmp_path: Path, var: str) -> None
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"jetbatch worker: environment {var}=grpc: jetbatch exports OTLP over http/protobuf only")
+
+
+def test_cli_hostile_config_files_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Found by an attack: TOML nested past the parser's recursion limit printed a traceback
+    (exit 1), and ``--config /dev/zero`` never returned (the whole file was read)."""
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    endless = Path("/dev/zero")
+    for path, expected in ((deep, "nested too deep"), *(((endless, "not a config file"),) if endless.exists() else ())):
+        proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and str(path) in lines[0], proc.stderr

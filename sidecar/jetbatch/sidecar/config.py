@@ -60,6 +60,7 @@ class _Base(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tru
 
 
 DEFAULT_MAX_DELAY_S = 0.005
+MAX_CONFIG_BYTES = 4 * 1024 * 1024  # a config file is kilobytes; past this it is not one
 
 
 def _seconds_from_ms(section: Any, key: str) -> None:
@@ -402,6 +403,8 @@ def parse_config(
         raw: dict[str, Any] = tomllib.loads(text) if text else {}
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid TOML: nested too deep") from None
     try:
         # The file's own values are typed by TOML: checked strictly, so `max_batch_size = "16"`
         # is refused with its key rather than coerced.
@@ -457,7 +460,12 @@ def load_config(path: str | os.PathLike[str] | None, *, environ: Mapping[str, st
         return parse_config(None, source="environment", environ=environ)
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        # Read with a bound: a path such as /dev/zero never ends.
+        with p.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES} bytes: not a config file")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{p}: file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
