@@ -144,3 +144,26 @@ def test_worker_serves_health_readiness_and_metrics(server: EmbeddedNats, tmp_pa
 def test_http_port_option_is_checked(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "jetbatch", "worker", "--config", "x.toml", "--http-port", "99999"], capture_output=True, text=True)
     assert r.returncode == 2 and "out of range" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.anyio
+async def test_idle_sockets_cannot_keep_the_probes_out() -> None:
+    """Found by an attack: the server refused every connection past 32 while each open one had 5 s
+    to send its request, so 32 idle sockets renewed every 5 s failed every liveness and readiness
+    probe. A new connection now ends the oldest one still silent, and a probe is answered."""
+    import anyio
+
+    from jetbatch.sidecar.health import ProbeServer
+
+    probe = ProbeServer("127.0.0.1", 0, alive=lambda: (True, "alive"), ready=lambda: (True, "ready"))
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(probe.serve)
+        idle = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(64)]  # connected, silent
+        try:
+            for path in ("/healthz", "/readyz"):
+                status, _ = await anyio.to_thread.run_sync(_get, port, path)
+                assert status == 200
+        finally:
+            for s in idle:
+                await s.aclose()
+            tg.cancel_scope.cancel()

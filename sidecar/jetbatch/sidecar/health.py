@@ -3,8 +3,9 @@
 Prometheus exporter's collector).
 
 A deliberately small HTTP/1.1 server on anyio: GET only, one request per connection, a 4 KiB
-request head read within 5 s, so a probe or a hostile client can neither hold the sidecar's event
-loop nor make it allocate. Anything else gets 400, 404 or 405 and the connection closes.
+request head read within 1 s and the whole exchange within 5 s, at most 32 connections (a new one
+ends the oldest still silent), so a probe or a hostile client can neither hold the sidecar's event
+loop nor make it allocate, nor keep the probes out. Anything else gets 400, 404 or 405 and the connection closes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ __all__ = ["Check", "ProbeServer", "prometheus_text"]
 log = logging.getLogger("jetbatch.health")
 
 _MAX_HEAD = 4096
+_HEAD_TIMEOUT_S = 1.0  # a probe sends its request at once; a client that does not is dropped
 _TIMEOUT_S = 5.0  # a whole exchange, read and write: a client that stops reading is dropped
-_MAX_CONNECTIONS = 32  # probes and scrapes need a handful; more are refused, never queued
+# Probes and scrapes need a handful; past this a new connection ends the oldest one still
+# sending its request (or, if none is, is refused). Refusing them all let 32 idle sockets,
+# renewed every 5 s, fail every liveness and readiness probe.
+_MAX_CONNECTIONS = 32
 
 # A check returns (ok, one line saying why).
 Check = Callable[[], tuple[bool, str]]
@@ -45,6 +50,9 @@ class ProbeServer:
     # /readyz?model=<m>: (status, one line) for one model (404: not served here); None: no models.
     model_ready: Callable[[str], tuple[int, str]] | None = None
     _open: int = field(default=0, init=False, repr=False)  # connections being served now
+    # The connections still reading their request head, oldest first (each one's cancel scope).
+    _reading: dict[int, anyio.CancelScope] = field(default_factory=dict, init=False, repr=False)
+    _accepted: int = field(default=0, init=False, repr=False)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled; reports the bound port through ``task_status`` (``tg.start``).
@@ -73,22 +81,33 @@ class ProbeServer:
                 await anyio.sleep(min(1.0, 0.05 * failures))
                 continue
             if self._open >= _MAX_CONNECTIONS:
-                await _close(stream)
-                continue
+                if not self._reading:
+                    await _close(stream)
+                    continue
+                self._reading.pop(next(iter(self._reading))).cancel()  # the oldest still silent
             self._open += 1
-            tg.start_soon(self._handle_counted, stream)
+            self._accepted += 1
+            tg.start_soon(self._handle_counted, stream, self._accepted)
 
-    async def _handle_counted(self, stream: anyio.abc.SocketStream) -> None:
+    async def _handle_counted(self, stream: anyio.abc.SocketStream, key: int) -> None:
         try:
-            await self._handle(stream)
+            await self._handle(stream, key)
         finally:
             self._open -= 1
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+    async def _handle(self, stream: anyio.abc.SocketStream, key: int) -> None:
         async with stream:
             try:
                 with anyio.fail_after(_TIMEOUT_S):
-                    head = await _read_head(stream)
+                    with anyio.CancelScope() as reading:
+                        self._reading[key] = reading
+                        try:
+                            with anyio.fail_after(_HEAD_TIMEOUT_S):
+                                head = await _read_head(stream)
+                        finally:
+                            self._reading.pop(key, None)
+                    if reading.cancelled_caught:
+                        return  # made room for a newer connection
                     status, ctype, body = self._respond(head)
                     await stream.send(_response(status, ctype, body))
             except (TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
