@@ -122,6 +122,8 @@ class ClusterView:
             if entry.key == self.worker_id:
                 self._own_seen_at = now
             if now - self._forgot_at > self.heartbeat_s:
+                # Here only: a fresh view hears its own advert every heartbeat, so this runs
+                # whenever forgetting can happen (not in peers(), several times a decision).
                 self._forget_unheard(now)
 
     async def advertise(self, advert: SidecarReport) -> None:
@@ -240,8 +242,6 @@ class ClusterView:
         """Live peers (not this worker): adverts heard within ``peer_timeout_s``, on our own clock.
         With a stale view (see :meth:`view_fresh`) every peer last heard is kept."""
         now = time.time() if now is None else now
-        if now - self._forgot_at > self.heartbeat_s:
-            self._forget_unheard(now)
         fresh = self.view_fresh(now)
         return {
             wid: adv
