@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jetbatch import sdk
+from jetbatch.sdk.connection import unreadable_messages
 from jetbatch.sdk.protocol import DEFAULT_REPLY_PREFIXES, Headers, ProtocolError, ReplyPolicy, Subjects, parse_request_headers, subject_matches
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until, worker_reports
 
@@ -274,15 +275,17 @@ async def test_a_caller_cannot_aim_a_reply_at_the_inbox_where_a_workers_pubacks_
             await nc.close()
 
 
-def _raw_hpub(url: str, subject: str, header_block: bytes, payload: bytes) -> None:
+def _raw_hpub(url: str, subject: str | bytes, header_block: bytes, payload: bytes, reply: bytes = b"") -> None:
     """One HPUB written on a socket of its own, bytes as given (nats-py encodes what it sends)."""
     host, port = url.removeprefix("nats://").rsplit(":", 1)
+    raw_subject = subject if isinstance(subject, bytes) else subject.encode()
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.recv(4096)  # INFO
         head = b"NATS/1.0" + header_block + b"\r\n\r\n"
+        args = raw_subject + (b" " + reply if reply else b"")
         sock.sendall(
             b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n'
-            + b"HPUB %s %d %d\r\n" % (subject.encode(), len(head), len(head) + len(payload)) + head + payload + b"\r\nPING\r\n"
+            + b"HPUB %s %d %d\r\n" % (args, len(head), len(head) + len(payload)) + head + payload + b"\r\nPING\r\n"
         )
         seen = b""
         while b"PONG" not in seen:
@@ -291,23 +294,49 @@ def _raw_hpub(url: str, subject: str, header_block: bytes, payload: bytes) -> No
             seen += chunk
 
 
-async def test_a_status_line_that_is_not_utf8_stops_no_connections_reading(nats_url: str, prefix: str) -> None:
-    """Found by an attack: nats-py decodes a message's inline status ("NATS/1.0 <status>") outside
-    its try, so one message whose status is not UTF-8 ended the connection's read loop for good,
-    with the connection still "connected". Any tenant may publish to its cancel subject, which
-    every worker reads: one such message and no worker read another delivery, and every producer
-    timed out; sent to a caller's answer subject, that caller timed out on everything after.
-    jetbatch's connections read such a message as one without headers, and go on."""
+def _unreadable(listened: str) -> list[tuple[bytes, bytes, bytes]]:
+    """What nats-py 2.16 decodes in its read loop outside any try, each as (subject, header block,
+    reply subject) for a subscriber of ``listened`` (which ends in a wildcard token): a status
+    line, a reply subject and a subject token that are not UTF-8."""
+    parent = listened.encode().rsplit(b".", 1)[0]
+    return [(parent + b".r1", b" \xff\xfe\xfd", b""), (parent + b".r1", b"", b"_INBOX.\xff\xfe"), (parent + b".\xff", b"", b"")]
+
+
+async def test_bytes_nats_py_cannot_read_stop_no_connections_reading(nats_url: str, prefix: str) -> None:
+    """Found by attacks: nats-py decodes a message's inline status ("NATS/1.0 <status>"), subject
+    and reply subject outside its try, so one message with bytes that are not UTF-8 there ended
+    the connection's read loop for good, with the connection still "connected". Any tenant may
+    publish to its cancel subject, which every worker reads, with any reply subject: one such
+    message and no worker read another delivery, and every producer timed out; sent to a caller's
+    answer subject, that caller timed out on everything after. jetbatch's connections drop such a
+    message, count it, and go on; so does a caller's own connection handed to
+    ``Client.from_connection``."""
     subjects = Subjects(prefix)
     config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)})
     async with running_worker(config, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             assert await client.infer(b"before", model="m1", timeout=10) == b"before"
-            for subject in (subjects.cancel("app1"), subjects.cancel(), subjects.answers(client._key)):
-                _raw_hpub(nats_url, subject, b" \xff\xfe\xfd", b"x")
+            for listened in (subjects.cancel_wildcard, subjects.answers(client._key)):
+                for subject, status, reply in _unreadable(listened):
+                    _raw_hpub(nats_url, subject, status, b"x", reply=reply)
+            _raw_hpub(nats_url, subjects.cancel(), b"", b"x", reply=b"_INBOX.\xff")  # the untenanted cancel subject
             for i in range(3):
                 assert await client.infer(f"after {i}".encode(), model="m1", timeout=10) == f"after {i}".encode()
             assert client.nats.is_connected
+            assert unreadable_messages(client.nats) == 3  # the three sent to its answers
+            reports = await worker_reports(nats_url, prefix)
+            assert [r.stats["unreadable_messages"] for r in reports] == [4]  # the four sent to cancel subjects
+        # A caller's own connection, handed to the SDK, is guarded the same way.
+        nc = await nats.connect(nats_url)
+        try:
+            async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                assert await client.infer(b"before", model="m1", timeout=10) == b"before"
+                for subject, status, reply in _unreadable(subjects.answers(client._key)):
+                    _raw_hpub(nats_url, subject, status, b"x", reply=reply)
+                assert await client.infer(b"after", model="m1", timeout=10) == b"after"
+                assert unreadable_messages(nc) == 3
+        finally:
+            await nc.close()
 
 
 # --- the parser itself ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .errors import (
     UnknownModel,
     error_for_code,
 )
-from .connection import connect_nats
+from .connection import connect_nats, guard_read_loop
 from .publishing import PubAcks, PublishRefused, publish_with_retries
 from .timeouts import Timeouts
 from .validation import check_timeout, user_headers
@@ -150,7 +150,12 @@ class Client:
 
     @classmethod
     async def from_connection(cls, nc: NATS, *, prefix: str = DEFAULT_PREFIX, tenant: str | None = None) -> "Client":
-        """Wrap an existing nats-py connection (it stays open when the client closes)."""
+        """Wrap an existing nats-py connection (it stays open when the client closes).
+
+        The connection is hardened as the SDK's own are: a message nats-py cannot read (a
+        subject, reply subject or status line that is not UTF-8, which anyone who may publish
+        to your answer subject could send) is dropped instead of ending its read loop."""
+        guard_read_loop(nc)
         client = cls(nc, prefix=prefix, owns_connection=False, tenant=tenant)
         await client._start()
         return client

@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 from . import failures
 from .errors import ConnectionFailed
 
-__all__ = ["DEFAULT_URL", "connect_nats", "parse_header_lines"]
+__all__ = ["DEFAULT_URL", "connect_nats", "guard_read_loop", "parse_header_lines", "unreadable_messages"]
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -118,26 +118,46 @@ def _parse_bytes(raw: bytes) -> dict[str, str]:
 
 def _use_fast_header_parser(nc: NATS) -> None:
     """Have ``nc`` parse header blocks with :func:`parse_header_lines` (nats-py calls
-    ``self._parse_header_lines(raw)``; an attribute of the instance answers it), and read a
-    message whose header block it cannot parse as one without headers. Only on connections
-    jetbatch opens; a nats-py without those methods keeps its own."""
+    ``self._parse_header_lines(raw)``; an attribute of the instance answers it), and drop a
+    message it cannot read (:func:`guard_read_loop`). Only on connections jetbatch opens; a
+    nats-py without those methods keeps its own."""
     if hasattr(type(nc), "_parse_header_lines"):
         nc._parse_header_lines = parse_header_lines  # type: ignore[method-assign]
-    process = getattr(nc, "_process_headers", None)
-    if process is not None:
+    guard_read_loop(nc)
 
-        async def headers_or_none(raw: bytes) -> dict[str, str] | None:
-            # nats-py 2.16 decodes an inline status line ("NATS/1.0 <status> <description>")
-            # outside its try: one message whose status is not UTF-8 (any client may publish one
-            # to a subject the sidecar listens to: a tenant to its cancel subject) raised out of
-            # the read loop, which then stopped for good with the connection still "connected":
-            # no delivery, PubAck or cancel was read again.
-            try:
-                return await process(raw)
-            except Exception:  # noqa: BLE001 - hostile bytes: the message goes on without headers
-                return None
 
-        nc._process_headers = headers_or_none  # type: ignore[method-assign]
+def guard_read_loop(nc: NATS) -> None:
+    """Have ``nc`` drop a message nats-py cannot read instead of ending its read loop. Done on
+    every connection jetbatch opens, and on one a caller hands to ``Client.from_connection``
+    (what it changes for that caller's other subscriptions: such a message is dropped, where
+    before it stopped the connection reading anything). Once per connection; a nats-py without
+    the method is left as it is. :func:`unreadable_messages` counts what was dropped."""
+    process = getattr(nc, "_process_msg", None)
+    if process is None or getattr(process, "_jetbatch_guard", None) is not None:
+        return
+    dropped = [0]
+
+    async def msg_or_drop(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+        # nats-py 2.16 decodes a message's subject, reply subject and inline status line
+        # ("NATS/1.0 <status> <description>") outside any try, in its read loop: one message
+        # with bytes that are not UTF-8 there (any client may publish one to a subject a sidecar
+        # listens to: a tenant to its cancel subject, with any reply subject) raised out of the
+        # loop, which then stopped for good with the connection still "connected": no delivery,
+        # PubAck or cancel was read again. The parser has consumed the message before this call,
+        # so dropping it leaves the stream of messages intact.
+        try:
+            await process(sid, subject, reply, data, headers)
+        except Exception:  # noqa: BLE001 - hostile bytes: this message is dropped, the loop goes on
+            dropped[0] += 1
+
+    msg_or_drop._jetbatch_guard = dropped  # type: ignore[attr-defined]
+    nc._process_msg = msg_or_drop  # type: ignore[method-assign]
+
+
+def unreadable_messages(nc: NATS) -> int:
+    """How many messages ``nc`` dropped because nats-py could not read them (:func:`guard_read_loop`)."""
+    dropped = getattr(getattr(nc, "_process_msg", None), "_jetbatch_guard", None)
+    return dropped[0] if dropped else 0
 
 
 # What nats-py's ``str.translate`` table does to a header value (CR and LF become spaces), as a

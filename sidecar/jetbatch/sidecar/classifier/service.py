@@ -27,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from jetbatch.sdk import __version__
+from jetbatch.sdk.connection import unreadable_messages
 from jetbatch.sdk.errors import BadRequest, JetbatchError, Overloaded, PayloadTooLarge, UnknownModel
 from jetbatch.sdk.protocol import (
     ErrorCode,
@@ -116,7 +117,7 @@ class Classifier:
 
     def report(self) -> SidecarReport:
         return SidecarReport(
-            role="classifier", id=self.id, version=__version__, stats={**self.stats, **self.pull_counts()}, started_at=self._started_at,
+            role="classifier", id=self.id, version=__version__, stats={**self.stats, **self.pull_counts(), "unreadable_messages": unreadable_messages(self.nc)}, started_at=self._started_at,
             updated_at=time.time(),
             http=self.http_address,
         )  # fmt: skip

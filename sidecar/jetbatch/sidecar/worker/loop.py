@@ -25,6 +25,7 @@ import anyio.lowlevel
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from jetbatch.sdk.connection import unreadable_messages
 from jetbatch.sdk.protocol import ErrorCode, Priority, SidecarReport, Subjects
 
 from ..cluster import ClusterView
@@ -359,7 +360,7 @@ class Worker:
         return view.build_report(
             worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             costs=self.costs, budget=self.budget, in_flight=self.state.in_flight.by_model(self.subjects.model_from_subject),
-            stats={**self.stats.snapshot(), **self.pullers.counts(self.slots.values())},
+            stats={**self.stats.snapshot(), **self.pullers.counts(self.slots.values()), "unreadable_messages": unreadable_messages(self.nc)},
             started_at=self.state.started_at, valid_s=self.config.worker.peer_timeout_s, http=self.http_address,
         )  # fmt: skip
 
