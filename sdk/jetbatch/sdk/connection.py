@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 from . import failures
 from .errors import ConnectionFailed
 
-__all__ = ["DEFAULT_URL", "connect_nats", "guard_read_loop", "parse_header_lines", "unreadable_messages"]
+__all__ = ["DEFAULT_URL", "connect_nats", "guard_read_loop", "parse_header_lines", "stopped_reading", "unreadable_messages"]
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -158,6 +158,16 @@ def unreadable_messages(nc: NATS) -> int:
     """How many messages ``nc`` dropped because nats-py could not read them (:func:`guard_read_loop`)."""
     dropped = getattr(getattr(nc, "_process_msg", None), "_jetbatch_guard", None)
     return dropped[0] if dropped else 0
+
+
+def stopped_reading(nc: NATS) -> bool:
+    """Whether ``nc`` says it is connected while its read loop has ended: nats-py ends that loop
+    on an error it does not expect, and nothing restarts it; such a connection sends, but reads no
+    message again (no delivery, PubAck or reply), until the process restarts. The sidecars'
+    ``/healthz`` fails on it. (During a reconnect the connection is not "connected", and a new
+    loop starts with the new socket.)"""
+    task = getattr(nc, "_reading_task", None)
+    return bool(nc.is_connected and task is not None and task.done())
 
 
 # What nats-py's ``str.translate`` table does to a header value (CR and LF become spaces), as a

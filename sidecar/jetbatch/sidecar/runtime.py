@@ -14,12 +14,13 @@ import anyio
 from nats.aio.client import Client as NATS
 
 from jetbatch.sdk import failures
+from jetbatch.sdk.connection import stopped_reading
 
 from .config import Config
 from .errors import SidecarError
 from .streams import StreamSetupError
 
-__all__ = ["EndpointError", "Sidecar", "retry_startup", "serve_sidecar"]
+__all__ = ["EndpointError", "Sidecar", "liveness", "retry_startup", "serve_sidecar"]
 
 log = logging.getLogger("jetbatch.runtime")
 T = TypeVar("T")
@@ -55,12 +56,10 @@ async def serve_sidecar(
     does not send the sidecar's main connection what that connection published itself."""
     from .transport import connect, connect_replies
 
-    state: dict[str, Any] = {"nc": None, "sidecar": None, "stopping": False}
+    state: dict[str, Any] = {"nc": None, "reply_nc": None, "sidecar": None, "stopping": False}
 
     def alive() -> tuple[bool, str]:
-        # Answering at all proves the event loop turns; a stop past its drain shows here too.
-        nc = state["nc"]
-        return (True, "alive") if nc is None or not nc.is_closed else (False, "NATS connection closed")
+        return liveness(state["nc"], state["reply_nc"])
 
     def ready() -> tuple[bool, str]:
         nc, sidecar = state["nc"], state["sidecar"]
@@ -86,6 +85,7 @@ async def serve_sidecar(
         reply_nc: NATS | None = None
         try:
             reply_nc = await connect_replies(config.nats, url, name=f"{name}-replies")
+            state["reply_nc"] = reply_nc
             sidecar = make(nc, reply_nc)
             sidecar.http_address = address
             state["sidecar"] = sidecar
@@ -106,6 +106,21 @@ async def serve_sidecar(
                         await _drain(conn)
             probes.cancel_scope.cancel()
     return 0
+
+
+def liveness(nc: NATS | None, reply_nc: NATS | None = None) -> tuple[bool, str]:
+    """``/healthz``: (alive, why). Answering at all proves the event loop turns; a stop past its
+    drain shows as a closed connection. A connection that says it is connected while its read
+    loop has ended reads nothing again (:func:`~jetbatch.sdk.connection.stopped_reading`): only a
+    restart brings the sidecar back, so it is not alive."""
+    if nc is None:
+        return True, "alive"
+    if nc.is_closed:
+        return False, "NATS connection closed"
+    for conn, what in ((nc, "NATS connection"), (reply_nc, "NATS reply connection")):
+        if conn is not None and stopped_reading(conn):
+            return False, f"{what} stopped reading (its read loop ended)"
+    return True, "alive"
 
 
 def freeze_start_up_heap() -> None:
