@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jetbatch import sdk
-from jetbatch.sdk.connection import unreadable_messages
+from jetbatch.sdk.connection import MAX_HEADER_BLOCK_BYTES, unreadable_messages
 from jetbatch.sdk.protocol import DEFAULT_REPLY_PREFIXES, Headers, ProtocolError, ReplyPolicy, Subjects, parse_request_headers, subject_matches
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until, worker_reports
 
@@ -104,6 +104,40 @@ async def test_classifier_publishes_nothing_where_a_request_aims_its_reply(nats_
             for stream in (subjects.ingress_stream, subjects.models_stream, subjects.dead_letter_stream):
                 await js.stream_info(stream)
             assert seen == []
+            async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                assert await client.infer(b"still serving", timeout=20) == b"still serving"
+        finally:
+            await nc.close()
+
+
+async def test_a_refused_request_with_a_header_name_nats_py_cannot_write_is_still_dead_lettered(nats_url: str, prefix: str) -> None:
+    """Found by an attack: the dead letter copies the request's headers, and nats-py refuses to
+    publish a name that is not a token (``a(b``, which the server passes on from a raw client):
+    the copy failed, and a hostile request erased its own record. Such names are left off the
+    copy now, and its reason says so; the classifier's and the worker's dead letters alike."""
+    subjects = Subjects(prefix)
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)}, classifier={"router": "rules", "default_model": "m1"})
+    async with running_worker(config, nats_url), running_classifier(config, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            for subject in (subjects.ingress, subjects.model("m1")):
+                block = b"\r\n%s: %s\r\n%s: $JS.API.STREAM.DELETE.X\r\na(b: 1" % (
+                    Headers.MSG_ID.encode(), uuid.uuid4().hex.encode(), Headers.REPLY_TO.encode())
+                _raw_hpub(nats_url, subject, block, b"x")  # stored by the stream: a core publish, no PubAck asked
+            letters: list[Any] = []
+
+            async def both_kept() -> bool:
+                state = (await js.stream_info(subjects.dead_letter_stream)).state
+                letters[:] = [await js.get_msg(subjects.dead_letter_stream, seq=q) for q in range(state.first_seq, state.last_seq + 1)] if state.messages else []
+                return len(letters) == 2
+
+            await wait_until(both_kept, what="both refused requests dead-lettered")
+            for letter in letters:
+                assert "not allowed" in letter.headers[Headers.DLQ_REASON] or "reply" in letter.headers[Headers.DLQ_REASON].lower()
+                assert "1 header(s) not copied" in letter.headers[Headers.DLQ_REASON]
+                assert "a(b" not in letter.headers
+            assert sorted(letter.headers[Headers.DLQ_STAGE] for letter in letters) == ["classifier", "worker"]
             async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
                 assert await client.infer(b"still serving", timeout=20) == b"still serving"
         finally:
@@ -337,6 +371,30 @@ async def test_bytes_nats_py_cannot_read_stop_no_connections_reading(nats_url: s
                 assert unreadable_messages(nc) == 3
         finally:
             await nc.close()
+
+
+async def test_a_header_block_larger_than_jetstream_stores_is_dropped_unread(nats_url: str, prefix: str) -> None:
+    """Found by an attack: nats-py parses a header block into a dict inside the read loop, before
+    any limit: an 8 MiB block of tiny headers on a core subject (a tenant's cancel subject, which
+    every worker reads; a caller's answers) held the loop 0.7 s and 82 MB, and a burst got the
+    connection cut as a slow consumer. A block over what JetStream stores (65 535 bytes) plus
+    the server's republish headers is now dropped unread; a request whose headers JetStream did
+    store is still served, its arrival event and delivery read as before."""
+    subjects = Subjects(prefix)
+    tiny_lines = b"".join(b"\r\nk%d:" % i for i in range(60_000))  # about 500 KiB, 60 000 headers
+    assert len(tiny_lines) > MAX_HEADER_BLOCK_BYTES
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"before", model="m1", timeout=10) == b"before"
+            _raw_hpub(nats_url, subjects.cancel("app1"), tiny_lines, b"x")
+            _raw_hpub(nats_url, subjects.answers(client._key).removesuffix("*") + "r1", tiny_lines, b"x")
+            big = {"X-Big": "a" * 64_000}  # JetStream stores it: read on every hop
+            assert await client.infer(b"big headers", model="m1", timeout=10, headers=big) == b"big headers"
+            assert await client.infer(b"after", model="m1", timeout=10) == b"after"
+            assert unreadable_messages(client.nats) == 1
+            reports = await worker_reports(nats_url, prefix)
+            assert [r.stats["unreadable_messages"] for r in reports] == [1]
 
 
 # --- the parser itself ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import nats.aio.client as nats_client
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,6 +27,7 @@ from jetbatch.sdk.protocol import (
     encode_error,
     encode_payload,
     subject_matches,
+    unwritable_header_names,
     validate_model_name,
     validate_tenant,
 )
@@ -324,3 +326,13 @@ def test_a_body_nested_too_deep_is_a_protocol_error_and_an_error_body_falls_back
             decode_payload(data, ctype)
     body = decode_error(b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"code":"bad_request"}')
     assert body.code == ErrorCode.INTERNAL.value
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=12) | st.sampled_from(["a(b", "Jetbatch-Reply-To", " X-A ", "é", "a b", "", "  ", "x:y", "Nats-Msg-Id"]))
+def test_unwritable_header_names_are_those_nats_py_refuses(name: str) -> None:
+    """A sidecar copying a producer's headers drops the names nats-py would refuse the publish
+    for (a dead letter's copy was lost to one): the same rule as nats-py's own."""
+    key = name.strip()
+    refused = bool(key) and nats_client._HEADER_KEY_RE.fullmatch(key) is None
+    assert unwritable_header_names({name: "v"}) == ([name] if refused else [])

@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 from . import failures
 from .errors import ConnectionFailed
 
-__all__ = ["DEFAULT_URL", "connect_nats", "guard_read_loop", "parse_header_lines", "stopped_reading", "unreadable_messages"]
+__all__ = ["DEFAULT_URL", "MAX_HEADER_BLOCK_BYTES", "connect_nats", "guard_read_loop", "parse_header_lines", "stopped_reading", "unreadable_messages"]
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -126,8 +126,15 @@ def _use_fast_header_parser(nc: NATS) -> None:
     guard_read_loop(nc)
 
 
+# The largest header block a connection reads: JetStream stores none over 65 535 bytes (a
+# delivery, a stored answer), and its republish of one (an arrival event) adds a few of the
+# server's headers; nothing jetbatch sends on core subjects comes near it.
+MAX_HEADER_BLOCK_BYTES = 65_536 + 4_096
+
+
 def guard_read_loop(nc: NATS) -> None:
-    """Have ``nc`` drop a message nats-py cannot read instead of ending its read loop. Done on
+    """Have ``nc`` drop a message nats-py cannot read instead of ending its read loop, and one
+    whose header block is over :data:`MAX_HEADER_BLOCK_BYTES` before nats-py parses it. Done on
     every connection jetbatch opens, and on one a caller hands to ``Client.from_connection``
     (what it changes for that caller's other subscriptions: such a message is dropped, where
     before it stopped the connection reading anything). Once per connection; a nats-py without
@@ -138,6 +145,13 @@ def guard_read_loop(nc: NATS) -> None:
     dropped = [0]
 
     async def msg_or_drop(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+        if headers is not None and len(headers) > MAX_HEADER_BLOCK_BYTES:
+            # nats-py parses a header block into a dict inside the read loop, before any
+            # subscription's limit or jetbatch's checks: an 8 MiB block of tiny headers (on a
+            # core subject: a cancel, the status subject, a caller's answers) held the loop 0.7 s
+            # and 82 MB, and a burst got the connection cut as a slow consumer.
+            dropped[0] += 1
+            return
         # nats-py 2.16 decodes a message's subject, reply subject and inline status line
         # ("NATS/1.0 <status> <description>") outside any try, in its read loop: one message
         # with bytes that are not UTF-8 there (any client may publish one to a subject a sidecar
@@ -155,7 +169,8 @@ def guard_read_loop(nc: NATS) -> None:
 
 
 def unreadable_messages(nc: NATS) -> int:
-    """How many messages ``nc`` dropped because nats-py could not read them (:func:`guard_read_loop`)."""
+    """How many messages ``nc`` dropped because nats-py could not read them, or their header
+    block was too large to read (:func:`guard_read_loop`)."""
     dropped = getattr(getattr(nc, "_process_msg", None), "_jetbatch_guard", None)
     return dropped[0] if dropped else 0
 

@@ -39,6 +39,7 @@ from jetbatch.sdk.protocol import (
     error_headers,
     forwardable_headers,
     message_bytes,
+    unwritable_header_names,
 )
 from jetbatch.sdk.errors import JetbatchError
 from jetbatch.sdk.publishing import ATOMIC_BATCH_MAX, AckGroup, BatchIgnored, PublishRefused, PubAcks, publish_with_retries
@@ -313,6 +314,12 @@ class Replier:
         # refuses the copy, and the request would be gone), and without Nats-Msg-Id the DLQ keeps
         # every entry.
         headers = forwardable_headers(original)
+        unwritable = unwritable_header_names(headers)
+        if unwritable:
+            # nats-py would refuse the whole copy, and the dead letter would be lost.
+            for name in unwritable:
+                del headers[name]
+            reason = f"{reason} ({len(unwritable)} header(s) not copied: names NATS cannot carry)"
         headers.update(
             {
                 Headers.DLQ_REASON: reason[:1000],

@@ -235,6 +235,18 @@ def forwardable_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     return {k: v for k, v in (headers or {}).items() if not k[:5].lower() == "nats-"}
 
 
+# A header name nats-py writes (an RFC 7230 token, after stripping); it refuses any other with
+# BadHeaderError, and with it the whole publish.
+_WRITABLE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def unwritable_header_names(headers: Mapping[str, str]) -> list[str]:
+    """The names among ``headers`` that nats-py refuses to publish (not a token: ``a(b``, ``é``).
+    A producer's raw headers may carry them (the server passes them on); a sidecar copying such
+    headers onto its own publish must drop them first, or lose the publish."""
+    return [k for k in headers if k.strip() and not _WRITABLE_NAME.fullmatch(k.strip())]
+
+
 def _shorten(value: object, limit: int = 40) -> str:
     text = str(value)
     return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
