@@ -17,7 +17,12 @@ also runs it with the relay publishing each batch as a JetStream fast-ingest bat
 nats-server 2.14+: one flow ack every few messages instead of a PubAck each). With
 ``--raw-republished``, the stored raw loop once more with its request stream republishing each
 stored request's headers, as jetbatch's models stream does for its arrival events: what that costs
-nats-server (``server_us``) with nobody listening.
+nats-server (``server_us``) with nobody listening. With ``--raw-twin``, the stored raw loop asking
+nats-server for the work jetbatch's protocol asks: random request ids as the SDK makes them, the
+SDK's request headers (no ``Reply``: the consumer answers under the request's key, at the subject
+a worker builds) and a jetbatch answer's five headers, its request stream republishing each
+request's headers; jetbatch against it (``jetbatch_over_raw_twin``, each process's CPU) is what
+jetbatch's own code costs beyond the server work and the transport.
 After each jetbatch run, ``--lone`` requests one at a time (``--lone-gap-s`` apart): a lone
 request's median latency beyond its batch windows (``lone_p50_over_max_delay_ms``; through the
 classifier, both windows), and how much of that is its worker batch starting past the worker's
@@ -35,7 +40,7 @@ requests sent and pull requests ended by a status message a batch; ``worker_even
 the arrival events it heard), from its status counters.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
-                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--raw-republished] [--raw-relayed [--relay-fast-ingest]]
+                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--raw-twin] [--raw-republished] [--raw-relayed [--relay-fast-ingest]]
                              [--batch-sizes]
 """
 
@@ -113,12 +118,12 @@ def _msgs_per_request(before: dict[int, tuple[str, int, int]], after: dict[int, 
 # --- the raw consumer (its own process) ----------------------------------------------------------
 
 
-async def raw_consumer(url: str, prefix: str, stored: bool) -> None:
+async def raw_consumer(url: str, prefix: str, stored: bool, protocol_headers: bool = False) -> None:
     """``bench.overhead``'s raw consumer in a process of its own, until killed."""
     nc = await nats.connect(url, name="raw-consumer")
     psub = await nc.jetstream().pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
     print("ready", flush=True)
-    await raw_replies(nc, psub, stored=stored)
+    await raw_replies(nc, psub, stored=stored, protocol_headers=protocol_headers, prefix=prefix)
 
 
 async def relay(url: str, prefix: str, fast: bool = False) -> None:
@@ -135,13 +140,13 @@ async def relay(url: str, prefix: str, fast: bool = False) -> None:
 
 async def _raw_producer(
     url: str, prefix: str, n: int, concurrency: int, payload: bytes, stored: bool, lone: int = 0, lone_gap_s: float = 0.0,
-    relayed: bool = False, random_ids: bool = False,
+    relayed: bool = False, random_ids: bool = False, protocol_headers: bool = False,
 ) -> tuple[float, list[float]]:
     """``bench.overhead``'s raw producer, one warm-up request before the timed ones; then
     ``lone`` requests one at a time (as jetbatch's lone requests are sent), their latencies."""
     nc = await nats.connect(url)
     alone: list[float] = []
-    how = {"stored": stored, "relayed": relayed, "random_ids": random_ids}
+    how = {"stored": stored, "relayed": relayed, "random_ids": random_ids, "protocol_headers": protocol_headers}
     try:
         await raw_requests(nc, prefix, 1, 1, payload, first=n, **how)  # warm
         elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, **how)
@@ -157,17 +162,20 @@ async def _raw_producer(
 def raw_round(
     url: str, server_pid: int, n: int, concurrency: int, payload: bytes, *, stored: bool = False, lone: int = 0, lone_gap_s: float = 0.0,
     relayed: bool = False, fast_ingest: bool = False, republish: bool = False, random_ids: bool = False,
-    on_timed: Callable[[], None] | None = None,
+    protocol_headers: bool = False, on_timed: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """A raw round; ``relayed``: the producer publishes to an ingress stream, a raw relay process
     republishes each request to the consumer's stream (the classifier's hop), and the consumer
     stores its replies (as the worker does): the raw twin of SDK → classifier → worker.
     ``fast_ingest``: the relay republishes each batch as a fast-ingest batch; ``republish``: the
     request stream republishes each request's headers, as jetbatch's models stream does;
-    ``random_ids``: request ids as the SDK makes them (``raw_requests``); ``on_timed``: called
-    just before the timed requests start (``bench.server_profile`` starts its profile then)."""
+    ``random_ids``: request ids as the SDK makes them (``raw_requests``); ``protocol_headers``
+    (with ``stored``, ``republish`` and ``random_ids``: the raw twin): requests and replies with
+    jetbatch's headers, each reply under the request's key (``raw_requests``, ``raw_replies``);
+    ``on_timed``: called just before the timed requests start (``bench.server_profile`` starts its
+    profile then)."""
     prefix = f"raw{uuid.uuid4().hex[:6]}"
-    stored = stored or relayed
+    stored = stored or relayed or protocol_headers
 
     async def setup() -> None:
         nc = await nats.connect(url)
@@ -175,7 +183,7 @@ def raw_round(
         await nc.close()
 
     asyncio.run(setup())
-    commands = [["--raw-consumer", url, prefix, *(["--stored"] if stored else [])]]
+    commands = [["--raw-consumer", url, prefix, *(["--stored"] if stored else []), *(["--protocol-headers"] if protocol_headers else [])]]
     if relayed:
         commands.append(["--relay", url, prefix, *(["--fast"] if fast_ingest else [])])
     procs = [subprocess.Popen([sys.executable, "-m", "bench.deployed", *c], cwd=ROOT, stdout=subprocess.PIPE, text=True) for c in commands]
@@ -186,7 +194,9 @@ def raw_round(
         before = (cpu_s(os.getpid()), sum(cpu_s(p.pid) for p in procs), cpu_s(server_pid))
         if on_timed is not None:
             on_timed()
-        elapsed, alone = asyncio.run(_raw_producer(url, prefix, n, concurrency, payload, stored, lone, lone_gap_s, relayed, random_ids))
+        elapsed, alone = asyncio.run(
+            _raw_producer(url, prefix, n, concurrency, payload, stored, lone, lone_gap_s, relayed, random_ids, protocol_headers)
+        )
         after = (cpu_s(os.getpid()), sum(cpu_s(p.pid) for p in procs), cpu_s(server_pid))
         msgs_after = consumer_msgs()
     finally:
@@ -194,7 +204,9 @@ def raw_round(
             proc.kill()
             proc.wait()
     kind = "raw_relayed_fast" if fast_ingest else "raw_relayed" if relayed else "raw_republished" if republish else "raw_stored" if stored else "raw"
-    if random_ids:
+    if protocol_headers and republish and random_ids:
+        kind = "raw_twin"
+    elif random_ids:
         kind += "_random_ids"
     record = {**_record(kind, n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
     if alone:
@@ -340,17 +352,23 @@ def main(argv: list[str] | None = None) -> int:
         "--raw-republished", action="store_true",
         help="also the stored raw loop with its request stream republishing each request's headers (jetbatch's arrival events; the server's part)",
     )  # fmt: skip
+    parser.add_argument(
+        "--raw-twin", action="store_true",
+        help="also the stored raw loop doing the server work of jetbatch's protocol: random request ids, jetbatch's request and "
+        "answer headers (each answer under the request's key), its request stream republishing each request's headers",
+    )  # fmt: skip
     parser.add_argument("--relay", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
     parser.add_argument("--fast", action="store_true", help=argparse.SUPPRESS)  # the relay's
     parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
     parser.add_argument("--stored", action="store_true", help=argparse.SUPPRESS)  # the raw consumer's
+    parser.add_argument("--protocol-headers", action="store_true", help=argparse.SUPPRESS)  # the raw consumer's
     parser.add_argument(
         "--batch-sizes", action="store_true", help="report each jetbatch round's mean batch size (read from every answer: a little more producer CPU)"
     )
     parser.add_argument("--json", help="append the record to this file (one JSON object per line)")
     args = parser.parse_args(argv)
     if args.raw_consumer:
-        asyncio.run(raw_consumer(*args.raw_consumer, stored=args.stored))
+        asyncio.run(raw_consumer(*args.raw_consumer, stored=args.stored, protocol_headers=args.protocol_headers))
         return 0
     if args.relay:
         asyncio.run(relay(*args.relay, fast=args.fast))
@@ -365,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             by_kind = {"raw": raw_round(server.url, server.pid, args.requests, args.concurrency, payload, **lone)}
             if args.raw_stored:
                 by_kind["raw_stored"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True, **lone)
+            if args.raw_twin:
+                by_kind["raw_twin"] = raw_round(
+                    server.url, server.pid, args.requests, args.concurrency, payload, stored=True, republish=True, random_ids=True,
+                    protocol_headers=True, **lone,
+                )  # fmt: skip
             if args.raw_republished:
                 by_kind["raw_republished"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True, republish=True, **lone)
             if args.raw_relayed:
@@ -408,6 +431,15 @@ def main(argv: list[str] | None = None) -> int:
             if "lone_p50_ms" in r["raw_stored"] and "lone_p50_over_max_delay_ms" in r["jetbatch"]:
                 # What jetbatch's lone request takes beyond its window and the raw stored round trip.
                 ratios["lone_over_max_delay_and_raw_stored_ms"] = r["jetbatch"]["lone_p50_over_max_delay_ms"] - r["raw_stored"]["lone_p50_ms"]
+        if "raw_twin" in r:
+            # jetbatch against the least loop that asks nats-server for the same work (stored
+            # answers, random ids, the protocol's headers, the arrival events' republish): what
+            # is left is jetbatch's own code, the producer's and the worker's.
+            ratios["raw_twin_over_raw"] = r["raw_twin"]["rate"] / r["raw"]["rate"]
+            ratios["jetbatch_over_raw_twin"] = r["jetbatch"]["rate"] / r["raw_twin"]["rate"]
+            ratios["worker_cpu_over_raw_twin_consumer"] = r["jetbatch"]["consumer_us"] / r["raw_twin"]["consumer_us"]
+            ratios["producer_cpu_over_raw_twin_producer"] = r["jetbatch"]["producer_us"] / r["raw_twin"]["producer_us"]
+            ratios["server_us_jetbatch_minus_raw_twin"] = r["jetbatch"]["server_us"] - r["raw_twin"]["server_us"]
         if "raw_republished" in r and "raw_stored" in r:
             # What the republish of each request's headers costs nats-server, a request.
             ratios["server_us_republished_minus_stored"] = r["raw_republished"]["server_us"] - r["raw_stored"]["server_us"]

@@ -62,14 +62,40 @@ async def _batches(psub: Any, stop: asyncio.Event | None) -> AsyncIterator[list[
             continue
 
 
-async def raw_replies(nc: Any, psub: Any, stop: asyncio.Event | None = None, *, stored: bool = False) -> None:
+# What a jetbatch answer carries (protocol 3), in shape and length: what ``protocol_headers`` gives
+# the raw loop's replies, so that nats-server stores and delivers as many header bytes for both.
+_ANSWER_BATCH = "id={batch};size={size};wait_ms=2.046;loaded=0;worker=raw-10411"
+
+
+def _answer_headers(m: Any, batch: str, size: int) -> dict[str, str]:
+    return {
+        "Jetbatch-Model": "ident", "Jetbatch-Batch": _ANSWER_BATCH.format(batch=batch, size=size), "Jetbatch-Status": "ok",
+        "Jetbatch-Request-Id": m.headers["Nats-Msg-Id"], "Content-Type": "application/octet-stream",
+    }  # fmt: skip
+
+
+async def raw_replies(
+    nc: Any, psub: Any, stop: asyncio.Event | None = None, *, stored: bool = False, protocol_headers: bool = False, prefix: str = ""
+) -> None:
     """The raw consumer: fetch up to 64, publish each reply (to its ``Reply`` header), ack each;
     until ``stop`` is set (or forever). ``stored``: each reply is a JetStream publish into a
     results stream, and the batch's requests are acked once every reply's PubAck came: the least
-    a loop does that acks a request only when its answer is safe (as jetbatch does)."""
+    a loop does that acks a request only when its answer is safe (as jetbatch does).
+    ``protocol_headers`` (stored only): the requests carry jetbatch's request headers and no
+    ``Reply``; each reply goes to ``<prefix>.r.<Jetbatch-Reply-Key>.<Nats-Msg-Id>`` (as a worker
+    builds an answer's subject) with the five headers of a jetbatch answer."""
     js = nc.jetstream()
     async for msgs in _batches(psub, stop):
-        if stored:
+        if protocol_headers:
+            batch = os.urandom(8).hex()
+            await asyncio.gather(*[
+                await js.publish_async(
+                    f"{prefix}.r.{m.headers['Jetbatch-Reply-Key']}.{m.headers['Nats-Msg-Id']}", m.data,
+                    headers=_answer_headers(m, batch, len(msgs)),
+                )
+                for m in msgs
+            ])  # fmt: skip
+        elif stored:
             await asyncio.gather(*[await js.publish_async(m.headers["Reply"], m.data) for m in msgs])
         else:
             for m in msgs:
@@ -142,7 +168,7 @@ async def add_raw_streams(
 
 async def raw_requests(
     nc: Any, prefix: str, n: int, concurrency: int, payload: bytes, *, first: int = 0, stored: bool = False, relayed: bool = False,
-    random_ids: bool = False,
+    random_ids: bool = False, protocol_headers: bool = False,
 ) -> tuple[float, list[float]]:
     """The raw producer: ``n`` JetStream publishes to ``<prefix>.q`` (with ``relayed``: to the
     relay's ``<prefix>.in``) with a reply-to header, at most ``concurrency`` awaiting their reply
@@ -150,9 +176,13 @@ async def raw_requests(
     and delivered live at once, as jetbatch's answers are). Each request's id (its dedupe id and
     the last token of its reply subject) is ``r<i>``, or with ``random_ids`` 32 random hex
     characters, as the SDK makes them: a stored reply's subject then shares no prefix with the
-    one before, which costs nats-server's subject index more. Returns the seconds and latencies."""
+    one before, which costs nats-server's subject index more. ``protocol_headers`` (stored only):
+    each request carries the headers the SDK sends (``Nats-Msg-Id``, ``Jetbatch-Reply-Key``,
+    ``Content-Type``, ``Jetbatch-Deadline``) and no ``Reply``: the consumer answers under the key.
+    Returns the seconds and latencies."""
     js = nc.jetstream()
-    inbox = f"{prefix}.r.{uuid.uuid4().hex}" if stored else nc.new_inbox()
+    key = uuid.uuid4().hex
+    inbox = f"{prefix}.r.{key}" if stored else nc.new_inbox()
     waiting: dict[str, asyncio.Future[None]] = {}
 
     async def on_reply(msg: nats.aio.msg.Msg) -> None:
@@ -170,7 +200,12 @@ async def raw_requests(
             fut = asyncio.get_running_loop().create_future()
             waiting[rid] = fut
             t = time.perf_counter()
-            await js.publish(f"{prefix}.in" if relayed else f"{prefix}.q", payload, headers={"Nats-Msg-Id": rid, "Reply": f"{inbox}.{rid}"})
+            if protocol_headers:
+                deadline = str(int((time.time() + 30) * 1000))
+                headers = {"Nats-Msg-Id": rid, "Jetbatch-Reply-Key": key, "Content-Type": "application/octet-stream", "Jetbatch-Deadline": deadline}
+            else:
+                headers = {"Nats-Msg-Id": rid, "Reply": f"{inbox}.{rid}"}
+            await js.publish(f"{prefix}.in" if relayed else f"{prefix}.q", payload, headers=headers)
             await asyncio.wait_for(fut, 30)
             latencies.append(time.perf_counter() - t)
 

@@ -160,6 +160,34 @@ async def test_the_stored_raw_loop_republishes_and_takes_random_ids_as_jetbatch_
         await nc.close()
 
 
+async def test_the_raw_twin_carries_jetbatchs_headers_and_answers_under_the_key(nats_url: str, prefix: str) -> None:
+    """``--raw-twin``: the stored raw loop asking nats-server for jetbatch's work. Its requests
+    carry the SDK's four headers and no ``Reply``; each answer is stored at
+    ``<prefix>.r.<key>.<id>`` (as a worker builds it) with a jetbatch answer's five headers; every
+    caller is answered and every request acked."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await add_raw_streams(js, prefix, stored=True, republish=True)
+        arrived = await nc.subscribe(f"{prefix}.arrived")
+        psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+        stop = asyncio.Event()
+        consumer = asyncio.create_task(raw_replies(nc, psub, stop, stored=True, protocol_headers=True, prefix=prefix))
+        _, latencies = await raw_requests(nc, prefix, 10, 4, b"x", stored=True, random_ids=True, protocol_headers=True)
+        stop.set()
+        await consumer
+        assert len(latencies) == 10
+        request = (await arrived.next_msg(timeout=10)).headers
+        assert {"Nats-Msg-Id", "Jetbatch-Reply-Key", "Content-Type", "Jetbatch-Deadline"} <= set(request) and "Reply" not in request
+        answer = await js.get_last_msg(f"{prefix.upper()}_R", f"{prefix}.r.{request['Jetbatch-Reply-Key']}.{request['Nats-Msg-Id']}")
+        assert set(answer.headers) == {"Jetbatch-Model", "Jetbatch-Batch", "Jetbatch-Status", "Jetbatch-Request-Id", "Content-Type"}
+        assert answer.headers["Jetbatch-Request-Id"] == request["Nats-Msg-Id"]
+        assert (await js.stream_info(f"{prefix.upper()}_R")).state.messages == 10
+        assert (await js.stream_info(prefix.upper())).state.messages == 0
+    finally:
+        await nc.close()
+
+
 def _pb_varint(n: int) -> bytes:
     out = bytearray()
     while True:
