@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 from unittest import mock
 
 import anyio.lowlevel
+import nats
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jetbatch.sdk import publishing
-from jetbatch.sdk.publishing import AckGroup, BatchIgnored, PublishRefused, PubAcks
+from jetbatch.sdk.errors import RequestTimeout
+from jetbatch.sdk.publishing import AckGroup, BatchIgnored, PublishRefused, PubAcks, publish_with_retries
 
 pytestmark = pytest.mark.anyio
 
@@ -142,6 +145,41 @@ async def test_a_pubAck_with_no_stream_is_a_refusal_naming_the_status() -> None:
     assert isinstance(exc, PublishRefused) and exc.err_code is None and "503" in str(exc)
 
 
+async def test_pubAck_tokens_are_random_so_one_seen_tells_nothing_of_the_next() -> None:
+    """Every answer carries its PubAck subject as its reply, in sight of its callers. With a
+    counter there, anyone who may publish to the inbox confirmed the next publishes before
+    JetStream did (an attack confirmed 24% of a worker's answer stores, and during a results
+    stream outage got requests acked whose answers were stored nowhere). Tokens are 64 random
+    bits now; a PubAck on any other token is dropped."""
+    nc = StandIn()
+    acks = PubAcks(nc)  # type: ignore[arg-type]
+    futs = [await acks.publish(f"s.{i}", b"x", {}) for i in range(600)]  # past one pool of random bytes
+    tokens = [reply.rsplit(".", 1)[1] for _, reply, _ in nc.published]
+    assert len(set(tokens)) == 600 and all(len(t) == 16 and int(t, 16) >= 0 for t in tokens)
+    for guess in ("1", "2", "601", tokens[0][:-1] + ("0" if tokens[0][-1] != "0" else "1")):
+        await nc.ack(f"_INBOX.test.{guess}", _stored(9))
+    assert not any(f.done() for f in futs) and len(acks._waiting) == 600
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 1000 + b"]" * 1000, b'{"stream": 1, "seq": 1}', b'{"stream": "R"}', b'{"stream": "R", "seq": "1"}', b"[1, 2]", b"not json"],
+    ids=["nested too deep", "stream not a name", "no seq", "seq not a number", "a list", "not json"],
+)
+async def test_a_pubAck_that_is_not_one_is_a_refusal_at_once(body: bytes) -> None:
+    """A body on a live token that is not a PubAck is a refusal (the caller's careful path
+    publishes again under the same id), never an exception out of the subscription: a body
+    nested past msgspec's depth raised RecursionError there, and the batch waited out its 5 s."""
+    nc = StandIn()
+    acks = PubAcks(nc)  # type: ignore[arg-type]
+    group = AckGroup()
+    fut = await acks.publish("s.1", b"x", {}, group=group)
+    assert nc.on_ack is not None
+    await nc.on_ack(SimpleNamespace(subject=nc.published[0][1], data=body, headers=None))
+    await asyncio.wait_for(group.wait(30.0), 1)
+    assert isinstance(fut.exception(), PublishRefused)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from(["ack", "refuse", "give_up", "none"]), min_size=1, max_size=40))
 def test_tokens_given_up_on_are_swept_and_the_table_stays_bounded(outcomes: list[str]) -> None:
@@ -176,3 +214,23 @@ def test_tokens_given_up_on_are_swept_and_the_table_stays_bounded(outcomes: list
     floor = 4  # sweep often: the property is about the sweep, not its floor
     with mock.patch.object(publishing, "_SWEEP_MIN", floor):
         asyncio.run(run())
+
+
+@pytest.mark.parametrize("junk", [b"not json", b"[" * 1000 + b"]" * 1000, b"[1, 2]", b'{"stream": 1}'], ids=["text", "nested", "list", "stream"])
+async def test_the_careful_path_reads_a_reply_that_is_not_a_pubAck_as_no_pubAck(nats_url: str, junk: bytes) -> None:
+    """nats-py's ``js.publish`` parses whatever reaches the request's inbox first; junk there (a
+    responder on a subject no stream captures, or anyone who may publish to that inbox first)
+    raised JSONDecodeError, RecursionError or TypeError out of ``publish_with_retries``, where a
+    typed error is promised (the SDK's ``infer`` raised it; a worker's ``deliver`` that must not
+    raise did). It is retried like a missing PubAck, to the deadline: ``RequestTimeout``."""
+    nc = await nats.connect(nats_url)
+    try:
+
+        async def answer_junk(msg: Any) -> None:
+            await nc.publish(msg.reply, junk)
+
+        await nc.subscribe("no.stream.here", cb=answer_junk)
+        with pytest.raises(RequestTimeout):
+            await publish_with_retries(nc.jetstream(), "no.stream.here", b"x", {"Nats-Msg-Id": "r1"}, deadline=time.monotonic() + 0.3)
+    finally:
+        await nc.close()

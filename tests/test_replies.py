@@ -132,10 +132,10 @@ async def test_each_answer_is_one_message_stored_and_received_live(nats_url: str
         assert info.state.messages == 6
         assert replier._atomic is (setting and allowed)
         assert acks is not None
-        published = acks._next
+        published = acks.sent
         await replier.deliver([_keyed("r6"), _keyed("r7")])
         assert (await nc.jetstream().stream_info(subjects.results_stream)).state.messages == 8
-        assert acks._next - published == (1 if setting and allowed else 2)  # PubAcks waited for: one a batch, else one an answer
+        assert acks.sent - published == (1 if setting and allowed else 2)  # PubAcks waited for: one a batch, else one an answer
     finally:
         await nc.close()
 

@@ -289,3 +289,18 @@ async def test_after_a_reconnect_the_stored_answer_is_looked_for_until_found(nat
         with anyio.fail_after(10):
             assert await call == b"stored answer"
         assert misses["n"] == 3
+
+
+@pytest.mark.anyio
+async def test_one_request_id_twice_at_once_is_refused_for_the_second(nats_url: str, prefix: str) -> None:
+    """A caller's own id is first looked up in the results store (a retry's answer may be there),
+    and a second call with the same id, started during that look-up, passed the in-flight check
+    too: one call got the answer, the other waited out its whole timeout. The second is
+    ``BadRequest`` now, at once, whatever the order."""
+    config = make_config(prefix, {"m1": sleep_model(max_delay_ms=5)})
+    async with running_worker(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            calls = [client.infer(b"same", model="m1", timeout=10, request_id="twice-1") for _ in range(2)]
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            assert sorted(type(o).__name__ for o in outcomes) == ["BadRequest", "bytes"]
+            assert b"same" in outcomes

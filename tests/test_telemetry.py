@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
@@ -24,6 +25,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from jetbatch import sdk
+from jetbatch.sdk.protocol import Headers
+from jetbatch.sidecar.classifier.service import OTHER_MODEL_LABEL
 from jetbatch.sidecar.otel import PrivateIdGenerator
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
 from tests.otlp_receiver import OtlpReceiver
@@ -387,3 +390,22 @@ async def test_the_classifier_reports_what_it_routed(otel: Otel, nats_url: str, 
                 assert await client.infer(f"r{i}".encode(), timeout=20) == f"r{i}".encode()
     assert _total(reader, "jetbatch.classifier.requests", jetbatch__model="m1", jetbatch__status="ok") - before == 3
     assert _total(reader, "jetbatch.classifier.batch.size") - batches_before >= 1
+
+
+async def test_the_classifier_names_only_models_a_queue_took(otel: Otel, nats_url: str, prefix: str) -> None:
+    """A producer's ``Jetbatch-Model`` is any token: counted under its own name, each made a
+    series, and an attack filled the 2 000 the SDK allows (then legitimate traffic went to the
+    overflow series, and /metrics took 30-55 ms to render on the classifier's loop). A name no
+    queue took is counted as ``_other``; a served model keeps its own series."""
+    _, reader, _ = otel
+    config = make_config(prefix, {"m1": sleep_model()}, classifier={"router": "rules", "default_model": "m1"})
+    before = _total(reader, "jetbatch.classifier.requests", jetbatch__model=OTHER_MODEL_LABEL, jetbatch__status="unknown_model")
+    async with running_worker(config, nats_url), running_classifier(config, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            for i in range(5):
+                with pytest.raises(sdk.UnknownModel):
+                    await client.infer(b"x", timeout=20, headers={Headers.MODEL: f"hostile-{uuid.uuid4().hex}"})
+            assert await client.infer(b"ok", timeout=20) == b"ok"
+    assert _total(reader, "jetbatch.classifier.requests", jetbatch__model=OTHER_MODEL_LABEL, jetbatch__status="unknown_model") - before == 5
+    assert not [p for p in _points(reader, "jetbatch.classifier.requests") if p.attributes.get("jetbatch.model", "").startswith("hostile-")]
+    assert _points(reader, "jetbatch.classifier.requests", jetbatch__model="m1", jetbatch__status="ok")

@@ -272,6 +272,8 @@ class Client:
             stored = await self._look_up(rid, anywhere=True)
             if stored is not None:
                 return self._to_result(stored, rid, time.monotonic() - started, with_batch)
+            if rid in self._pending:  # another call with this id started during the look-up
+                raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending[rid] = fut

@@ -17,6 +17,7 @@ import nats.js.errors
 __all__ = [
     "ALREADY_ACKED", "API_ERRORS", "BAD_HEADER", "BAD_REQUEST", "CLOSED", "CONFLICT", "KEY_MISSING",
     "NOT_FOUND", "NO_SERVERS", "NO_STREAM", "SLOW", "TIMEOUTS", "TOO_LARGE", "TRANSPORT_ERRORS", "UNAVAILABLE",
+    "UNREADABLE_REPLY",
 ]  # fmt: skip
 
 Errors = tuple[type[BaseException], ...]
@@ -46,6 +47,9 @@ CLOSED: Errors = (nats.errors.ConnectionClosedError,)
 TOO_LARGE: Errors = (nats.errors.MaxPayloadError,)
 # A header nats-py refuses to write.
 BAD_HEADER: Errors = (nats.errors.BadHeaderError,)
+# A reply nats-py could not read as a PubAck (js.publish parses whatever comes first to the
+# request's inbox: junk JSON, a list, a body nested too deep, a stream that is not a name).
+UNREADABLE_REPLY: Errors = (ValueError, TypeError, KeyError, AttributeError, RecursionError)
 # The client could not get a publish out or acknowledged in time (its buffer is full, or no PubAck).
 SLOW: Errors = (nats.errors.OutboundBufferLimitError, nats.errors.TimeoutError, asyncio.TimeoutError)
 # No server could be reached at connect.

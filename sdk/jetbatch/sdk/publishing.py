@@ -16,6 +16,7 @@ unavailable).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from typing import Any, Awaitable, Callable
@@ -79,8 +80,10 @@ async def publish_with_retries(
             raise ConnectionFailed("connection to NATS is closed", request_id=request_id) from exc
         except failures.BAD_HEADER as exc:
             raise BadRequest(f"invalid header name: {exc}", request_id=request_id) from exc
-        except failures.SLOW as exc:
-            last = exc  # reconnecting, or no PubAck: retry, dedupe makes it safe
+        except failures.SLOW + failures.UNREADABLE_REPLY as exc:
+            # Reconnecting, no PubAck, or a reply nats-py could not read as one (anyone who may
+            # publish to the request's inbox could send it first): retry, dedupe makes it safe.
+            last = exc
             await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), _MAX_BACKOFF_S, max(deadline - time.monotonic(), 0)))
         except failures.TRANSPORT_ERRORS as exc:
             last = exc
@@ -171,6 +174,13 @@ _Entry = tuple["asyncio.Future[dict[str, Any]]", "AckGroup | None", "tuple[str, 
 # twice the size left after the last one keeps it amortised O(1) a publish.
 _SWEEP_MIN = 1024
 
+# A PubAck's token is random (64 bits), drawn from a buffer of random bytes refilled every few
+# hundred publishes (one system call, not one a publish). A counter told anyone who saw one
+# publish's reply subject (every answer carries it) the next ones: whoever may publish to the
+# inbox could confirm them first, and an answer never stored counted as stored.
+_TOKEN_BYTES = 8
+_TOKEN_POOL = _TOKEN_BYTES * 512
+
 
 class PubAcks:
     """Publish to JetStream on ``nc`` and collect the PubAcks. A future the caller gives up on
@@ -181,8 +191,10 @@ class PubAcks:
         self._prefix = f"{nc.new_inbox()}."
         self._sub: Any = None
         self._waiting: dict[str, _Entry] = {}
-        self._next = 0
+        self._random = b""
+        self._random_at = 0
         self._sweep_at = _SWEEP_MIN
+        self.sent = 0  # messages published with a PubAck asked for
 
     async def publish(
         self, subject: str, body: bytes, headers: dict[str, str], *, group: AckGroup | None = None
@@ -221,8 +233,8 @@ class PubAcks:
         if len(self._waiting) >= self._sweep_at:
             self._waiting = {t: e for t, e in self._waiting.items() if not e[0].done()}
             self._sweep_at = max(_SWEEP_MIN, 2 * len(self._waiting))
-        self._next += 1
-        token = str(self._next)
+        token = self._token()
+        self.sent += 1
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[token] = (fut, None, expect)  # before the publish: its PubAck may come at once
         try:
@@ -238,6 +250,14 @@ class PubAcks:
                 self._waiting[token] = (fut, group, expect)
                 group._track(fut)
         return fut
+
+    def _token(self) -> str:
+        at = self._random_at
+        if at >= len(self._random):
+            self._random, at = os.urandom(_TOKEN_POOL), 0
+        self._random_at = at + _TOKEN_BYTES
+        token = self._random[at : at + _TOKEN_BYTES].hex()
+        return token if token not in self._waiting else self._token()
 
     async def close(self) -> None:
         """Stop listening for PubAcks; futures still waiting are cancelled."""
@@ -273,12 +293,17 @@ class PubAcks:
 
 
 def _outcome(msg: Msg) -> dict[str, Any] | PublishRefused:
-    """A PubAck's message: the ack (a dict naming its stream), or why nothing was stored."""
+    """A PubAck's message: the ack (a dict naming its stream and the sequence it stored the
+    message at), or why nothing was stored. Never raises: a body that is not a PubAck (nested
+    past the decoder's depth, a stream that is not a name) is a refusal, and the caller's careful
+    path publishes again under the same id."""
     try:
         ack = msgspec.json.decode(msg.data) if msg.data else None
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
+        # RecursionError: a JSON body nested past msgspec's depth raised it out of the PubAck
+        # subscription, leaving the future to its caller's timeout (5 s a batch).
         ack = None
-    if isinstance(ack, dict) and "error" not in ack and "stream" in ack:
+    if isinstance(ack, dict) and "error" not in ack and isinstance(ack.get("stream"), str) and type(ack.get("seq")) is int:
         return ack
     # No stream (a 503 status with an empty body), or an API error such as a full stream.
     error = ack.get("error") if isinstance(ack, dict) else None

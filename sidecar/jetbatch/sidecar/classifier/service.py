@@ -56,10 +56,14 @@ from ..streams import classifier_consumer_name, ensure_classifier_streams
 from ..telemetry import ClassifierTelemetry, link_requests
 from .routers import Item, Route, Router, make_router
 
-__all__ = ["Classifier"]
+__all__ = ["OTHER_MODEL_LABEL", "Classifier"]
 
 log = logging.getLogger("jetbatch.classifier")
 _tracer_name = "jetbatch.sidecar"
+# The classifier's request count names a model only once a queue took a request for it; any
+# other name is counted under this one. At most this many models are named.
+OTHER_MODEL_LABEL = "_other"
+_MAX_MODEL_LABELS = 4096
 _REPUBLISH_ACK_TIMEOUT_S = 5.0  # then the careful path retries (same Nats-Msg-Id: no duplicates)
 # How long an idle classifier waits for a request before it looks at its stop flag again.
 _IDLE_WAIT_S = 0.25
@@ -90,6 +94,11 @@ class Classifier:
         self.id = self.cfg.id or f"classifier-{socket.gethostname()}-{os.getpid()}"
         self.http_address = ""  # where its endpoints listen (set by runtime.serve_sidecar), for the report
         self.stats = {"batches": 0, "requests": 0, "routed": 0, "errors": 0, "direct": 0}
+        # Models a republish was stored for: the only model names the metrics name. A producer's
+        # Jetbatch-Model is any token, and each new one made a series (an attack filled the 2 000
+        # the OpenTelemetry SDK allows, after which legitimate traffic was counted in its overflow
+        # series, and /metrics took 30-55 ms to render on the event loop).
+        self._stored_models: set[str] = set()
         self._puller: Puller | None = None
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.reply_policy = config.reply_policy
@@ -338,7 +347,9 @@ class Classifier:
 
     async def _forwarded(self, msg: Msg, model: str | None) -> None:
         self.stats["routed"] += 1
-        self.metrics.requests.add(1, {"jetbatch.model": model or "", "jetbatch.status": "ok"})
+        if model is not None and len(self._stored_models) < _MAX_MODEL_LABELS:
+            self._stored_models.add(model)  # the models stream took it: a model the deployment has
+        self.metrics.requests.add(1, {"jetbatch.model": self._model_label(model), "jetbatch.status": "ok"})
         await self._settle_forwarded(msg)
 
     async def _settle_forwarded(self, msg: Msg) -> None:
@@ -358,8 +369,15 @@ class Classifier:
         for (msg, meta, route), answer in zip(failed, answers):
             self.stats["errors"] += 1
             status = answer.error.value if answer.error is not None else "internal"
-            self.metrics.requests.add(1, {"jetbatch.model": route.model or "", "jetbatch.status": status})
+            self.metrics.requests.add(1, {"jetbatch.model": self._model_label(route.model), "jetbatch.status": status})
             await settle(msg, "term" if answer.error is ErrorCode.BAD_REQUEST else "ack")
+
+    def _model_label(self, model: str | None) -> str:
+        """The ``jetbatch.model`` of a request's count: its model once the models stream has taken
+        a request for it, else ``_other`` (a name no queue took: unknown, or not yet seen)."""
+        if not model:
+            return ""
+        return model if model in self._stored_models else OTHER_MODEL_LABEL
 
     async def _republish(self, subject: str, msg: Msg, meta: RequestMeta, headers: dict[str, str]) -> tuple[ErrorCode, str] | None:
         """The careful path: publish with retries under the same ``Nats-Msg-Id`` (dedupe makes a
