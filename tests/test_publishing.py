@@ -161,6 +161,18 @@ async def test_pubAck_tokens_are_random_so_one_seen_tells_nothing_of_the_next() 
     assert not any(f.done() for f in futs) and len(acks._waiting) == 600
 
 
+async def test_a_pubAck_from_another_stream_is_a_refusal() -> None:
+    """Each publisher knows the streams its messages are for (a worker's answers, the results
+    stream): a PubAck naming another is no proof its message was stored there."""
+    nc = StandIn()
+    acks = PubAcks(nc, streams=("R",))  # type: ignore[arg-type]
+    ours, theirs = await acks.publish("s.1", b"x", {}), await acks.publish("s.2", b"x", {})
+    await nc.ack(nc.published[0][1], _stored(1))
+    await nc.ack(nc.published[1][1], {"stream": "FORGED", "seq": 424242})
+    assert ours.result()["seq"] == 1
+    assert isinstance(theirs.exception(), PublishRefused) and "FORGED" in str(theirs.exception())
+
+
 @pytest.mark.parametrize(
     "body",
     [b"[" * 1000 + b"]" * 1000, b'{"stream": 1, "seq": 1}', b'{"stream": "R"}', b'{"stream": "R", "seq": "1"}', b"[1, 2]", b"not json"],

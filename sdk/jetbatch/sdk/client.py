@@ -95,7 +95,7 @@ class Client:
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconnects_seen = 0
-        self._acks = PubAcks(nc)
+        self._acks = PubAcks(nc, streams=(self._subjects.ingress_stream, self._subjects.models_stream))
         self._timeouts = Timeouts()  # the reply and PubAck waits, on shared timers
         self._address_of: Any = None
         self._address: tuple[str, int] | None = None

@@ -19,7 +19,7 @@ import asyncio
 import os
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Collection
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -184,10 +184,13 @@ _TOKEN_POOL = _TOKEN_BYTES * 512
 
 class PubAcks:
     """Publish to JetStream on ``nc`` and collect the PubAcks. A future the caller gives up on
-    (cancels) is forgotten here too; a PubAck that arrives later is dropped."""
+    (cancels) is forgotten here too; a PubAck that arrives later is dropped. ``streams``: the
+    streams the publishes are meant for; a PubAck naming another is a refusal (the message went
+    somewhere else, or the PubAck is not JetStream's)."""
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, streams: Collection[str] | None = None) -> None:
         self._nc = nc
+        self._streams = frozenset(streams) if streams is not None else None
         self._prefix = f"{nc.new_inbox()}."
         self._sub: Any = None
         self._waiting: dict[str, _Entry] = {}
@@ -282,6 +285,8 @@ class PubAcks:
         if fut.done():
             return  # given up on (an AckGroup's wait ended, the caller cancelled)
         outcome = _outcome(msg)
+        if self._streams is not None and isinstance(outcome, dict) and outcome["stream"] not in self._streams:
+            outcome = PublishRefused(f"a PubAck from stream {str(outcome['stream'])[:64]!r}, not {'/'.join(sorted(self._streams))}")
         if expect is not None and isinstance(outcome, dict) and (outcome.get("batch"), outcome.get("count")) != expect:
             outcome = BatchIgnored(f"the stream did not store the batch atomically ({outcome})")
         if isinstance(outcome, dict):

@@ -217,7 +217,7 @@ class Replier:
         A protocol-3 answer counts as sent once its copy is handed to the connection: that
         publish is its live delivery."""
         if self._acks is None:
-            self._acks = PubAcks(self.out)
+            self._acks = PubAcks(self.out, streams=(self.subjects.results_stream,))
         groups: list[tuple[list[Answer], asyncio.Future[Any]]] = []
         size = ATOMIC_BATCH_MAX if self._atomic else 1
         for i in range(0, len(answers), size):

@@ -88,8 +88,8 @@ class Classifier:
         self.cfg = config.classifier
         self.nc = nc
         self.js = nc.jetstream()
-        self._pubacks = PubAcks(nc)
         self.subjects: Subjects = config.subjects
+        self._pubacks = PubAcks(nc, streams=(self.subjects.models_stream,))
         self.router = router or make_router(self.cfg)
         self.id = self.cfg.id or f"classifier-{socket.gethostname()}-{os.getpid()}"
         self.http_address = ""  # where its endpoints listen (set by runtime.serve_sidecar), for the report
