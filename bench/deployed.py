@@ -22,7 +22,8 @@ nats-server for the work jetbatch's protocol asks: random request ids as the SDK
 SDK's request headers (no ``Reply``: the consumer answers under the request's key, at the subject
 a worker builds) and a jetbatch answer's five headers, its request stream republishing each
 request's headers; jetbatch against it (``jetbatch_over_raw_twin``, each process's CPU) is what
-jetbatch's own code costs beyond the server work and the transport.
+jetbatch's own code costs beyond the server work and the transport; ``--raw-relayed-twin``, the
+same for the raw relayed loop, against the classifier path.
 After each jetbatch run, ``--lone`` requests one at a time (``--lone-gap-s`` apart): a lone
 request's median latency beyond its batch windows (``lone_p50_over_max_delay_ms``; through the
 classifier, both windows), and how much of that is its worker batch starting past the worker's
@@ -40,7 +41,7 @@ requests sent and pull requests ended by a status message a batch; ``worker_even
 the arrival events it heard), from its status counters.
 
     python -m bench.deployed [--requests 5000] [--concurrency 64] [--payload 256] [--rounds 3] [--lone 20]
-                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--raw-twin] [--raw-republished] [--raw-relayed [--relay-fast-ingest]]
+                             [--lone-gap-s 0] [--max-delay-s 0.002] [--raw-stored] [--raw-twin] [--raw-republished] [--raw-relayed [--relay-fast-ingest]] [--raw-relayed-twin]
                              [--batch-sizes]
 """
 
@@ -205,7 +206,7 @@ def raw_round(
             proc.wait()
     kind = "raw_relayed_fast" if fast_ingest else "raw_relayed" if relayed else "raw_republished" if republish else "raw_stored" if stored else "raw"
     if protocol_headers and republish and random_ids:
-        kind = "raw_twin"
+        kind = "raw_relayed_twin" if relayed else "raw_twin"
     elif random_ids:
         kind += "_random_ids"
     record = {**_record(kind, n, elapsed, before, after), **_msgs_per_request(msgs, msgs_after, n)}
@@ -357,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         help="also the stored raw loop doing the server work of jetbatch's protocol: random request ids, jetbatch's request and "
         "answer headers (each answer under the request's key), its request stream republishing each request's headers",
     )  # fmt: skip
+    parser.add_argument(
+        "--raw-relayed-twin", action="store_true",
+        help="also the raw relayed loop with what --raw-twin adds (the server work of jetbatch's protocol): the twin of the classifier path",
+    )  # fmt: skip
     parser.add_argument("--relay", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
     parser.add_argument("--fast", action="store_true", help=argparse.SUPPRESS)  # the relay's
     parser.add_argument("--raw-consumer", nargs=2, metavar=("URL", "PREFIX"), help=argparse.SUPPRESS)
@@ -392,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
                 by_kind["raw_republished"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, stored=True, republish=True, **lone)
             if args.raw_relayed:
                 by_kind["raw_relayed"] = raw_round(server.url, server.pid, args.requests, args.concurrency, payload, relayed=True, **lone)
+            if args.raw_relayed_twin:
+                by_kind["raw_relayed_twin"] = raw_round(
+                    server.url, server.pid, args.requests, args.concurrency, payload, relayed=True, republish=True, random_ids=True,
+                    protocol_headers=True, **lone,
+                )  # fmt: skip
             if args.raw_relayed and args.relay_fast_ingest:
                 by_kind["raw_relayed_fast"] = raw_round(
                     server.url, server.pid, args.requests, args.concurrency, payload, relayed=True, fast_ingest=True, **lone
@@ -449,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
             ratios["raw_relayed_over_raw"] = r["raw_relayed"]["rate"] / r["raw"]["rate"]
             ratios["classified_over_raw_relayed"] = r["classified"]["rate"] / r["raw_relayed"]["rate"]
             ratios["classified_cpu_over_raw_relayed"] = r["classified"]["consumer_us"] / r["raw_relayed"]["consumer_us"]
+        if "raw_relayed_twin" in r:
+            ratios["raw_relayed_twin_over_raw"] = r["raw_relayed_twin"]["rate"] / r["raw"]["rate"]
+            ratios["classified_over_raw_relayed_twin"] = r["classified"]["rate"] / r["raw_relayed_twin"]["rate"]
+            ratios["classified_cpu_over_raw_relayed_twin"] = r["classified"]["consumer_us"] / r["raw_relayed_twin"]["consumer_us"]
+            ratios["server_us_classified_minus_raw_relayed_twin"] = r["classified"]["server_us"] - r["raw_relayed_twin"]["server_us"]
         if "raw_relayed_fast" in r:
             ratios["raw_relayed_fast_over_raw_relayed"] = r["raw_relayed_fast"]["rate"] / r["raw_relayed"]["rate"]
         per_round.append(ratios)
