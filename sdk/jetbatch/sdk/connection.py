@@ -168,11 +168,15 @@ def guard_read_loop(nc: NATS) -> None:
     nc._process_msg = msg_or_drop  # type: ignore[method-assign]
 
 
-def unreadable_messages(nc: NATS) -> int:
-    """How many messages ``nc`` dropped because nats-py could not read them, or their header
-    block was too large to read (:func:`guard_read_loop`)."""
-    dropped = getattr(getattr(nc, "_process_msg", None), "_jetbatch_guard", None)
-    return dropped[0] if dropped else 0
+def unreadable_messages(*connections: NATS | None) -> int:
+    """How many messages the connections dropped (each counted once; None is skipped) because
+    nats-py could not read them, or their header block was too large to read
+    (:func:`guard_read_loop`)."""
+    total = 0
+    for nc in {id(c): c for c in connections if c is not None}.values():
+        dropped = getattr(getattr(nc, "_process_msg", None), "_jetbatch_guard", None)
+        total += dropped[0] if dropped else 0
+    return total
 
 
 def stopped_reading(nc: NATS) -> bool:

@@ -52,12 +52,12 @@ from .requests import (
     deadline_from_headers,
     dedupe_id,
     forwardable_headers,
-    unwritable_header_names,
     header_bytes,
     message_bytes,
     new_request_id,
     parse_request_headers,
     request_id_of,
+    unwritable_header_names,
 )
 
 __all__ = [
@@ -95,13 +95,13 @@ __all__ = [
     "encode_payload",
     "error_headers",
     "forwardable_headers",
-    "unwritable_header_names",
     "header_bytes",
     "message_bytes",
     "new_request_id",
     "parse_request_headers",
     "request_id_of",
     "subject_matches",
+    "unwritable_header_names",
     "validate_model_name",
     "validate_tenant",
     "validate_token",

@@ -126,7 +126,7 @@ class Classifier:
 
     def report(self) -> SidecarReport:
         return SidecarReport(
-            role="classifier", id=self.id, version=__version__, stats={**self.stats, **self.pull_counts(), "unreadable_messages": unreadable_messages(self.nc)}, started_at=self._started_at,
+            role="classifier", id=self.id, version=__version__, stats={**self.stats, **self.pull_counts(), "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc)}, started_at=self._started_at,
             updated_at=time.time(),
             http=self.http_address,
         )  # fmt: skip

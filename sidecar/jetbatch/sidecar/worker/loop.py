@@ -360,7 +360,7 @@ class Worker:
         return view.build_report(
             worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             costs=self.costs, budget=self.budget, in_flight=self.state.in_flight.by_model(self.subjects.model_from_subject),
-            stats={**self.stats.snapshot(), **self.pullers.counts(self.slots.values()), "unreadable_messages": unreadable_messages(self.nc)},
+            stats={**self.stats.snapshot(), **self.pullers.counts(self.slots.values()), "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc)},
             started_at=self.state.started_at, valid_s=self.config.worker.peer_timeout_s, http=self.http_address,
         )  # fmt: skip
 
