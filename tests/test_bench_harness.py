@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -138,21 +139,29 @@ def test_the_consumer_sides_messages_are_counted_per_connection_over_the_round()
     assert counted["consumer_msgs_by_connection"] == {"jetbatch-classifier": [0.0, 0.0], "jetbatch-worker": [2.2, 2.4]}
 
 
+async def _republished_round(nc: Any, prefix: str, *, protocol_headers: bool) -> tuple[Any, Any]:
+    """Ten requests with random ids through the stored raw loop whose request stream republishes
+    their headers (``protocol_headers``: the raw twin's), every one answered; the JetStream
+    context and the subscription to the republished headers."""
+    js = nc.jetstream()
+    await add_raw_streams(js, prefix, stored=True, republish=True)
+    arrived = await nc.subscribe(f"{prefix}.arrived")
+    psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(raw_replies(nc, psub, stop, stored=True, protocol_headers=protocol_headers, prefix=prefix))
+    _, latencies = await raw_requests(nc, prefix, 10, 4, b"x", stored=True, random_ids=True, protocol_headers=protocol_headers)
+    stop.set()
+    await consumer
+    assert len(latencies) == 10
+    return js, arrived
+
+
 async def test_the_stored_raw_loop_republishes_and_takes_random_ids_as_jetbatch_does(nats_url: str, prefix: str) -> None:
     """``bench.server_profile``'s and ``--raw-republished``'s variants of the baseline: its request
     stream republishes each stored request's headers, and its ids are 32 random hex characters."""
     nc = await nats.connect(nats_url)
     try:
-        js = nc.jetstream()
-        await add_raw_streams(js, prefix, stored=True, republish=True)
-        arrived = await nc.subscribe(f"{prefix}.arrived")
-        psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
-        stop = asyncio.Event()
-        consumer = asyncio.create_task(raw_replies(nc, psub, stop, stored=True))
-        _, latencies = await raw_requests(nc, prefix, 10, 4, b"x", stored=True, random_ids=True)
-        stop.set()
-        await consumer
-        assert len(latencies) == 10
+        _, arrived = await _republished_round(nc, prefix, protocol_headers=False)
         events = [await arrived.next_msg(timeout=10) for _ in range(10)]
         assert all(e.data == b"" and len(e.headers["Nats-Msg-Id"]) == 32 for e in events)
         assert len({e.headers["Nats-Msg-Id"] for e in events}) == 10
@@ -167,16 +176,7 @@ async def test_the_raw_twin_carries_jetbatchs_headers_and_answers_under_the_key(
     caller is answered and every request acked."""
     nc = await nats.connect(nats_url)
     try:
-        js = nc.jetstream()
-        await add_raw_streams(js, prefix, stored=True, republish=True)
-        arrived = await nc.subscribe(f"{prefix}.arrived")
-        psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
-        stop = asyncio.Event()
-        consumer = asyncio.create_task(raw_replies(nc, psub, stop, stored=True, protocol_headers=True, prefix=prefix))
-        _, latencies = await raw_requests(nc, prefix, 10, 4, b"x", stored=True, random_ids=True, protocol_headers=True)
-        stop.set()
-        await consumer
-        assert len(latencies) == 10
+        js, arrived = await _republished_round(nc, prefix, protocol_headers=True)
         request = (await arrived.next_msg(timeout=10)).headers
         assert {"Nats-Msg-Id", "Jetbatch-Reply-Key", "Content-Type", "Jetbatch-Deadline"} <= set(request) and "Reply" not in request
         answer = await js.get_last_msg(f"{prefix.upper()}_R", f"{prefix}.r.{request['Jetbatch-Reply-Key']}.{request['Nats-Msg-Id']}")
