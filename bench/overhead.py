@@ -25,6 +25,7 @@ import nats
 
 from bench import harness
 from jetbatch import sdk
+from jetbatch.sdk.protocol import ContentType, Headers, Status, batch_header, deadline_header
 from jetbatch.sidecar.config import Config
 from jetbatch.sidecar.percentiles import percentile
 
@@ -62,15 +63,13 @@ async def _batches(psub: Any, stop: asyncio.Event | None) -> AsyncIterator[list[
             continue
 
 
-# What a jetbatch answer carries (protocol 3), in shape and length: what ``protocol_headers`` gives
-# the raw loop's replies, so that nats-server stores and delivers as many header bytes for both.
-_ANSWER_BATCH = "id={batch};size={size};wait_ms=2.046;loaded=0;worker=raw-10411"
-
-
 def _answer_headers(m: Any, batch: str, size: int) -> dict[str, str]:
+    """A jetbatch answer's five headers (protocol 3), built as a worker builds them: what
+    ``protocol_headers`` gives the raw loop's replies, so that nats-server stores and delivers as
+    many header bytes for both."""
     return {
-        "Jetbatch-Model": "ident", "Jetbatch-Batch": _ANSWER_BATCH.format(batch=batch, size=size), "Jetbatch-Status": "ok",
-        "Jetbatch-Request-Id": m.headers["Nats-Msg-Id"], "Content-Type": "application/octet-stream",
+        Headers.MODEL: "ident", Headers.BATCH: batch_header(batch, size, 2.046, False, "raw-10411"), Headers.STATUS: Status.OK.value,
+        Headers.REQUEST_ID: m.headers[Headers.MSG_ID], Headers.CONTENT_TYPE: ContentType.BYTES.value,
     }  # fmt: skip
 
 
@@ -90,7 +89,7 @@ async def raw_replies(
             batch = os.urandom(8).hex()
             await asyncio.gather(*[
                 await js.publish_async(
-                    f"{prefix}.r.{m.headers['Jetbatch-Reply-Key']}.{m.headers['Nats-Msg-Id']}", m.data,
+                    f"{prefix}.r.{m.headers[Headers.REPLY_KEY]}.{m.headers[Headers.MSG_ID]}", m.data,
                     headers=_answer_headers(m, batch, len(msgs)),
                 )
                 for m in msgs
@@ -201,8 +200,10 @@ async def raw_requests(
             waiting[rid] = fut
             t = time.perf_counter()
             if protocol_headers:
-                deadline = str(int((time.time() + 30) * 1000))
-                headers = {"Nats-Msg-Id": rid, "Jetbatch-Reply-Key": key, "Content-Type": "application/octet-stream", "Jetbatch-Deadline": deadline}
+                headers = {
+                    Headers.MSG_ID: rid, Headers.REPLY_KEY: key, Headers.CONTENT_TYPE: ContentType.BYTES.value,
+                    Headers.DEADLINE: deadline_header(30.0),
+                }  # fmt: skip
             else:
                 headers = {"Nats-Msg-Id": rid, "Reply": f"{inbox}.{rid}"}
             await js.publish(f"{prefix}.in" if relayed else f"{prefix}.q", payload, headers=headers)

@@ -7,11 +7,12 @@ import re
 from typing import Any, Mapping
 
 from .protocol import Headers, ProtocolError
+from .protocol.requests import HEADER_NAME_CHARS
 
 __all__ = ["MAX_TIMEOUT_S", "check_timeout", "user_headers"]
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a deadline further out is a bug, not a request
-_HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}$")  # what NATS can carry as a header name
+_HEADER_KEY_RE = re.compile(f"^[{HEADER_NAME_CHARS}]{{1,128}}$")  # what NATS can carry as a header name
 _RESERVED_HEADERS = frozenset(h.lower() for h in (Headers.MSG_ID, Headers.REPLY_KEY, Headers.REPLY_TO, Headers.TENANT, Headers.PRIORITY))
 
 

@@ -235,9 +235,10 @@ def forwardable_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     return {k: v for k, v in (headers or {}).items() if not k[:5].lower() == "nats-"}
 
 
-# A header name nats-py writes (an RFC 7230 token, after stripping); it refuses any other with
-# BadHeaderError, and with it the whole publish.
-_WRITABLE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# The characters of a header name nats-py writes (an RFC 7230 token, after stripping); it refuses
+# any other with BadHeaderError, and with it the whole publish.
+HEADER_NAME_CHARS = r"!#$%&'*+\-.^_`|~0-9A-Za-z"
+_WRITABLE_NAME = re.compile(f"[{HEADER_NAME_CHARS}]+")
 
 
 def unwritable_header_names(headers: Mapping[str, str]) -> list[str]:
