@@ -5,7 +5,7 @@ number of requests and the same producer concurrency; the raw side is the least 
 request/reply needs (no scheduling, no handler thread, no batching window). Run:
 
     python -m bench.overhead [--requests 3000] [--concurrency 64] [--payload 256] [--rounds 3] [--classifier] [--compare-durable]
-                             [--raw-stored] [--raw-relayed]
+                             [--raw-stored] [--raw-twin] [--raw-relayed] [--raw-relayed-twin]
                              [--uvloop] [--profile out.pstats [--profile-only raw|jetbatch|classified]]
 """
 
@@ -218,24 +218,30 @@ async def raw_requests(
 
 
 async def raw_round(
-    url: str, n: int, concurrency: int, payload: bytes, *, stored: bool = False, relayed: bool = False
+    url: str, n: int, concurrency: int, payload: bytes, *, stored: bool = False, relayed: bool = False, twin: bool = False
 ) -> tuple[float, list[float]]:
     """Producer: JetStream publish with a reply-to header, await the reply on one inbox.
     Consumer: fetch up to 64, publish each reply (``stored``: into a results stream), ack each.
     ``relayed`` (stored too): the producer publishes to an ingress stream and :func:`raw_relay`
-    republishes each request to the consumer's, the raw twin of the classifier's hop."""
+    republishes each request to the consumer's, the raw twin of the classifier's hop. ``twin``
+    (stored too): the raw loop asks nats-server for the work jetbatch's protocol asks, as
+    ``bench.deployed --raw-twin`` does across processes: random request ids, the SDK's request
+    headers, each answer under the request's key with a jetbatch answer's headers, and the request
+    stream republishing each request's headers (the arrival events)."""
     prefix = f"raw{uuid.uuid4().hex[:6]}"
-    stored = stored or relayed
+    stored = stored or relayed or twin
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await add_raw_streams(js, prefix, stored=stored, relayed=relayed)
+    await add_raw_streams(js, prefix, stored=stored, relayed=relayed, republish=twin)
     psub = await js.pull_subscribe(f"{prefix}.q", durable="c", stream=prefix.upper())
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(raw_replies(nc, psub, stop, stored=stored))]
+    tasks = [asyncio.create_task(raw_replies(nc, psub, stop, stored=stored, protocol_headers=twin, prefix=prefix))]
     if relayed:
         rsub = await js.pull_subscribe(f"{prefix}.in", durable="relay", stream=f"{prefix.upper()}_IN")
         tasks.append(asyncio.create_task(raw_relay(nc, rsub, prefix, stop)))
-    elapsed, latencies = await raw_requests(nc, prefix, n, concurrency, payload, stored=stored, relayed=relayed)
+    elapsed, latencies = await raw_requests(
+        nc, prefix, n, concurrency, payload, stored=stored, relayed=relayed, random_ids=twin, protocol_headers=twin
+    )
     stop.set()
     await asyncio.gather(*tasks)
     for name in (prefix.upper(), *((f"{prefix.upper()}_R",) if stored else ()), *((f"{prefix.upper()}_IN",) if relayed else ())):
@@ -313,6 +319,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     results: dict[str, list[float]] = {
         "raw_rps": [], "jb_rps": [], "ratio": [], "classified_rps": [], "classified_ratio": [], "volatile_rps": [], "durable_ratio": [],
         "stored_rps": [], "stored_ratio": [], "jb_over_stored": [], "relayed_ratio": [], "classified_over_relayed": [],
+        "twin_ratio": [], "jb_over_twin": [], "relayed_twin_ratio": [], "classified_over_relayed_twin": [],
     }  # fmt: skip
     cls_lat: list[float] = []
     raw_lat: list[float] = []
@@ -331,6 +338,10 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
                 results["stored_rps"].append(s_rps)
                 results["stored_ratio"].append(s_rps / raw_rps)
                 results["jb_over_stored"].append(jb_rps / s_rps)
+            if args.raw_twin:
+                t_rps, _ = await raw_round(server.url, args.requests, args.concurrency, payload, twin=True)
+                results["twin_ratio"].append(t_rps / raw_rps)
+                results["jb_over_twin"].append(jb_rps / t_rps)
             if args.compare_durable:
                 v_rps, _, _ = await jetbatch_round(server.url, args.requests, args.concurrency, payload, args.max_batch, durable=False)
                 results["volatile_rps"].append(v_rps)
@@ -344,6 +355,10 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
                     r_rps, _ = await raw_round(server.url, args.requests, args.concurrency, payload, relayed=True)
                     results["relayed_ratio"].append(r_rps / raw_rps)
                     results["classified_over_relayed"].append(c_rps / r_rps)
+                if args.raw_relayed_twin:
+                    rt_rps, _ = await raw_round(server.url, args.requests, args.concurrency, payload, relayed=True, twin=True)
+                    results["relayed_twin_ratio"].append(rt_rps / raw_rps)
+                    results["classified_over_relayed_twin"].append(c_rps / rt_rps)
             raw_lat += rl
             jb_lat += jl
             batch_means.append(mean_batch)
@@ -373,6 +388,11 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             "raw_stored_over_raw": [round(r, 3) for r in results["stored_ratio"]],
             "jetbatch_over_raw_stored": [round(r, 3) for r in results["jb_over_stored"]],
         })  # fmt: skip
+    if args.raw_twin:
+        summary.update({
+            "raw_twin_over_raw": [round(r, 3) for r in results["twin_ratio"]],
+            "jetbatch_over_raw_twin": [round(r, 3) for r in results["jb_over_twin"]],
+        })  # fmt: skip
     if args.compare_durable:
         summary.update({
             "results_store_off_rps_median": statistics.median(results["volatile_rps"]),
@@ -392,6 +412,11 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             "raw_relayed_over_raw": [round(r, 3) for r in results["relayed_ratio"]],
             "classified_over_raw_relayed": [round(r, 3) for r in results["classified_over_relayed"]],
         })  # fmt: skip
+    if args.classifier and args.raw_relayed_twin:
+        summary.update({
+            "raw_relayed_twin_over_raw": [round(r, 3) for r in results["relayed_twin_ratio"]],
+            "classified_over_raw_relayed_twin": [round(r, 3) for r in results["classified_over_relayed_twin"]],
+        })  # fmt: skip
     return summary
 
 
@@ -407,6 +432,10 @@ if __name__ == "__main__":
     parser.add_argument("--raw-stored", action="store_true", help="also the raw loop with its replies stored (PubAck before the ack)")
     parser.add_argument("--raw-relayed", action="store_true",
                         help="with --classifier, also the raw twin of the classifier path: a raw relay in front of the stored raw loop")
+    parser.add_argument("--raw-twin", action="store_true",
+                        help="also the raw twin: the stored raw loop asking nats-server for the work jetbatch's protocol asks (bench.deployed's --raw-twin)")
+    parser.add_argument("--raw-relayed-twin", action="store_true",
+                        help="with --classifier, also the raw relayed loop with what --raw-twin adds: the twin of the classifier path")
     parser.add_argument("--compare-durable", action="store_true", help="also run with the results store off (replies.durable = false)")
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--uvloop", action="store_true", help="run everything on uvloop's event loop (jetbatch[fast])")

@@ -4,7 +4,7 @@ process, as deployed, under ``python -m cProfile``), the same load as ``bench/ov
 worker, the classifier profiled in its own process too. Run:
 
     python -m bench.process_profiles [--requests 10000] [--concurrency 64] [--priority interactive|batch] [--classifier]
-                                     [--out DIR] [--sampler cprofile|py-spy [--raw-stored]]
+                                     [--out DIR] [--sampler cprofile|py-spy [--raw-stored | --classifier --raw-relayed] [--twin]]
 
 Prints, for each process, where its CPU went (grouped by package), its CPU time per request and
 the calls per request that matter on the hot path (messages published and received, header
@@ -26,7 +26,13 @@ With ``--raw-stored`` (py-spy only), the same requests then go through the raw l
 its replies (``bench.deployed --raw-consumer --stored``: fetch up to 64, a JetStream publish of
 each reply, the acks once the PubAcks came), its consumer sampled the same way on the same
 server, and the worker's CPU a request is set beside the raw consumer's, package by package: where
-the worker spends more than the least loop that acks only safe answers, and where less.
+the worker spends more than the least loop that acks only safe answers, and where less. With
+``--classifier --raw-relayed``, the raw twin of the classifier path instead (``bench.deployed
+--relay`` in front of that consumer: fetch up to 64 from an ingress stream, republish each as a
+JetStream publish, ack once the PubAcks came), its relay set beside the classifier as well.
+``--twin``: those raw loops ask nats-server for the work jetbatch's protocol asks (random ids, the
+SDK's request headers, answers under the request's key with an answer's headers, the arrival
+events' republish), as ``bench.deployed --raw-twin`` / ``--raw-relayed-twin`` do.
 """
 
 from __future__ import annotations
@@ -222,9 +228,17 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="keep the .pstats files here (default: a temporary folder)")
     ap.add_argument("--sampler", choices=("cprofile", "py-spy"), default="cprofile", help="how each process is profiled (module docstring)")
     ap.add_argument("--raw-stored", action="store_true", help="py-spy: then the stored raw loop, its consumer beside the worker (module docstring)")
+    ap.add_argument("--raw-relayed", action="store_true",
+                    help="py-spy, --classifier: then the raw twin of the classifier path, its relay beside the classifier (module docstring)")
+    ap.add_argument("--twin", action="store_true",
+                    help="with --raw-stored or --raw-relayed: the raw loop asks nats-server for jetbatch's work (bench.deployed's twins)")
     args = ap.parse_args()
     if args.raw_stored and (args.sampler != "py-spy" or args.classifier):
         ap.error("--raw-stored needs --sampler py-spy, without --classifier")
+    if args.raw_relayed and (args.sampler != "py-spy" or not args.classifier):
+        ap.error("--raw-relayed needs --sampler py-spy and --classifier")
+    if args.twin and not (args.raw_stored or args.raw_relayed):
+        ap.error("--twin needs --raw-stored or --raw-relayed")
     if args.sampler == "py-spy":
         return sampled(args)
     out, cfg, roles, env = _setup(args, "jetbatch-profiles-")
@@ -300,13 +314,17 @@ def sampled(args: argparse.Namespace) -> None:
                 proc.send_signal(signal.SIGINT)
             for proc in sidecars.values():
                 proc.wait(60)
-        raw_rps = _raw_stored_round(server.url, out, args.requests, args.concurrency, split) if args.raw_stored else None
+        raw_rps = None
+        if args.raw_stored or args.raw_relayed:
+            raw_rps = _raw_round(server.url, out, args.requests, args.concurrency, split, relayed=args.raw_relayed, twin=args.twin)
     print(f"{args.requests} requests, {rps:.0f} req/s (sampled by py-spy at 500 Hz, not slowed); samples in {out}")
-    names = ("producer", *roles, *(("raw_producer", "raw_consumer") if raw_rps is not None else ()))
+    raw_names = ("raw_producer", *(("raw_relay",) if args.raw_relayed else ()), "raw_consumer") if raw_rps is not None else ()
     by_package: dict[str, dict[str, float]] = {}
-    for name in names:
+    for name in ("producer", *roles, *raw_names):
         if name == "raw_producer":
-            print(f"\nthe stored raw loop, the same requests on the same server: {raw_rps:.0f} req/s")
+            loop = ("the raw twin of the classifier path" if args.twin else "the raw relayed loop") if args.raw_relayed else (
+                "the raw twin" if args.twin else "the stored raw loop")  # fmt: skip
+            print(f"\n{loop}, the same requests on the same server: {raw_rps:.0f} req/s")
         busy, groups, functions = spy_summary(out / f"{name}.spy")
         user_us, system_us = split[name]
         print(f"\n{name}: {busy} busy samples; CPU a request: user {user_us:.0f} µs, system {system_us:.0f} µs "
@@ -319,22 +337,30 @@ def sampled(args: argparse.Namespace) -> None:
         by_package[name] = {key: n / max(busy, 1) * sum(split[name]) for key, n in groups.items()}
     print(f"\n(producer process CPU: {producer_us:.0f} µs a request)")
     if raw_rps is not None:
-        _beside(by_package["worker"], by_package["raw_consumer"])
+        _beside("worker", by_package["worker"], "raw consumer", by_package["raw_consumer"])
+        if args.raw_relayed:
+            _beside("classifier", by_package["classifier"], "raw relay", by_package["raw_relay"])
 
 
-def _beside(worker: dict[str, float], raw: dict[str, float]) -> None:
-    """The worker's CPU a request beside the stored raw consumer's, by package (each process's
-    CPU a request shared out as its busy samples are)."""
-    print(f"\nCPU a request (µs), by package: worker {sum(worker.values()):.0f}, stored raw consumer {sum(raw.values()):.0f}")
-    print(f"  {'':22s} {'worker':>7s} {'raw':>7s} {'worker - raw':>13s}")
+def _beside(ours: str, worker: dict[str, float], theirs: str, raw: dict[str, float]) -> None:
+    """A sidecar's CPU a request beside its raw counterpart's (the worker's beside the raw
+    consumer's, the classifier's beside the raw relay's), by package (each process's CPU a request
+    shared out as its busy samples are)."""
+    print(f"\nCPU a request (µs), by package: {ours} {sum(worker.values()):.0f}, {theirs} {sum(raw.values()):.0f}")
+    print(f"  {'':22s} {ours:>10s} {theirs:>12s} {'difference':>11s}")
     for key in sorted(set(worker) | set(raw), key=lambda k: -(worker.get(k, 0.0) + raw.get(k, 0.0))):
         w, r = worker.get(key, 0.0), raw.get(key, 0.0)
-        print(f"  {key:22s} {w:7.1f} {r:7.1f} {w - r:+13.1f}")
+        print(f"  {key:22s} {w:10.1f} {r:12.1f} {w - r:+11.1f}")
 
 
-def _raw_stored_round(url: str, out: Path, n: int, concurrency: int, split: dict[str, tuple[float, float]]) -> float:
+def _raw_round(
+    url: str, out: Path, n: int, concurrency: int, split: dict[str, tuple[float, float]], *, relayed: bool = False, twin: bool = False
+) -> float:
     """The stored raw loop (``bench.deployed``'s consumer process, this process its producer) on
-    the server at ``url``, both sampled; their CPU a request goes into ``split``. Returns req/s."""
+    the server at ``url``, every process sampled; their CPU a request goes into ``split``.
+    ``relayed``: with ``bench.deployed``'s relay process in front (the raw twin of the classifier
+    path); ``twin``: the raw loop asks nats-server for jetbatch's work (random ids, the protocol's
+    headers, answers under the key, the arrival events' republish). Returns req/s."""
     import uuid
 
     import nats
@@ -345,26 +371,32 @@ def _raw_stored_round(url: str, out: Path, n: int, concurrency: int, split: dict
 
     async def setup() -> None:
         nc = await nats.connect(url)
-        await add_raw_streams(nc.jetstream(), prefix, stored=True)
+        await add_raw_streams(nc.jetstream(), prefix, stored=True, relayed=relayed, republish=twin)
         await nc.close()
 
     asyncio.run(setup())
-    consumer = subprocess.Popen(
-        [sys.executable, "-m", "bench.deployed", "--raw-consumer", url, prefix, "--stored"], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
+    commands = {"raw_consumer": ["--raw-consumer", url, prefix, "--stored", *(["--protocol-headers"] if twin else [])]}
+    if relayed:
+        commands["raw_relay"] = ["--relay", url, prefix]
+    procs = {
+        name: subprocess.Popen([sys.executable, "-m", "bench.deployed", *c], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for name, c in commands.items()
+    }
+    how = {"stored": True, "relayed": relayed, "random_ids": twin, "protocol_headers": twin}
     try:
-        assert consumer.stdout is not None and consumer.stdout.readline().strip() == "ready"
-        pids = {"raw_producer": os.getpid(), "raw_consumer": consumer.pid}
+        for proc in procs.values():
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        pids = {"raw_producer": os.getpid(), **{name: p.pid for name, p in procs.items()}}
 
         async def run() -> float:
             nc = await nats.connect(url)
             try:
                 payload = b"x" * 256
-                await raw_requests(nc, prefix, min(n, 2000), concurrency, payload, first=n, stored=True)  # every path warm
+                await raw_requests(nc, prefix, min(n, 2000), concurrency, payload, first=n, **how)  # every path warm
                 spies = _Spies(out, pids)
-                await asyncio.sleep(1.0)  # py-spy attached to both processes
+                await asyncio.sleep(1.0)  # py-spy attached to every process
                 before = {name: cpu_split(pid) for name, pid in pids.items()}
-                elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, stored=True)
+                elapsed, _ = await raw_requests(nc, prefix, n, concurrency, payload, **how)
                 for name, pid in pids.items():
                     (user, system), (user0, system0) = cpu_split(pid), before[name]
                     split[name] = ((user - user0) / n * 1e6, (system - system0) / n * 1e6)
@@ -375,8 +407,9 @@ def _raw_stored_round(url: str, out: Path, n: int, concurrency: int, split: dict
 
         return asyncio.run(run())
     finally:
-        consumer.kill()
-        consumer.wait()
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":

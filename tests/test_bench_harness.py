@@ -188,6 +188,23 @@ async def test_the_raw_twin_carries_jetbatchs_headers_and_answers_under_the_key(
         await nc.close()
 
 
+@pytest.mark.parametrize("relayed", [False, True], ids=["twin", "relayed twin"])
+async def test_the_one_process_twins_answer_every_request(nats_url: str, relayed: bool) -> None:
+    """``bench.overhead --raw-twin`` / ``--raw-relayed-twin``: the same twin in one process, its
+    streams wired to its prefix (a reply under the wrong subject is never answered) and removed
+    after the round."""
+    from bench.overhead import raw_round
+
+    rate, latencies = await raw_round(nats_url, 20, 4, b"x", relayed=relayed, twin=True)
+    assert len(latencies) == 20 and rate > 0
+    nc = await nats.connect(nats_url)
+    try:
+        names = [s.config.name for s in await nc.jetstream().streams_info()]
+        assert not [n for n in names if n.startswith("RAW")]
+    finally:
+        await nc.close()
+
+
 def _pb_varint(n: int) -> bytes:
     out = bytearray()
     while True:
