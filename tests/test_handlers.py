@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -115,6 +116,27 @@ def test_warm_tier_keeps_weights_in_host_memory_and_reload_is_cheaper(model_file
     assert h._host is module  # a warm reload reuses the host copy: no disk read, no deserialisation
     h.unload()
     assert not h.warm and h.host_bytes() == 0
+
+
+@pytest.mark.parametrize("name", ["exp", "safe", "pickled"])
+def test_several_tensors_for_a_model_of_one_input_are_a_bad_request(model_files: dict[str, Any], name: str) -> None:
+    """Found by an attack: two tensors sent to a model that takes one were answered
+    ``model_failed`` (the forward pass raised), so a producer's mistake read as a model bug. A
+    module known to take one tensor (an exported program with one input, a ``forward(x)``, a
+    declared ``input_shape``) refuses them as ``bad_request``; one tensor, alone or in a tuple of
+    one, is still its input."""
+    h = create_handler(name, msgspec.convert(_configs(model_files["dir"])[name], ModelConfig))
+    h.load(torch.device("cpu"))
+    x = model_files["x"][0]
+    two, ctype = sdk.protocol.encode_payload((x, x))
+    with pytest.raises(BadInput, match="takes one tensor"):
+        h.decode(two, ctype.value)
+    named, ctype = sdk.protocol.encode_payload({"x": x, "y": x})
+    with pytest.raises(BadInput, match="takes one tensor"):
+        h.decode(named, ctype.value)
+    one, ctype = sdk.protocol.encode_payload((x,))
+    assert isinstance(h.decode(one, ctype.value), tuple)
+    h.unload()
 
 
 def test_missing_or_unreadable_file_is_a_handler_error(tmp_path: Path) -> None:

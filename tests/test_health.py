@@ -167,3 +167,37 @@ async def test_idle_sockets_cannot_keep_the_probes_out() -> None:
             for s in idle:
                 await s.aclose()
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_request_head_over_4_kib_is_refused() -> None:
+    """The head limit is 4 KiB as documented: checked after each receive (it was checked before,
+    so a head of up to 8 KiB got through), and a head within it is still answered."""
+    import anyio
+
+    from jetbatch.sidecar.health import ProbeServer
+
+    probe = ProbeServer("127.0.0.1", 0, alive=lambda: (True, "alive"), ready=lambda: (True, "ready"))
+
+    async def ask(port: int, head: bytes) -> bytes:
+        async with await anyio.connect_tcp("127.0.0.1", port) as s:
+            await s.send(head)
+            out = b""
+            with anyio.fail_after(10):
+                try:
+                    while True:
+                        out += await s.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+                    return out
+
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(probe.serve)
+        try:
+            start = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+            fits = start + b"X-Pad: " + b"a" * (4096 - len(start) - 11) + b"\r\n\r\n"
+            over = start + b"X-Pad: " + b"a" * 5000 + b"\r\n\r\n"
+            assert len(fits) <= 4096 < len(over) < 8192
+            assert (await ask(port, fits)).startswith(b"HTTP/1.1 200")
+            assert not (await ask(port, over)).startswith(b"HTTP/1.1 200")
+        finally:
+            tg.cancel_scope.cancel()

@@ -11,6 +11,7 @@ import socket
 import uuid
 from typing import Any
 
+import msgspec
 import nats
 import nats.js.errors
 import pytest
@@ -493,3 +494,40 @@ async def test_status_requests_cannot_aim_the_answer_at_the_jetstream_api(nats_u
             await js.stream_info(subjects.dead_letter_stream)
         finally:
             await nc.close()
+
+
+async def test_an_answer_the_sdk_cannot_read_is_a_typed_error(nats_url: str, prefix: str) -> None:
+    """Found by an attack: whoever may publish on a caller's answer subject (a worker or reply
+    identity, or anyone on a server without authorization) answered first with a tensor whose
+    shape made decoding raise ValueError: ``infer`` raised it untyped (and, at 60 000 dimensions,
+    held the caller's loop 7 s past its timeout); a ``Jetbatch-Status`` the protocol does not
+    know was read as success, its body handed back as the output. Both are JetbatchError now."""
+    subjects = Subjects(prefix)
+    slow = sleep_model(options={"load_cost_s": 0.0, "batch_cost_s": 1.0, "item_cost_s": 0.0})  # the forger answers first
+    forgeries = [
+        ({Headers.STATUS: "maybe", Headers.CONTENT_TYPE: "application/octet-stream"}, b"forged", "unknown Jetbatch-Status 'maybe'"),
+        ({Headers.STATUS: "ok", Headers.CONTENT_TYPE: "application/vnd.jetbatch.tensor+msgpack"},
+         msgspec.msgpack.encode({"dtype": "float32", "shape": [2**64 - 1] * 60_000, "data": b""}), "undecodable reply"),
+        ({Headers.STATUS: "ok", Headers.CONTENT_TYPE: "application/vnd.jetbatch.tensors+msgpack"},
+         msgspec.msgpack.encode([{"dtype": "float32", "shape": [2**64 - 1] * 300, "data": b""}]), "undecodable reply"),
+    ]
+    async with running_worker(make_config(prefix, {"m1": slow}), nats_url):
+        forger = await nats.connect(nats_url)
+        try:
+            pending: list[tuple[dict[str, str], bytes]] = []
+
+            async def forge(msg: Any) -> None:
+                headers, body = pending.pop(0)
+                rid, key = msg.headers[Headers.MSG_ID], msg.headers[Headers.REPLY_KEY]
+                await forger.publish(subjects.answer(rid, key), body, headers={**headers, Headers.REQUEST_ID: rid})
+
+            await forger.subscribe(subjects.model("m1"), cb=forge)
+            await forger.flush()
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                for headers, body, match in forgeries:
+                    pending.append((headers, body))
+                    with pytest.raises(sdk.JetbatchError, match=match) as caught:
+                        await client.infer(b"x", model="m1", timeout=10)
+                    assert not isinstance(caught.value, ProtocolError)  # the SDK's reply error, not a bare decode error
+        finally:
+            await forger.close()

@@ -106,6 +106,74 @@ def test_tensor_shape_and_length_disagree() -> None:
         decode_payload(body, ContentType.TENSOR.value)
 
 
+def _tensor_body(shape: list[int], data: bytes = b"", dtype: str = "float32") -> bytes:
+    return msgspec.msgpack.encode({"dtype": dtype, "shape": shape, "data": data})
+
+
+def test_a_tensor_shape_is_bounded_before_its_product() -> None:
+    """Found by an attack: the element count was the product of every dimension as an unbounded
+    integer, quadratic in their number (80 000 dimensions of 2**64 - 1, a 720 KB body, held a
+    worker's event loop 13 s), and past 4 300 digits printing it in the error raised ValueError,
+    not ProtocolError (a classifier batch failed whole, the SDK raised an untyped error). Now:
+    at most 64 dimensions, each below 2**63, the count never carried past the data's length,
+    and every message short."""
+    huge = 2**64 - 1
+    for shape, match in (
+        ([huge] * 80_000, "80000 dimensions, at most 64"),
+        ([huge] * 300, "300 dimensions, at most 64"),
+        ([2, 2**63], r"dimension 9223372036854775808 out of range"),
+        ([2**62] * 64, r"more than 0 bytes"),
+        ([3, 2**40], r"\$\.data: 8 bytes do not match shape \[3, 1099511627776\] of float32 \(more than 8 bytes\)"),
+    ):
+        with pytest.raises(ProtocolError, match=match) as caught:
+            decode_payload(_tensor_body(shape, b"\x00" * (8 if shape[0] == 3 else 0)), ContentType.TENSOR.value)
+        assert len(str(caught.value)) < 400
+    for ctype in (ContentType.TENSORS.value,):
+        with pytest.raises(ProtocolError, match="at most 64"):
+            decode_payload(msgspec.msgpack.encode([{"dtype": "float32", "shape": [huge] * 300, "data": b""}]), ctype)
+    # No elements, so the data agrees; but torch cannot lay out sizes whose strides overflow.
+    empty = decode_payload(_tensor_body([0] + [2**62] * 2), ContentType.TENSOR.value)
+    with pytest.raises(ProtocolError, match="not a tensor torch can build"):
+        empty.to_torch()
+    assert decode_payload(_tensor_body([1] * 64, b"\x00" * 4), ContentType.TENSOR.value).to_torch().dim() == 64
+
+
+def test_a_bool_tensor_holds_only_zeros_and_ones() -> None:
+    """torch leaves a bool byte other than 0 or 1 undefined in its kernels."""
+    assert decode_payload(_tensor_body([2], b"\x00\x01", "bool"), ContentType.TENSOR.value).to_torch().tolist() == [False, True]
+    with pytest.raises(ProtocolError, match="bool"):
+        decode_payload(_tensor_body([2], b"\x02\xff", "bool"), ContentType.TENSOR.value)
+
+
+@given(
+    shape=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 4), max_size=8) | st.lists(st.integers(1, 2**64 - 1), min_size=60, max_size=400),
+    data=st.binary(max_size=64),
+    dtype=st.sampled_from(["float32", "int8", "bool", "float64"]),
+)
+@settings(max_examples=300, deadline=None)
+def test_crafted_tensor_bodies_decode_or_raise_a_short_protocol_error(shape: list[int], data: bytes, dtype: str) -> None:
+    """Whatever shape a body claims: a tensor whose data matches it, or a ProtocolError with a
+    short message (the only failure a worker, a router or the SDK answers per request)."""
+    try:
+        tensor = decode_payload(_tensor_body(shape, data, dtype), ContentType.TENSOR.value)
+    except ProtocolError as exc:
+        assert len(str(exc)) < 400
+        return
+    count = 1
+    for dim in shape:
+        count *= dim
+    assert len(shape) <= 64 and count * {"float32": 4, "int8": 1, "bool": 1, "float64": 8}[dtype] == len(data)
+    assert tensor.shape == tuple(shape) and bytes(tensor.data) == data
+
+
+def test_an_error_body_is_read_with_limits() -> None:
+    """A forged error answer cannot hand a caller a megabyte of message."""
+    body = decode_error(msgspec.json.encode({"code": "internal", "message": "x" * 1_000_000, "request_id": "r" * 10_000}))
+    assert body.code == "internal" and len(body.message) < 4200 and len(body.request_id) <= 256
+    assert decode_error(encode_error(ErrorCode.BAD_REQUEST, "short", "r1")) == decode_error(encode_error(ErrorCode.BAD_REQUEST, "short", "r1"))
+    assert decode_error(encode_error(ErrorCode.BAD_REQUEST, "short", "r1")).message == "short"
+
+
 @pytest.mark.parametrize("name", ["m1", "resnet-50", "A_b-9"])
 def test_valid_model_names(name: str) -> None:
     assert validate_model_name(name) == name

@@ -45,6 +45,8 @@ HOSTILE = {
     "wrong rank": Tensor.from_torch(torch.ones(2, 2)),
     "empty": Tensor.from_torch(torch.ones(0)),
     "overflowing shape": Tensor(dtype="float32", shape=(2**64 - 1, 0), data=b""),
+    # 2.7 KB: its element count, printed, was past Python's 4 300 digits (ValueError, the batch failed).
+    "300 huge dimensions": Tensor(dtype="float32", shape=(2**64 - 1,) * 300, data=b""),
 }
 
 
@@ -183,3 +185,20 @@ def test_a_payload_nested_too_deep_is_its_own_bad_request_not_its_batchs_failure
     routed = router_.route(batch)
     assert [r.model for r in routed] == ["m1", None, None, "m0"]
     assert [r.error[0] if r.error else None for r in routed] == [None, ErrorCode.BAD_REQUEST, ErrorCode.BAD_REQUEST, None]
+
+
+def test_a_field_rule_fails_only_the_request_whose_tensor_cannot_be_read() -> None:
+    """Found by an attack: a tensor body whose shape made decoding raise something other than
+    ProtocolError failed a rules router's whole batch (every innocent request ``internal``)."""
+    from jetbatch.sidecar.classifier.routers import RulesRouter
+
+    router_ = RulesRouter(msgspec.convert(
+        {"router": "rules", "rules": [{"field": "kind", "equals": "b", "model": "m1"}], "default_model": "m0"}, ClassifierConfig,
+    ))  # fmt: skip
+    poison = msgspec.msgpack.encode({"dtype": "float32", "shape": [2**64 - 1] * 300, "data": b""})
+    batch = [Item(headers={}, data=msgspec.msgpack.encode({"kind": "b"}), content_type="application/msgpack"),
+             Item(headers={}, data=poison, content_type="application/vnd.jetbatch.tensor+msgpack"),
+             Item(headers={}, data=msgspec.msgpack.encode({"kind": "a"}), content_type="application/msgpack")]  # fmt: skip
+    routed = router_.route(batch)
+    assert [r.model for r in routed] == ["m1", None, "m0"]
+    assert routed[1].error is not None and routed[1].error[0] is ErrorCode.BAD_REQUEST and "at most 64" in routed[1].error[1]

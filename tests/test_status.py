@@ -103,3 +103,35 @@ async def _append(answers: list, msg: object) -> None:
 
 async def _append_subject(seen: list, msg: object) -> None:
     seen.append(msg.subject)  # type: ignore[attr-defined]
+
+
+async def test_a_forged_report_cannot_drive_the_operators_terminal(nats_url: str, prefix: str) -> None:
+    """Found by an attack: whoever may answer status requests (a sidecar identity, anyone on a
+    server without authorization) put terminal escape sequences in a report's id, and `jetbatch
+    status` printed them raw (clear the screen, colours, a forged row). They are printed as
+    escapes now."""
+    import json
+
+    import nats
+
+    from jetbatch.sdk.protocol import Subjects
+
+    forger = await nats.connect(nats_url)
+    try:
+        report = {"id": "\x1b[2J\x1b[31mEVIL\x1b[0m\nworker    fake", "role": "worker", "models": ["m\x07"], "resident": ["m\x1b]0;t\x07"], "warm": []}
+
+        async def answer(msg: object) -> None:
+            await forger.publish(msg.reply, json.dumps(report).encode())  # type: ignore[attr-defined]
+
+        await forger.subscribe(Subjects(prefix).status_subject, cb=answer)
+        await forger.flush()
+        proc = await anyio.run_process(
+            [sys.executable, "-m", "jetbatch", "status", "--nats-url", nats_url, "--prefix", prefix, "--wait", "0.5"], check=False
+        )
+    finally:
+        await forger.close()
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\\x1b[2J" in out  # shown, as an escape
+    assert not any(line.startswith("worker    fake") for line in out.splitlines())  # no forged row

@@ -355,3 +355,31 @@ async def test_an_inline_handler_computes_on_the_event_loop_and_any_other_in_a_w
             for name in ("fast", "slow", "fast", "slow"):
                 assert await client.infer(name.encode(), model=name, timeout=10) == name.encode()
     assert ran_on_loop == {"fast": [True, True], "slow": [False, False]}
+
+
+@pytest.mark.anyio
+async def test_a_json_request_is_answered_in_json_whatever_the_output(nats_url: str, prefix: str) -> None:
+    """docs/protocol.md: a request sent as JSON is answered as JSON. Found by an attack: only a
+    tensor output was; a handler returning plain values (the identity handler, a function
+    handler) answered a JSON request in MessagePack, which ``nats sub`` shows as binary."""
+    import json
+
+    from jetbatch.sdk.protocol import Subjects
+
+    subjects = Subjects(prefix)
+    value = {"a": [1, 2.5, "x"], "b": None, "c": {"d": True}}
+    config = make_config(prefix, {"m1": {"handler": "identity", "max_batch_size": 4, "max_delay_ms": 5}})
+    async with running_worker(config, nats_url):
+        nc = await connect_nats(nats_url)
+        try:
+            sub = await nc.subscribe(subjects.answers("me"))
+            headers = {Headers.MSG_ID: "json-1", Headers.REPLY_KEY: "me", Headers.CONTENT_TYPE: ContentType.JSON.value}
+            await nc.jetstream().publish(subjects.model("m1"), json.dumps(value).encode(), headers=headers)
+            msg = await sub.next_msg(timeout=10)
+            assert msg.headers[Headers.CONTENT_TYPE] == ContentType.JSON.value
+            assert json.loads(msg.data) == value
+            # Asked in msgpack, answered in msgpack as before.
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                assert await client.infer(value, model="m1", timeout=10) == value
+        finally:
+            await nc.close()

@@ -560,13 +560,19 @@ class Client:
 
     def _to_result(self, msg: Any, rid: str, latency_s: float, with_batch: bool = True) -> Result:
         headers = msg.headers or {}
-        if headers.get(Headers.STATUS, Status.OK.value) == Status.ERROR.value:
+        status = headers.get(Headers.STATUS, Status.OK.value)
+        if status == Status.ERROR.value:
             body = decode_error(msg.data)
             raise error_for_code(body.code, body.message, request_id=rid)
+        if status != Status.OK.value:
+            # Not an answer this protocol knows: its body cannot be read as an output either.
+            raise JetbatchError(f"reply with an unknown {Headers.STATUS} {status[:32]!r}", request_id=rid)
         try:
             output = decode_payload(msg.data, headers.get(Headers.CONTENT_TYPE))
         except ProtocolError as exc:
             raise JetbatchError(f"undecodable reply: {exc}", request_id=rid) from exc
+        except Exception as exc:  # noqa: BLE001 - a reply is hostile input too: typed, whatever failed
+            raise JetbatchError(f"undecodable reply: {type(exc).__name__}", request_id=rid) from None
         batch = batch_info_from_headers(headers) if with_batch else _NO_BATCH
         return Result(request_id=rid, output=output, batch=batch, latency_s=latency_s)
 

@@ -171,13 +171,13 @@ async def _read_head(stream: anyio.abc.SocketStream) -> bytes | None:
     """The request head (up to the blank line), or None when it is over the limit or cut short."""
     data = b""
     while b"\r\n\r\n" not in data and b"\n\n" not in data:
-        if len(data) > _MAX_HEAD:
-            return None
         try:
-            chunk = await stream.receive(_MAX_HEAD)
+            chunk = await stream.receive(_MAX_HEAD + 1 - len(data))  # never more than the limit and one byte
         except anyio.EndOfStream:
             return None
         data += chunk
+        if len(data) > _MAX_HEAD:
+            return None
     return data.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
 
 

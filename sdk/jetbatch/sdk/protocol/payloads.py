@@ -21,6 +21,18 @@ _DTYPE_SIZE = {
 }  # fmt: skip
 
 
+# torch's and numpy's own bound on a tensor's dimensions; each dimension indexes with an int64.
+MAX_TENSOR_RANK = 64
+_MAX_DIM = 2**63
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    """A shape for a message, at most 8 dimensions of it (the rest counted)."""
+    if len(shape) <= 8:
+        return str(list(shape))
+    return f"[{', '.join(map(str, shape[:8]))}, ... {len(shape) - 8} more]"
+
+
 class Tensor(msgspec.Struct, frozen=True):
     """A dense tensor on the wire: dtype name, shape and raw little-endian C-order bytes.
 
@@ -33,19 +45,37 @@ class Tensor(msgspec.Struct, frozen=True):
     data: memoryview
 
     def validate(self) -> "Tensor":
-        """Check dtype and that shape and byte length agree; raise :class:`ProtocolError` if not."""
+        """Check dtype and that shape and byte length agree; raise :class:`ProtocolError` if not.
+
+        Bounded whatever the shape claims: at most :data:`MAX_TENSOR_RANK` dimensions, each below
+        2**63 (what torch can index), and the element count is never carried past what the data
+        holds, so a shape of thousands of huge dimensions is refused at once instead of making
+        its product a number of thousands of digits (quadratic to compute, and past Python's
+        limit to print)."""
         if self.dtype not in TENSOR_DTYPES:
-            raise ProtocolError(f"$.dtype: unsupported tensor dtype {self.dtype!r}; expected one of {sorted(TENSOR_DTYPES)}")
-        count = 1
-        for dim in self.shape:
-            if dim < 0:
-                raise ProtocolError(f"$.shape: negative dimension in {list(self.shape)}")
-            count *= dim
-        expected = count * _DTYPE_SIZE[self.dtype]
-        if len(self.data) != expected:
-            raise ProtocolError(
-                f"$.data: {len(self.data)} bytes do not match shape {list(self.shape)} of {self.dtype} ({expected} bytes)"
-            )
+            raise ProtocolError(f"$.dtype: unsupported tensor dtype {self.dtype[:32]!r}; expected one of {sorted(TENSOR_DTYPES)}")
+        shape = self.shape
+        if len(shape) > MAX_TENSOR_RANK:
+            raise ProtocolError(f"$.shape: {len(shape)} dimensions, at most {MAX_TENSOR_RANK}")
+        for dim in shape:
+            if not 0 <= dim < _MAX_DIM:
+                raise ProtocolError(f"$.shape: dimension {dim} out of range (0 to 2**63 - 1) in {_shape_text(shape)}")
+        size = _DTYPE_SIZE[self.dtype]
+        have = len(self.data)
+        if 0 in shape:
+            expected = 0
+        else:
+            expected = size
+            for dim in shape:
+                expected *= dim
+                if expected > have:
+                    break  # more than the data holds: the exact figure adds nothing
+        if have != expected:
+            claim = f"{expected} bytes" if expected <= have else f"more than {have} bytes"
+            raise ProtocolError(f"$.data: {have} bytes do not match shape {_shape_text(shape)} of {self.dtype} ({claim})")
+        if self.dtype == "bool" and have and bytes(self.data).translate(None, b"\x00\x01"):
+            # torch reads a bool byte as 0 or 1 and leaves any other value undefined in its kernels.
+            raise ProtocolError("$.data: a bool tensor's bytes must each be 0 or 1")
         return self
 
     @classmethod
@@ -81,7 +111,11 @@ class Tensor(msgspec.Struct, frozen=True):
         self.validate()
         dtype = getattr(torch, self.dtype)
         if len(self.data) == 0:
-            return torch.empty(self.shape, dtype=dtype)
+            try:
+                return torch.empty(self.shape, dtype=dtype)
+            except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+                # No elements, yet sizes whose strides overflow int64 ([0, 2**62, 2**62]).
+                raise ProtocolError(f"$.shape: {_shape_text(self.shape)} is not a tensor torch can build: {str(exc)[:100]}") from None
         global _frombuffer_warned
         if _frombuffer_warned:
             flat = torch.frombuffer(self.data, dtype=dtype)
@@ -232,6 +266,12 @@ def decode_payload(data: bytes, content_type: str | None) -> Any:
     except RecursionError:
         # msgspec's own limit on nesting: a deep payload is this request's fault, not its batch's.
         raise ProtocolError(f"undecodable {ctype} payload: nested too deep") from None
+    except ProtocolError:
+        raise  # a ValueError too: already names what is wrong
+    except (ValueError, TypeError, OverflowError) as exc:
+        # Not expected (the decoders and Tensor.validate raise the errors above), but a body is
+        # hostile input: whatever it makes fail is this payload's fault, named as such.
+        raise ProtocolError(f"undecodable {ctype} payload: {type(exc).__name__}: {str(exc)[:100]}") from None
     raise ProtocolError(f"unsupported content type {content_type!r}; expected one of {[c.value for c in ContentType]}")
 
 
@@ -239,11 +279,19 @@ def encode_error(code: ErrorCode, message: str, request_id: str = "") -> bytes:
     return _json_encoder.encode(ErrorBody(code=code.value, message=message, request_id=request_id))
 
 
+# What of an error body's message a reader keeps: far above what a sidecar writes (its messages
+# are bounded where they are made), so only a forged body is cut.
+MAX_ERROR_MESSAGE = 4096
+
+
 def decode_error(data: bytes) -> ErrorBody:
     try:
-        return _error_decoder.decode(data)
+        body = _error_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return ErrorBody(code=ErrorCode.INTERNAL.value, message=data[:200].decode("utf-8", "replace"))
+    if len(body.message) > MAX_ERROR_MESSAGE or len(body.code) > 64 or len(body.request_id) > 256:
+        return ErrorBody(code=body.code[:64], message=body.message[:MAX_ERROR_MESSAGE] + " [cut]", request_id=body.request_id[:256])
+    return body
 
 
 def deadline_header(timeout_s: float, now: float | None = None) -> str:

@@ -40,8 +40,14 @@ class Item:
     content_type: str | None
 
     def payload(self) -> Any:
-        """The decoded payload (raises ProtocolError when undecodable)."""
-        return decode_payload(self.data, self.content_type)
+        """The decoded payload (raises ProtocolError when undecodable, whatever made it fail: the
+        routers answer that per request, and one producer's body must not fail a batch)."""
+        try:
+            return decode_payload(self.data, self.content_type)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure to decode is this request's
+            raise ProtocolError(f"undecodable payload: {type(exc).__name__}") from None
 
 
 class Router:

@@ -18,6 +18,17 @@ class CliError(JetbatchError):
     """A user-facing failure: printed as one line, exit status 2."""
 
 
+def shown(value: object) -> str:
+    """``value`` as text safe to print in a table: characters that are not printable (terminal
+    escape sequences, newlines) written as escapes. What the bus says (a sidecar's id, a dead
+    letter's reason) is written by whoever could publish there, and must not drive the
+    operator's terminal or forge a row."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def add_nats_url(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url", default=None, metavar="URL", help="NATS server URL(s), comma-separated (default: $NATS_URL)")
 

@@ -21,7 +21,7 @@ from jetbatch.sdk.connection import connect_nats
 from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, forwardable_headers
 
 from ..errors import TRANSPORT_ERRORS
-from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix
+from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix, shown
 
 
 
@@ -98,7 +98,7 @@ async def _run(args: argparse.Namespace) -> int:
             else:
                 print(f"{'seq':>6}  {'stage':<10} {'request id':<34} {'deliveries':>10}  reason")
                 for r in rows:
-                    print(f"{r['seq']:>6}  {r['stage']:<10} {r['request_id'][:33]:<34} {r['deliveries']:>10}  {r['reason']}")
+                    print(f"{r['seq']:>6}  {shown(r['stage']):<10} {shown(r['request_id'])[:33]:<34} {r['deliveries']:>10}  {shown(r['reason'])}")
             return 0
         if args.action == "purge":
             await js.purge_stream(subjects.dead_letter_stream)
@@ -109,8 +109,8 @@ async def _run(args: argparse.Namespace) -> int:
             raise CliError(f"no dead letter with sequence {args.seq}")
         if args.action == "show":
             m = chosen[0]
-            shown = {**_summary(m), "headers": dict(m.headers or {}), "payload_preview": (m.data or b"")[:200].decode("utf-8", "replace")}
-            print(json.dumps(shown) if args.json else json.dumps(shown, indent=2))
+            letter = {**_summary(m), "headers": dict(m.headers or {}), "payload_preview": (m.data or b"")[:200].decode("utf-8", "replace")}
+            print(json.dumps(letter) if args.json else json.dumps(letter, indent=2))
             return 0
         replayed = 0
         for m in chosen:

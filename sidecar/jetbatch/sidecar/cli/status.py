@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from typing import Any
 
-from ._common import EXIT_FAILED, EXIT_OK, add_json, add_nats_url, add_prefix, positive_seconds
+from ._common import EXIT_FAILED, EXIT_OK, add_json, add_nats_url, add_prefix, positive_seconds, shown
 
 
 def register(sub: Any) -> None:
@@ -50,14 +50,15 @@ async def _run(args: argparse.Namespace) -> int:
     print(f"{'role':<11}{'id':<28}{'resident':<18}{'warm':<18}{'loads':>6}{'batches':>9}{'requests':>10}")
     for r in reports:
         print(
-            f"{r.role:<11}{r.id[:27]:<28}{(', '.join(r.resident) or '-')[:17]:<18}{(', '.join(r.warm) or '-')[:17]:<18}"
-            f"{r.stats.get('loads', 0):>6}{r.stats.get('batches', 0):>9}{r.stats.get('requests', 0):>10}"
+            f"{shown(r.role)[:10]:<11}{shown(r.id)[:27]:<28}{shown(', '.join(r.resident) or '-')[:17]:<18}"
+            f"{shown(', '.join(r.warm) or '-')[:17]:<18}"
+            f"{shown(r.stats.get('loads', 0))[:6]:>6}{shown(r.stats.get('batches', 0))[:9]:>9}{shown(r.stats.get('requests', 0))[:10]:>10}"
         )
         for model, why in r.broken.items():
-            print(f"  {model}: cannot load: {why}")
+            print(f"  {shown(model)}: cannot load: {shown(why)}")
     if cluster is not None:
         holders, backlog = cluster
         print(f"\n{'model':<24}{'backlog':>8}  held by")
         for model in sorted(set(holders) | set(backlog)):
-            print(f"{model:<24}{backlog.get(model, 0):>8}  {', '.join(sorted(holders.get(model, []))) or '-'}")
+            print(f"{shown(model):<24}{shown(backlog.get(model, 0)):>8}  {shown(', '.join(sorted(holders.get(model, []))) or '-')}")
     return EXIT_OK

@@ -141,10 +141,9 @@ class Handler(ABC):
         into (zero-copy, read-only) torch tensors of the same structure.
         """
         try:
-            value = decode_payload(data, content_type)
-        except ProtocolError as exc:
+            return to_torch(decode_payload(data, content_type))
+        except ProtocolError as exc:  # undecodable, or a shape torch cannot build
             raise BadInput(str(exc)) from exc
-        return to_torch(value)
 
     @abstractmethod
     def predict(self, inputs: list[Any]) -> list[Any]:

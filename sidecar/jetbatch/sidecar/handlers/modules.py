@@ -64,6 +64,8 @@ class ModuleHandler(Handler):
         self._resident = False
         self._device_bytes = 0
         self.input_spec: InputSpec | None = None
+        # 1 when the module is known to take exactly one tensor (None: unknown, or several).
+        self.inputs_taken: int | None = None
         self._warmed = False  # the example input ran once (warm_up), on the first load
 
     # --- tiers --------------------------------------------------------------------------------
@@ -103,6 +105,7 @@ class ModuleHandler(Handler):
         self._host = module
         if self.input_spec is None:
             self.input_spec = self._input_spec(module)
+            self.inputs_taken = self._inputs_taken(module)
 
     @property
     def warm(self) -> bool:
@@ -206,11 +209,32 @@ class ModuleHandler(Handler):
             raise BadInput(f"model {self.name} expects a floating-point tensor, got {str(value.dtype).removeprefix('torch.')}")
         return value
 
+    def _inputs_taken(self, module: Any) -> int | None:
+        """1 when the module takes exactly one tensor: ``options.input_shape`` says so, or its
+        ``forward`` has one parameter and nothing variadic; None when unknown (or several)."""
+        if isinstance(self.options.get("inputs"), Mapping):
+            return None  # several, named: checked against the declaration
+        if self.options.get("input_shape") is not None:
+            return 1
+        import inspect
+
+        try:
+            params = list(inspect.signature(module.forward).parameters.values())
+        except (TypeError, ValueError, AttributeError):
+            return None
+        if len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            return 1
+        return None
+
     def _check_structured(self, value: Any) -> Any:
         """Several tensors in one request (a tuple, or named): checked against the declared
-        ``options.inputs`` when there is one (names, dtypes, shapes; -1 for any length)."""
+        ``options.inputs`` when there is one (names, dtypes, shapes; -1 for any length); refused
+        for a module known to take one tensor (the producer's mistake, not the model's failure)."""
         declared = self.options.get("inputs")
         if not isinstance(declared, Mapping):
+            if self.inputs_taken == 1 and len(value) > 1:
+                expected = self.input_spec.describe() if self.input_spec else "one tensor"
+                raise BadInput(f"model {self.name} takes one tensor ({expected}), got {describe(value)}")
             return value
         if not isinstance(value, Mapping) or set(value) != set(declared):
             raise BadInput(f"model {self.name} expects the tensors {sorted(declared)}, got {describe(value)}")
@@ -296,6 +320,16 @@ class ExportHandler(ModuleHandler):
         if declared is not None:
             return declared
         return export_input_spec(module)
+
+    def _inputs_taken(self, module: Any) -> int | None:
+        declared = super()._inputs_taken(module)
+        if declared is not None or isinstance(self.options.get("inputs"), Mapping):
+            return declared
+        # An exported program's forward is generic (*args): its placeholders are its inputs.
+        graph = getattr(module, "graph", None)
+        if graph is None:
+            return None
+        return 1 if sum(1 for node in graph.nodes if node.op == "placeholder") == 1 else None
 
 
 class StateDictHandler(ModuleHandler):

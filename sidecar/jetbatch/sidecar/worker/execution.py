@@ -22,7 +22,8 @@ import msgspec
 from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import (
-    ContentType, ErrorCode, Headers, ReplyPolicy, RequestMeta, batch_header_of, decode_payload, encode_payload, new_request_id, parse_request_headers, validate_tenant,
+    ContentType, ErrorCode, Headers, ProtocolError, ReplyPolicy, RequestMeta, batch_header_of, decode_payload, encode_payload, new_request_id,
+    parse_request_headers, validate_tenant,
 )  # fmt: skip
 
 from ..handlers import BadInput
@@ -440,11 +441,17 @@ def _triage(requests: list[Request], now: float, predicted_s: float) -> tuple[li
 
 
 def _as_asked(body: bytes, ctype: ContentType, request_ctype: str | None) -> tuple[bytes, ContentType]:
-    """A request sent as JSON gets its answer in JSON (a tensor as nested lists), so a caller
-    without the tensor decoder (``nats sub``, curl through a gateway) can read it."""
-    if ctype not in (ContentType.TENSOR, ContentType.TENSORS) or (request_ctype or "").split(";")[0].strip().lower() != ContentType.JSON.value:
+    """A request sent as JSON gets its answer in JSON (a tensor as nested lists, plain values as
+    they are), so a caller without the tensor or msgpack decoder (``nats sub``, curl through a
+    gateway) can read it. A plain value JSON cannot hold (a msgpack extension) keeps msgpack."""
+    if ctype not in (ContentType.TENSOR, ContentType.TENSORS, ContentType.MSGPACK) or (request_ctype or "").split(";")[0].strip().lower() != ContentType.JSON.value:
         return body, ctype
     value = decode_payload(body, ctype.value)
+    if ctype is ContentType.MSGPACK:
+        try:
+            return encode_payload(value, ContentType.JSON)
+        except ProtocolError:
+            return body, ctype
     if isinstance(value, dict):
         plain: Any = {k: v.to_torch().tolist() for k, v in value.items()}
     elif isinstance(value, tuple):
