@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -284,6 +285,83 @@ def test_probe_at_a_port_that_is_not_http_is_one_line_and_exit_1(nats_url: str) 
     assert proc.stdout.strip().count("\n") == 0 and "not an HTTP answer" in proc.stdout, proc.stdout
 
 
+def _hostile_http(answer: str) -> tuple[int, Any]:
+    """A listener that answers every connection as ``answer`` says: ``drip`` (a status line, one
+    byte every 0.2 s), ``endless`` (200 and a body that never ends), ``huge`` (a Content-Length of
+    10**8 and the body dripped). Returns the port and a function that stops it."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(4096)
+                if answer == "drip":
+                    for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok":
+                        if stop.wait(0.2):
+                            return
+                        conn.sendall(bytes([byte]))
+                elif answer == "endless":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+                    while not stop.is_set():
+                        conn.sendall(b"A" * 65536)
+                else:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000000\r\n\r\n")
+                    while not stop.wait(0.2):
+                        conn.sendall(b"A")
+            except OSError:
+                return
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def close() -> None:
+        stop.set()
+        server.close()
+
+    return server.getsockname()[1], close
+
+
+@pytest.mark.parametrize("answer", ["drip", "endless", "huge"])
+def test_a_probe_ends_within_its_timeout_whatever_answers(answer: str) -> None:
+    """Found by an attack: `probe --timeout 2` against a server that dripped its answer byte by
+    byte ran on past 40 s (urllib's timeout is per socket read), and one that sent an endless body
+    was read whole into memory (MemoryError). A port now gets one deadline for the whole exchange
+    and at most 4 KiB of answer, one short line printed, well before the subprocess's own limit: a
+    status line that did not come in time is no answer (exit 1); a 200 that came is the answer,
+    however its body goes on."""
+    port, close = _hostile_http(answer)
+    try:
+        proc = run_cli("probe", "--port", str(port), "--timeout", "1", timeout=30)
+    finally:
+        close()
+    assert proc.returncode == (1 if answer == "drip" else 0), (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and len(proc.stdout.strip().splitlines()) == 1, proc.stdout + proc.stderr
+    assert len(proc.stdout) < 400
+
+
+def test_probe_arguments_that_are_no_host_or_model_are_one_line() -> None:
+    """Found by an attack: `--host '[::1'` and a `--model` that is not UTF-8 ended in tracebacks."""
+    for args, expected in ((["--host", "[::1"], "expected a host name or address"), (["--model", "a/b"], "not a model name")):
+        proc = run_cli("probe", "--port", "9", *args, timeout=30)
+        assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    raw = subprocess.run([sys.executable, "-m", "jetbatch", "probe", "--port", "9", "--model", b"\xff"], capture_output=True, timeout=30)
+    assert raw.returncode == 2 and b"not a model name" in raw.stderr and b"Traceback" not in raw.stderr, raw.stderr
+    bracketed = run_cli("probe", "--host", "[::1]", "--port", "9", "--timeout", "1", timeout=30)
+    assert bracketed.returncode == 1 and bracketed.stdout.startswith("http://[::1]:9/readyz: "), bracketed.stdout + bracketed.stderr
+
+
 @pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
 def test_otlp_over_grpc_is_refused_in_one_line(tmp_path: Path, var: str) -> None:
     """Not "exporting with http/protobuf" to the gRPC port, failing every few seconds."""
@@ -307,3 +385,53 @@ def test_cli_hostile_config_files_are_one_line_and_exit_2(tmp_path: Path) -> Non
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0] and str(path) in lines[0], proc.stderr
+
+
+def _numeric_keys() -> list[tuple[str, bool]]:
+    """Every number a config file holds, as a dotted key (``models.m1.x``), and whether it is an int."""
+    import msgspec.inspect as mi
+
+    from jetbatch.sidecar.config import Config
+
+    keys: list[tuple[str, bool]] = []
+
+    def walk(t: object, path: list[str]) -> None:
+        if isinstance(t, mi.StructType):
+            for f in t.fields:
+                walk(f.type, [*path, f.encode_name])
+        elif isinstance(t, mi.UnionType):
+            for member in t.types:
+                walk(member, path)
+        elif isinstance(t, mi.DictType):
+            walk(t.value_type, [*path, "m1"])
+        elif isinstance(t, mi.ListType):
+            walk(t.item_type, [*path, "[]"])
+        elif isinstance(t, (mi.IntType, mi.FloatType)):
+            keys.append((".".join(path), isinstance(t, mi.IntType)))
+
+    walk(mi.type_info(Config), [])
+    return keys
+
+
+@pytest.mark.parametrize(("key", "is_int"), _numeric_keys(), ids=[k for k, _ in _numeric_keys()])
+def test_every_number_in_a_config_file_is_bounded(tmp_path: Path, key: str, is_int: bool) -> None:
+    """Found by an attack: `streams.consumer_idle_s = inf` passed the check and the worker died
+    with a traceback at its first consumer; `max_batch_size = 10**30` passed and the worker served
+    nothing (nats-server cannot read such a batch). Every number of the file, walked from the
+    config's own types (a key added later is covered), refuses an integer past 64 bits and an
+    infinite float, naming its file and key."""
+    section, _, rest = key.partition(".")
+    value = str(10**30) if is_int else "inf"
+    if rest.endswith(".[]"):
+        rest, value = rest.removesuffix(".[]"), f"[{value}]"
+    if section == "models":
+        name, _, field = rest.partition(".")
+        text = f'[models.{name}]\nhandler = "sleep"\n{field} = {value}\n'
+    else:
+        text = f"[{section}]\n{rest} = {value}\n"
+    path = tmp_path / "bounded.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    shown = key.removesuffix(".[]")
+    assert str(info.value).startswith(str(path)) and shown in str(info.value), str(info.value)

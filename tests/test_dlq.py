@@ -90,3 +90,43 @@ async def test_replay_never_publishes_where_a_forged_letter_points(nats_url: str
         assert (await js.stream_info(subjects.dead_letter_stream)).state.messages == 1  # kept for a look
     finally:
         await nc.close()
+
+
+async def test_a_letter_with_a_header_that_is_not_utf8_is_listed_shown_and_replayed(nats_url: str, prefix: str) -> None:
+    """Found by an attack: a producer's request whose header value held bytes that are not UTF-8,
+    copied into the dead-letter stream, broke `dlq list` (plain and --json), `show` and `replay
+    --all` with tracebacks: nats-py reads a stored message's headers with the email parser, which
+    gives such a value as a ``Header`` object. Now it is shown with replacement characters, and
+    replayed without that header (its bytes cannot be sent again as they were); the letter after
+    it is replayed too."""
+    from tests.test_hostile_input import _raw_hpub
+
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+        inbox = nc.new_inbox()
+        replies = await nc.subscribe(inbox)
+        block = (b"\r\n%s: %s\r\n%s: bad bytes\r\n%s: worker\r\n%s: r-bin\r\n%s: %s\r\nX-Note: ab\xff\xfe\x80cd" % (
+            Headers.DLQ_SUBJECT.encode(), subjects.model("m1").encode(), Headers.DLQ_REASON.encode(), Headers.DLQ_STAGE.encode(),
+            Headers.REQUEST_ID.encode(), Headers.REPLY_TO.encode(), inbox.encode()))  # fmt: skip
+        _raw_hpub(nats_url, subjects.dead_letter("worker"), block, b"first")
+        await js.publish(
+            subjects.dead_letter("worker"), b"second",
+            headers={Headers.DLQ_SUBJECT: subjects.model("m1"), Headers.DLQ_REASON: "plain", Headers.REQUEST_ID: "r-plain", Headers.REPLY_TO: inbox},
+        )  # fmt: skip
+        listed = dlq(nats_url, prefix, "list")
+        assert listed.returncode == 0 and "bad bytes" in listed.stdout and "plain" in listed.stdout, listed.stderr
+        rows = [json.loads(line) for line in dlq(nats_url, prefix, "list", "--json").stdout.splitlines()]
+        assert [r["request_id"] for r in rows] == ["r-bin", "r-plain"]
+        shown = dlq(nats_url, prefix, "show", str(rows[0]["seq"]))
+        assert shown.returncode == 0 and json.loads(shown.stdout)["headers"]["X-Note"].startswith("ab"), shown.stderr
+        async with running_worker(make_config(prefix, {"m1": sleep_model()}), nats_url):
+            replayed = dlq(nats_url, prefix, "replay", "--all")
+            assert replayed.returncode == 0 and "replayed 2" in replayed.stdout, replayed.stdout + replayed.stderr
+            assert "X-Note is not UTF-8" in replayed.stderr and "Traceback" not in replayed.stderr
+            answers = {(await replies.next_msg(timeout=20)).data for _ in range(2)}
+        assert answers == {b"first", b"second"}
+    finally:
+        await nc.close()

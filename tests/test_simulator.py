@@ -500,3 +500,48 @@ def test_a_simulated_cancel_notice_ends_a_hold_as_an_arrival_does() -> None:
         result = simulate(replace(base, arrivals=trace, control=control, resident_at_start=("a",)), "cost-aware")
         starts.append([round(start, 6) for start, _, name, *_ in result.batches if name == "a"])
     assert starts == [[0.001, 0.025], [0.001, 0.026]]
+
+
+def _workload_numbers() -> list[tuple[str, bool]]:
+    """Every number of a workload file as a dotted key, and whether it is an int (seeds left out:
+    any integer is a seed)."""
+    import msgspec.inspect as mi
+
+    from jetbatch.sidecar.simulator.workloads import _ModelSpec, _WorkloadSpec
+
+    keys: list[tuple[str, bool]] = []
+
+    def walk(t: object, path: list[str]) -> None:
+        if isinstance(t, mi.StructType):
+            for f in t.fields:
+                walk(f.type, [*path, f.encode_name])
+        elif isinstance(t, mi.UnionType):
+            for member in t.types:
+                walk(member, path)
+        elif isinstance(t, mi.DictType):
+            key_type = t.key_type
+            walk(t.value_type, [*path, key_type.values[0] if isinstance(key_type, mi.LiteralType) else "m1"])
+        elif isinstance(t, (mi.IntType, mi.FloatType)) and path[-1] != "seed":
+            keys.append((".".join(path), isinstance(t, mi.IntType)))
+
+    walk(mi.type_info(_WorkloadSpec), [])
+    walk(mi.type_info(_ModelSpec), ["models", "m1"])
+    return keys
+
+
+@pytest.mark.parametrize(("key", "is_int"), _workload_numbers(), ids=[k for k, _ in _workload_numbers()])
+def test_every_number_in_a_workload_file_is_bounded(key: str, is_int: bool) -> None:
+    """The simulator's schema refuses an integer past 64 bits (or past what a batch or a burst
+    may hold) and an infinite float, naming the key, as the worker's config does."""
+    from jetbatch.sidecar.simulator.workloads import WorkloadError
+
+    raw: dict[str, Any] = {"models": {"m1": {"load_cost_s": 0.1}}}
+    *sections, field = key.split(".")
+    table = raw
+    for part in sections:
+        table = table.setdefault(part, {})
+    table[field] = 10**30 if is_int else float("inf")
+    # A value in a table of its own (arrivals.mix, control.cv) is named by its table.
+    named = key if sections[:2] == ["models", "m1"] or len(sections) < 2 else ".".join(sections)
+    with pytest.raises(WorkloadError, match=named.replace(".", r"\.")):
+        build_workload(raw)

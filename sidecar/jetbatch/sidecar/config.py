@@ -41,7 +41,13 @@ __all__ = [
     "parse_config",
 ]
 
-PositiveInt = Annotated[int, Meta(ge=1)]
+# Every integer in the file goes to nats-server or torch as a 64-bit integer at most (TOML takes
+# 10**30, and a batch size nats-server could not read left a worker serving nothing).
+INT64_MAX = 2**63 - 1
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+NonNegInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+# A batch: far above any device's, and what one fetch may ask nats-server for.
+BatchSize = Annotated[int, Meta(ge=1, le=1_000_000)]
 # Every float in the file is seconds (or their milliseconds) or a cost: finite (TOML's inf
 # passed, and a batch window of inf never closed).
 NonNegFloat = Annotated[float, Meta(ge=0, le=1e9)]
@@ -166,7 +172,7 @@ class StreamsConfig(_Base):
     # after `consumer_idle_s` without pulls ("on-demand"), or all at startup and kept ("eager":
     # what a KEDA trigger on every model's consumer lag needs). docs/scaleout.md has the costs.
     consumers: Literal["on-demand", "eager"] = "on-demand"
-    consumer_idle_s: Annotated[float, Meta(ge=60)] = 600.0
+    consumer_idle_s: Annotated[float, Meta(ge=60, le=1e9)] = 600.0
 
 
 class ModelConfig(_Base):
@@ -177,10 +183,10 @@ class ModelConfig(_Base):
     module_class: str | None = None  # state_dict: "package.module:Class" to build before assigning the weights
     module_kwargs: dict[str, Any] = {}  # state_dict: the class's constructor arguments
     function: str | None = None  # function: "package.module:function", called with a list of inputs
-    max_batch_size: PositiveInt = 16
+    max_batch_size: BatchSize = 16
     max_delay_s: NonNegFloat = DEFAULT_MAX_DELAY_S  # batching window, counted from the first request of the batch
     max_concurrent_batches: PositiveInt = 1
-    memory_bytes: Annotated[int, Meta(ge=0)] | None = None  # estimate until measured after load
+    memory_bytes: NonNegInt | None = None  # estimate until measured after load
     load_cost_s: NonNegFloat = 1.0  # estimate until measured
     batch_cost_s: NonNegFloat = 0.005  # fixed seconds per batch, estimate until measured
     item_cost_s: NonNegFloat = 0.0005  # seconds per item, estimate until measured
@@ -207,16 +213,16 @@ class WorkerConfig(_Base):
     device: str = "auto"  # "auto" (CUDA if available, else CPU), "cpu", "cuda", "cuda:1", ...
     policy: str = "cost-aware"
     policy_options: dict[str, Any] = {}
-    max_resident_models: Annotated[int, Meta(ge=1)] | None = 1
-    memory_budget_bytes: Annotated[int, Meta(ge=1)] | None = None
+    max_resident_models: PositiveInt | None = 1
+    memory_budget_bytes: PositiveInt | None = None
     # Host memory for warm copies of evicted models (a reload is then a host-to-device copy).
     # None: a quarter of physical memory; 0: no warm tier.
-    host_memory_budget_bytes: Annotated[int, Meta(ge=0)] | None = None
+    host_memory_budget_bytes: NonNegInt | None = None
     startup_timeout_s: PositiveFloat = 60.0  # keep retrying stream setup while JetStream is slow or electing
     # How often the queues are counted (one stream-info call for all models) while work waits or
     # runs; arrivals themselves are events (docs/scaleout.md).
-    poll_interval_ms: Annotated[float, Meta(ge=10)] = 250.0
-    idle_refresh_s: Annotated[float, Meta(ge=0.05)] = 1.0  # the same count while nothing waits
+    poll_interval_ms: Annotated[float, Meta(ge=10, le=1e9)] = 250.0
+    idle_refresh_s: Annotated[float, Meta(ge=0.05, le=1e9)] = 1.0  # the same count while nothing waits
     prefetch_weights: bool = True  # read the next model's weights from disk while the current one runs
     drain_timeout_s: PositiveFloat = 20.0
     coordinate: bool = True  # advertise residency in the cluster KV bucket and respect other workers
@@ -248,7 +254,7 @@ class ClassifierConfig(_Base):
 
     id: str | None = None  # defaults to classifier-<hostname>-<pid>
     router: Literal["torch", "rules", "callable"] = "rules"
-    max_batch_size: PositiveInt = 64
+    max_batch_size: BatchSize = 64
     max_delay_s: NonNegFloat = DEFAULT_MAX_DELAY_S
     max_delay_ms: NonNegFloat | None = None  # the 0.2 key, still read for one release
     # torch router

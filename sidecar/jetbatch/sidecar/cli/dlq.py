@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -52,21 +53,52 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_run(args))
 
 
-async def _entries(js: Any, subjects: Subjects) -> list[Any]:
+@dataclass(frozen=True)
+class _Letter:
+    """One dead letter as read: its headers as text (``unreadable``: those that were not UTF-8)."""
+
+    seq: int
+    data: bytes
+    headers: dict[str, str]
+    unreadable: list[str]
+
+
+async def _entries(js: Any, subjects: Subjects) -> list[_Letter]:
     info = await js.stream_info(subjects.dead_letter_stream)
-    out = []
+    out: list[_Letter] = []
     seq = info.state.first_seq
     while seq and seq <= info.state.last_seq:
         try:
             msg = await js.get_msg(subjects.dead_letter_stream, seq=seq, next=True, subject=subjects.dead_letter_wildcard)
         except failures.NOT_FOUND:
             break
-        out.append(msg)
+        headers, unreadable = _readable_headers(msg.headers)
+        out.append(_Letter(seq=msg.seq, data=msg.data or b"", headers=headers, unreadable=unreadable))
         seq = msg.seq + 1
     return out
 
 
-def _summary(msg: Any) -> dict[str, Any]:
+def _readable_headers(headers: Any) -> tuple[dict[str, str], list[str]]:
+    """A dead letter's headers as text, and the names of those that were not UTF-8. nats-py reads
+    a stored message's headers with the email parser, which gives such a value as a ``Header``
+    object, not a string: a letter copied from a producer's request whose header held other bytes
+    broke every listing and replay. Such a value is shown with replacement characters and left
+    off a replay (its bytes cannot be sent again as they were)."""
+    text: dict[str, str] = {}
+    unreadable: list[str] = []
+    for name, value in (headers or {}).items():
+        if isinstance(value, str):
+            text[str(name)] = value
+            continue
+        unreadable.append(str(name))
+        try:
+            text[str(name)] = str(value)
+        except Exception:  # noqa: BLE001 - a header object that cannot be shown is shown as nothing
+            text[str(name)] = ""
+    return text, unreadable
+
+
+def _summary(msg: _Letter) -> dict[str, Any]:
     h = msg.headers or {}
     return {
         "seq": msg.seq,
@@ -115,6 +147,9 @@ async def _run(args: argparse.Namespace) -> int:
         replayed = 0
         for m in chosen:
             h = forwardable_headers(m.headers)  # older dead letters may hold a producer's Nats-*
+            for name in m.unreadable:
+                h.pop(name, None)
+                print(f"jetbatch dlq: dead letter {m.seq}: header {shown(name)[:64]} is not UTF-8; replayed without it", file=sys.stderr)
             subject = h.pop(Headers.DLQ_SUBJECT, "")
             for key in (Headers.DLQ_REASON, Headers.DLQ_STAGE, Headers.DLQ_DELIVERIES):
                 h.pop(key, None)
@@ -133,6 +168,11 @@ async def _run(args: argparse.Namespace) -> int:
                 await js.publish(subject, m.data or b"", headers=h, timeout=5)
             except TRANSPORT_ERRORS as exc:
                 print(f"jetbatch dlq: replay of {m.seq} to {subject} failed: {exc!r}", file=sys.stderr)
+                continue
+            except (ValueError, TypeError, AttributeError, UnicodeError) as exc:
+                # Headers nats-py will not write (a name that is no token, a line break in a
+                # value): this letter stays, the others are still replayed.
+                print(f"jetbatch dlq: dead letter {m.seq} cannot be sent again as stored: {shown(exc)[:200]}; skipped", file=sys.stderr)
                 continue
             await js.delete_msg(subjects.dead_letter_stream, m.seq)
             replayed += 1

@@ -234,7 +234,8 @@ def load_workload(path: str | Path) -> Workload:
 # Finite: an infinite cost ran and printed NaN latencies (and JSON no parser reads).
 _NonNeg = Annotated[float, Meta(ge=0, le=1e9)]
 _Positive = Annotated[float, Meta(gt=0, le=1e9)]
-_Count = Annotated[int, Meta(ge=1)]
+_Count = Annotated[int, Meta(ge=1, le=1_000_000)]  # batch sizes and model counts
+_Bytes = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
 class _Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -247,7 +248,7 @@ class _ModelSpec(_Spec):
     item_cost_s: _NonNeg = 0.0001
     max_batch_size: _Count = 16
     max_wait_s: _NonNeg | None = None
-    memory_bytes: Annotated[int, Meta(ge=0)] = 1
+    memory_bytes: _Bytes = 1
     max_delay_s: _NonNeg = DEFAULT_MAX_DELAY_S
     warm_load_cost_s: _NonNeg | None = None
     deadline_s: _Positive | None = None
@@ -262,11 +263,11 @@ class _ModelSpec(_Spec):
 
 class _BudgetSpec(_Spec):
     max_models: _Count | None = None
-    max_bytes: _Count | None = None
+    max_bytes: Annotated[int, Meta(ge=1, le=2**63 - 1)] | None = None
 
 
 class _HostSpec(_Spec):
-    budget_bytes: Annotated[int, Meta(ge=0)] = 0
+    budget_bytes: _Bytes = 0
     prefetch: bool = False
 
 
@@ -281,14 +282,14 @@ class _WorkersSpec(_Spec):
 
 class _ArrivalsSpec(_Spec):
     kind: Literal["burst", "poisson", "onoff", "trace"] = "burst"
-    per_model: Annotated[int, Meta(ge=0)] = 64
+    per_model: Annotated[int, Meta(ge=0, le=10_000_000)] = 64
     rate: _Positive | None = None
     utilization: _Positive = 0.7
     duration_s: Annotated[float, Meta(gt=0, le=7 * 86400)] = 60.0
     mix: dict[str, _NonNeg] | None = None
     zipf: Annotated[float, Meta(ge=0, le=20)] | None = None
     seed: int = 1
-    on_s: Annotated[float, Meta(ge=0.001)] | None = None
+    on_s: Annotated[float, Meta(ge=0.001, le=1e6)] | None = None
     off_s: Annotated[float, Meta(ge=0, le=1e6)] | None = None
     path: str | None = None
     # The share of requests of the interactive priority class (the rest: batch), drawn per
@@ -304,7 +305,7 @@ class _ControlSpec(_Spec):
     batch_overhead_s: Annotated[float, Meta(ge=0, le=60)] = Control.batch_overhead_s
     answer_s: Annotated[float, Meta(ge=0, le=60)] = Control.answer_s
     consumer_create_s: Annotated[float, Meta(ge=0, le=60)] = Control.consumer_create_s
-    consumer_idle_s: Annotated[float, Meta(ge=60)] = Control.consumer_idle_s
+    consumer_idle_s: Annotated[float, Meta(ge=60, le=1e9)] = Control.consumer_idle_s
     claim_s: Annotated[float, Meta(ge=0, le=60)] = Control.claim_s
     advert_s: Annotated[float, Meta(ge=0, le=60)] = Control.advert_s
     count_line_s: Annotated[float, Meta(ge=0, le=60)] = Control.count_line_s
