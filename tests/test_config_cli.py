@@ -220,6 +220,17 @@ _WORKLOADS = {
     "huge.toml": '[models.m1]\nload_cost_s = 1\n[arrivals]\nkind = "poisson"\nrate = 1e8\n',
     "burst.toml": "[models.m1]\nload_cost_s = 0.1\n",
     "inf.toml": "[models.m1]\nload_cost_s = inf\n",
+    # Found by a second attack on the CLI: each hung, or ended in a traceback.
+    "idle.toml": '[models.m1]\nload_cost_s = 0.1\nidle_unload_s = 1e-20\n[arrivals]\nkind = "poisson"\nrate = 5\nduration_s = 2\n',
+    "onoff.toml": '[models.m1]\nload_cost_s = 0.1\n[arrivals]\nkind = "onoff"\nrate = 10\non_s = 0.001\noff_s = 1e6\nduration_s = 10\n',
+    "deep.toml": "a = " + "[" * 5000 + "]" * 5000 + "\n",
+    "deep.json": "[" * 100_000 + "]" * 100_000,
+    "bigint.json": '{"models": {"m1": {"load_cost_s": ' + "9" * 5000 + "}}}",
+    "strict.toml": '[models.m1]\nload_cost_s = 0.1\nmax_batch_size = "8"\n',
+    "trace.toml": '[models.m1]\nload_cost_s = 0.1\n[arrivals]\nkind = "trace"\npath = "deep.jsonl"\n',
+    "deep.jsonl": "[" * 100_000 + "]" * 100_000 + "\n",
+    "devzero.toml": '[models.m1]\nload_cost_s = 0.1\n[arrivals]\nkind = "trace"\npath = "/dev/zero"\n',
+    "idle-config.toml": '[models.m1]\nhandler = "sleep"\nidle_unload_s = 1e-20\n',
 }
 
 
@@ -246,6 +257,17 @@ _WORKLOADS = {
         (["simulate", "--workload", "{dir}/options.toml"], "options.toml: policy: "),
         (["simulate", "--workload", "{dir}/huge.toml"], "over 20000000 requests"),
         (["simulate", "--workload", "{dir}/burst.toml", "--policy", ""], "--policy: name at least one"),
+        (["simulate", "--workload", "{dir}/idle.toml"], "models.m1.idle_unload_s: Expected `float` >= 0.01"),  # it hung
+        (["simulate", "--workload", "{dir}/onoff.toml"], "shorter than one on/off cycle"),  # MemoryError
+        (["simulate", "--workload", "{dir}/deep.toml"], "deep.toml: invalid TOML: nested too deep"),
+        (["simulate", "--workload", "{dir}/deep.json"], "deep.json: invalid JSON: nested too deep"),
+        (["simulate", "--workload", "{dir}/bigint.json"], "bigint.json: invalid JSON: "),
+        (["simulate", "--workload", "{dir}/strict.toml"], "models.m1.max_batch_size: Expected `int`, got `str`"),  # it ran
+        (["simulate", "--workload", "{dir}/trace.toml"], "arrivals.path: line 1: expected"),
+        (["simulate", "--workload", "{dir}/devzero.toml"], "arrivals.path: /dev/zero: larger than"),
+        (["simulate", "--workload", "/dev/zero"], "/dev/zero: larger than"),
+        (["worker", "--config", "{dir}/idle-config.toml"], "models.m1.idle_unload_s: Expected `float` >= 0.01"),
+        (["bench", "--rate", "1e308", "--duration", "1"], "<= 1e+06"),  # it never ended
         (["simulate", "--workload", "{dir}/burst.toml", "--plot", "{dir}/missing/x.png"], "does not exist"),
         (["bench", "--concurrency", "2", "--duration", "-1"], "must be > 0"),
         (["bench", "--concurrency", "2", "--out", "{dir}/missing/out.json"], "does not exist"),
@@ -435,3 +457,43 @@ def test_every_number_in_a_config_file_is_bounded(tmp_path: Path, key: str, is_i
         load_config(path)
     shown = key.removesuffix(".[]")
     assert str(info.value).startswith(str(path)) and shown in str(info.value), str(info.value)
+
+
+def test_a_config_or_workload_that_is_a_pipe_is_read_or_refused_within_a_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by an attack: a named pipe given as `--config` or `--workload` blocked the command
+    forever (opening a pipe nobody writes to waits for a writer). A pipe with a writer is still
+    read, as `--config <(envsubst < tmpl)` needs; one without is refused once the wait ends."""
+    import os
+    import threading
+
+    from jetbatch.sidecar import config as config_module
+    from jetbatch.sidecar.simulator import load_workload
+    from jetbatch.sidecar.simulator.workloads import WorkloadError
+
+    fifo = tmp_path / "models.toml"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(config_module, "PIPE_WAIT_S", 0.3)
+    with pytest.raises(ConfigError, match="cannot read: a pipe that gave no end of file within 0.3 s"):
+        load_config(fifo)
+    with pytest.raises(WorkloadError, match="cannot read: a pipe"):
+        load_workload(fifo)
+    monkeypatch.setattr(config_module, "PIPE_WAIT_S", 30.0)  # the writer below starts when it starts
+
+    def write() -> None:
+        with open(fifo, "w") as f:
+            f.write('[models.m1]\nhandler = "sleep"\n')
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert list(load_config(fifo).models) == ["m1"]
+    finally:
+        writer.join(30)
+
+
+def test_running_out_of_memory_is_a_user_error_not_a_traceback() -> None:
+    """A workload or payload too large for this process is the input's size, said in one line."""
+    from jetbatch.sidecar.cli import _user_error
+
+    found = _user_error(MemoryError())
+    assert found is not None and "out of memory" in str(found)

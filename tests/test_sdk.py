@@ -304,3 +304,29 @@ async def test_one_request_id_twice_at_once_is_refused_for_the_second(nats_url: 
             outcomes = await asyncio.gather(*calls, return_exceptions=True)
             assert sorted(type(o).__name__ for o in outcomes) == ["BadRequest", "bytes"]
             assert b"same" in outcomes
+
+
+@pytest.mark.anyio
+async def test_closing_a_client_while_callers_are_still_publishing_logs_nothing(nats_url: str, prefix: str) -> None:
+    """Found by an attack: `jetbatch bench` interrupted with thousands of requests in flight
+    printed "Future exception was never retrieved ... ClientClosed" for each. A caller registers
+    its answer's future before it publishes; the client fails that future as it closes, and a
+    caller cancelled before it came to wait never reads it. The client marks it read."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+    logged: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: logged.append(str(context.get("message"))))
+    try:
+        client = await sdk.Client.connect(nats_url, prefix=prefix)
+        answer = loop.create_future()
+        client._pending["still-publishing"] = answer  # as _call registers it, before its publish
+        await client.close()
+        assert answer.done()  # failed with ClientClosed (reading it here would hide what this test looks for)
+        del answer
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert not [m for m in logged if "never retrieved" in m], logged

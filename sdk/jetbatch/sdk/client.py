@@ -173,6 +173,9 @@ class Client:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ClientClosed("client closed"))
+                # A caller cancelled meanwhile never reads it: marked read here, so asyncio does
+                # not log "exception was never retrieved" once for every such request.
+                fut.exception()
         self._pending.clear()
         for task in list(self._tasks):
             task.cancel()

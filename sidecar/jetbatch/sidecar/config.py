@@ -12,6 +12,9 @@ names are case-insensitive; model names keep their case). ``NATS_URL`` sets ``na
 from __future__ import annotations
 
 import os
+import select
+import stat
+import time
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
@@ -52,6 +55,9 @@ BatchSize = Annotated[int, Meta(ge=1, le=1_000_000)]
 # passed, and a batch window of inf never closed).
 NonNegFloat = Annotated[float, Meta(ge=0, le=1e9)]
 PositiveFloat = Annotated[float, Meta(gt=0, le=1e9)]
+# A period something is done again after (an advert, an idle model's unload): at least 10 ms, so
+# a typo (1e-20) cannot make it a busy loop.
+Interval = Annotated[float, Meta(ge=0.01, le=1e9)]
 MiB = 1024 * 1024
 _OWN_KEY_RE = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.DOTALL)
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
@@ -198,7 +204,7 @@ class ModelConfig(_Base):
     preload: bool = False  # loaded at start, before the worker reports ready (evictable later)
     # Evict (to the warm tier where it fits) after this long without a batch; None: the worker's
     # `idle_unload_s` (None there too: never for idleness).
-    idle_unload_s: PositiveFloat | None = None
+    idle_unload_s: Interval | None = None
     # The keys of 0.2, in milliseconds: still read for one release (seconds are the boundary's unit).
     max_delay_ms: NonNegFloat | None = None
     max_wait_ms: PositiveFloat | None = None
@@ -228,8 +234,8 @@ class WorkerConfig(_Base):
     coordinate: bool = True  # advertise residency in the cluster KV bucket and respect other workers
     # A resident model without a batch for this long is evicted, giving its device memory back
     # (per model: models.<m>.idle_unload_s). None: models stay until room is needed.
-    idle_unload_s: PositiveFloat | None = None
-    heartbeat_s: PositiveFloat = 1.0  # advert period
+    idle_unload_s: Interval | None = None
+    heartbeat_s: Interval = 1.0  # advert period
     # A peer silent this long is gone (its models are ours to take); longer than a NATS reconnect
     # or leader election, so a node loss does not make placement thrash.
     peer_timeout_s: PositiveFloat = 5.0
@@ -460,15 +466,50 @@ def describe_validation_error(message: str, where: str = "") -> str:
     return f"{path}: {problem}" if path else problem
 
 
+# How long a file that is a pipe (`--config <(envsubst < tmpl)`) may take to start and finish.
+PIPE_WAIT_S = 10.0
+
+
+def read_bounded(path: str | os.PathLike[str], limit: int, *, pipe_wait_s: float | None = None) -> bytes:
+    """A file's bytes, at most ``limit`` and one more (the caller refuses that): a path such as
+    /dev/zero never ends. A named pipe is read within ``pipe_wait_s`` (TimeoutError past it): one
+    nobody writes to would block an ``open`` forever, so it is opened without waiting and polled
+    (Linux reports a hang-up only once a writer came and went, so a writer that is still starting
+    is waited for)."""
+    pipe_wait_s = PIPE_WAIT_S if pipe_wait_s is None else pipe_wait_s
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
+        if not pipe:
+            os.set_blocking(fd, True)
+        deadline = time.monotonic() + pipe_wait_s
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limit:
+            if pipe:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                    raise TimeoutError(f"a pipe that gave no end of file within {pipe_wait_s:g} s")
+            try:
+                chunk = os.read(fd, min(1 << 16, limit + 1 - total))
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def load_config(path: str | os.PathLike[str] | None, *, environ: Mapping[str, str] | None = None) -> Config:
     """Read and validate a TOML config file (None: defaults and environment only)."""
     if path is None:
         return parse_config(None, source="environment", environ=environ)
     p = Path(path)
     try:
-        # Read with a bound: a path such as /dev/zero never ends.
-        with p.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        data = read_bounded(p, MAX_CONFIG_BYTES)
         if len(data) > MAX_CONFIG_BYTES:
             raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES} bytes: not a config file")
         text = data.decode("utf-8")

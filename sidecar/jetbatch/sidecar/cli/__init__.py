@@ -81,6 +81,9 @@ def _user_error(exc: BaseException) -> BaseException | None:
 
     if isinstance(exc, (JetbatchError, CliError)):
         return exc
+    if isinstance(exc, MemoryError):
+        # What the input asked for (a workload, a payload size) does not fit this process.
+        return CliError("out of memory: the input asks for more than this process can hold")
     if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] in _EXTRAS:
         return CliError(f"{exc.name} is not installed: {_EXTRAS[exc.name.split('.')[0]]}")
     if isinstance(exc, BaseExceptionGroup):

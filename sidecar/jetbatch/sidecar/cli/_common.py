@@ -91,6 +91,10 @@ MAX_REQUESTS = 10_000_000
 concurrency_count = _number(int, 1, True, MAX_CONCURRENCY)
 request_count = _number(int, 0, True, MAX_REQUESTS)
 non_negative_float = _number(float, 0.0, True)
+# An open loop's arrivals a second: far above what one event loop can send (at 1e308 the next
+# arrival's time stopped advancing, and the run never ended).
+MAX_RATE = 1_000_000.0
+request_rate = _number(float, 0.0, False, MAX_RATE)
 
 
 def writable_file(path: str, what: str) -> None:

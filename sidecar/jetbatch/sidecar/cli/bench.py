@@ -20,8 +20,8 @@ from ._common import (
     add_nats_url,
     add_prefix,
     concurrency_count,
-    positive_float,
     positive_seconds,
+    request_rate,
     writable_file,
 )
 
@@ -29,7 +29,7 @@ from ._common import (
 def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="load-test a deployment (or an embedded one) with the SDK")
     load = p.add_mutually_exclusive_group(required=True)
-    load.add_argument("--rate", type=positive_float, metavar="RPS", help="open loop: requests per second (Poisson arrivals)")
+    load.add_argument("--rate", type=request_rate, metavar="RPS", help="open loop: requests per second (Poisson arrivals)")
     load.add_argument("--concurrency", type=concurrency_count, metavar="N", help="closed loop: N callers in parallel")
     p.add_argument("--duration", type=positive_seconds, default=10.0, metavar="S", help="seconds of load (default 10)")
     p.add_argument("--mix", default="m1=0.5,m2=0.5", help="model mix, e.g. m1=0.5,m2=0.3,auto=0.2 (auto: the classifier decides)")

@@ -65,7 +65,7 @@ from msgspec import Meta
 
 from jetbatch.sdk.protocol import Priority
 
-from ..config import DEFAULT_MAX_DELAY_S, describe_validation_error
+from ..config import DEFAULT_MAX_DELAY_S, describe_validation_error, read_bounded
 from ..errors import SidecarError
 from ..policy import Budget
 
@@ -216,18 +216,35 @@ class Workload:
 def load_workload(path: str | Path) -> Workload:
     """Read a workload file (TOML or JSON); :class:`WorkloadError` names the file and the key."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError(f"{p}: cannot read: {exc}") from None
+    text = _read(p, _MAX_WORKLOAD_BYTES, f"{p}")
+    kind = "JSON" if p.suffix == ".json" else "TOML"
     try:
         raw = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise WorkloadError(f"{p}: invalid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}") from None
+        raise WorkloadError(f"{p}: invalid {kind}: {exc}") from None
+    except RecursionError:
+        raise WorkloadError(f"{p}: invalid {kind}: nested too deep") from None
+    except ValueError as exc:  # an integer of thousands of digits (JSON), a number Python will not read
+        raise WorkloadError(f"{p}: invalid {kind}: {str(exc)[:120]}") from None
     try:
-        return build_workload(raw, base=p.parent)
+        return build_workload(raw, base=p.parent, strict=True)
     except WorkloadError as exc:
         raise WorkloadError(f"{p}: {exc}") from None
+
+
+_MAX_WORKLOAD_BYTES = 4 * 1024 * 1024  # a workload file is kilobytes; past this it is not one
+_MAX_TRACE_BYTES = 1024 * 1024 * 1024  # a trace is a line a request: 20 million lines at most
+
+
+def _read(path: Path, limit: int, name: str) -> str:
+    """A file's text, read with a bound (and a pipe with a deadline); WorkloadError otherwise."""
+    try:
+        data = read_bounded(path, limit)
+        if len(data) > limit:
+            raise WorkloadError(f"{name}: larger than {limit} bytes")
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"{name}: cannot read: {exc}") from None
 
 
 # The file's schema: unknown keys, wrong types and out-of-range numbers are refused with the key.
@@ -258,7 +275,7 @@ class _ModelSpec(_Spec):
     configured_item_cost_s: _NonNeg | None = None
     pin: bool = False
     preload: bool = False
-    idle_unload_s: _Positive | None = None
+    idle_unload_s: Annotated[float, Meta(ge=0.01, le=1e9)] | None = None  # below a clock's step, an eviction never ends
 
 
 class _BudgetSpec(_Spec):
@@ -323,15 +340,17 @@ class _WorkloadSpec(_Spec):
     control: _ControlSpec = _ControlSpec()
 
 
-def _convert(raw: Any, spec: type[Any], where: str) -> Any:
+def _convert(raw: Any, spec: type[Any], where: str, strict: bool = False) -> Any:
     try:
-        # strict=False: 2e9 for an int, as the worker's config (a string "10" converts too).
-        return msgspec.convert(raw, spec, strict=False)
+        # A file's values are typed by TOML or JSON: checked strictly, so `max_batch_size = "8"`
+        # is refused with its key (as the worker's config does). A workload built in code may
+        # pass 2e9 for an int, or "10".
+        return msgspec.convert(raw, spec, strict=strict)
     except msgspec.ValidationError as exc:
         raise WorkloadError(describe_validation_error(str(exc), where)) from None
 
 
-def _model(name: str, m: Any) -> SimModel:
+def _model(name: str, m: Any, strict: bool = False) -> SimModel:
     if not isinstance(m, dict):
         raise WorkloadError(f"models.{name}: expected a table, got {type(m).__name__}")
     m = dict(m)
@@ -341,19 +360,20 @@ def _model(name: str, m: Any) -> SimModel:
                 _warned.add(old)
                 print(f"jetbatch: workload key {old!r} is deprecated; use {new!r}", file=sys.stderr)
             m.setdefault(new, m.pop(old))
-    spec = _convert(m, _ModelSpec, f"models.{name}")
+    spec = _convert(m, _ModelSpec, f"models.{name}", strict)
     return SimModel(name=name, **msgspec.structs.asdict(spec))
 
 
-def build_workload(raw: Any, base: Path = Path(".")) -> Workload:
+def build_workload(raw: Any, base: Path = Path("."), *, strict: bool = False) -> Workload:
     """A :class:`Workload` from a decoded file (see the module docstring); :class:`WorkloadError`
-    names the key of anything missing, unknown or out of range."""
+    names the key of anything missing, unknown or out of range. ``strict``: no value converted
+    from another type (a file's, read by :func:`load_workload`)."""
     if not isinstance(raw, dict):
         raise WorkloadError(f"expected a table of sections, got {type(raw).__name__}")
-    spec = _convert(raw, _WorkloadSpec, "")
+    spec = _convert(raw, _WorkloadSpec, "", strict)
     if not spec.models:
         raise WorkloadError("models: at least one [models.<name>] table is needed")
-    models = {name: _model(name, m) for name, m in spec.models.items()}
+    models = {name: _model(name, m, strict) for name, m in spec.models.items()}
     b = spec.budget or _BudgetSpec()
     budget = Budget(max_bytes=b.max_bytes, max_models=b.max_models if b.max_models is not None or b.max_bytes is not None else 1)
     try:
@@ -438,6 +458,10 @@ def _generated(arr: _ArrivalsSpec, models: dict[str, SimModel]) -> tuple[tuple[t
         off_s = arr.off_s if arr.off_s is not None else 0.0
         duty = on_s / (on_s + off_s) if arr.kind == "onoff" else 1.0
         burst_rate = rate / duty  # the same mean rate, concentrated in the on periods
+        if arr.kind == "onoff" and duration < on_s + off_s:
+            # The mean rate holds over whole cycles: a shorter window is all burst (on_s 0.001 and
+            # off_s 1e6 in 10 s asked for 10 million requests in its first millisecond).
+            raise WorkloadError(f"arrivals.duration_s: {duration:g} s is shorter than one on/off cycle (on_s + off_s = {on_s + off_s:g} s)")
         t, out = 0.0, []
         while True:
             t += rng.expovariate(burst_rate)
@@ -457,10 +481,7 @@ def _generated(arr: _ArrivalsSpec, models: dict[str, SimModel]) -> tuple[tuple[t
 def _trace(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tuple[tuple[tuple[float, str], ...], bool, float, tuple[bool, ...]]:
     if not arr.path:
         raise WorkloadError("arrivals.path: a trace needs the path of its file")
-    try:
-        lines = (base / arr.path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError(f"arrivals.path: cannot read {arr.path}: {exc}") from None
+    lines = _read(base / arr.path, _MAX_TRACE_BYTES, f"arrivals.path: {arr.path}").splitlines()
     out: list[tuple[float, str, bool]] = []
     classes = False
     for n, line in enumerate(lines, 1):
@@ -470,7 +491,7 @@ def _trace(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tuple
             rec = json.loads(line)
             t, model = float(rec["t"]), str(rec["model"])
             priority = str(rec.get("priority", Priority.INTERACTIVE.value))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise WorkloadError(f"arrivals.path: line {n}: expected {{\"t\": seconds, \"model\": name}}") from None
         if priority not in {p.value for p in Priority}:
             raise WorkloadError(f"arrivals.path: line {n}: priority must be one of {', '.join(p.value for p in Priority)}")
