@@ -98,3 +98,44 @@ async def test_expired_adverts_are_forgotten_and_a_flood_of_them_is_bounded(nats
     finally:
         await view.stop()
         await nc.close()
+
+
+async def test_a_second_live_worker_under_one_id_is_refused_or_reported(nats_url: str, prefix: str) -> None:
+    """Found by an attack: two live workers started under one id (a copied config) swapped their
+    models about every 0.1 s (465 loads where 2 would do), each taking the other's residency and
+    claims for its own, and nothing said why. A worker that finds its id advertised by a live
+    worker (an advert put again while it looks) refuses to start; one whose id an advert it did
+    not put arrives under at runtime (two started together) counts it and says so. A dead
+    process's advert under the id (a restart) is neither."""
+    conns = [await nats.connect(nats_url) for _ in range(3)]
+    subjects = Subjects(prefix)
+    first = ClusterView(conns[0].jetstream(), subjects, "dup", heartbeat_s=0.2)
+    try:
+        await first.start()
+        async with anyio.create_task_group() as tg:
+
+            async def heartbeat() -> None:
+                while True:
+                    await first.advertise(SidecarReport(role="worker", id="dup", resident=["m1"]))
+                    await anyio.sleep(first.heartbeat_s)  # the worker's advert loop, as it runs
+
+            tg.start_soon(heartbeat)
+            tg.start_soon(first.watch)
+            await wait_until(lambda: first.view_fresh(), what="the first worker's advert heard")
+            second = ClusterView(conns[1].jetstream(), subjects, "dup", heartbeat_s=0.2)
+            with pytest.raises(cluster.DuplicateWorkerId, match="'dup' is in use by another live worker"):
+                await second.start()
+            # One that got past the check (both started together) puts its own adverts: the first
+            # hears adverts under its id it did not put.
+            await second.advertise(SidecarReport(role="worker", id="dup", resident=["m2"]))
+            await wait_until(lambda: first.duplicate_adverts >= 1, what="the foreign advert counted")
+            tg.cancel_scope.cancel()
+        # The first stops beating, as a killed process does: a restart under its id starts
+        # (its advert, still in the bucket until the TTL, is put again by nobody).
+        restarted = ClusterView(conns[2].jetstream(), subjects, "dup", heartbeat_s=0.2)
+        await restarted.start()
+        await restarted.stop()
+    finally:
+        await first.stop()
+        for nc in conns:
+            await nc.close()

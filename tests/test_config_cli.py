@@ -32,6 +32,10 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
         ('[models.m1]\nmax_batch_size = 3\n', "missing required key `handler`"),
         ('[models."a.b"]\nhandler = "sleep"\n', "invalid model name 'a.b'"),
         ('[worker]\npoll_interval_ms = 1\n', "worker.poll_interval_ms: Expected `float` >= 10"),
+        # Found by an attack: an id that is no key of the workers' bucket served with every advert failing.
+        ('[worker]\nid = "evil.>"\n', "worker.id: Expected `str` matching regex"),
+        ('[worker]\nid = "a..b"\n', "worker.id: Expected `str` matching regex"),
+        ('[classifier]\nid = "c 1"\n', "classifier.id: Expected `str` matching regex"),
         ("[models.m1\n", "invalid TOML"),
         ('[models.m1]\nhandler = "sleep"\nmax_delay_s = 0.01\nmax_delay_ms = 20\n', "models.m1.max_delay_s: 0.01 s and max_delay_ms: 20.0 ms disagree"),
         ('[models.m1]\nhandler = "sleep"\nmax_wait_s = -1\n', "models.m1.max_wait_s: Expected `float` > 0"),
@@ -193,6 +197,10 @@ def test_cli_server_down_is_one_line(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "cannot connect to NATS at nats://127.0.0.1:1" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # Found by an attack: the credentials in the URL were printed with it.
+    secret = run_cli("status", "--nats-url", "nats://alice:s3cret@127.0.0.1:1,nats://tok3n@127.0.0.1:2", "--wait", "0.2")
+    assert secret.returncode == 2 and "s3cret" not in secret.stderr and "tok3n" not in secret.stderr, secret.stderr
+    assert "nats://***@127.0.0.1:1, nats://***@127.0.0.1:2" in secret.stderr, secret.stderr
 
 
 def test_cli_answers_help_version_status_dlq_and_probe_without_torch(nats_url: str, prefix: str) -> None:

@@ -60,6 +60,8 @@ async def test_list_show_replay_purge(nats_url: str, prefix: str) -> None:
     assert refused.returncode == 2 and "--yes" in refused.stderr
     assert "purged 1" in dlq(nats_url, prefix, "purge", "--yes").stdout
     assert dlq(nats_url, prefix, "list").stdout.strip() == "no dead letters"
+    nothing = dlq(nats_url, prefix, "replay", "--all")  # an empty queue: done, not "no dead letter with sequence None"
+    assert nothing.returncode == 0 and nothing.stdout.strip() == "no dead letters", nothing.stdout + nothing.stderr
     missing = dlq(nats_url, prefix, "show", "999")
     assert missing.returncode == 2 and missing.stderr.strip() == "jetbatch dlq: no dead letter with sequence 999"
     await nc.close()

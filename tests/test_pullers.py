@@ -98,3 +98,33 @@ async def test_a_stop_hands_back_what_each_line_held(nats_url: str, prefix: str)
         # The status counters: each line's cancelled fetch sent a no_wait request (ended by its
         # 404: nothing was stored) and one that waited (ended by the delivery it asked for).
         assert pullers.counts([slot]) == {"pull_requests": 4, "pull_ends": 2, "forged_deliveries": 0}
+
+
+@pytest.mark.anyio
+async def test_the_models_stream_takes_two_consumers_for_each_of_a_thousand_models(nats_url: str, prefix: str) -> None:
+    """Found by an attack: with `streams.consumers = "eager"` and 1000 models every worker exited
+    at start-up: nats-server 2.15 caps a stream that leaves its consumer limit unset at 1 000
+    consumers, and each model has two (its interactive and batch lines). The models stream says
+    its limit, and one made by an earlier release is updated to it."""
+    from nats.js.api import StreamConfig
+
+    from jetbatch.sdk.protocol import Subjects
+    from jetbatch.sidecar.config import StreamsConfig
+    from jetbatch.sidecar.streams import MAX_MODEL_CONSUMERS, ensure_model_consumers, ensure_streams, models_stream_config
+
+    subjects = Subjects(prefix)
+    models = [f"m{i}" for i in range(510)]
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        old = models_stream_config(subjects, StreamsConfig(), models)
+        old.max_consumers = None  # as an earlier release made it: the server's default
+        await js.add_stream(StreamConfig.from_response(old.as_dict()))
+        assert (await js.stream_info(subjects.models_stream)).config.max_consumers == -1
+        await ensure_streams(js, subjects, StreamsConfig(), models)
+        assert (await js.stream_info(subjects.models_stream)).config.max_consumers == MAX_MODEL_CONSUMERS
+        await ensure_model_consumers(js, subjects, StreamsConfig(), models, priorities=tuple(Priority))
+        assert (await js.stream_info(subjects.models_stream)).state.consumer_count == 1020
+        await js.delete_stream(subjects.models_stream)
+    finally:
+        await nc.close()

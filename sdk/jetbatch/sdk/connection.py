@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 from . import failures
 from .errors import ConnectionFailed
 
-__all__ = ["DEFAULT_URL", "MAX_HEADER_BLOCK_BYTES", "connect_nats", "guard_read_loop", "parse_header_lines", "stopped_reading", "unreadable_messages"]
+__all__ = ["DEFAULT_URL", "MAX_HEADER_BLOCK_BYTES", "connect_nats", "guard_read_loop", "parse_header_lines", "redacted_url", "stopped_reading", "unreadable_messages"]
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -50,19 +50,18 @@ async def connect_nats(
     nc = NATS()
     _use_fast_header_parser(nc)
     _use_fast_header_values()
+    shown = ", ".join(redacted_url(s) for s in servers_list)
     try:
         await asyncio.wait_for(nc.connect(servers=servers_list, **options), timeout=bound_s)
     except asyncio.TimeoutError as exc:
         await _close_quietly(nc)
         raise ConnectionFailed(
-            f"cannot connect to NATS at {', '.join(servers_list)}: no handshake within {bound_s:.1f}s "
+            f"cannot connect to NATS at {shown}: no handshake within {bound_s:.1f}s "
             "(a tls:// server reached with nats://, or a server that does not answer?)"
         ) from exc
     except failures.NO_SERVERS + failures.TRANSPORT_ERRORS as exc:
         await _close_quietly(nc)
-        raise ConnectionFailed(
-            f"cannot connect to NATS at {', '.join(servers_list)}: {exc or type(exc).__name__}"
-        ) from exc
+        raise ConnectionFailed(f"cannot connect to NATS at {shown}: {exc or type(exc).__name__}") from exc
     if "max_reconnect_attempts" not in nats_options:
         nc.options["max_reconnect_attempts"] = -1
     return nc
@@ -214,6 +213,18 @@ async def _close_quietly(nc: NATS) -> None:
         await asyncio.wait_for(nc.close(), timeout=0.5)
     except Exception:  # noqa: BLE001 - a half-open connection may fail to close cleanly
         pass
+
+
+def redacted_url(url: str) -> str:
+    """``url`` as it may be printed or logged: a user name, password or token in it (``nats://
+    alice:s3cret@host``) written as ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    return f"{scheme}{sep}***@{host}" if userinfo else url
 
 
 async def _quiet_error_cb(exc: Exception) -> None:

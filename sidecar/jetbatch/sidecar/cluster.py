@@ -12,6 +12,7 @@ do not all chase the same longest queue.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
@@ -25,10 +26,10 @@ from nats.js.api import StorageType
 from jetbatch.sdk import failures
 from jetbatch.sdk.protocol import SidecarReport, Subjects
 
-from .errors import TRANSPORT_ERRORS
+from .errors import TRANSPORT_ERRORS, SidecarError
 from .streams import ensure_key_value
 
-__all__ = ["CLAIM_PREFIX", "ClusterView"]
+__all__ = ["CLAIM_PREFIX", "ClusterView", "DuplicateWorkerId"]
 
 # Keys of the workers' bucket that are load claims, not adverts.
 CLAIM_PREFIX = "claim."
@@ -42,6 +43,13 @@ MAX_PEERS = 4096
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SidecarReport)
+# How often a second live worker's adverts under this worker's id are logged, at most.
+DUPLICATE_LOG_EVERY_S = 30.0
+
+
+class DuplicateWorkerId(SidecarError):
+    """Another live worker advertises under this worker's id: two workers sharing an id each
+    take the other's residency and claims for their own and swap models without end."""
 
 
 @dataclass
@@ -66,6 +74,10 @@ class ClusterView:
         self._refused = 0  # adverts of new peers refused at MAX_PEERS
         self._kv: object | None = None
         self._watcher: object | None = None
+        self._sent: collections.deque[bytes] = collections.deque(maxlen=8)  # our latest adverts, as put
+        self._duplicate_logged_at = -math.inf
+        self.duplicate_adverts = 0  # adverts under our id that we did not put (another live worker's)
+        self._first_revision: int | None = None  # the bucket's revision of our first advert
 
 
     @property
@@ -74,6 +86,8 @@ class ClusterView:
         return 3.0 * self.heartbeat_s
 
     async def start(self) -> None:
+        """Open the bucket and watch it. Raises :class:`DuplicateWorkerId` when another live
+        worker advertises under this id (:meth:`_check_id_free`)."""
         self._kv = await ensure_key_value(
             self.js,
             self.subjects.kv_bucket,
@@ -82,7 +96,35 @@ class ClusterView:
             storage=StorageType.MEMORY,  # soft state, re-advertised every heartbeat
             replicas=self.replicas,
         )
+        await self._check_id_free()
         self._watcher = await self._kv.watchall()  # type: ignore[attr-defined]
+
+    async def _check_id_free(self) -> None:
+        """An advert under our id before we put one is either a dead process's (a restart under
+        the same id: it expires with the TTL) or a live worker's. A live one puts again within a
+        heartbeat: watched for one and a half, and refused if it does. Costs nothing when the key
+        is absent (a new id, or an old one already expired)."""
+        try:
+            first = await self._kv.get(self.worker_id)  # type: ignore[attr-defined]
+        except failures.NOT_FOUND:
+            return
+        except TRANSPORT_ERRORS as exc:
+            log.debug("worker id check skipped: %r", exc)
+            return
+        deadline = time.monotonic() + 1.5 * self.heartbeat_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(0.1, self.heartbeat_s / 4))
+            try:
+                entry = await self._kv.get(self.worker_id)  # type: ignore[attr-defined]
+            except failures.NOT_FOUND:
+                return  # expired or withdrawn: its process is gone
+            except TRANSPORT_ERRORS:
+                return
+            if entry.revision != first.revision and entry.value:
+                raise DuplicateWorkerId(
+                    f"worker id {self.worker_id!r} is in use by another live worker: give each worker its own id "
+                    "(worker.id, JETBATCH_WORKER__ID), or none for <host>-<pid>"
+                )
 
     async def watch(self) -> None:
         """Keep the view of the peers current; run it in the worker's task group."""
@@ -121,6 +163,10 @@ class ClusterView:
             self._seen_at[entry.key] = now
             if entry.key == self.worker_id:
                 self._own_seen_at = now
+                # Only puts after our first: an older one is a dead process's, left to expire.
+                first = self._first_revision
+                if first is not None and (entry.revision or 0) > first and bytes(entry.value) not in self._sent:
+                    self._note_duplicate(now)
             if now - self._forgot_at > self.heartbeat_s:
                 # Here only: a fresh view hears its own advert every heartbeat, so this runs
                 # whenever forgetting can happen (not in peers(), several times a decision).
@@ -129,11 +175,27 @@ class ClusterView:
     async def advertise(self, advert: SidecarReport) -> None:
         if self._kv is None:
             return
+        data = _encoder.encode(advert)
+        self._sent.append(data)
         try:
-            await self._kv.put(self.worker_id, _encoder.encode(advert))  # type: ignore[attr-defined]
+            revision = await self._kv.put(self.worker_id, data)  # type: ignore[attr-defined]
+            if self._first_revision is None:
+                self._first_revision = revision
         except TRANSPORT_ERRORS as exc:
             log.debug("advert failed: %r", exc)
             self.note_trouble()
+
+    def _note_duplicate(self, now: float) -> None:
+        """An advert under our id that we did not put: a second live worker shares the id (two
+        started together, or a copied config). Both keep serving, but their placement swaps:
+        said loudly, at most every :data:`DUPLICATE_LOG_EVERY_S`."""
+        self.duplicate_adverts += 1
+        if now - self._duplicate_logged_at >= DUPLICATE_LOG_EVERY_S:
+            self._duplicate_logged_at = now
+            log.error(
+                "another live worker advertises under this worker's id %r (%d adverts so far): give each worker its own id; "
+                "two workers sharing one swap models without end", self.worker_id, self.duplicate_adverts,
+            )  # fmt: skip
 
     @staticmethod
     def _claim_key(model: str) -> str:

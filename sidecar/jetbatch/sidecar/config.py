@@ -55,6 +55,10 @@ BatchSize = Annotated[int, Meta(ge=1, le=1_000_000)]
 # passed, and a batch window of inf never closed).
 NonNegFloat = Annotated[float, Meta(ge=0, le=1e9)]
 PositiveFloat = Annotated[float, Meta(gt=0, le=1e9)]
+# A sidecar's id is the key of its advert in the workers' key-value bucket: what a key may be
+# (dot-separated tokens of letters, digits, `-`, `_`, `=`, `/`), so an id such as `evil.>` is
+# refused here, not left serving with every advert failing and no peer seeing it.
+SidecarId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_=/-]+(\.[A-Za-z0-9_=/-]+)*$", max_length=128)]
 # A period something is done again after (an advert, an idle model's unload): at least 10 ms, so
 # a typo (1e-20) cannot make it a busy loop.
 Interval = Annotated[float, Meta(ge=0.01, le=1e9)]
@@ -215,7 +219,7 @@ class ModelConfig(_Base):
 
 
 class WorkerConfig(_Base):
-    id: str | None = None  # defaults to hostname-pid
+    id: SidecarId | None = None  # defaults to hostname-pid
     device: str = "auto"  # "auto" (CUDA if available, else CPU), "cpu", "cuda", "cuda:1", ...
     policy: str = "cost-aware"
     policy_options: dict[str, Any] = {}
@@ -258,7 +262,7 @@ class WorkerConfig(_Base):
 class ClassifierConfig(_Base):
     """The classifier sidecar: pulls ``<prefix>.in`` and republishes to ``<prefix>.model.<name>``."""
 
-    id: str | None = None  # defaults to classifier-<hostname>-<pid>
+    id: SidecarId | None = None  # defaults to classifier-<hostname>-<pid>
     router: Literal["torch", "rules", "callable"] = "rules"
     max_batch_size: BatchSize = 64
     max_delay_s: NonNegFloat = DEFAULT_MAX_DELAY_S

@@ -94,6 +94,8 @@ def results_stream_config(subjects: Subjects, cfg: StreamsConfig, replies: Repli
 
 # What the classifier's republish may add to a request's headers (``models_stream_config``).
 ROUTING_HEADROOM_BYTES = 1024
+# The models stream's consumers at most: two a registered model, for 50 000 of them.
+MAX_MODEL_CONSUMERS = 100_000
 
 
 def models_stream_config(subjects: Subjects, cfg: StreamsConfig, models: Iterable[str]) -> StreamConfig:
@@ -113,6 +115,10 @@ def models_stream_config(subjects: Subjects, cfg: StreamsConfig, models: Iterabl
     # arrived under and a tenant-scoped dedupe id (a tenant's request at the ingress's limit was
     # refused by this stream as too large).
     config.max_msg_size = cfg.max_msg_size + ROUTING_HEADROOM_BYTES
+    # Two consumers a model (its interactive and batch lines). Said explicitly: a stream that
+    # leaves it unlimited takes 1 000 consumers at most on nats-server 2.15, so a 500th model's
+    # consumer was refused ("maximum consumers limit reached").
+    config.max_consumers = MAX_MODEL_CONSUMERS
     config.republish = RePublish(src=subjects.models_wildcard, dest=subjects.arrivals_wildcard, headers_only=True)
     return config
 
@@ -213,7 +219,7 @@ _SETUP_ATTEMPTS = 8
 
 _COMPARED = (
     "retention", "storage", "discard", "max_msgs", "max_bytes", "max_msg_size",
-    "duplicate_window", "num_replicas", "max_age", "allow_direct", "max_msgs_per_subject", "republish", "allow_atomic",
+    "duplicate_window", "num_replicas", "max_age", "allow_direct", "max_msgs_per_subject", "republish", "allow_atomic", "max_consumers",
 )  # fmt: skip
 
 

@@ -137,6 +137,9 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"purged {len(entries)} dead letters")
             return 0
         chosen = entries if args.all else [m for m in entries if m.seq == args.seq]
+        if not chosen and args.all:
+            print("no dead letters")  # nothing to replay: done
+            return 0
         if not chosen:
             raise CliError(f"no dead letter with sequence {args.seq}")
         if args.action == "show":

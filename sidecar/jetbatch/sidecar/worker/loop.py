@@ -360,7 +360,12 @@ class Worker:
         return view.build_report(
             worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             costs=self.costs, budget=self.budget, in_flight=self.state.in_flight.by_model(self.subjects.model_from_subject),
-            stats={**self.stats.snapshot(), **self.pullers.counts(self.slots.values()), "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc)},
+            stats={
+                **self.stats.snapshot(), **self.pullers.counts(self.slots.values()),
+                "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc),
+                # Adverts under this worker's id that it did not put: another live worker shares it.
+                "duplicate_id_adverts": self.peers.cluster.duplicate_adverts if self.peers.cluster is not None else 0,
+            },
             started_at=self.state.started_at, valid_s=self.config.worker.peer_timeout_s, http=self.http_address,
         )  # fmt: skip
 
