@@ -243,6 +243,9 @@ class WorkerConfig(_Base):
     # A peer silent this long is gone (its models are ours to take); longer than a NATS reconnect
     # or leader election, so a node loss does not make placement thrash.
     peer_timeout_s: PositiveFloat = 5.0
+    # Requests stored for a model that no live worker registers are answered unknown_model once
+    # it has been so this long (worker/orphans.py): longer than a rolling restart of its workers.
+    orphan_grace_s: Annotated[float, Meta(ge=0.1, le=1e9)] = 60.0
 
     def __post_init__(self) -> None:
         # Checked here, so a typo is named with its file before the worker connects anywhere.

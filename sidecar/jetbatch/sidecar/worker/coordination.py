@@ -96,6 +96,13 @@ class Coordinator:
         if self.cluster is not None:
             self.cluster.note_trouble()
 
+    def registered_by_peers(self, now: float) -> set[str]:
+        """The models live peers register (their adverts' ``models``; a stale view keeps every
+        peer last heard, so what it registered still counts)."""
+        if self.cluster is None:
+            return set()
+        return {m for adv in self.cluster.peers(now).values() for m in adv.models}
+
     def departed(self, now: float) -> list[str]:
         """The peers that left the view since the last call: an advert withdrawn, one not heard
         within its timeout while the view is fresh, or one whose process was replaced (the same

@@ -361,8 +361,10 @@ class BatchRunner:
                     await self.quarantine.clear(slot.name, r.seq)
             await self.finish(slot, members)
 
-    async def finish(self, slot: Slot, requests: list[Request]) -> None:
-        """Store and send the answers of ``requests``, then settle each message."""
+    async def finish(self, slot: Slot | str, requests: list[Request]) -> None:
+        """Store and send the answers of ``requests``, then settle each message. ``slot``: the
+        model's slot, or the name of a model this worker does not register (worker/orphans.py:
+        nothing of its arrivals is counted here)."""
         if not requests:
             return
         fresh_answers = [r.answer for r in requests if r.answer is not None and not r.answer.stored]
@@ -396,10 +398,11 @@ class BatchRunner:
                 # Redelivered; its next delivery finds it stored or recomputes it.
                 await settle(r.msg, "nak", delay_s=GIVE_BACK_DELAY_S)
                 back_in_s = GIVE_BACK_DELAY_S
-        if self._on_settled is not None:
+        if self._on_settled is not None and not isinstance(slot, str):
             await self._on_settled(slot, [r.msg for r in requests], back_in_s)
+        model = slot if isinstance(slot, str) else slot.name
         for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
-            self.telemetry.requests.add(count, {"jetbatch.model": slot.name, "jetbatch.status": outcome})
+            self.telemetry.requests.add(count, {"jetbatch.model": model, "jetbatch.status": outcome})
 
 
 def _suspicion(evidence: Evidence) -> tuple[int, int]:

@@ -25,6 +25,7 @@ import anyio.lowlevel
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from jetbatch.sdk import failures
 from jetbatch.sdk.connection import unreadable_messages
 from jetbatch.sdk.protocol import ErrorCode, Priority, SidecarReport, Subjects
 
@@ -55,7 +56,7 @@ from ..policy import (
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
-from ..streams import ensure_model_consumers, ensure_streams, model_consumer_name
+from ..streams import StreamSetupError, ensure_model_consumer, ensure_model_consumers, ensure_streams, model_consumer_name
 from ..telemetry import WorkerTelemetry
 from .batching import Batcher
 from .pullers import Pullers
@@ -65,6 +66,7 @@ from .cancellations import Cancellations
 from .execution import GIVE_BACK_DELAY_S, BatchRunner
 from .slots import BatchReport, ModelTurn, Slot
 from .state import LoopState
+from .orphans import Orphans
 from .quarantine import Quarantine
 from .queues import RECHECK_S, ArrivalFeed, QueueView, empty_fetch, missed_by
 from . import view
@@ -79,6 +81,10 @@ T = TypeVar("T")
 # redelivers on its own timer): counted before, a fetch would miss them and hold the queue back
 # for a recheck.
 _DUE_MARGIN_S = 0.05
+# An orphaned queue (worker/orphans.py) is answered this many requests a line a count, each fetch
+# waiting at most this long (what the count said is stored is there at once).
+ORPHAN_BATCH = 64
+ORPHAN_FETCH_S = 0.5
 
 
 class Worker:
@@ -136,6 +142,7 @@ class Worker:
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
         # A peer's take event counts until it settles, or for two heartbeats (its advert tells then).
         self.queues = QueueView(self.slots, peer_event_s=2 * config.worker.heartbeat_s)
+        self.orphans = Orphans(config.worker.orphan_grace_s)
         # Callers that gave up early (their tasks cancelled): no load is paid for them.
         self.cancellations = Cancellations(nc, self.subjects, on_cancel=self._on_cancel, counters=self.stats)
         self.arrivals = ArrivalFeed(
@@ -395,6 +402,10 @@ class Worker:
             mine_bulk=lambda: self.state.in_flight.by_model(self._bulk_model),
         )  # fmt: skip
         await self._hand_back_leftovers()
+        if ok:
+            registered = set(self.slots) | self.peers.registered_by_peers(now)
+            for model in self.orphans.due(self.queues.unregistered, registered, now):
+                await self._answer_orphans(model)
         self.state.forget_before(now - RECENT_S)
         busy = bool(self.queues.waiting) or bool(self.state.in_flight)
         poll_s = self.config.worker.poll_interval_ms / 1000.0
@@ -409,6 +420,42 @@ class Worker:
         if not ok:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
+
+    async def _answer_orphans(self, model: str) -> None:
+        """Answer ``unknown_model`` to a batch of each line of ``model``'s queue, which no live
+        worker registers (worker/orphans.py): through its shared consumer (made if it expired),
+        so workers doing the same at once answer each request once. One batch a line a count:
+        a deep queue drains over a few counts, and serving goes on meanwhile."""
+        for priority in Priority:
+            consumer = model_consumer_name(model, priority)
+            try:
+                await ensure_model_consumer(self.js, self.subjects, self.config.streams, model, priority)
+                psub = await self.js.pull_subscribe_bind(consumer, stream=self.subjects.models_stream)
+            except TRANSPORT_ERRORS + (StreamSetupError,) as exc:
+                log.debug("orphaned queue %s: no consumer: %r", consumer, exc)
+                continue
+            try:
+                try:
+                    msgs = await psub.fetch(ORPHAN_BATCH, timeout=ORPHAN_FETCH_S)
+                except TRANSPORT_ERRORS + failures.TIMEOUTS:
+                    continue
+                now = time.time()
+                requests = [self.runner.parse(m, now) for m in msgs]
+                for r in requests:
+                    r.action = "term"
+                    r.answer = Answer.failure(
+                        r.meta, ErrorCode.UNKNOWN_MODEL,
+                        f"no worker serves model {model!r} (none has registered it for {self.orphans.grace_s:g} s)", {},
+                    )  # fmt: skip
+                if requests:
+                    log.warning("answered %d requests for model %s unknown_model: no live worker registers it", len(requests), model)
+                    await self.runner.finish(model, requests)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await psub.unsubscribe()
+                    except TRANSPORT_ERRORS + (ValueError,):
+                        pass
 
     async def _hand_back_leftovers(self, leaving: Iterable[str] | None = None) -> None:
         """Requests delivered to a pull after its fetch returned wait in that model's puller for

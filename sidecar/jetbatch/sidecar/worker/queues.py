@@ -213,6 +213,9 @@ class QueueView:
         # model -> peer -> (requests it took and has not settled, when last told)
         self._peer_held: dict[str, dict[str, tuple[int, float]]] = {}
         self._peers_pruned_at: dict[str, float] = {}  # model -> when peer_took last dropped old entries
+        # Requests stored for models this worker does not register, per model, as of the last
+        # count (worker/orphans.py: answered when no live worker registers them either).
+        self.unregistered: dict[str, int] = {}
 
     # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
 
@@ -508,6 +511,7 @@ class QueueView:
                 counts[queue[0]] = counts.get(queue[0], 0) + int(n)
                 if queue[1] is Priority.BATCH:
                     bulk[queue[0]] = int(n)
+        self.unregistered = {name: n for name, n in counts.items() if name not in self._slots}
         # A model with no messages is absent from the answer: only those we thought non-empty, or
         # that hold something back, need their count set to zero.
         for name in set(counts) | self.waiting | {n for n, s in self._slots.items() if s.unfetchable}:
