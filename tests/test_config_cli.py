@@ -33,6 +33,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
         ('[models."a.b"]\nhandler = "sleep"\n', "invalid model name 'a.b'"),
         ('[worker]\npoll_interval_ms = 1\n', "worker.poll_interval_ms: Expected `float` >= 10"),
         # Found by an attack: an id that is no key of the workers' bucket served with every advert failing.
+        ('[streams]\nmax_msg_size = 9223372036854775807\n', "streams.max_msg_size: Expected `int` <= 67108864"),  # refused by the server, after connecting
         ('[worker]\nid = "evil.>"\n', "worker.id: Expected `str` matching regex"),
         ('[worker]\nid = "a..b"\n', "worker.id: Expected `str` matching regex"),
         ('[classifier]\nid = "c 1"\n', "classifier.id: Expected `str` matching regex"),
@@ -239,6 +240,8 @@ _WORKLOADS = {
     "deep.jsonl": "[" * 100_000 + "]" * 100_000 + "\n",
     "devzero.toml": '[models.m1]\nload_cost_s = 0.1\n[arrivals]\nkind = "trace"\npath = "/dev/zero"\n',
     "idle-config.toml": '[models.m1]\nhandler = "sleep"\nidle_unload_s = 1e-20\n',
+    "empty-trace.toml": '[models.m1]\nload_cost_s = 0.1\n[arrivals]\nkind = "trace"\npath = "empty.jsonl"\n',
+    "empty.jsonl": "\n",
 }
 
 
@@ -274,6 +277,7 @@ _WORKLOADS = {
         (["simulate", "--workload", "{dir}/trace.toml"], "arrivals.path: line 1: expected"),
         (["simulate", "--workload", "{dir}/devzero.toml"], "arrivals.path: /dev/zero: larger than"),
         (["simulate", "--workload", "/dev/zero"], "/dev/zero: larger than"),
+        (["simulate", "--workload", "{dir}/empty-trace.toml"], "empty.jsonl holds no requests"),  # nan everywhere
         (["worker", "--config", "{dir}/idle-config.toml"], "models.m1.idle_unload_s: Expected `float` >= 0.01"),
         (["bench", "--rate", "1e308", "--duration", "1"], "<= 1e+06"),  # it never ended
         (["simulate", "--workload", "{dir}/burst.toml", "--plot", "{dir}/missing/x.png"], "does not exist"),

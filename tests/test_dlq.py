@@ -132,3 +132,26 @@ async def test_a_letter_with_a_header_that_is_not_utf8_is_listed_shown_and_repla
         assert answers == {b"first", b"second"}
     finally:
         await nc.close()
+
+
+async def test_replay_reads_the_letters_own_headers_in_any_case(nats_url: str, prefix: str) -> None:
+    """Found by an attack: the letter's own headers were taken off case-sensitively, so a crafted
+    letter's `jetbatch-dlq-subject` and `jetbatch-dlq-reason` went on into the queue with the
+    request. They are the letter's, in any case: read as its subject and left off."""
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+        await js.publish(
+            subjects.dead_letter("worker"), b"lower",
+            headers={"jetbatch-dlq-subject": subjects.model("m1"), "jetbatch-dlq-reason": "crafted", "jetbatch-request-id": "r-lower"},
+        )  # fmt: skip
+        replayed = dlq(nats_url, prefix, "replay", "--all")
+        assert replayed.returncode == 0 and "replayed 1" in replayed.stdout, replayed.stdout + replayed.stderr
+        queued = await js.get_msg(subjects.models_stream, seq=1, subject=subjects.model("m1"), next=True)
+        names = {k.lower() for k in (queued.headers or {})}
+        assert queued.data == b"lower" and not {n for n in names if n.startswith("jetbatch-dlq-")}, queued.headers
+        assert (queued.headers or {}).get("Nats-Msg-Id") == "r-lower"
+    finally:
+        await nc.close()

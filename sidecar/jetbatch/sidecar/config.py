@@ -170,7 +170,9 @@ class StreamsConfig(_Base):
     """JetStream stream and consumer limits (see docs/protocol.md)."""
 
     replicas: Annotated[int, Meta(ge=1, le=5)] = 1
-    max_msg_size: PositiveInt = 8 * MiB
+    # nats-server reads a stream's max_msg_size as a 32-bit integer, and a message is 64 MiB at
+    # most (its max_payload's ceiling): past that the server refused the stream after connecting.
+    max_msg_size: Annotated[int, Meta(ge=1, le=64 * MiB)] = 8 * MiB
     max_msgs: PositiveInt = 1_000_000
     max_bytes: PositiveInt = 1024 * MiB
     duplicate_window_s: PositiveFloat = 120.0

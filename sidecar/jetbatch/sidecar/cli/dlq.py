@@ -153,10 +153,12 @@ async def _run(args: argparse.Namespace) -> int:
             for name in m.unreadable:
                 h.pop(name, None)
                 print(f"jetbatch dlq: dead letter {m.seq}: header {shown(name)[:64]} is not UTF-8; replayed without it", file=sys.stderr)
-            subject = h.pop(Headers.DLQ_SUBJECT, "")
+            # The letter's own headers, in any case (a crafted `jetbatch-dlq-subject` was sent on).
+            own = {k.lower(): k for k in h}
+            subject = h.pop(own.get(Headers.DLQ_SUBJECT.lower(), Headers.DLQ_SUBJECT), "")
             for key in (Headers.DLQ_REASON, Headers.DLQ_STAGE, Headers.DLQ_DELIVERIES):
-                h.pop(key, None)
-            rid = h.pop(Headers.REQUEST_ID, "")
+                h.pop(own.get(key.lower(), key), None)
+            rid = h.pop(own.get(Headers.REQUEST_ID.lower(), Headers.REQUEST_ID), "")
             if rid:
                 h[Headers.MSG_ID] = rid
             if not subject:

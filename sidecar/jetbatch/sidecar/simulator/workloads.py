@@ -501,6 +501,8 @@ def _trace(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tuple
         if not t >= 0 or t == float("inf"):
             raise WorkloadError(f"arrivals.path: line {n}: t must be a finite number >= 0")
         out.append((t, model, priority == Priority.INTERACTIVE.value))
+    if not out:
+        raise WorkloadError(f"arrivals.path: {arr.path} holds no requests")  # every figure would be nan
     out.sort()
     return tuple((t, m) for t, m, _ in out), False, 0.0, tuple(i for _, _, i in out) if classes else ()
 
