@@ -96,6 +96,11 @@ class Coordinator:
         if self.cluster is not None:
             self.cluster.note_trouble()
 
+    def knows_peers(self, now: float) -> bool:
+        """Whether this worker hears its peers now: coordination on and the view fresh (its own
+        advert heard within the TTL, no JetStream trouble lately)."""
+        return self.cluster is not None and self.cluster.view_fresh(now)
+
     def registered_by_peers(self, now: float) -> set[str]:
         """The models live peers register (their adverts' ``models``; a stale view keeps every
         peer last heard, so what it registered still counts)."""

@@ -402,7 +402,11 @@ class Worker:
             mine_bulk=lambda: self.state.in_flight.by_model(self._bulk_model),
         )  # fmt: skip
         await self._hand_back_leftovers()
-        if ok:
+        if ok and (self.queues.unregistered or self.orphans.watched) and self.peers.knows_peers(now):
+            # Only when something is stored for a model this worker does not register (rare):
+            # the peers' model sets are not gathered on every count. And only with a fresh view
+            # of the peers: without one (coordination off, the bucket silent) a live peer's
+            # models would look unregistered.
             registered = set(self.slots) | self.peers.registered_by_peers(now)
             for model in self.orphans.due(self.queues.unregistered, registered, now):
                 await self._answer_orphans(model)

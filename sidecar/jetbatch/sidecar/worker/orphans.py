@@ -8,8 +8,10 @@ queue (``QueueView.refresh``); one that sees requests stored for a model neither
 live peer registers (its advert's ``models``), for ``worker.orphan_grace_s`` in a row, answers
 them ``unknown_model``. The grace rides out a rolling restart, where a model's only worker is
 briefly gone and its peers must leave its queue alone; a stale view of the peers (a lost node)
-keeps every peer last heard, so it counts as registered. Several workers may answer the same
-queue at once: they share its consumer, so each request is answered once.
+keeps every peer last heard, so it counts as registered, and a worker that does not hear its
+peers at all (coordination off, or its own advert not heard lately) answers nothing: a live
+peer's models would look unregistered to it. Several workers may answer the same queue at once:
+they share its consumer, so each request is answered once.
 
 Pure: the caller passes the counts, the registered models and the time.
 """
