@@ -392,6 +392,8 @@ def test_probe_arguments_that_are_no_host_or_model_are_one_line() -> None:
         assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     raw = subprocess.run([sys.executable, "-m", "jetbatch", "probe", "--port", "9", "--model", b"\xff"], capture_output=True, timeout=30)
     assert raw.returncode == 2 and b"not a model name" in raw.stderr and b"Traceback" not in raw.stderr, raw.stderr
+    named = run_cli("probe", "--host", "app_worker_1.", "--port", "9", "--timeout", "1", timeout=30)  # a container name
+    assert named.returncode == 1 and "expected a host name" not in named.stderr, named.stdout + named.stderr
     bracketed = run_cli("probe", "--host", "[::1]", "--port", "9", "--timeout", "1", timeout=30)
     assert bracketed.returncode == 1 and bracketed.stdout.startswith("http://[::1]:9/readyz: "), bracketed.stdout + bracketed.stderr
 

@@ -145,13 +145,15 @@ async def test_replay_reads_the_letters_own_headers_in_any_case(nats_url: str, p
         await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
         await js.publish(
             subjects.dead_letter("worker"), b"lower",
-            headers={"jetbatch-dlq-subject": subjects.model("m1"), "jetbatch-dlq-reason": "crafted", "jetbatch-request-id": "r-lower"},
+            headers={"jetbatch-dlq-subject": subjects.model("m1"), "jetbatch-dlq-reason": "crafted", "jetbatch-request-id": "r-lower",
+                     Headers.DLQ_REASON: "both spellings", "JETBATCH-REQUEST-ID": "r-upper"},
         )  # fmt: skip
         replayed = dlq(nats_url, prefix, "replay", "--all")
         assert replayed.returncode == 0 and "replayed 1" in replayed.stdout, replayed.stdout + replayed.stderr
         queued = await js.get_msg(subjects.models_stream, seq=1, subject=subjects.model("m1"), next=True)
         names = {k.lower() for k in (queued.headers or {})}
         assert queued.data == b"lower" and not {n for n in names if n.startswith("jetbatch-dlq-")}, queued.headers
-        assert (queued.headers or {}).get("Nats-Msg-Id") == "r-lower"
+        assert "jetbatch-request-id" not in names, queued.headers  # every spelling taken off
+        assert (queued.headers or {}).get("Nats-Msg-Id") in ("r-lower", "r-upper")
     finally:
         await nc.close()

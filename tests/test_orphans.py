@@ -27,6 +27,10 @@ def test_a_queue_is_due_only_after_it_has_been_unregistered_for_the_whole_grace(
     # Answered (nothing stored any more): forgotten, so a later request waits a whole grace again.
     assert orphans.due({}, {"m1"}, now=261.0) == [] and orphans.watched == 0
     assert orphans.due({"m3": 1}, {"m1"}, now=262.0) == []
+    # No grace (worker.orphan_grace_s = none): watched, and said, but never due.
+    never = Orphans(grace_s=None)
+    assert never.due({"m3": 5}, {"m1"}, now=0.0) == [] and never.due({"m3": 5}, {"m1"}, now=1e9) == []
+    assert never.unregistered_since() == {"m3": 0.0}
 
 
 @pytest.mark.anyio

@@ -383,3 +383,22 @@ async def test_a_json_request_is_answered_in_json_whatever_the_output(nats_url: 
                 assert await client.infer(value, model="m1", timeout=10) == value
         finally:
             await nc.close()
+
+
+def test_a_json_request_gets_json_only_for_what_json_holds_as_it_is() -> None:
+    """From a review: turning every msgpack output into JSON would change it silently (bytes as
+    base64 text, NaN as null, integer keys as text). Such an output keeps msgpack."""
+    import math
+
+    import msgspec
+
+    from jetbatch.sidecar.worker.execution import _as_asked
+
+    as_json = ContentType.JSON.value
+    for value in ({"a": [1, 2.5, "x"], "b": None}, [True, {"c": "d"}]):
+        body, ctype = _as_asked(msgspec.msgpack.encode(value), ContentType.MSGPACK, as_json)
+        assert ctype is ContentType.JSON and msgspec.json.decode(body) == value
+    for value in ({"b": b"\x00\xff"}, {1: "a"}, [math.nan]):
+        body, ctype = _as_asked(msgspec.msgpack.encode(value), ContentType.MSGPACK, as_json)
+        assert ctype is ContentType.MSGPACK, value
+    assert _as_asked(b"\x81\xa1a\x01", ContentType.MSGPACK, "application/msgpack")[1] is ContentType.MSGPACK

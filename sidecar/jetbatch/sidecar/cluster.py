@@ -12,7 +12,6 @@ do not all chase the same longest queue.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import time
@@ -74,7 +73,7 @@ class ClusterView:
         self._refused = 0  # adverts of new peers refused at MAX_PEERS
         self._kv: object | None = None
         self._watcher: object | None = None
-        self._sent: collections.deque[bytes] = collections.deque(maxlen=8)  # our latest adverts, as put
+        self._own_started_at = 0.0  # our adverts' process start: another under our id has another
         self._duplicate_logged_at = -math.inf
         self.duplicate_adverts = 0  # adverts under our id that we did not put (another live worker's)
         self._first_revision: int | None = None  # the bucket's revision of our first advert
@@ -163,9 +162,11 @@ class ClusterView:
             self._seen_at[entry.key] = now
             if entry.key == self.worker_id:
                 self._own_seen_at = now
-                # Only puts after our first: an older one is a dead process's, left to expire.
-                first = self._first_revision
-                if first is not None and (entry.revision or 0) > first and bytes(entry.value) not in self._sent:
+                # Only puts after our first (an older one is a dead process's, left to expire),
+                # told apart by the process start they carry: a put of ours delayed by an
+                # outage still carries ours.
+                first, theirs = self._first_revision, self._peers[entry.key].started_at
+                if first is not None and (entry.revision or 0) > first and theirs and self._own_started_at and theirs != self._own_started_at:
                     self._note_duplicate(now)
             if now - self._forgot_at > self.heartbeat_s:
                 # Here only: a fresh view hears its own advert every heartbeat, so this runs
@@ -176,7 +177,7 @@ class ClusterView:
         if self._kv is None:
             return
         data = _encoder.encode(advert)
-        self._sent.append(data)
+        self._own_started_at = advert.started_at
         try:
             revision = await self._kv.put(self.worker_id, data)  # type: ignore[attr-defined]
             if self._first_revision is None:

@@ -246,8 +246,9 @@ class WorkerConfig(_Base):
     # or leader election, so a node loss does not make placement thrash.
     peer_timeout_s: PositiveFloat = 5.0
     # Requests stored for a model that no live worker registers are answered unknown_model once
-    # it has been so this long (worker/orphans.py): longer than a rolling restart of its workers.
-    orphan_grace_s: Annotated[float, Meta(ge=0.1, le=1e9)] = 60.0
+    # it has been so this long (worker/orphans.py): longer than a rolling restart of its workers
+    # or a scale-up from zero. None: never (they wait for a worker that registers the model).
+    orphan_grace_s: Annotated[float, Meta(ge=0.1, le=1e9)] | None = 600.0
 
     def __post_init__(self) -> None:
         # Checked here, so a typo is named with its file before the worker connects anywhere.

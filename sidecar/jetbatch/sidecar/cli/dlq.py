@@ -153,12 +153,12 @@ async def _run(args: argparse.Namespace) -> int:
             for name in m.unreadable:
                 h.pop(name, None)
                 print(f"jetbatch dlq: dead letter {m.seq}: header {shown(name)[:64]} is not UTF-8; replayed without it", file=sys.stderr)
-            # The letter's own headers, in any case (a crafted `jetbatch-dlq-subject` was sent on).
-            own = {k.lower(): k for k in h}
-            subject = h.pop(own.get(Headers.DLQ_SUBJECT.lower(), Headers.DLQ_SUBJECT), "")
+            # The letter's own headers, in every spelling (a crafted `jetbatch-dlq-subject` was
+            # sent on into the queue): taken off all, the canonical one's value read first.
+            subject = _take(h, Headers.DLQ_SUBJECT)
             for key in (Headers.DLQ_REASON, Headers.DLQ_STAGE, Headers.DLQ_DELIVERIES):
-                h.pop(own.get(key.lower(), key), None)
-            rid = h.pop(own.get(Headers.REQUEST_ID.lower(), Headers.REQUEST_ID), "")
+                _take(h, key)
+            rid = _take(h, Headers.REQUEST_ID)
             if rid:
                 h[Headers.MSG_ID] = rid
             if not subject:
@@ -185,6 +185,14 @@ async def _run(args: argparse.Namespace) -> int:
         return 0 if replayed == len(chosen) else 1
     finally:
         await nc.close()
+
+
+def _take(headers: dict[str, str], name: str) -> str:
+    """Remove ``name`` from ``headers`` in every case it is spelt in; its value (the canonical
+    spelling's first), or ""."""
+    spellings = [k for k in headers if k.lower() == name.lower()]
+    values = [headers.pop(k) for k in sorted(spellings, key=lambda k: k != name)]
+    return values[0] if values else ""
 
 
 def _replayable(subjects: Subjects, subject: str) -> bool:

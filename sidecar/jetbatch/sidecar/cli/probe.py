@@ -21,7 +21,8 @@ from ._common import EXIT_FAILED, EXIT_OK, CliError, port_number, positive_secon
 
 # What of an answer is read: the sidecar's is one short line.
 MAX_ANSWER_BYTES = 4096
-_HOST_NAME = re.compile(r"\A[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\Z")
+# Labels of letters, digits, `-` and `_` (container names such as `app_worker_1`), a final dot allowed.
+_HOST_NAME = re.compile(r"\A[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?\Z")
 _STATUS_LINE = re.compile(rb"\AHTTP/1\.[01] (\d{3})(?: [^\r\n]*)?\Z")
 
 

@@ -210,12 +210,11 @@ class ModuleHandler(Handler):
         return value
 
     def _inputs_taken(self, module: Any) -> int | None:
-        """1 when the module takes exactly one tensor: ``options.input_shape`` says so, or its
-        ``forward`` has one parameter and nothing variadic; None when unknown (or several)."""
+        """1 when the module takes exactly one tensor (its ``forward`` has one parameter and
+        nothing variadic); None when unknown, or it may take more (a ``forward(x, mask=None)``
+        takes a tuple, whatever ``options.input_shape`` says of its first input)."""
         if isinstance(self.options.get("inputs"), Mapping):
             return None  # several, named: checked against the declaration
-        if self.options.get("input_shape") is not None:
-            return 1
         import inspect
 
         try:
@@ -322,10 +321,9 @@ class ExportHandler(ModuleHandler):
         return export_input_spec(module)
 
     def _inputs_taken(self, module: Any) -> int | None:
-        declared = super()._inputs_taken(module)
-        if declared is not None or isinstance(self.options.get("inputs"), Mapping):
-            return declared
-        # An exported program's forward is generic (*args): its placeholders are its inputs.
+        if isinstance(self.options.get("inputs"), Mapping):
+            return None
+        # An exported program's placeholders are its inputs (its forward's signature is generic).
         graph = getattr(module, "graph", None)
         if graph is None:
             return None

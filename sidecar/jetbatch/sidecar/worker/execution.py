@@ -451,10 +451,15 @@ def _as_asked(body: bytes, ctype: ContentType, request_ctype: str | None) -> tup
         return body, ctype
     value = decode_payload(body, ctype.value)
     if ctype is ContentType.MSGPACK:
+        # Only what JSON holds as it is: bytes (base64 text), NaN (null) or integer keys (text)
+        # would come back as something else, so such an output keeps msgpack.
         try:
-            return encode_payload(value, ContentType.JSON)
+            as_json, json_type = encode_payload(value, ContentType.JSON)
+            if decode_payload(as_json, json_type.value) == value:
+                return as_json, json_type
         except ProtocolError:
-            return body, ctype
+            pass
+        return body, ctype
     if isinstance(value, dict):
         plain: Any = {k: v.to_torch().tolist() for k, v in value.items()}
     elif isinstance(value, tuple):

@@ -85,6 +85,7 @@ _DUE_MARGIN_S = 0.05
 # waiting at most this long (what the count said is stored is there at once).
 ORPHAN_BATCH = 64
 ORPHAN_FETCH_S = 0.5
+ORPHAN_WARN_EVERY_S = 60.0
 
 
 class Worker:
@@ -335,6 +336,7 @@ class Worker:
                 if self.peers.cluster is not None:
                     tg.start_soon(self.peers.advertise_forever)
                     tg.start_soon(self.peers.cluster.watch)
+                    tg.start_soon(self._orphans_loop)
                 try:
                     await self._serve_loop(tg)
                 finally:
@@ -408,8 +410,12 @@ class Worker:
             # of the peers: without one (coordination off, the bucket silent) a live peer's
             # models would look unregistered.
             registered = set(self.slots) | self.peers.registered_by_peers(now)
-            for model in self.orphans.due(self.queues.unregistered, registered, now):
-                await self._answer_orphans(model)
+            due = self.orphans.due(self.queues.unregistered, registered, now)
+            self._warn_orphans(now)
+            if due:
+                # Answered by their own task: its fetches and stores must not hold the serve loop.
+                self.state.orphans_due.update(due)
+                self.state.orphans_wake.set()
         self.state.forget_before(now - RECENT_S)
         busy = bool(self.queues.waiting) or bool(self.state.in_flight)
         poll_s = self.config.worker.poll_interval_ms / 1000.0
@@ -425,12 +431,41 @@ class Worker:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
 
+    def _warn_orphans(self, now: float) -> None:
+        """Say at once, and once a minute after, which models have requests stored that no live
+        worker registers: they wait for one (or for ``worker.orphan_grace_s``)."""
+        waiting = self.orphans.unregistered_since()
+        if not waiting or now - self.state.orphans_warned_at < ORPHAN_WARN_EVERY_S:
+            return
+        self.state.orphans_warned_at = now
+        grace = self.orphans.grace_s
+        then = "never answered by a worker that does not register them" if grace is None else f"answered unknown_model after {grace:g} s"
+        for model, since in sorted(waiting.items()):
+            log.warning(
+                "model %s: %d requests stored for %.0f s and no live worker registers it (%s)",
+                model, self.queues.unregistered.get(model, 0), now - since, then,
+            )  # fmt: skip
+
+    async def _orphans_loop(self) -> None:
+        """Answer the queues :class:`Orphans` found due, a model at a time, off the serve loop."""
+        while True:
+            await self.state.orphans_wake.wait()
+            self.state.orphans_wake = anyio.Event()
+            due, self.state.orphans_due = sorted(self.state.orphans_due), set()
+            for model in due:
+                try:
+                    await self._answer_orphans(model)
+                except Exception as exc:  # noqa: BLE001 - the next count tries again; serving goes on
+                    log.warning("answering model %s's orphaned queue failed: %r", model, exc)
+
     async def _answer_orphans(self, model: str) -> None:
-        """Answer ``unknown_model`` to a batch of each line of ``model``'s queue, which no live
-        worker registers (worker/orphans.py): through its shared consumer (made if it expired),
-        so workers doing the same at once answer each request once. One batch a line a count:
-        a deep queue drains over a few counts, and serving goes on meanwhile."""
-        for priority in Priority:
+        """Answer ``unknown_model`` to a batch of each line of ``model``'s queue that holds
+        requests, which no live worker registers (worker/orphans.py): through its shared consumer
+        (made if it expired), so workers doing the same at once answer each request once. One
+        batch a line a count: a deep queue drains over a few counts."""
+        bulk = self.queues.unregistered_bulk.get(model, 0)
+        lines = {Priority.INTERACTIVE: self.queues.unregistered.get(model, 0) - bulk, Priority.BATCH: bulk}
+        for priority in [p for p, n in lines.items() if n > 0]:  # an empty line's fetch would wait its whole timeout
             consumer = model_consumer_name(model, priority)
             try:
                 await ensure_model_consumer(self.js, self.subjects, self.config.streams, model, priority)
@@ -449,7 +484,7 @@ class Worker:
                     r.action = "term"
                     r.answer = Answer.failure(
                         r.meta, ErrorCode.UNKNOWN_MODEL,
-                        f"no worker serves model {model!r} (none has registered it for {self.orphans.grace_s:g} s)", {},
+                        f"no worker serves model {model!r} (none has registered it for {self.orphans.grace_s or 0:g} s)", {},
                     )  # fmt: skip
                 if requests:
                     log.warning("answered %d requests for model %s unknown_model: no live worker registers it", len(requests), model)

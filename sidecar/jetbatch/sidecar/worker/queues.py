@@ -216,6 +216,7 @@ class QueueView:
         # Requests stored for models this worker does not register, per model, as of the last
         # count (worker/orphans.py: answered when no live worker registers them either).
         self.unregistered: dict[str, int] = {}
+        self.unregistered_bulk: dict[str, int] = {}  # of those, in the batch line
 
     # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
 
@@ -512,6 +513,7 @@ class QueueView:
                 if queue[1] is Priority.BATCH:
                     bulk[queue[0]] = int(n)
         self.unregistered = {name: n for name, n in counts.items() if name not in self._slots}
+        self.unregistered_bulk = {name: n for name, n in bulk.items() if name not in self._slots}
         # A model with no messages is absent from the answer: only those we thought non-empty, or
         # that hold something back, need their count set to zero.
         for name in set(counts) | self.waiting | {n for n, s in self._slots.items() if s.unfetchable}:
