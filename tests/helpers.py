@@ -126,3 +126,30 @@ async def pull_waiting(js: Any, stream: str, durable: str = "c") -> None:
         return bool((await js.consumer_info(stream, durable)).num_waiting)
 
     await wait_until(waiting, timeout_s=10, what="a pull request waiting at the server")
+
+
+def numeric_keys(struct: type, path: tuple[str, ...] = (), *, skip: frozenset[str] = frozenset()) -> list[tuple[str, bool]]:
+    """Every number a file read into ``struct`` can hold, as a dotted key (a table of tables as
+    ``m1``, or its first literal key; a list as ``[]``), and whether it is an int; leaf names in
+    ``skip`` left out. Walked from the types, so a key added later is covered."""
+    import msgspec.inspect as mi
+
+    keys: list[tuple[str, bool]] = []
+
+    def walk(t: object, at: tuple[str, ...]) -> None:
+        if isinstance(t, mi.StructType):
+            for f in t.fields:
+                walk(f.type, (*at, f.encode_name))
+        elif isinstance(t, mi.UnionType):
+            for member in t.types:
+                walk(member, at)
+        elif isinstance(t, mi.DictType):
+            key_type = t.key_type
+            walk(t.value_type, (*at, key_type.values[0] if isinstance(key_type, mi.LiteralType) else "m1"))
+        elif isinstance(t, mi.ListType):
+            walk(t.item_type, (*at, "[]"))
+        elif isinstance(t, (mi.IntType, mi.FloatType)) and at[-1] not in skip:
+            keys.append((".".join(at), isinstance(t, mi.IntType)))
+
+    walk(mi.type_info(struct), path)
+    return keys

@@ -424,29 +424,10 @@ def test_cli_hostile_config_files_are_one_line_and_exit_2(tmp_path: Path) -> Non
 
 
 def _numeric_keys() -> list[tuple[str, bool]]:
-    """Every number a config file holds, as a dotted key (``models.m1.x``), and whether it is an int."""
-    import msgspec.inspect as mi
-
     from jetbatch.sidecar.config import Config
+    from tests.helpers import numeric_keys
 
-    keys: list[tuple[str, bool]] = []
-
-    def walk(t: object, path: list[str]) -> None:
-        if isinstance(t, mi.StructType):
-            for f in t.fields:
-                walk(f.type, [*path, f.encode_name])
-        elif isinstance(t, mi.UnionType):
-            for member in t.types:
-                walk(member, path)
-        elif isinstance(t, mi.DictType):
-            walk(t.value_type, [*path, "m1"])
-        elif isinstance(t, mi.ListType):
-            walk(t.item_type, [*path, "[]"])
-        elif isinstance(t, (mi.IntType, mi.FloatType)):
-            keys.append((".".join(path), isinstance(t, mi.IntType)))
-
-    walk(mi.type_info(Config), [])
-    return keys
+    return numeric_keys(Config)
 
 
 @pytest.mark.parametrize(("key", "is_int"), _numeric_keys(), ids=[k for k, _ in _numeric_keys()])

@@ -503,30 +503,11 @@ def test_a_simulated_cancel_notice_ends_a_hold_as_an_arrival_does() -> None:
 
 
 def _workload_numbers() -> list[tuple[str, bool]]:
-    """Every number of a workload file as a dotted key, and whether it is an int (seeds left out:
-    any integer is a seed)."""
-    import msgspec.inspect as mi
-
+    """Every number of a workload file (seeds left out: any integer is a seed)."""
     from jetbatch.sidecar.simulator.workloads import _ModelSpec, _WorkloadSpec
+    from tests.helpers import numeric_keys
 
-    keys: list[tuple[str, bool]] = []
-
-    def walk(t: object, path: list[str]) -> None:
-        if isinstance(t, mi.StructType):
-            for f in t.fields:
-                walk(f.type, [*path, f.encode_name])
-        elif isinstance(t, mi.UnionType):
-            for member in t.types:
-                walk(member, path)
-        elif isinstance(t, mi.DictType):
-            key_type = t.key_type
-            walk(t.value_type, [*path, key_type.values[0] if isinstance(key_type, mi.LiteralType) else "m1"])
-        elif isinstance(t, (mi.IntType, mi.FloatType)) and path[-1] != "seed":
-            keys.append((".".join(path), isinstance(t, mi.IntType)))
-
-    walk(mi.type_info(_WorkloadSpec), [])
-    walk(mi.type_info(_ModelSpec), ["models", "m1"])
-    return keys
+    return numeric_keys(_WorkloadSpec, skip=frozenset({"seed"})) + numeric_keys(_ModelSpec, ("models", "m1"), skip=frozenset({"seed"}))
 
 
 @pytest.mark.parametrize(("key", "is_int"), _workload_numbers(), ids=[k for k, _ in _workload_numbers()])
