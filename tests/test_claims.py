@@ -114,10 +114,14 @@ async def test_a_second_live_worker_under_one_id_is_refused_or_reported(nats_url
         await first.start()
         async with anyio.create_task_group() as tg:
 
+            stopped = anyio.Event()
+
             async def heartbeat() -> None:
-                while True:
+                # The worker's advert loop: an advert every heartbeat until the test is done.
+                while not stopped.is_set():
                     await first.advertise(SidecarReport(role="worker", id="dup", resident=["m1"], started_at=1000.0))
-                    await anyio.sleep(first.heartbeat_s)  # the worker's advert loop, as it runs
+                    with anyio.move_on_after(first.heartbeat_s):
+                        await stopped.wait()
 
             tg.start_soon(heartbeat)
             tg.start_soon(first.watch)
@@ -131,6 +135,7 @@ async def test_a_second_live_worker_under_one_id_is_refused_or_reported(nats_url
             await wait_until(lambda: first.duplicate_adverts >= 1, what="the foreign advert counted")
             # Its own adverts, however late they come back (an outage), are never counted.
             assert first.duplicate_adverts == 1
+            stopped.set()
             tg.cancel_scope.cancel()
         # The first stops beating, as a killed process does: a restart under its id starts
         # (its advert, still in the bucket until the TTL, is put again by nobody).
