@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from jetbatch.sdk.protocol import Headers, Subjects
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams, model_consumer_name
-from jetbatch.sidecar.worker.queues import ArrivalFeed, QueueView, missed_by, parse_stream_timestamp
+from jetbatch.sidecar.worker.queues import ArrivalFeed, LineStored, QueueView, line_stored, missed_by, parse_stream_timestamp
 from jetbatch.sidecar.worker.slots import Slot
 from tests.helpers import wait_until
 
@@ -243,6 +243,40 @@ def test_a_line_listened_to_again_counts_its_consumers_undelivered_or_the_arriva
     assert (s.interactive, s.bulk) == (5, 1)
     view.line_counted(s, 0, 0, bulk=True)
     assert (s.interactive, s.bulk) == (5, 0) and view.waiting == {"m1"}
+
+
+def test_a_line_listened_to_again_counts_what_the_stream_stores_when_its_consumers_count_lags() -> None:
+    """nats-server adds a stored message to its consumers' undelivered count from another
+    goroutine: asked just after the store, the consumer can say 0 where the stream already
+    stores the request. The stream's count of the line, less what the consumer has delivered
+    unacked, plus what this worker's puller holds for its next fetch, is a lower bound too; the
+    known arrivals stored after the stream's count are added (that count is older)."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    view.line_counted(s, 0, 0, stored=LineStored(1, 10))
+    assert s.interactive == 1 and view.waiting == {"m1"}
+    # 5 stored: 3 delivered unacked (one of them in our puller), and 2 undelivered.
+    view.line_counted(s, 0, 0, stored=LineStored(5, 10), unacked=3, missed=1)
+    assert s.interactive == 3
+    # An arrival stored after the stream's count (sequence 11) is not in it: added.
+    view.arrived(s, 1.0, None, seq=11)
+    view.line_counted(s, 0, 0, stored=LineStored(2, 10), unacked=0)
+    assert s.interactive == 3
+    # The consumer's count, when it is ahead (an event seen since), stays the floor.
+    view.line_counted(s, 4, 0, stored=LineStored(2, 10), unacked=0, missed=1)
+    assert s.interactive == 5
+    # Nothing stored and nothing pending: the line is empty, the other line kept.
+    view.arrived(s, 2.0, None, bulk=True, seq=12)
+    view.line_counted(s, 0, 0, stored=LineStored(0, 12))
+    assert (s.interactive, s.bulk) == (0, 1)
+
+
+def test_line_stored_reads_a_filtered_stream_info_and_never_raises() -> None:
+    ok = SimpleNamespace(state=SimpleNamespace(subjects={"p.model.m1": 3, "p.model.m1.batch": 9}, last_seq=41))
+    assert line_stored(ok, "p.model.m1") == LineStored(3, 41)
+    assert line_stored(SimpleNamespace(state=SimpleNamespace(subjects=None, last_seq=41)), "p.model.m1") == LineStored(0, 41)
+    for odd in (None, SimpleNamespace(state=None), SimpleNamespace(state=SimpleNamespace(subjects=["x"], last_seq="7"))):
+        assert line_stored(odd, "p.model.m1") == LineStored(0, None)
 
 
 def test_a_reconcile_sets_the_count_and_subtracts_what_workers_hold() -> None:

@@ -155,6 +155,46 @@ async def test_a_served_model_is_drained_in_flight_on_held_pulls_not_on_its_arri
     assert worker.stats["requests"] == 402
 
 
+async def test_a_request_stored_unheard_is_counted_when_the_line_is_listened_to_again_though_its_consumer_count_lags(
+    nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-server counts a stored message into its consumers' ``num_pending`` from another
+    goroutine, after it stored and republished it: a request stored just before the worker
+    subscribed to its line again had its event go to nobody, and the consumer's count asked
+    after the subscription could still leave it out (a CI run: the request waited for the next
+    count, a minute away). Here the consumer's count lags for good, and the request is stored
+    while the worker does not listen to its line: listening again, the worker finds it in the
+    stream's count of the line and serves it, on the next arrival of another model."""
+    model = sleep_model(max_batch_size=4, max_delay_ms=2)
+    config = make_config(prefix, {"m1": model, "m2": model}, worker={"poll_interval_ms": 60_000, "idle_refresh_s": 60})
+    async with running_worker(config, nats_url) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            assert await client.infer(b"warm", model="m1", timeout=10) == b"warm"
+            real = worker.js.consumer_info
+
+            async def lagging(stream: str, consumer: str, *args: Any, **kw: Any) -> Any:
+                import dataclasses
+
+                info = await real(stream, consumer, *args, **kw)
+                return dataclasses.replace(info, num_pending=0)
+
+            monkeypatch.setattr(worker.js, "consumer_info", lagging)
+            assert await worker.arrivals.quiet("m1")
+            async with anyio.create_task_group() as tg:
+                answers: dict[str, bytes] = {}
+
+                async def ask(model: str) -> None:
+                    answers[model] = await client.infer(model.encode(), model=model, timeout=10)
+
+                tg.start_soon(ask, "m1")
+                await _queued(client, 1)  # stored; no event: the worker does not listen to m1
+                tg.start_soon(ask, "m2")  # its event wakes the worker, which listens to m1 again
+                with anyio.fail_after(10):  # far less than the minute to the next count
+                    await wait_until(lambda: len(answers) == 2, timeout_s=10, what="both answered")
+    assert answers == {"m1": b"m1", "m2": b"m2"}
+    assert worker.arrivals.quiet_lines == frozenset()
+
+
 async def test_every_request_answered_once_under_mixed_load(nats_url: str, prefix: str) -> None:
     """Three models, one slot, a burst of interleaved requests: every request gets exactly one
     answer from the model it asked for, and models are switched far fewer times than requests."""

@@ -43,8 +43,9 @@ count said, less what peers took since; requests stored since are counted by the
 Its own fetches never take a deep line to zero unseen: a fetch takes at most one batch, so the
 count falls below ``LISTEN_BELOW_BATCHES`` batches, and the worker listens again, while requests
 still wait. Peers' takes can (they drained the queue meanwhile), and requests stored since the
-last fetch are in no count: so whenever the worker listens again it counts that line at once, by
-its consumer's undelivered count asked after subscribing, plus what its own puller holds. The
+last fetch are in no count: so whenever the worker listens again it counts that line at once,
+after subscribing: the larger of its consumer's undelivered count and the stream's count of it
+less what is delivered unacked, plus what its own puller holds (``QueueView.line_counted``). The
 simulator applies the same rules to what its worker sees (``sidecar/simulator/engine.py``).
 """
 

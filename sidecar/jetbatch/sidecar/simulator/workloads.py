@@ -136,10 +136,9 @@ class Control:
     # test cluster (bench/control_plane.py).
     claim_s: float = 0.002
     advert_s: float = 0.002
-    # A worker that stops serving a model's batches counts that model's interactive line (its
-    # puller's open pull requests ended, then one consumer-info round trip, policy/interest.py)
-    # before it decides again.
-    count_line_s: float = 0.0005
+    # A worker that stops serving a model's batches counts that model's interactive line (a
+    # stream-info and a consumer-info round trip, policy/interest.py) before it decides again.
+    count_line_s: float = 0.001
     # The spread of the round trips above (coefficient of variation; each draw lognormal with
     # the mean kept), by field name: a mean alone hid the tail of a loaded cluster, where making
     # a consumer takes 10 to 200 ms (the simulator's p99 was 0.7x the live worker's).

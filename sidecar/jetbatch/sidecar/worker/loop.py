@@ -68,7 +68,7 @@ from .slots import BatchReport, ModelTurn, Slot
 from .state import LoopState
 from .orphans import Orphans
 from .quarantine import Quarantine
-from .queues import RECHECK_S, ArrivalFeed, QueueView, empty_fetch, missed_by
+from .queues import RECHECK_S, ArrivalFeed, QueueView, empty_fetch, line_stored, missed_by
 from . import view
 from .residency import Residency, default_host_budget_bytes
 
@@ -633,20 +633,27 @@ class Worker:
 
     async def _count_line(self, slot: Slot, bulk: bool, counted: int) -> None:
         """Count a line listened to again: requests stored since its last fetch are in no count
-        yet (and peers' takes may have brought it down to zero meanwhile). Its consumer's
-        ``num_pending`` is what waits there undelivered; asked after the subscription went out
-        (the same connection), so each arrival is in it or evented, and the arrivals counted
-        since ``counted`` floor it (one evented before the answer is read). The stream count
-        would subtract what this worker holds, and a batch acked but not yet settled here made it
-        count too few: a request stored meanwhile then waited for the next count."""
-        name = model_consumer_name(slot.name, Priority.BATCH if bulk else Priority.INTERACTIVE)
+        yet (and peers' takes may have brought it down to zero meanwhile). Asked after the
+        subscription went out (the same connection), so each arrival is evented or stored by
+        then: the stream's count of the line's subject, then its consumer's (undelivered and
+        unacked), read together by ``QueueView.line_counted``, with the arrivals counted since
+        ``counted`` as a floor (one evented before the answer is read). The consumer's count
+        alone lags the store (a request stored just before the subscription reached the server
+        was in neither it nor an event), and the stream count alone would subtract what this
+        worker holds (a batch acked but not yet settled here counted too few)."""
+        priority = Priority.BATCH if bulk else Priority.INTERACTIVE
+        name = model_consumer_name(slot.name, priority)
+        subject = self.subjects.model(slot.name, priority)
         psub = slot.bulk_psub if bulk else slot.psub
         # What the count costs the loop (the simulator charges it: Control.count_line_s).
         started = time.perf_counter()
         try:
+            # The stream first: acks between the two answers then over-count (an empty fetch),
+            # never under-count.
+            stored = line_stored(await self.js.stream_info(self.subjects.models_stream, subjects_filter=subject), subject)
             info = await self.js.consumer_info(self.subjects.models_stream, name)
         except TRANSPORT_ERRORS as exc:
-            log.debug("consumer info for %s failed: %r", name, exc)
+            log.debug("count of line %s failed: %r", name, exc)
             self.state.next_refresh = -math.inf  # the stream count, at once
             return
         self.stats.sample("count_line", time.perf_counter() - started)
@@ -660,7 +667,10 @@ class Worker:
         # requests end. What it delivers later for the first time was undelivered at the
         # count, and is in it.
         missed = psub.watch(*missed_by(info)) if psub is not None else 0
-        self.queues.line_counted(slot, int(info.num_pending or 0) + missed, slot.arrivals - counted, bulk=bulk)
+        self.queues.line_counted(
+            slot, int(info.num_pending or 0), slot.arrivals - counted, bulk=bulk, stored=stored,
+            unacked=int(info.num_ack_pending or 0), missed=missed,
+        )  # fmt: skip
 
     def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:
         """Resident models idle past their ``idle_unload_s`` (``Driver.idle_unloads``, the

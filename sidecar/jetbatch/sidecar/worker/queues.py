@@ -36,7 +36,7 @@ import math
 import re
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 from nats.aio.msg import Msg
 
@@ -46,7 +46,9 @@ from ..errors import TRANSPORT_ERRORS
 from .counters import Counters
 from .slots import Slot, ack_info
 
-__all__ = ["RECHECK_S", "ArrivalFeed", "EmptyFetch", "QueueView", "empty_fetch", "missed_by", "parse_stream_timestamp"]
+__all__ = [
+    "RECHECK_S", "ArrivalFeed", "EmptyFetch", "LineStored", "QueueView", "empty_fetch", "line_stored", "missed_by", "parse_stream_timestamp",
+]
 
 log = logging.getLogger("jetbatch.worker")
 
@@ -395,11 +397,30 @@ class QueueView:
         slot.unfetchable = 0
         slot.hold_until = 0.0
 
-    def line_counted(self, slot: Slot, pending: int, arrived_since: int, *, bulk: bool = False) -> None:
-        """One line's consumer says ``pending`` requests wait undelivered, and ``arrived_since``
-        arrival events (of any line: an over-count costs a fetch) were counted while it was
-        asked: the line waits at least the larger of the two."""
-        self._count_line(slot, max(pending, arrived_since), bulk=bulk)
+    def line_counted(
+        self, slot: Slot, pending: int, arrived_since: int, *, bulk: bool = False, stored: LineStored | None = None,
+        unacked: int = 0, missed: int = 0,
+    ) -> None:
+        """One line's consumer says ``pending`` requests wait undelivered and ``unacked`` are
+        delivered and not acked, ``missed`` of those in this worker's puller for its next fetch;
+        ``arrived_since`` arrival events (of any line: an over-count costs a fetch) were counted
+        while it was asked; ``stored``: the stream's count of the line, asked just before the
+        consumer. The line waits at least the largest of three lower bounds:
+
+        - ``pending + missed``: the consumer's own count. It lags the store: nats-server counts
+          a stored message into its consumers' ``num_pending`` from another goroutine after
+          storing and republishing it, so a request stored just before the worker subscribed
+          again (its event gone to nobody) can be in neither (the worker waited for the next
+          count, a poll interval: a CI run caught it).
+        - ``stored - unacked + missed``, plus the known arrivals stored after the stream count:
+          the store's count is taken when the message is stored. Acks between the two answers
+          over-count (a fetch that comes back empty), never under-count.
+        - ``arrived_since``."""
+        waiting = max(pending + missed, arrived_since)
+        if stored is not None:
+            after = self._stored_after(slot, bulk, stored.last_seq)
+            waiting = max(waiting, max(0, stored.messages - unacked) + missed + after)
+        self._count_line(slot, waiting, bulk=bulk)
 
     def reconcile(
         self, slot: Slot, stored: int, now: float, *, mine: int, not_ours: int, stored_bulk: int = 0, mine_bulk: int = 0,
@@ -547,6 +568,23 @@ class QueueView:
         ts = getattr(raw, "time", None)
         at = ts.timestamp() if hasattr(ts, "timestamp") else parse_stream_timestamp(str(ts) if ts is not None else None)
         self.set_unknown_head(slot, min(at, now) if at is not None else now, deadline)
+
+
+class LineStored(NamedTuple):
+    """What the models stream stores on one line's subject, and its last sequence then."""
+
+    messages: int
+    last_seq: int | None
+
+
+def line_stored(info: Any, subject: str) -> LineStored:
+    """Read a stream info asked with ``subjects_filter=subject`` (a subject with nothing stored
+    is absent from its answer)."""
+    state = getattr(info, "state", None)
+    subjects = getattr(state, "subjects", None) or {}
+    n = subjects.get(subject, 0) if isinstance(subjects, dict) else 0
+    last_seq = getattr(state, "last_seq", None)
+    return LineStored(n if isinstance(n, int) and n > 0 else 0, last_seq if isinstance(last_seq, int) else None)
 
 
 def missed_by(count: Any) -> tuple[Callable[[Msg], bool | None], Callable[[Msg], bool]]:
