@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -173,8 +174,6 @@ async def test_a_request_stored_unheard_is_counted_when_the_line_is_listened_to_
             real = worker.js.consumer_info
 
             async def lagging(stream: str, consumer: str, *args: Any, **kw: Any) -> Any:
-                import dataclasses
-
                 info = await real(stream, consumer, *args, **kw)
                 return dataclasses.replace(info, num_pending=0)
 
