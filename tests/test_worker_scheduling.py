@@ -809,10 +809,10 @@ async def test_another_models_request_ends_a_hold_at_once(nats_url: str, prefix:
     """About to idle after a batch of two of a, the worker holds a's next batch open on a pull
     (policy/interest.py). b's request, stored meanwhile, ends the hold with its arrival event:
     served now, not at the hold's end (a minute here, so that only the event can end it)."""
-    from jetbatch.sidecar.worker import loop
+    from jetbatch.sidecar.core import turns
 
-    held = loop.hold_s
-    monkeypatch.setattr(loop, "hold_s", lambda state, serving, *, until, now: 60.0 if held(state, serving, until=until, now=now) else 0.0)
+    held = turns.hold_s
+    monkeypatch.setattr(turns, "hold_s", lambda state, serving, *, until, now: 60.0 if held(state, serving, until=until, now=now) else 0.0)
     config = make_config(prefix, {"a": sleep_model(max_delay_ms=5), "b": sleep_model(max_delay_ms=5)})
     await _prepare_streams(config, nats_url)
     async with sdk.Client.connect(nats_url, prefix=prefix) as client:

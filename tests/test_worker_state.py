@@ -26,13 +26,6 @@ def test_in_flight_counts_held_messages_per_model_until_settled() -> None:
     assert not held and held.by_model(model_of) == {}
 
 
-def test_loop_state_forgets_only_old_use() -> None:
-    state = LoopState(started_at=0.0)
-    state.last_used.update({"old": 1.0, "recent": 9.0})
-    state.forget_before(5.0)
-    assert state.last_used == {"recent": 9.0}
-
-
 def test_counters_count_events_and_time_steps() -> None:
     counters = Counters("batches", "loads")
     counters.add("batches")

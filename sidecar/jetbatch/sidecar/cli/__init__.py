@@ -12,7 +12,8 @@ code   meaning
 0      success
 1      the command ran and its outcome is negative (``status``: no sidecar answered; ``probe``:
        the sidecar is not ready or does not answer; ``dlq
-       replay``: some letters not replayed; ``demo``/``bench``: some requests unanswered)
+       replay``: some letters not replayed; ``demo``/``bench``: some requests unanswered;
+       ``replay``: the recording's decisions diverged)
 2      a user error, printed as one line: bad arguments, configuration, a missing file or
        binary, no NATS server reachable, a missing extra
 130    interrupted (Ctrl-C)
@@ -25,12 +26,12 @@ import argparse
 import logging
 import sys
 
-from . import bench, classifier, demo, dlq, examples, probe, simulate, status, up, worker
+from . import bench, classifier, demo, dlq, examples, probe, replay, simulate, status, up, worker
 from ._common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliError
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CliError", "build_parser", "main"]
 
-_SUBCOMMANDS = (worker, classifier, up, demo, examples, status, probe, dlq, bench, simulate)
+_SUBCOMMANDS = (worker, classifier, up, demo, examples, status, probe, dlq, bench, simulate, replay)
 
 
 def _version() -> str:

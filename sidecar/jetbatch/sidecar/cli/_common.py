@@ -138,6 +138,29 @@ def check_connection_files(config: Any, source: str) -> None:
         raise CliError(f"{source}: {exc}") from None
 
 
+# A flight recording's size bound, in MiB (the recorder stops there; recording.py).
+record_mib = _number(int, 1, True, 1024 * 1024)
+
+
+def add_record(p: argparse.ArgumentParser, what: str) -> None:
+    """``--record PATH`` and ``--record-max-mib``: the flight recorder of a worker core."""
+    p.add_argument("--record", default=None, metavar="PATH", help=f"record {what}'s core, its events and actions, as JSON lines (`jetbatch replay PATH` checks it)")
+    p.add_argument("--record-max-mib", default=256, type=record_mib, metavar="MIB", help="stop recording past this size (default 256)")
+
+
+def open_recorder(args: argparse.Namespace) -> Any:
+    """The ``FlightRecorder`` that ``--record`` asks for (None without it), or a one-line error."""
+    if args.record is None:
+        return None
+    from ..recording import FlightRecorder
+
+    writable_file(args.record, "--record")
+    try:
+        return FlightRecorder(args.record, max_bytes=args.record_max_mib * 1024 * 1024)
+    except OSError as exc:
+        raise CliError(f"--record {args.record}: {exc.strerror or exc}") from None
+
+
 def add_json(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--json", action="store_true", help=f"print {what} as JSON on stdout instead of a table")
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import CliError, add_sidecar_options, check_connection_files, http_port, run_async, setup_telemetry
+from ._common import CliError, add_record, add_sidecar_options, check_connection_files, http_port, open_recorder, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("worker", help="run a GPU worker sidecar", description="Serve the models of a config from their JetStream queues.")
     add_sidecar_options(p, config_required=True)
+    add_record(p, "the worker")
     p.set_defaults(run=run)
 
 
@@ -33,14 +34,17 @@ def run(args: argparse.Namespace) -> int:
     if not url:
         raise CliError("no NATS server: pass --nats-url, set NATS_URL or nats.url, or use `jetbatch up` for an embedded one")
     port = http_port(args, config.http.worker_port)
+    recorder = open_recorder(args)
     shutdown = setup_telemetry("worker", args, config.worker.id, prometheus=port is not None and config.http.metrics)
     try:
         return run_async(
             # no_echo: the worker hears its peers' take and settle events, never its own (two
             # messages a batch it would only drop); nothing else it publishes comes back to it.
             serve_sidecar(
-                config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc), http_port=port, no_echo=True
+                config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc, record=recorder), http_port=port, no_echo=True
             )
         )
     finally:
+        if recorder is not None:
+            recorder.close()
         shutdown()

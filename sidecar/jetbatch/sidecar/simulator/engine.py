@@ -31,28 +31,41 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..recording import FlightRecorder
+from ..core import (
+    BatchChecked,
+    BatchDone,
+    Evicted,
+    Fetch,
+    Fetched,
+    Hold,
+    LoadDue,
+    Loaded,
+    LoadModel,
+    ModelRules,
+    Reap,
+    Recount,
+    Sleep,
+    Started,
+    Turn,
+    Unload,
+    WaitFree,
+    WorkerCore,
+)
 from ..policy import (
-    BatchCost,
-    BatchWindow,
     CostEstimator,
-    Idle,
-    Load,
-    Policy,
-    SchedulerState,
-    PROBE_AFTER_REFUSALS,
-    Serve,
+    BatchWindow,
     Driver,
-    batch_line_first,
+    Policy,
     QueueFacts,
     Tier,
+    batch_line_first,
     cannot_finish,
     deferred_until,
     drain_rps,
     first_taker_rank,
     has_room,
-    hold_s,
     listens,
-    serves_on,
     make_policy,
     pipeline_has_room,
     visible_models,
@@ -131,32 +144,23 @@ class _Queue:
 
 @dataclass(eq=False)
 class _Worker:
+    """One simulated worker: its core (``core.WorkerCore``: every rule it decides by) and what the
+    executor keeps to carry out the core's actions (the device, the warm tier, holds)."""
+
     index: int
-    driver: Driver  # its policy and estimator, fed the events the live worker feeds them
+    core: WorkerCore
     resident: list[str] = field(default_factory=list)  # in load order
     warm: dict[str, float] = field(default_factory=dict)  # model -> when it became warm
-    current: str | None = None
     busy_until: float = 0.0
     loading: str | None = None
     fresh: set[str] = field(default_factory=set)
     prefetching: tuple[str, float] | None = None  # (model, ready at)
-    last_used: dict[str, float] = field(default_factory=dict)
-    load_share: int = 0  # the effective backlog that justified the load under way
-    refused_on_prediction: dict[str, int] = field(default_factory=dict)
-    defer_wake: float = math.inf  # when the first queue left to a first-taking peer is ours too
-    resident_since: dict[str, float] = field(default_factory=dict)  # model -> when it last became resident
-    idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
-    reaped_on_prediction: dict[str, int] = field(default_factory=dict)  # loads in a row not paid on the estimates
     answering: dict[str, list[float]] = field(default_factory=dict)  # model -> when its batches' answers are stored
     # The lines (model, batch line?) of the drained model whose arrivals it does not listen to
     # (policy/interest.py), with each one's count as of its last take: what it sees, as live.
     quiet: dict[tuple[str, bool], int] = field(default_factory=dict)
-    # As live (policy/interest.py): the model whose batches it serves, its interactive line
-    # filled by held pulls and not listened to; a hold of its next batch under way (until when),
-    # and whether the last one came back empty.
-    serving: str | None = None
+    # A hold of the served model's next batch under way (until when; core.Hold).
     holding_until: float = -math.inf
-    hold_missed: bool = False
     hold_seen: int = 0  # the arrivals known when the hold began, or last looked at: later ones may end it
     hold_checked: float = -math.inf  # when the hold last looked: cancel notices since may end it
 
@@ -165,17 +169,30 @@ class _Worker:
         return f"w{self.index}"
 
     @property
+    def driver(self) -> Driver:
+        return self.core.driver  # read: its demand and estimates, as the live worker reads them
+
+    @property
     def policy(self) -> Policy:
-        return self.driver.policy
+        return self.core.driver.policy
 
     @property
     def costs(self) -> CostEstimator:
-        return self.driver.costs  # read: estimates, as the live worker reads them
+        return self.core.costs
 
 
 class _Sim:
-    def __init__(self, workload: Workload, make: Callable[[], Policy], max_events: int) -> None:
+    def __init__(
+        self, workload: Workload, make: Callable[[], Policy], max_events: int, recorder: FlightRecorder | None = None, options: dict[str, Any] | None = None
+    ) -> None:
         self.w = workload
+        self.options = dict(workload.policy_options) if options is None else options  # what the policy was built with
+        self.recorder = recorder
+        # Each action of the core, carried out here (the same actions the live worker carries out).
+        self._execute: dict[type, Callable[[_Worker, Any, float], None]] = {
+            Unload: self._unload, Hold: self._hold, Recount: self._recount, WaitFree: self._wait_free,
+            Fetch: self._fetch, LoadModel: self._load, Sleep: self._sleep,
+        }  # fmt: skip
         self.max_events = max_events
         self.rng = random.Random(workload.seed)
         # The control plane's spread draws from its own stream: the device noise stays as it was.
@@ -200,18 +217,24 @@ class _Sim:
         self.consumers: dict[str, float] = {}  # model -> when its shared consumer was last used
 
     def _worker(self, index: int, policy: Policy) -> _Worker:
-        costs = CostEstimator()
-        for name, m in self.w.models.items():
-            costs.seed(
-                name,
+        # Seeded with the *configured* costs; the true ones only reach it as measurements.
+        models = {
+            name: ModelRules(
+                max_batch_size=m.max_batch_size,
                 load_cost_s=m.configured_load_cost_s if m.configured_load_cost_s is not None else m.load_cost_s,
-                batch_cost=BatchCost(
-                    m.configured_batch_cost_s if m.configured_batch_cost_s is not None else m.batch_cost_s,
-                    m.configured_item_cost_s if m.configured_item_cost_s is not None else m.item_cost_s,
-                ),
+                batch_cost_s=m.configured_batch_cost_s if m.configured_batch_cost_s is not None else m.batch_cost_s,
+                item_cost_s=m.configured_item_cost_s if m.configured_item_cost_s is not None else m.item_cost_s,
                 memory_bytes=m.memory_bytes,
+                idle_unload_s=m.idle_unload_s,
+                pin=m.pin,
             )
-        worker = _Worker(index, Driver(policy, costs))
+            for name, m in self.w.models.items()
+        }
+        started = Started(
+            policy=policy.name, options=self.options, models=models,
+            max_bytes=self.w.budget.max_bytes, max_models=self.w.budget.max_models, worker=f"w{index}",
+        )  # fmt: skip
+        worker = _Worker(index, WorkerCore(started, policy=policy, recorder=self.recorder if index == 0 else None))
         if index == 0:
             worker.resident = list(self.w.resident_at_start)
         return worker
@@ -248,7 +271,7 @@ class _Sim:
         for name in self.nonempty:
             q = self.queues[name]
             for bulk, line in ((False, q.urgent), (True, q.bulk)):
-                if (name, bulk) in worker.quiet or (not bulk and name == worker.serving):
+                if (name, bulk) in worker.quiet or (not bulk and name == worker.core.serving):
                     continue
                 for r in line:
                     if r.cancel_at > after:
@@ -294,7 +317,8 @@ class _Sim:
 
     # --- one decision of one worker -------------------------------------------------------------
 
-    def state(self, worker: _Worker) -> SchedulerState:
+    def turn(self, worker: _Worker) -> Turn:
+        """What ``worker`` knows now, as the core's :class:`Turn`."""
         # What the peers drain per model: a pass over their (few) resident models, not over all
         # models for each peer, so a decision stays cheap at 100 workers x 1000 models.
         served_by: dict[str, float] = {}
@@ -304,11 +328,12 @@ class _Sim:
             for name in {*p.resident, *([p.loading] if p.loading else [])}:
                 served_by[name] = served_by.get(name, 0.0) + _drain_rps(p, name, self.w.models[name])
         facts = []
-        worker.defer_wake = math.inf
+        defer_until = math.inf
+        core = worker.core
         for (name, bulk), seen in list(worker.quiet.items()):
-            draining = name == worker.current and name in worker.resident
+            draining = name == core.current and name in worker.resident
             line = self.queues[name].bulk if bulk else self.queues[name].urgent
-            filled = not bulk and name == worker.serving
+            filled = not bulk and name == core.serving
             if listens(listening=False, draining=draining, waiting=min(seen, len(line)), max_batch_size=self.w.models[name].max_batch_size, filled=filled):
                 del worker.quiet[(name, bulk)]  # listening again: it sees the line's true count
         slots: dict[str, tuple[int, int]] | None = None  # made when a queue nobody holds needs it
@@ -328,7 +353,7 @@ class _Sim:
                 until = self._deferred_until(worker, name, q.head.arrival, worker.costs.load_cost_s(name, tier), slots)
                 if until > self.t:
                     deferred = True
-                    worker.defer_wake = min(worker.defer_wake, until)
+                    defer_until = min(defer_until, until)
             # A line it does not listen to: the count of the last take (less what peers took since).
             urgent, bulk = len(q.urgent), len(q.bulk)
             if worker.quiet:
@@ -344,7 +369,7 @@ class _Sim:
                 reload_fits_host=resident and self._fits_host(name),  # keep_warm's rule
                 max_batch_size=m.max_batch_size,
                 max_wait_s=m.max_wait_s,
-                last_used_at=worker.last_used.get(name),
+                last_used_at=core.last_used.get(name),
                 served_rps=served_by.get(name, 0.0),
                 deferred=deferred,
                 pinned=m.pin,
@@ -355,8 +380,11 @@ class _Sim:
         if worker.policy.name == "fifo":
             while self.arrival_log and self.arrival_log[0].id in self.served_ids:
                 self.arrival_log.popleft()
-            order = tuple(r.model for r in list(self.arrival_log)[:256] if r.id not in self.served_ids)
-        return worker.driver.state(facts, self.t, current=worker.current, budget=self.w.budget, arrival_order=order)
+            order = [r.model for r in list(self.arrival_log)[:256] if r.id not in self.served_ids]
+        # The device is free at every turn here: nothing computes, nothing is held unacked.
+        return Turn(
+            now=self.t, facts=facts, defer_until=defer_until if math.isfinite(defer_until) else None, arrival_order=order,
+        )  # fmt: skip
 
     def _fits_host(self, name: str) -> bool:
         """Whether the host tier would keep ``name`` evicted (``keep_warm`` drops others for it)."""
@@ -379,19 +407,19 @@ class _Sim:
         return visible_models(
             self.w.models, self.t,
             waiting=self.nonempty, on_device=worker.resident,
-            current=worker.current, last_used=worker.last_used, demand=worker.driver.demand if worker.driver.has_demand else None,
+            current=worker.core.current, last_used=worker.core.last_used, demand=worker.driver.demand if worker.driver.has_demand else None,
         )  # fmt: skip
 
     def step(self, worker: _Worker) -> None:
-        if worker.holding_until > -math.inf and worker.serving is not None:
-            # As live: a hold ends with the served model's first interactive request, whose batch
-            # it serves with no decision in between; with another line's first arrival (an event
-            # the worker hears), or empty at its end.
-            held = worker.serving
+        core = worker.core
+        if worker.holding_until > -math.inf and core.serving is not None:
+            # Carrying out a Hold: it ends with the served model's first interactive request,
+            # whose batch it serves with no turn in between; with another line's first arrival
+            # (an event the worker hears), or empty at its end.
+            held = core.serving
             if self.queues[held].urgent and held in worker.resident:
                 worker.holding_until = -math.inf
-                m = self.w.models[held]
-                self.serve(worker, Serve(held, m.max_batch_size, reason="hold"))
+                self.serve(worker, Fetch(held, self.w.models[held].max_batch_size, "hold"), held=True)
                 return
             # A line it does not listen to sends no event: the held model's interactive one, and
             # any it drains deep (worker.quiet).
@@ -404,79 +432,67 @@ class _Sim:
             if self.t < worker.holding_until - 1e-12 and not interrupted:
                 self.wake(worker, min(self.next_arrival_at(), worker.holding_until, self.next_cancel(worker, self.t)))
                 return
-            # As live: empty (or cut short), it ends the serving; the worker listens again,
-            # counts the line, and decides.
+            # Empty (or cut short): the worker listens to the line again and counts it.
             worker.holding_until = -math.inf
-            worker.hold_missed = True
-            worker.serving = None
+            core.handle(Fetched(held, 0, held=True))
             worker.quiet.pop((held, False), None)
             self.wake(worker, self.t + self.control_s("count_line_s"))
             return
-        state = self.state(worker)
-        idle = self._idle_unloads(worker, state)
-        if idle:
-            # As live: idle models are evicted before the next decision.
-            for name in idle:
-                worker.resident.remove(name)
-                worker.fresh.discard(name)
-                self.keep_warm(worker, name)
-                worker.driver.evicted(name, self.t)
-                self.result.idle_unloads += 1
-            self.wake(worker, self.t)
-            return
-        decision = worker.driver.decide(state, self.t)
+        turn = self.turn(worker)
+        action = core.handle(turn)
         # The decision's own CPU time delays what it starts, as it does live.
-        cost_s = self.w.control.decision_cost_s(len(state.models))
-        if isinstance(decision, Idle):
-            held_s = hold_s(state, worker.serving, until=decision.until, now=self.t)
-            if held_s > 0:
-                # As live: rather than idle, hold the served model's next batch open.
-                worker.holding_until = self.t + cost_s + held_s
-                worker.hold_seen = self.next_arrival
-                worker.hold_checked = self.t
-                self.wake(worker, min(max(min(self.next_arrival_at(), self.next_cancel(worker, self.t)), self.t + cost_s), worker.holding_until))
-                return
-        serves = decision.model if isinstance(decision, Serve) and decision.model in worker.resident else None
-        if worker.serving is not None and serves != worker.serving:
-            # As live: decided while the served model's interactive line was not listened to;
-            # count it (one consumer-info round trip) and decide again on the true count.
-            worker.quiet.pop((worker.serving, False), None)
-            worker.serving = None
-            self.wake(worker, self.t + cost_s + self.control_s("count_line_s"))
-            return
-        if not isinstance(decision, Serve) or decision.model not in worker.resident:
-            worker.quiet.clear()  # as live: a worker that loads or idles listens to every arrival
-        if isinstance(decision, Serve) and decision.model not in worker.resident:
-            # As live: a custom policy that serves a model not on the device gets the load it
-            # implies (no eviction: the worker does not guess what to give up).
-            worker.load_share = len(self.queues[decision.model])
-            self.load(worker, Load(decision.model, (), "serve-non-resident"), cost_s)
-        elif isinstance(decision, Serve):
-            self.serve(worker, decision, cost_s)
-        elif isinstance(decision, Load):
-            worker.load_share = state.models[decision.model].backlog  # the cluster share, as live
-            self.load(worker, decision, cost_s)
-        else:
-            self.idle(worker, decision)
+        cost_s = self.w.control.decision_cost_s(len(turn.facts))
+        self._execute[type(action)](worker, action, cost_s)
 
-    def _idle_unloads(self, worker: _Worker, state: SchedulerState) -> list[str]:
-        """The live worker's rule (``Driver.idle_unloads``), with the same inputs."""
-        limits = {n: self.w.models[n].idle_unload_s for n in worker.resident if self.w.models[n].idle_unload_s is not None and not self.w.models[n].pin}
-        since = {n: max(worker.last_used.get(n, -math.inf), worker.resident_since.get(n, 0.0)) for n in limits}
-        worker.idle_wake = min((since[n] + limits[n] for n in limits), default=math.inf)
-        return worker.driver.idle_unloads(state, limits, since, self.t) if limits else []  # type: ignore[arg-type]
+    def _unload(self, worker: _Worker, action: Unload, cost_s: float) -> None:
+        for name in action.models:
+            self.evict(worker, name)
+            self.result.idle_unloads += 1
+        self.wake(worker, self.t)
 
-    def idle(self, worker: _Worker, decision: Idle) -> None:
+    def _hold(self, worker: _Worker, action: Hold, cost_s: float) -> None:
+        worker.holding_until = self.t + cost_s + action.hold_s
+        worker.hold_seen = self.next_arrival
+        worker.hold_checked = self.t
+        self.wake(worker, min(max(min(self.next_arrival_at(), self.next_cancel(worker, self.t)), self.t + cost_s), worker.holding_until))
+
+    def _recount(self, worker: _Worker, action: Recount, cost_s: float) -> None:
+        # One count of the line (a consumer-info round trip) before the next turn.
+        worker.quiet.pop((action.model, False), None)
+        self.wake(worker, self.t + cost_s + self.control_s("count_line_s"))
+
+    def _wait_free(self, worker: _Worker, action: WaitFree, cost_s: float) -> None:
+        self.wake(worker, max(self.t, worker.busy_until))  # nothing computes at a simulated turn
+
+    def _fetch(self, worker: _Worker, action: Fetch, cost_s: float) -> None:
+        self.serve(worker, action, cost_s)
+
+    def _load(self, worker: _Worker, action: LoadModel, cost_s: float) -> None:
+        worker.quiet.clear()  # a worker that loads listens to every arrival
+        self.load(worker, action, cost_s)
+
+    def _sleep(self, worker: _Worker, action: Sleep, cost_s: float) -> None:
+        worker.quiet.clear()  # an idle worker wakes on every arrival
+        self.idle(worker, action)
+
+    def evict(self, worker: _Worker, name: str) -> None:
+        worker.resident.remove(name)
+        worker.fresh.discard(name)
+        self.keep_warm(worker, name)
+        worker.core.handle(Evicted(name, self.t))
+
+    def idle(self, worker: _Worker, action: Sleep) -> None:
         nxt = self.next_arrival_at()
         if any(self.queues.values()):
-            # As live: an arrival, a cancel notice, or the decision's own deadline wakes it.
-            self.wake(worker, max(min(decision.until, nxt, worker.defer_wake, worker.idle_wake, self.next_cancel(worker, self.t)), self.t + 1e-6))
+            # An arrival, a cancel notice, or the core's own deadline wakes it.
+            until = math.inf if action.until is None else action.until
+            self.wake(worker, max(min(until, nxt, self.next_cancel(worker, self.t)), self.t + 1e-6))
         elif nxt < math.inf:
-            self.wake(worker, max(min(nxt, worker.idle_wake), self.t))
+            self.wake(worker, max(min(nxt, worker.core.idle_wake), self.t))
         # else: nothing left to arrive and nothing queued: this worker is done (an idle unload
         # then would change nothing measured)
 
-    def serve(self, worker: _Worker, decision: Serve, cost_s: float = 0.0) -> None:
+    def serve(self, worker: _Worker, decision: Fetch, cost_s: float = 0.0, *, held: bool = False) -> None:
         m = self.w.models[decision.model]
         q = self.queues[decision.model]
         if not q:
@@ -508,9 +524,7 @@ class _Sim:
             batch.append(q.pop(bulk_first))
         if not q:
             self.nonempty.discard(decision.model)
-        if serves_on(len(batch), m.max_batch_size, missed=worker.hold_missed):
-            worker.serving = decision.model  # as live: its interactive line fills by held pulls from now
-            worker.hold_missed = False
+        worker.core.handle(Fetched(decision.model, len(batch), held=held))
         # As live: a fetch says what its line still holds; deep, the worker stops listening to
         # its arrivals (policy/interest.py) and sees that count until its next take.
         taken = {r.interactive for r in batch}
@@ -518,20 +532,16 @@ class _Sim:
             line = (decision.model, bulk)
             if line in worker.quiet and (not bulk) not in taken:
                 continue  # a quiet line this batch took nothing from: its count is still its last take's
-            filled = not bulk and worker.serving == decision.model
+            filled = not bulk and worker.core.serving == decision.model
             if listens(listening=line not in worker.quiet, draining=True, waiting=left, max_batch_size=m.max_batch_size, filled=filled):
                 worker.quiet.pop(line, None)
             else:
                 worker.quiet[line] = left
         start = self.t + cost_s + self.control_s("batch_overhead_s")
-        # The live worker's rule: the capped estimate, and no prediction once PROBE_AFTER_REFUSALS
-        # batches in a row were refused whole on one.
-        refusals = worker.refused_on_prediction.get(decision.model, 0)
-        predicted_s = 0.0 if refusals >= PROBE_AFTER_REFUSALS else worker.costs.deadline_estimate_s(decision.model, len(batch))
+        predicted_s = worker.core.predicted_s(decision.model, len(batch))
         gone = [r for r in batch if r.gone(self.t)]
         live = [r for r in batch if not cannot_finish(r.deadline, start, predicted_s) and not r.gone(self.t)]
-        # As live: refused whole only when every request was refused on the prediction.
-        worker.refused_on_prediction[decision.model] = refusals + 1 if not live and not gone and predicted_s > 0 else 0
+        worker.core.handle(BatchChecked(decision.model, refused_whole=not live and not gone and predicted_s > 0))
         for r in batch:
             if r not in live:
                 if r.gone(self.t):
@@ -543,8 +553,7 @@ class _Sim:
             # As live: a batch refused whole still counts as demand and as use of the model, and
             # stores its answers (the refusals) within the same pipeline bound.
             answering.append(start + self.control_s("answer_s"))
-            worker.last_used[decision.model] = self.t
-            worker.driver.batch_done(decision.model, taken=len(batch), computed=0, seconds=0.0, now=self.t)
+            worker.core.handle(BatchDone(decision.model, taken=len(batch), computed=0, seconds=0.0, now=self.t))
             self.wake(worker, self.t)
             return
         self.maybe_prefetch(worker, decision.model)
@@ -559,7 +568,6 @@ class _Sim:
                 self.result.late_beyond_bound += 1
         self.result.batches.append((start, end, m.name, len(live), m.name in worker.fresh))
         worker.fresh.discard(m.name)
-        worker.current = m.name
         worker.busy_until = end
         self.wake(worker, end, f"done:batch:{m.name}:{len(live)}/{len(batch)}:{duration}")
 
@@ -576,21 +584,17 @@ class _Sim:
             self.result.latency_by_class.setdefault("interactive" if r.interactive else "batch", []).append(end - r.arrival)
         self.result.completions.append((end, r.arrival))
 
-    def load(self, worker: _Worker, decision: Load, cost_s: float = 0.0) -> None:
+    def load(self, worker: _Worker, decision: LoadModel, cost_s: float = 0.0) -> None:
         q = self.queues[decision.model]
         if q and decision.model not in worker.resident:
             # As live: a queue whose callers are all gone, or will be before the load and a batch
             # end (the estimates; only passed deadlines after PROBE_AFTER_REFUSALS such reaps in
             # a row), is answered without a load.
             tier = "warm" if decision.model in worker.warm else "cold"
-            # As live: a peer holding or loading the model may serve them in time.
             peer_serves = any(decision.model in p.resident or p.loading == decision.model for p in self.workers if p is not worker)
-            probe = worker.reaped_on_prediction.get(decision.model, 0) >= PROBE_AFTER_REFUSALS or peer_serves
             waiting = [(r.deadline, r.gone(self.t)) for r in q]
-            gone, _ = worker.driver.callers_gone(decision.model, tier, waiting, self.t, probe=probe)
-            if gone:
-                predicted = any(not c and d is not None and d > self.t for d, c in waiting)
-                worker.reaped_on_prediction[decision.model] = worker.reaped_on_prediction.get(decision.model, 0) + 1 if predicted else 0
+            verdict = worker.core.handle(LoadDue(decision.model, tier, self.t, waiting, peer_serves=peer_serves))
+            if isinstance(verdict, Reap):
                 while q:
                     r = q.pop()
                     if r.gone(self.t):
@@ -602,17 +606,13 @@ class _Sim:
                 self.result.reaped_queues += 1
                 self.wake(worker, self.t + cost_s)
                 return
-            worker.reaped_on_prediction[decision.model] = 0
         if any(p.loading == decision.model for p in self.workers if p is not worker):
             # Another worker holds the load claim: stand back until its load ends.
             self.wake(worker, max(p.busy_until for p in self.workers if p.loading == decision.model) + 1e-6)
             return
         for victim in decision.evict:
             if victim in worker.resident:
-                worker.resident.remove(victim)
-                worker.fresh.discard(victim)
-                self.keep_warm(worker, victim)
-                worker.driver.evicted(victim, self.t)
+                self.evict(worker, victim)
         m = self.w.models[decision.model]
         if decision.model in worker.resident:
             self.wake(worker, self.t)
@@ -654,18 +654,14 @@ class _Sim:
         duration = float(duration_text)
         if what == "batch":
             computed, _, size = arg.partition("/")
-            worker.last_used[model] = self.t
-            worker.driver.batch_done(model, taken=int(size), computed=int(computed), seconds=duration, now=self.t)
+            worker.core.handle(BatchDone(model, taken=int(size), computed=int(computed), seconds=duration, now=self.t))
         else:
             worker.loading = None
             worker.resident.append(model)
-            worker.resident_since[model] = self.t
             worker.fresh.add(model)
-            worker.current = model
             self.result.max_resident_seen = max(self.result.max_resident_seen, len(worker.resident))
             self.result.max_bytes_seen = max(self.result.max_bytes_seen, sum(self.w.models[r].memory_bytes for r in worker.resident))
-            share = min(worker.load_share, len(self.queues[model]))
-            worker.driver.loaded(model, tier=arg, seconds=duration, now=self.t, share=share)  # type: ignore[arg-type]
+            worker.core.handle(Loaded(model, arg, duration, self.t, waiting=len(self.queues[model])))  # type: ignore[arg-type]
         if worker.prefetching and worker.prefetching[1] <= self.t:
             self.keep_warm(worker, worker.prefetching[0])
             worker.prefetching = None
@@ -711,9 +707,12 @@ def _drain_rps(worker: _Worker, name: str, m: SimModel) -> float:
     return drain_rps(worker.costs.batch_cost(name), m.max_batch_size)
 
 
-def simulate(workload: Workload, policy: Policy | str, *, max_events: int = 5_000_000, **options: Any) -> SimResult:
+def simulate(
+    workload: Workload, policy: Policy | str, *, max_events: int = 5_000_000, record: FlightRecorder | None = None, **options: Any
+) -> SimResult:
     """Run ``workload`` under ``policy`` (a name, built with the workload's ``[policy]`` options
-    and ``options``; or one instance, for a single worker)."""
+    and ``options``; or one instance, for a single worker). ``record``: the first worker's core
+    is recorded there (``core/recorder.py``)."""
     if isinstance(policy, str):
         name = policy
         merged = {**workload.policy_options, **options}
@@ -725,6 +724,7 @@ def simulate(workload: Workload, policy: Policy | str, *, max_events: int = 5_00
         def make() -> Policy:
             return make_policy(name, **merged)
     else:
+        merged = {}
         if workload.workers > 1:
             raise ValueError("several workers need a policy name (each worker gets its own instance)")
         instance = policy
@@ -732,7 +732,7 @@ def simulate(workload: Workload, policy: Policy | str, *, max_events: int = 5_00
         def make() -> Policy:
             return instance
 
-    return _Sim(workload, make, max_events).run()
+    return _Sim(workload, make, max_events, record, merged).run()
 
 
 def simulate_policies(workload: Workload, names: list[str]) -> list[SimResult]:

@@ -27,7 +27,8 @@ from jetbatch.sdk.protocol import (
 )  # fmt: skip
 
 from ..handlers import BadInput
-from ..policy import PROBE_AFTER_REFUSALS, Driver, cannot_finish
+from ..core import BatchChecked, BatchDone, WorkerCore
+from ..policy import cannot_finish
 from ..replies import Answer, Replier, client_message, settle
 from ..telemetry import WorkerTelemetry
 from .counters import Counters
@@ -54,7 +55,7 @@ class BatchRunner:
         replier: Replier,
         quarantine: Quarantine,
         telemetry: WorkerTelemetry,
-        driver: Driver,
+        core: WorkerCore,
         reply_policy: ReplyPolicy,
         max_deliver: int,
         counters: Counters,
@@ -82,8 +83,7 @@ class BatchRunner:
         self.replier = replier
         self.quarantine = quarantine
         self.telemetry = telemetry
-        self.driver = driver
-        self.costs = driver.costs  # read: the deadline estimates
+        self.core = core  # told of each batch's checks and end; its estimates read
         self.reply_policy = reply_policy
         self.max_deliver = max_deliver
         self._counters = counters
@@ -120,15 +120,6 @@ class BatchRunner:
 
     # --- one batch ------------------------------------------------------------------------------
 
-    def _predicted_s(self, slot: Slot, n: int) -> float:
-        """How long a batch of ``n`` is expected to take, for the deadline check: the estimate,
-        but never more than the fastest batch seen (one slow outlier must not refuse a model's
-        every request), and 0 after ``PROBE_AFTER_REFUSALS`` batches in a row were refused whole on
-        a prediction (that batch measures the model again)."""
-        if slot.refused_on_prediction >= PROBE_AFTER_REFUSALS:
-            return 0.0
-        return self.costs.deadline_estimate_s(slot.name, n)
-
     async def run(
         self,
         slot: Slot,
@@ -154,7 +145,7 @@ class BatchRunner:
         def extra(r: Request) -> dict[str, str]:
             return {Headers.MODEL: slot.name, Headers.BATCH: batch_value(waits_ms[id(r)])}
 
-        predicted_s = self._predicted_s(slot, len(requests))
+        predicted_s = self.core.predicted_s(slot.name, len(requests))  # the core's probe rule
         rejected, expired, fresh, suspects = _triage(requests, now, predicted_s)
         # A caller that cancelled is gone: its request is answered `cancelled`, not computed (a
         # suspect, or one late anyway, too), as the simulator counts it.
@@ -164,12 +155,6 @@ class BatchRunner:
             fresh = [r for r in fresh if r not in gone]
             suspects = [r for r in suspects if r not in gone]
             self._counters.add("cancelled", len(gone))
-        # A batch refused whole on a prediction teaches the estimator nothing: after a few in a
-        # row one is computed (unless its deadlines really passed), so an inflated estimate
-        # cannot lock a model out for good.
-        refused_whole = bool(expired) and len(expired) == len(requests) and predicted_s > 0
-        refusals = slot.refused_on_prediction
-        slot.refused_on_prediction = refusals + 1 if refused_whole else 0
         load_record = slot.pending_load if loaded else None
         slot.pending_load = None
         compute_s = 0.0
@@ -197,13 +182,13 @@ class BatchRunner:
                 r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, _too_late(r, now, predicted_s), extra(r))
             self._decode(slot, fresh, extra)
             good = [r for r in fresh if r.answer is None]
+            late = 0
             if good:
                 await turn.take()
                 # Checked again at the forward pass, as the simulator checks at a batch's start:
                 # a caller may have cancelled, or a deadline come closer, while the batch before
                 # computed.
                 now = self._clock()
-                late = 0
                 for r in good:
                     if self._cancelled(r.meta.tenant, r.meta.request_id):
                         r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, _CANCELLED, extra(r))
@@ -212,8 +197,10 @@ class BatchRunner:
                         r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, _too_late(r, now, predicted_s), extra(r))
                         late += 1
                 good = [r for r in good if r.answer is None]
-                if late and predicted_s > 0 and len(expired) + late == len(requests):
-                    slot.refused_on_prediction = refusals + 1  # refused whole after all
+            # A batch refused whole on a prediction teaches the estimator nothing: the core
+            # counts them, and after a few in a row has one computed (``WorkerCore.predicted_s``).
+            refused_whole = predicted_s > 0 and (bool(expired) or late > 0) and len(expired) + late == len(requests)
+            self.core.handle(BatchChecked(slot.name, refused_whole))
             if good:
                 started = self.timer()
                 with self.telemetry.child_span("infer", **{"jetbatch.model": slot.name, "jetbatch.batch.size": len(good)}):
@@ -229,9 +216,8 @@ class BatchRunner:
             await self._run_suspects(slot, suspects, extra, turn)
             turn.release()
             self._record_errors(span, requests)
-        slot.last_used_at = self._clock()
         # What ran teaches the estimator; every request taken counts as demand (policy/driver.py).
-        self.driver.batch_done(slot.name, taken=len(requests), computed=computed, seconds=compute_s, now=self._clock())
+        self.core.handle(BatchDone(slot.name, taken=len(requests), computed=computed, seconds=compute_s, now=self._clock()))
         self._counters.add("batches")
         self._counters.add("requests", len(requests))
         if self.on_batch is not None:

@@ -17,7 +17,7 @@ import math
 import os
 import socket
 import time
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 import anyio
 import anyio.abc
@@ -35,24 +35,24 @@ from ..handlers import HandlerError, create_handler, resolve_device
 from ..handlers.modules import warm_start
 from ..errors import TRANSPORT_ERRORS
 from ..pulling import Puller
-from ..policy import (
-    PROBE_AFTER_REFUSALS,
-    RECENT_S,
-    BatchCost,
-    BatchWindow,
-    Budget,
-    Driver,
-    Idle,
-    Load,
-    SchedulerState,
-    Serve,
-    cannot_finish,
-    hold_s,
-    listens,
-    make_policy,
-    serves_on,
-    visible_models,
+from ..recording import FlightRecorder
+from ..core import (
+    Fetch,
+    Fetched,
+    Hold,
+    LoadDue,
+    LoadModel,
+    ModelRules,
+    Reap,
+    Recount,
+    Sleep,
+    Started,
+    Turn,
+    Unload,
+    WaitFree,
+    WorkerCore,
 )
+from ..policy import BatchWindow, cannot_finish, listens, make_policy, visible_models
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
@@ -103,6 +103,7 @@ class Worker:
         *,
         on_batch: Callable[[BatchReport], None] | None = None,
         reply_nc: NATS | None = None,
+        record: FlightRecorder | None = None,
     ) -> None:
         if not config.models:
             raise ConfigError("the worker config has no [models.<name>] section: nothing to serve")
@@ -116,17 +117,16 @@ class Worker:
             self.policy = make_policy(config.worker.policy, **config.worker.policy_options)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"worker.policy: {exc}") from None
-        # The driver owns the policy and the estimator: every event that feeds them and every
-        # decision goes through it, as in the simulator (policy/driver.py).
-        self.driver = Driver(self.policy)
-        self.costs = self.driver.costs
+        # The core holds every rule the worker decides by and the state they read (core/turns.py);
+        # this loop turns NATS and torch into its events and carries out its actions, as the
+        # simulator does with its clock. ``record``: the flight recorder (``--record``).
+        self.core = WorkerCore(_started(config, self.worker_id), policy=self.policy, recorder=record)
+        self.recorder = record
+        self.driver = self.core.driver  # read: estimates, demand, the cluster share
+        self.costs = self.core.costs
+        self.budget = self.core.budget
         self.slots = _make_slots(config, self.device)
-        for name, mcfg in config.models.items():
-            self.costs.seed(
-                name, load_cost_s=mcfg.load_cost_s, batch_cost=BatchCost(mcfg.batch_cost_s, mcfg.item_cost_s), memory_bytes=mcfg.memory_bytes or 0,
-            )  # fmt: skip
         self._check_models()
-        self.budget = Budget(max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models)
         # Counters; what the control plane's steps cost here is added by worker/counters.py (the
         # scale bench tells the simulator this deployment's costs from them: Control.measured).
         self.stats = Counters("batches", "requests", "loads", "loads_cold", "loads_warm", "load_us", "evictions", "decisions", "decision_us", "models_shown")
@@ -161,14 +161,14 @@ class Worker:
             poll_interval_s=config.worker.poll_interval_ms / 1000.0,
             on_trouble=self._note_trouble,
             on_fetched=lambda slot, n, pending, bulk, seq, again: self.queues.fetched(slot, n, pending, bulk=bulk, last_seq=seq, redelivered=again),
-            filled=lambda slot: slot.name == self.state.serving and self.arrivals.is_quiet(slot.name),
+            filled=lambda slot: slot.name == self.core.serving and self.arrivals.is_quiet(slot.name),
         )
         self.runner = BatchRunner(
             worker_id=self.worker_id,
             replier=self.replier,
             quarantine=self.quarantine,
             telemetry=self.telemetry,
-            driver=self.driver,
+            core=self.core,
             reply_policy=config.reply_policy,
             max_deliver=config.streams.max_deliver,
             counters=self.stats,
@@ -181,7 +181,7 @@ class Worker:
         self.residency = Residency(
             slots=self.slots,
             device=self.device,
-            driver=self.driver,
+            core=self.core,
             telemetry=self.telemetry,
             device_lock=self._device_lock,
             host_budget_bytes=default_host_budget_bytes() if host_budget is None else host_budget,
@@ -378,20 +378,25 @@ class Worker:
             started_at=self.state.started_at, valid_s=self.config.worker.peer_timeout_s, http=self.http_address,
         )  # fmt: skip
 
-    def _scheduler_state(self, now: float) -> SchedulerState:
+    def _turn(self, now: float) -> Turn:
+        """What the core is told at a turn: the facts of the models a decision looks at
+        (``policy.visible_models``), and which resident models are busy or computing."""
         names = visible_models(
             self.slots, now,
             waiting=self.queues.waiting,
             on_device=self.residency.resident_names(),
-            current=self.state.current,
-            last_used=self.state.last_used,
+            current=self.core.current,
+            last_used=self.core.last_used,
             demand=self.driver.demand if self.driver.has_demand else None,
         )  # fmt: skip
         deferred = self.peers.deferred(now)
-        self.state.defer_wake = min(deferred.values(), default=math.inf)
-        return view.scheduler_state(
-            names, now, driver=self.driver, slots=self.slots, residency=self.residency,
-            served=self.peers.served(), current=self.state.current, budget=self.budget, deferred=deferred,
+        defer_until = min(deferred.values(), default=math.inf)
+        facts = view.queue_facts(names, slots=self.slots, residency=self.residency, served=self.peers.served(), deferred=deferred, last_used=self.core.last_used)
+        on_device = [self.slots[n] for n in self.residency.resident_names()]
+        return Turn(
+            now=now, facts=facts,
+            busy=[s.name for s in on_device if s.in_flight], computing=[s.name for s in on_device if s.computing],
+            defer_until=defer_until if math.isfinite(defer_until) else None,
         )  # fmt: skip
 
     async def _refresh(self, now: float) -> None:
@@ -416,7 +421,6 @@ class Worker:
                 # Answered by their own task: its fetches and stores must not hold the serve loop.
                 self.state.orphans_due.update(due)
                 self.state.orphans_wake.set()
-        self.state.forget_before(now - RECENT_S)
         busy = bool(self.queues.waiting) or bool(self.state.in_flight)
         poll_s = self.config.worker.poll_interval_ms / 1000.0
         self.state.next_refresh = time.time() + (poll_s if busy else max(poll_s, self.config.worker.idle_refresh_s))
@@ -519,7 +523,10 @@ class Worker:
     # --- the loop --------------------------------------------------------------------------
 
     async def _serve_loop(self, tg: anyio.abc.TaskGroup) -> None:
-        revisited = False  # the last decision was a load put off until its victim was free
+        execute: dict[type, Callable[[anyio.abc.TaskGroup, Any], Awaitable[None]]] = {
+            Unload: self._do_unload, Hold: self._do_hold, Recount: self._do_recount, WaitFree: self._do_wait_free,
+            Fetch: self._do_fetch, LoadModel: self._do_load, Sleep: self._do_sleep,
+        }  # fmt: skip
         while not self._stopping.is_set():
             await self._follow_arrivals()
             now = time.time()
@@ -534,83 +541,67 @@ class Worker:
                 await self._refresh(now)
                 now = time.time()
             started = time.perf_counter()
-            # An arrival counted from here on is in no state this decision sees: it wakes an
-            # idle, and ends a hold (even one about to start).
+            # An arrival counted from here on is in no state this turn sees: it wakes an idle,
+            # and ends a hold (even one about to start).
             if self._wake.is_set():
                 self._wake = anyio.Event()
-            state = self._scheduler_state(now)
-            idle = self._idle_unloads(state, now)
-            if idle:
-                for name in idle:
-                    await self.residency.evict(self.slots[name], reason="idle")
-                await self._hand_back_leftovers(idle)
-                continue
-            decision = self.driver.decide(state, now)
-            revisited = revisited and isinstance(decision, Load)
+            turn = self._turn(now)
+            action = self.core.handle(turn)
             # What deciding costs (the simulator charges it too: Workload.control, bench/scale.py).
             self.stats.add("decisions")
             self.stats.add("decision_us", int((time.perf_counter() - started) * 1e6))
-            self.stats.add("models_shown", len(state.models))
-            held_s = hold_s(state, self.state.serving, until=decision.until, now=now) if isinstance(decision, Idle) else 0.0
-            if held_s > 0 and self.state.serving is not None and await self._consumer(self.slots[self.state.serving]):
-                # Rather than idle, hold the served model's next batch open on a pull: its first
-                # request opens the window with no arrival event and no decision between
-                # (policy/interest.py; the simulator holds too).
-                held = self.slots[self.state.serving]
-                await self._serve(tg, held, Serve(held.name, held.config.max_batch_size, reason="hold"), hold_s=held_s)
-                continue
-            serves = decision.model if isinstance(decision, Serve) and self.slots[decision.model].resident else None
-            if self.state.serving is not None and serves != self.state.serving:
-                # Decided while the served model's interactive line was not listened to: its
-                # count is what the last fetch left (policy/interest.py). Listen again, count it,
-                # and decide on that count (the simulator does the same).
-                self.state.serving = None
-                await self._follow_arrivals()
-                continue
-            if isinstance(decision, Serve):
-                slot = self.slots[decision.model]
-                if not slot.resident:
-                    # The built-in policies serve only resident models; a custom one that does not
-                    # gets the load it implies, with no eviction (the simulator does the same).
-                    log.warning("policy %s chose non-resident model %s; loading it", self.policy.name, slot.name)
-                    await self._follow_arrivals(leaving=True)
-                    await self._load(slot, (), reason="serve-non-resident")
-                    continue
-                if not await self._consumer(slot):
-                    await self._idle(Idle(time.time() + self.config.worker.poll_interval_ms / 1000.0))
-                    continue
-                self.residency.prefetch(tg, exclude=slot.name, backlog_of=self.peers.share, candidates=sorted(self.queues.waiting))
-                await self._serve(tg, slot, decision)
-            elif isinstance(decision, Load):
-                computing = [self.slots[n] for n in decision.evict if self.slots[n].computing]
-                if computing and not revisited:
-                    # Decided while the model to evict still computes (the next batch was
-                    # gathered early): requests that arrive meanwhile would be left for a whole
-                    # cycle. Decide again once it is free, with them counted, as the simulator
-                    # decides only when the device is free.
-                    for victim in computing:
-                        await victim.wait_model_free()
-                    revisited = True
-                    continue
-                await self._follow_arrivals(leaving=True)  # a load holds the worker for its whole time
-                await self._hand_back_leftovers(decision.evict)
-                await self._load(self.slots[decision.model], decision.evict, reason=decision.reason)
-                # And what a victim's pull requests still open at the hand-back (a window's stays
-                # open past its close) delivered during the load: back now, not at the next
-                # refresh's hand-back of models not on the device.
-                await self._hand_back_leftovers(decision.evict)
-                revisited = False
-            else:
-                await self._follow_arrivals(leaving=True)  # an idle worker wakes on arrival events
-                await self._idle(decision)
+            self.stats.add("models_shown", len(turn.facts))
+            await execute[type(action)](tg, action)
+
+    # --- the core's actions, carried out ---------------------------------------------------------
+
+    async def _do_unload(self, tg: anyio.abc.TaskGroup, action: Unload) -> None:
+        for name in action.models:
+            await self.residency.evict(self.slots[name], reason="idle")
+        await self._hand_back_leftovers(action.models)
+
+    async def _do_hold(self, tg: anyio.abc.TaskGroup, action: Hold) -> None:
+        held = self.slots[action.model]
+        if await self._consumer(held):
+            await self._serve(tg, held, Fetch(held.name, action.max_items, "hold"), hold_s=action.hold_s)
+        else:
+            self.core.handle(Fetched(held.name, 0, held=True))
+
+    async def _do_recount(self, tg: anyio.abc.TaskGroup, action: Recount) -> None:
+        await self._follow_arrivals()  # the core stopped serving it: listened to and counted again
+
+    async def _do_wait_free(self, tg: anyio.abc.TaskGroup, action: WaitFree) -> None:
+        for name in action.models:
+            await self.slots[name].wait_model_free()
+
+    async def _do_fetch(self, tg: anyio.abc.TaskGroup, action: Fetch) -> None:
+        slot = self.slots[action.model]
+        if not await self._consumer(slot):
+            await self._idle(time.time() + self.config.worker.poll_interval_ms / 1000.0)
+            return
+        self.residency.prefetch(tg, exclude=slot.name, backlog_of=self.peers.share, candidates=sorted(self.queues.waiting))
+        await self._serve(tg, slot, action)
+
+    async def _do_load(self, tg: anyio.abc.TaskGroup, action: LoadModel) -> None:
+        await self._follow_arrivals(leaving=True)  # a load holds the worker for its whole time
+        await self._hand_back_leftovers(action.evict)
+        await self._load(self.slots[action.model], tuple(action.evict), reason=action.reason)
+        # And what a victim's pull requests still open at the hand-back (a window's stays open
+        # past its close) delivered during the load: back now, not at the next refresh's
+        # hand-back of models not on the device.
+        await self._hand_back_leftovers(action.evict)
+
+    async def _do_sleep(self, tg: anyio.abc.TaskGroup, action: Sleep) -> None:
+        await self._follow_arrivals(leaving=True)  # an idle worker wakes on arrival events
+        await self._idle(math.inf if action.until is None else action.until)
 
     async def _follow_arrivals(self, *, leaving: bool = False) -> None:
         """Listen to the arrivals of a line of the model this worker drains only while it needs
         them (``policy/interest.py``): not the interactive line of the model whose batches it
         serves (they fill from held pulls), nor a deep line (each fetch counts it). ``leaving``:
         the worker is about to load, or to idle, and drains nothing meanwhile."""
-        current = None if leaving else self.state.current
-        serving = None if leaving else self.state.serving
+        current = None if leaving else self.core.current
+        serving = None if leaving else self.core.serving
         for name, bulk in self.arrivals.quiet_lines:
             slot = self.slots[name]
             draining = name == current and slot.resident
@@ -672,39 +663,23 @@ class Worker:
             unacked=int(info.num_ack_pending or 0), missed=missed,
         )  # fmt: skip
 
-    def _idle_unloads(self, state: SchedulerState, now: float) -> list[str]:
-        """Resident models idle past their ``idle_unload_s`` (``Driver.idle_unloads``, the
-        simulator's rule too); notes when the next one falls due, so an idle loop wakes for it."""
-        limits: dict[str, float] = {}
-        since: dict[str, float] = {}
-        for name in self.residency.resident_names():
-            slot = self.slots[name]
-            limit = slot.config.idle_unload_s or self.config.worker.idle_unload_s
-            if limit is None or slot.config.pin:
-                continue
-            limits[name] = limit
-            since[name] = max(slot.last_used_at or -math.inf, slot.resident_since or -math.inf)
-        self.state.idle_wake = min((since[n] + limits[n] for n in limits if since[n] > -math.inf), default=math.inf)
-        if not limits:
-            return []
-        return [n for n in self.driver.idle_unloads(state, limits, since, now) if not self.slots[n].in_flight]
-
-    async def _idle(self, decision: Idle) -> None:
-        """Sleep until an arrival event, the time the policy asked for, the next count, or a
-        peer's leaving (what it held comes back with no event)."""
+    async def _idle(self, until: float) -> None:
+        """Sleep until an arrival event, ``until`` (the core's: the policy's timer, an idle unload
+        or a deferred queue falling due), the next count, or a peer's leaving (what it held comes
+        back with no event)."""
         now = time.time()
-        wake_at = min(decision.until, self.state.next_count(), self.state.defer_wake, self.state.idle_wake, self.peers.next_departure(now))
+        wake_at = min(until, self.state.next_count(), self.peers.next_departure(now))
         wait_s = wake_at - now
         if wait_s > 0 and not self._wake.is_set() and not self._stopping.is_set():
             with anyio.move_on_after(wait_s):
                 await self._wake.wait()
         self._wake = anyio.Event()
 
-    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Serve, *, hold_s: float | None = None) -> None:
+    async def _serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Fetch, *, hold_s: float | None = None) -> None:
         # Pipelining: gather the next batch while the previous one computes, and compute while
         # earlier answers are stored (a bounded number: policy/window.py).
         await slot.wait_pipeline_room()
-        max_items = max(1, min(decision.max_items, slot.config.max_batch_size))
+        max_items = decision.max_items  # within the model's max batch size (the core's rule)
         if decision.before is not None:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
         elif hold_s is not None and slot.psub is not None:
@@ -725,25 +700,17 @@ class Worker:
         else:
             # The window closes early enough for the earliest deadline gathered (window.py).
             msgs = await self.batcher.gather(slot, max_items, compute_s=self.costs.deadline_estimate_s(slot.name, max_items))
+        # The core decides from the batch's size whether its model's next batches fill from held
+        # pulls (policy/interest.py); a hold that came back empty ends that.
+        self.core.handle(Fetched(slot.name, len(msgs), held=hold_s is not None))
         if not msgs:
-            if hold_s is not None:
-                # A hold that came back empty (or was cut short) ends the serving: the next turn
-                # listens to the line again and counts it (_follow_arrivals), and decides.
-                self.state.hold_missed = True
-                self.state.serving = None
             await self._found_nothing(slot)
             return
-        if serves_on(len(msgs), slot.config.max_batch_size, missed=self.state.hold_missed):
-            # More are coming: its next batches fill from held pulls, not the line's arrival
-            # events (policy/interest.py). After a lone request's batch the worker idles on them.
-            self.state.serving = slot.name
-            self.state.hold_missed = False
         slot.missed_fetch = False
         self.state.in_flight.add(msgs)
         slot.start_batch()
         loaded = slot.fresh_load
         slot.fresh_load = False
-        self.state.current = slot.name
         tg.start_soon(self._run_batch, slot, msgs, loaded, decision.reason)
         # Before the batch can settle (peers apply a take before its settle; the publish only
         # queues it for the socket).
@@ -826,8 +793,6 @@ class Worker:
             slot.end_batch()
             with anyio.CancelScope(shield=True):
                 await self._settled(slot, msgs)
-            if slot.last_used_at is not None:
-                self.state.last_used[slot.name] = slot.last_used_at
 
     async def _settled(self, slot: Slot, msgs: list[Msg], back_in_s: float | None = None) -> None:
         """Some of a batch's messages were settled (``BatchRunner.finish``), or the whole batch
@@ -856,18 +821,11 @@ class Worker:
             # simulator applies the same rule).
             for name in evict:
                 await self.slots[name].wait_model_free()
-            waiting = _known_waiting(slot)
-            # The estimates say nothing of a peer that holds (or is loading) the model: it may
-            # serve these callers in time, so then only callers already gone count.
-            probe = slot.reaped_on_prediction >= PROBE_AFTER_REFUSALS or self.peers.served().get(slot.name, 0.0) > 0
-            gone, horizon_s = self.driver.callers_gone(slot.name, slot.tier, waiting or (), time.time(), probe=probe)
-            if waiting is not None and gone:
-                # Counted toward the probe only when the estimate decided it (no deadline passed yet).
-                predicted = any(not c and (d is None or d > time.time()) for d, c in waiting)
-                slot.reaped_on_prediction = slot.reaped_on_prediction + 1 if predicted else 0
-                await self._reap(slot, horizon_s)
+            due = LoadDue(slot.name, slot.tier, time.time(), _known_waiting(slot), peer_serves=self.peers.served().get(slot.name, 0.0) > 0)
+            verdict = self.core.handle(due)
+            if isinstance(verdict, Reap):
+                await self._reap(slot, verdict.horizon_s)
                 return
-            slot.reaped_on_prediction = 0
         if log.isEnabledFor(logging.INFO):
             peers, view_state = self.peers.describe()
             log.info(
@@ -879,15 +837,13 @@ class Worker:
         claimed = await self.peers.claim_load(slot, tuple(evict), for_backlog=for_backlog)
         if claimed is None:
             return
-        share = self.peers.share(slot)  # what the peers would not drain: ours to serve
         try:
             async with anyio.create_task_group() as tg:
                 # The model's consumer is made while the model loads: on a replicated stream it is
                 # a Raft group, tens of milliseconds that need not add to the load.
                 tg.start_soon(self._consumer, slot)
-                loaded = await self.residency.load(slot, evict, reason=reason, share=share)
+                loaded = await self.residency.load(slot, evict, reason=reason)
             if loaded:
-                self.state.current = slot.name
                 # An empty fetch from before this load says nothing of the queue now: the first
                 # one after it is fetched again, not held back as a second in a row.
                 slot.missed_fetch = False
@@ -988,3 +944,20 @@ def _known_waiting(slot: Slot) -> list[tuple[float | None, bool]] | None:
     if slot.backlog > slot.known or slot.unknown_head_at is not None:
         return None
     return [(d, key in slot.cancelled_keys) for _, d, key, _ in (*slot.known_times, *slot.known_bulk)]
+
+
+def _started(config: Config, worker_id: str) -> Started:
+    """What the worker's core is made from: the policy, each model's rules and seeded costs (the
+    worker's idle-unload limit where the model has none), the device budget."""
+    models = {
+        name: ModelRules(
+            max_batch_size=m.max_batch_size, load_cost_s=m.load_cost_s, batch_cost_s=m.batch_cost_s, item_cost_s=m.item_cost_s,
+            memory_bytes=m.memory_bytes or 0, idle_unload_s=m.idle_unload_s or config.worker.idle_unload_s, pin=m.pin,
+            max_concurrent_batches=m.max_concurrent_batches,
+        )  # fmt: skip
+        for name, m in config.models.items()
+    }
+    return Started(
+        policy=config.worker.policy, options=dict(config.worker.policy_options), models=models,
+        max_bytes=config.worker.memory_budget_bytes, max_models=config.worker.max_resident_models, worker=worker_id,
+    )  # fmt: skip

@@ -21,7 +21,8 @@ import anyio
 import anyio.abc
 
 from ..handlers import HandlerError
-from ..policy import Driver, Tier, reload_tier, warm_copy_value
+from ..core import Evicted, Loaded, Warmed, WorkerCore
+from ..policy import Tier, reload_tier, warm_copy_value
 from ..telemetry import LoadRecord, WorkerTelemetry
 from .slots import Slot
 from .counters import Counters
@@ -52,7 +53,7 @@ class Residency:
         *,
         slots: dict[str, Slot],
         device: Any,
-        driver: Driver,
+        core: WorkerCore,
         telemetry: WorkerTelemetry,
         device_lock: anyio.Lock,
         host_budget_bytes: int,
@@ -62,8 +63,8 @@ class Residency:
     ) -> None:
         self.slots = slots
         self.device = device
-        self.driver = driver
-        self.costs = driver.costs  # read: estimates of load costs and memory
+        self.core = core  # told of every load, eviction and prefetch
+        self.costs = core.costs  # read: estimates of load costs and memory
         self.telemetry = telemetry
         self.device_lock = device_lock
         self.host_budget_bytes = host_budget_bytes
@@ -118,11 +119,10 @@ class Residency:
 
     # --- moves ----------------------------------------------------------------------------------
 
-    async def load(self, slot: Slot, evict: Sequence[str], *, reason: str, share: int | None = None) -> bool:
+    async def load(self, slot: Slot, evict: Sequence[str], *, reason: str) -> bool:
         """Evict ``evict`` (in order), then make ``slot`` resident. False if it could not load:
-        its waiting requests were then answered ``model_failed``. ``share``: the part of the
-        backlog that justified the load (the cluster share; default: all of it), which the
-        policy's visit owes before it may be cut short."""
+        its waiting requests were then answered ``model_failed``. The core is told (``Loaded``,
+        ``Evicted``); it knows the backlog share the load owes."""
         if slot.broken is not None:
             try:
                 slot.handler.check()  # the file may have appeared since startup
@@ -143,12 +143,12 @@ class Residency:
                     unloads.append(await self._evict(self.slots[name]))
                 if slot.resident:
                     return True
-                return await self._load_locked(slot, evict, unloads, reason, share)
+                return await self._load_locked(slot, evict, unloads, reason)
         finally:
             self.loading = None
 
     async def _load_locked(
-        self, slot: Slot, evict: Sequence[str], unloads: list[tuple[Any, ...]], reason: str, share: int | None = None
+        self, slot: Slot, evict: Sequence[str], unloads: list[tuple[Any, ...]], reason: str
     ) -> bool:
         tier = slot.tier
         started = time.perf_counter()
@@ -187,10 +187,7 @@ class Residency:
         slot.pending_load = LoadRecord(slot.name, started_ns, time.time_ns(), memory, tuple(evict), unloads)
         self._set_tier(slot, "resident")
         slot.fresh_load = True
-        self.driver.loaded(
-            slot.name, tier=tier, seconds=seconds, now=time.time(), share=slot.backlog if share is None else min(share, slot.backlog),
-            memory_bytes=memory, host_bytes=slot.handler.host_bytes(),
-        )  # fmt: skip
+        self.core.handle(Loaded(slot.name, tier, seconds, time.time(), slot.backlog, memory_bytes=memory, host_bytes=slot.handler.host_bytes()))
         self._counters.add("loads")
         self._counters.add(f"loads_{tier}")  # from the host's warm copy, or cold from disk
         self._counters.add("load_us", int(seconds * 1e6))
@@ -220,7 +217,7 @@ class Residency:
         self._set_tier(victim, "warm" if keep_warm and victim.handler.warm else "cold")
         victim.pending_load = None
         victim.fresh_load = False
-        self.driver.evicted(victim.name, time.time())
+        self.core.handle(Evicted(victim.name, time.time()))
         self._counters.add("evictions")
         self.telemetry.evictions.add(1, {"jetbatch.model": victim.name, "jetbatch.model.tier": victim.tier})
         self.telemetry.unload_duration.record(time.perf_counter() - started, {"jetbatch.model": victim.name})
@@ -272,7 +269,7 @@ class Residency:
                 self._host_used = None
                 if nxt.tier == "cold" and nxt.handler.warm:
                     self._set_tier(nxt, "warm")
-                    self.driver.warmed(nxt.name, nxt.handler.host_bytes())
+                    self.core.handle(Warmed(nxt.name, nxt.handler.host_bytes()))
             except Exception as exc:  # noqa: BLE001 - the real load reports the error
                 log.debug("prefetch of %s failed: %r", nxt.name, exc)
             finally:
@@ -287,7 +284,7 @@ class Residency:
 
     def _value(self, slot: Slot, now: float) -> float:
         """What keeping ``slot`` warm is worth: its cold reload cost × its likely demand."""
-        recent = self.driver.demand(slot.name, now)
+        recent = self.core.driver.demand(slot.name, now)
         return warm_copy_value(self.costs.load_cost_s(slot.name, "cold"), slot.backlog, recent)
 
     def _fits_host(self, slot: Slot, nbytes: int) -> bool:

@@ -69,8 +69,6 @@ class Slot:
     arrivals: int = 0  # arrival events counted for this model, ever: an open window waits for the next
     oldest_enqueued_at: float | None = None
     head_deadline: float | None = None  # the oldest waiting request's deadline (Unix seconds)
-    refused_on_prediction: int = 0  # batches in a row refused whole on their predicted time
-    reaped_on_prediction: int = 0  # loads in a row not paid because the estimates said nobody would wait
     in_flight: int = 0
     # Batches that may still run the model (an eviction waits for none; the answers' I/O after
     # the last forward pass does not hold the model).
@@ -80,7 +78,6 @@ class Slot:
     batch_ended: anyio.Event = field(default_factory=anyio.Event)
     # Batches computing at once (``max_concurrent_batches``): held for the forward passes only.
     limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
-    last_used_at: float | None = None
     resident_since: float | None = None  # when it last became resident (idle unloads count from it too)
     pending_load: LoadRecord | None = None  # reported under the first batch after the load
     broken: str | None = None  # why the model cannot load (a missing file), reported at startup

@@ -1,5 +1,6 @@
-"""The worker loop's own state, in one object the loop owns and hands to what reads it (the
-report, the policy's view, the heartbeat, shutdown). Per-model state lives in each
+"""The worker loop's own I/O state, in one object the loop owns and hands to what reads it (the
+report, the heartbeat, shutdown). What the worker decides by lives in its core (core/turns.py:
+the served model, the last used times, the probe counters); per-model I/O state lives in each
 :class:`~.slots.Slot`; queue depths in :class:`~.queues.QueueView`; what is on the device in
 :class:`~.residency.Residency`; the peers in :class:`~.coordination.Coordinator`."""
 
@@ -56,16 +57,7 @@ class LoopState:
     """What the serving loop remembers between turns."""
 
     started_at: float
-    current: str | None = None  # the model the last serve or load was for
-    # The model whose batches the worker serves now, its interactive line filled by held pulls
-    # and not listened to (policy/interest.py): from a batch of 2 or more (serves_on) until a
-    # hold comes back empty or a decision is not another batch of it.
-    serving: str | None = None
-    hold_missed: bool = False  # the last hold came back empty (policy/interest.py: serves_on)
     next_refresh: float = -math.inf  # when the queues are counted next (wall clock)
-    defer_wake: float = math.inf  # when the first queue left to a first-taking peer is ours too
-    idle_wake: float = math.inf  # when the first resident model falls due for an idle unload
-    last_used: dict[str, float] = field(default_factory=dict)  # model -> when its last batch ran (recent ones only)
     in_flight: InFlight = field(default_factory=InFlight)
     # Counts due whatever the schedule says (wall clock): requests that come back to a queue with
     # no arrival event (JetStream sends none for a redelivery) are found by a count.
@@ -87,8 +79,3 @@ class LoopState:
     def counted(self, now: float) -> None:
         """A count was taken at ``now``: the counts due by then are done."""
         self.recounts = [t for t in self.recounts if t > now]
-
-    def forget_before(self, cutoff: float) -> None:
-        """Drop last-used times older than ``cutoff`` (only recent ones matter to the policy's view)."""
-        for name in [n for n, at in self.last_used.items() if at < cutoff]:
-            del self.last_used[name]

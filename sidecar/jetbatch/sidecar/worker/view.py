@@ -10,12 +10,12 @@ from typing import Collection, Mapping
 from jetbatch.sdk import __version__
 from jetbatch.sdk.protocol import SidecarReport
 
-from ..policy import Budget, CostEstimator, Driver, QueueFacts, SchedulerState, drain_rps
+from ..policy import Budget, CostEstimator, QueueFacts, drain_rps
 from .queues import QueueView
 from .residency import Residency
 from .slots import Slot
 
-__all__ = ["build_report", "scheduler_state"]
+__all__ = ["build_report", "queue_facts"]
 
 
 def build_report(
@@ -68,23 +68,21 @@ def build_report(
     )
 
 
-def scheduler_state(
+def queue_facts(
     names: Collection[str],
-    now: float,
     *,
-    driver: Driver,
     slots: Mapping[str, Slot],
     residency: Residency,
     served: Mapping[str, float],
-    current: str | None,
-    budget: Budget,
     deferred: Collection[str] = (),
-) -> SchedulerState:
-    """The policy's snapshot of ``names`` (see ``policy.visible_models``): the live worker's
-    facts of each queue, turned into the policy's view by the driver's one rule (a queue peers
-    drain counts only for its part that is ours and is never overdue; a ``deferred`` queue, left
-    to a peer's first take, counts as empty for now)."""
-    facts = (
+    last_used: Mapping[str, float],
+) -> list[QueueFacts]:
+    """The core's facts of ``names`` (see ``policy.visible_models``), as the live worker knows
+    them: each queue from arrival and take events and the bulk count, where the model's copy is,
+    what the peers holding it drain (``served``), whether it is left to a peer's first take
+    (``deferred``); the driver turns them into the policy's view by the rule the simulator's
+    facts go through too."""
+    return [
         QueueFacts(
             name=name,
             waiting=slots[name].backlog,
@@ -94,7 +92,7 @@ def scheduler_state(
             reload_fits_host=residency.reload_fits_host(slots[name]),
             max_batch_size=slots[name].config.max_batch_size,
             max_wait_s=slots[name].config.max_wait_s,
-            last_used_at=slots[name].last_used_at,
+            last_used_at=last_used.get(name),
             served_rps=served.get(name, 0.0),
             deferred=name in deferred,
             pinned=slots[name].config.pin,
@@ -102,5 +100,4 @@ def scheduler_state(
             interactive_enqueued_at=slots[name].interactive_enqueued_at,
         )
         for name in names
-    )
-    return driver.state(facts, now, current=current, budget=budget)
+    ]

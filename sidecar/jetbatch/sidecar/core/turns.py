@@ -1,0 +1,249 @@
+"""The worker core: every rule a worker decides by, in one object with no I/O and no clock.
+
+Events in (``core/events.py``), actions out (``core/actions.py``), as h11 or vLLM's scheduler: the
+live worker (``sidecar/worker``) turns NATS and torch into events and carries out the actions;
+the simulator (``sidecar/simulator``) does the same with a workload, a cost model and a simulated
+clock. Neither calls the policy, feeds the estimator or keeps a rule of its own about what to do
+next: each asks :meth:`WorkerCore.handle`. Everything handed to ``handle`` can be recorded
+(``sidecar/recording.py``), and a fresh core fed the same events emits the same actions
+(``sidecar/recording.py``).
+
+What the core owns and only it writes: the driver (policy and cost estimator), the model whose
+batches the worker serves from held pulls and whether its last hold came back empty, the model
+last served or loaded, when each model was last used and became resident, the backlog share each
+load owes, and the probe counters of refused batches and reaped loads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Protocol
+
+from ..policy import (
+    PROBE_AFTER_REFUSALS,
+    RECENT_S,
+    BatchCost,
+    Budget,
+    CostEstimator,
+    Driver,
+    Idle,
+    Load,
+    ModelState,
+    Policy,
+    SchedulerState,
+    Serve,
+    hold_s,
+    make_policy,
+    serves_on,
+)
+from .actions import Action, Fetch, Hold, LoadModel, Proceed, Reap, Recount, Sleep, Unload, WaitFree
+from .events import BatchChecked, BatchDone, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Started, Turn, Warmed
+
+__all__ = ["Recorder", "WorkerCore"]
+
+# How often the last-used times older than RECENT_S are dropped (they only matter to which
+# models a decision looks at): a walk per turn would cost O(models used) on every decision.
+_FORGET_EVERY_S = RECENT_S / 10
+
+
+class Recorder(Protocol):
+    """Where a core writes what it was told and what it answered (``sidecar/recording.py``)."""
+
+    def write(self, event: Event, action: Action | None) -> None: ...
+
+
+class WorkerCore:
+    """One worker's state and rules. ``started`` names the policy, the models and the budget;
+    ``policy``: an instance to use instead of building ``started.policy`` (the simulator's single
+    custom policy); ``recorder``: receives every event and the action it produced."""
+
+    def __init__(self, started: Started, *, policy: Policy | None = None, recorder: Recorder | None = None) -> None:
+        self.started = started
+        self.rules: Mapping[str, ModelRules] = started.models
+        costs = CostEstimator()
+        for name, r in started.models.items():
+            costs.seed(name, load_cost_s=r.load_cost_s, batch_cost=BatchCost(r.batch_cost_s, r.item_cost_s), memory_bytes=r.memory_bytes)
+        self.driver = Driver(policy if policy is not None else make_policy(started.policy, **started.options), costs)
+        self.budget = Budget(max_bytes=started.max_bytes, max_models=started.max_models)
+        # The model whose batches the worker serves, its interactive line filled by held pulls
+        # and not listened to (policy/interest.py), and whether the last hold came back empty.
+        self.serving: str | None = None
+        self.hold_missed = False
+        self.current: str | None = None  # the model the last batch or load was for
+        self.last_used: dict[str, float] = {}  # model -> when its last batch ended (recent ones)
+        self.resident_since: dict[str, float] = {}
+        self.idle_wake = math.inf  # when the first resident model falls due for an idle unload
+        self._revisit = False  # the last turn put off a load until its victims were free
+        self._load_share: dict[str, int] = {}  # model -> the backlog share its load under way owes
+        self._refusals: dict[str, int] = {}  # batches in a row refused whole on a prediction
+        self._reaps: dict[str, int] = {}  # loads in a row not paid because the estimates said nobody would wait
+        self._forget_at = -math.inf
+        self._handlers: dict[type, Callable[[Any], Action | None]] = {
+            Turn: self._turn,
+            Fetched: self._fetched,
+            BatchChecked: self._checked,
+            BatchDone: self._batch_done,
+            LoadDue: self._load_due,
+            Loaded: self._loaded,
+            Evicted: self._evicted,
+            Warmed: self._warmed,
+        }
+        self.recorder = recorder
+        if recorder is not None:
+            recorder.write(started, None)
+
+    @property
+    def costs(self) -> CostEstimator:
+        """The estimator (read it; only the core's events teach it)."""
+        return self.driver.costs
+
+    def handle(self, event: Event) -> Action | None:
+        """Apply ``event``; the action it asks for (a :class:`Turn` always asks one, a
+        :class:`LoadDue` a :class:`Reap` or :class:`Proceed`; the other events none)."""
+        action = self._handlers[type(event)](event)
+        if self.recorder is not None:
+            self.recorder.write(event, action)
+        return action
+
+    def predicted_s(self, model: str, n: int) -> float:
+        """The batch time a deadline check assumes for ``n`` requests of ``model``: the estimate,
+        and 0 after ``PROBE_AFTER_REFUSALS`` batches in a row were refused whole on it (that batch
+        measures the model again, so an inflated estimate cannot lock a model out for good)."""
+        if self._refusals.get(model, 0) >= PROBE_AFTER_REFUSALS:
+            return 0.0
+        return self.costs.deadline_estimate_s(model, n)
+
+    # --- the turn -------------------------------------------------------------------------------
+
+    def _turn(self, ev: Turn) -> Action:
+        now = ev.now
+        if now >= self._forget_at:
+            self._forget_at = now + _FORGET_EVERY_S
+            for name in [n for n, at in self.last_used.items() if at < now - RECENT_S]:
+                del self.last_used[name]
+        order = tuple(ev.arrival_order) if ev.arrival_order is not None else None
+        state = self.driver.state(ev.facts, now, current=self.current, budget=self.budget, arrival_order=order)
+        idle = self._idle_unloads(state, now, busy=ev.busy)
+        if idle:
+            return Unload(idle)
+        decision = self.driver.decide(state, now)
+        revisit, self._revisit = self._revisit, False
+        if isinstance(decision, Idle):
+            held_s = hold_s(state, self.serving, until=decision.until, now=now)
+            if held_s > 0 and self.serving is not None:
+                # Rather than idle, hold the served model's next batch open on a pull: its first
+                # request opens the window with no arrival event and no decision between.
+                return Hold(self.serving, self.rules[self.serving].max_batch_size, held_s)
+            if self.serving is not None:
+                return self._recount()
+            until = min(decision.until, self.idle_wake, math.inf if ev.defer_until is None else ev.defer_until)
+            return Sleep(until if math.isfinite(until) else None, decision.reason)
+        chosen = state.models.get(decision.model)
+        resident = chosen is not None and chosen.resident
+        if self.serving is not None and not (isinstance(decision, Serve) and resident and decision.model == self.serving):
+            # Decided while the served model's interactive line was not listened to: its count is
+            # what the last fetch left. Count it and decide again on that count.
+            return self._recount()
+        if isinstance(decision, Serve) and resident:
+            limit = max(1, min(decision.max_items, self.rules[decision.model].max_batch_size))
+            return Fetch(decision.model, limit, decision.reason, decision.before)
+        if isinstance(decision, Load):
+            computing = [n for n in decision.evict if n in ev.computing]
+            if computing and not revisit:
+                # Decided while a victim still computes (the next batch was gathered early):
+                # what arrives meanwhile would wait a whole cycle. Decide again once it is free.
+                self._revisit = True
+                return WaitFree(computing)
+            return self._load(decision.model, list(decision.evict), decision.reason, chosen)
+        # A policy that serves a model not on the device gets the load it implies, with no
+        # eviction (the core does not guess what to give up).
+        return self._load(decision.model, [], "serve-non-resident", chosen)
+
+    def _recount(self) -> Recount:
+        served, self.serving = self.serving, None
+        assert served is not None
+        return Recount(served)
+
+    def _load(self, model: str, evict: list[str], reason: str, chosen: ModelState | None) -> LoadModel:
+        # The part of the backlog that justified the load (the cluster share) is what the policy's
+        # visit owes; never more than what waits when the load ends (``Loaded.waiting``).
+        self._load_share[model] = chosen.backlog if chosen is not None else 0
+        return LoadModel(model, evict, reason)
+
+    def _idle_unloads(self, state: SchedulerState, now: float, *, busy: list[str]) -> list[str]:
+        """Resident models idle past their limit (``Driver.idle_unloads``); notes when the next one
+        falls due (``idle_wake``), which a sleep wakes for."""
+        limits: dict[str, float] = {}
+        since: dict[str, float] = {}
+        for name, m in state.models.items():
+            rules = self.rules.get(name)
+            if not m.resident or rules is None or rules.idle_unload_s is None or rules.pin:
+                continue
+            if name not in self.resident_since:
+                self.resident_since[name] = now  # resident before the core knew it: counted from now
+            limits[name] = rules.idle_unload_s
+            since[name] = max(self.last_used.get(name, -math.inf), self.resident_since[name])
+        self.idle_wake = min((since[n] + limits[n] for n in limits), default=math.inf)
+        if not limits:
+            return []
+        return [n for n in self.driver.idle_unloads(state, limits, since, now) if n not in busy]
+
+    # --- what the executor reports --------------------------------------------------------------
+
+    def _fetched(self, ev: Fetched) -> None:
+        if ev.n == 0:
+            if ev.held:
+                # A hold that came back empty (or was cut short) ends the serving: the next turn
+                # listens to the line again and counts it.
+                self.hold_missed = True
+                self.serving = None
+            return None
+        if serves_on(ev.n, self.rules[ev.model].max_batch_size, missed=self.hold_missed):
+            # More are coming: its next batches fill from held pulls, not its arrival events.
+            self.serving = ev.model
+            self.hold_missed = False
+        self.current = ev.model
+        return None
+
+    def _checked(self, ev: BatchChecked) -> None:
+        self._refusals[ev.model] = self._refusals.get(ev.model, 0) + 1 if ev.refused_whole else 0
+        return None
+
+    def _batch_done(self, ev: BatchDone) -> None:
+        self.driver.batch_done(ev.model, taken=ev.taken, computed=ev.computed, seconds=ev.seconds, now=ev.now)
+        self.last_used[ev.model] = ev.now
+        return None
+
+    def _load_due(self, ev: LoadDue) -> Action:
+        if ev.waiting is None:
+            self._reaps[ev.model] = 0  # a request never seen arriving may be wanted
+            return Proceed()
+        # The estimates say nothing of a peer that holds (or loads) the model: it may serve these
+        # callers in time, so then only callers already gone count; so too after a run of reaps.
+        probe = self._reaps.get(ev.model, 0) >= PROBE_AFTER_REFUSALS or ev.peer_serves
+        gone, horizon_s = self.driver.callers_gone(ev.model, ev.tier, ev.waiting, ev.now, probe=probe)
+        if not gone:
+            self._reaps[ev.model] = 0
+            return Proceed()
+        # Counted toward the probe only when the estimate decided it (no deadline passed yet).
+        predicted = any(not cancelled and (d is None or d > ev.now) for d, cancelled in ev.waiting)
+        self._reaps[ev.model] = self._reaps.get(ev.model, 0) + 1 if predicted else 0
+        return Reap(ev.model, horizon_s)
+
+    def _loaded(self, ev: Loaded) -> None:
+        share = min(self._load_share.pop(ev.model, ev.waiting), ev.waiting)
+        self.driver.loaded(
+            ev.model, tier=ev.tier, seconds=ev.seconds, now=ev.now, share=share, memory_bytes=ev.memory_bytes, host_bytes=ev.host_bytes
+        )
+        self.resident_since[ev.model] = ev.now
+        self.current = ev.model
+        return None
+
+    def _evicted(self, ev: Evicted) -> None:
+        self.driver.evicted(ev.model, ev.now)
+        self.resident_since.pop(ev.model, None)
+        return None
+
+    def _warmed(self, ev: Warmed) -> None:
+        self.driver.warmed(ev.model, ev.host_bytes)
+        return None

@@ -1,0 +1,208 @@
+"""The worker core by state: events in, actions out, no server and no clock. The scenarios are
+the ones the live worker and the simulator used to write twice (arrivals during compute, holds,
+recounts, two slots, idle unloads, cancellations and deadlines, peers and first takers)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jetbatch.sidecar.core import (
+    BatchChecked,
+    BatchDone,
+    Evicted,
+    Fetch,
+    Fetched,
+    Hold,
+    LoadDue,
+    Loaded,
+    LoadModel,
+    ModelRules,
+    Proceed,
+    Reap,
+    Recount,
+    Sleep,
+    Started,
+    Turn,
+    Unload,
+    WaitFree,
+    WorkerCore,
+)
+from jetbatch.sidecar.policy import PROBE_AFTER_REFUSALS, QueueFacts, Tier
+
+
+def _core(*names: str, policy: str = "cost-aware", max_models: int | None = 1, idle_unload_s: float | None = None, pin: tuple[str, ...] = ()) -> WorkerCore:
+    rules = {n: ModelRules(max_batch_size=4, load_cost_s=0.5, batch_cost_s=0.01, item_cost_s=0.001, idle_unload_s=idle_unload_s, pin=n in pin) for n in names}
+    return WorkerCore(Started(policy=policy, options={}, models=rules, max_models=max_models))
+
+
+def _facts(waiting: dict[str, int], *, resident: tuple[str, ...] = (), at: float = 0.0, **extra: object) -> list[QueueFacts]:
+    out = []
+    for name in sorted({*waiting, *resident}):
+        n = waiting.get(name, 0)
+        tier: Tier = "resident" if name in resident else "cold"
+        out.append(QueueFacts(name=name, waiting=n, head_enqueued_at=at if n else None, head_deadline=None, tier=tier, reload_fits_host=False, max_batch_size=4, **extra))  # type: ignore[arg-type]
+    return out
+
+
+def _load(core: WorkerCore, model: str, now: float, waiting: int) -> None:
+    core.handle(Loaded(model, "cold", 0.5, now, waiting))
+
+
+def test_an_interleaved_burst_is_served_one_load_per_model() -> None:
+    """[a, b, a, b, a, b] with a batch of 4: the core loads one model, drains it, then the other."""
+    core = _core("a", "b")
+    action = core.handle(Turn(now=0.0, facts=_facts({"a": 3, "b": 3})))
+    assert isinstance(action, LoadModel) and action.evict == []
+    first = action.model
+    other = "b" if first == "a" else "a"
+    _load(core, first, 0.5, 3)
+    fetch = core.handle(Turn(now=0.5, facts=_facts({first: 3, other: 3}, resident=(first,))))
+    assert isinstance(fetch, Fetch) and (fetch.model, fetch.max_items) == (first, 4)
+    core.handle(Fetched(first, 3))
+    core.handle(BatchDone(first, taken=3, computed=3, seconds=0.013, now=0.52))
+    # first's batch filled its queue: it is served from held pulls, so before the switch the core
+    # asks for a count of its line (a held pull leaves the count low).
+    assert core.handle(Turn(now=0.52, facts=_facts({other: 3}, resident=(first,)))) == Recount(first)
+    action = core.handle(Turn(now=0.53, facts=_facts({other: 3}, resident=(first,))))
+    assert action == LoadModel(other, [first], action.reason)
+
+
+def test_a_load_decided_while_its_victim_computes_waits_and_is_decided_again() -> None:
+    """The live worker gathers the next batch while one computes: a load decided then would
+    leave what arrives meanwhile a whole cycle. The core asks to wait, then decides again."""
+    core = _core("a", "b")
+    _load(core, "a", 0.0, 0)
+    facts = _facts({"b": 8}, resident=("a",), at=0.0)
+    assert core.handle(Turn(now=1.0, facts=facts, computing=["a"], busy=["a"])) == WaitFree(["a"])
+    # Decided once more, the victim still busy: the load goes ahead (no second wait).
+    action = core.handle(Turn(now=1.1, facts=facts, computing=["a"]))
+    assert isinstance(action, LoadModel) and action.model == "b" and action.evict == ["a"]
+
+
+def test_about_to_idle_while_serving_the_core_holds_then_recounts_after_an_empty_hold() -> None:
+    core = _core("a")
+    _load(core, "a", 0.0, 2)
+    core.handle(Fetched("a", 2))
+    assert core.serving == "a"
+    action = core.handle(Turn(now=1.0, facts=_facts({}, resident=("a",))))
+    assert isinstance(action, Hold) and action.model == "a" and 0 < action.hold_s <= 0.02
+    core.handle(Fetched("a", 0, held=True))
+    assert core.serving is None and core.hold_missed
+    assert isinstance(core.handle(Turn(now=1.1, facts=_facts({}, resident=("a",)))), Sleep)
+    # After an empty hold, a batch of two no longer says more are coming (policy/interest.py).
+    core.handle(Fetched("a", 2))
+    assert core.serving is None
+    core.handle(Fetched("a", 4))
+    assert core.serving == "a" and not core.hold_missed
+
+
+def test_a_lone_requests_batch_does_not_start_serving_from_held_pulls() -> None:
+    core = _core("a")
+    _load(core, "a", 0.0, 1)
+    core.handle(Fetched("a", 1))
+    assert core.serving is None and core.current == "a"
+    assert isinstance(core.handle(Turn(now=1.0, facts=_facts({}, resident=("a",)))), Sleep)
+
+
+def test_two_slots_load_without_eviction_and_serve_both_residents() -> None:
+    core = _core("a", "b", max_models=2)
+    _load(core, "a", 0.0, 0)
+    action = core.handle(Turn(now=1.0, facts=_facts({"b": 4}, resident=("a",))))
+    assert isinstance(action, LoadModel) and action.model == "b" and action.evict == []
+    _load(core, "b", 1.5, 4)
+    assert core.handle(Turn(now=1.5, facts=_facts({"b": 4, "a": 1}, resident=("a", "b")))).model in ("a", "b")  # type: ignore[union-attr]
+
+
+def test_idle_models_are_unloaded_at_their_limit_unless_busy_or_pinned() -> None:
+    core = _core("a", "p", max_models=2, idle_unload_s=5.0, pin=("p",))
+    _load(core, "a", 0.0, 0)
+    _load(core, "p", 0.0, 0)
+    sleep = core.handle(Turn(now=1.0, facts=_facts({}, resident=("a", "p"))))
+    assert isinstance(sleep, Sleep) and sleep.until is not None and sleep.until <= 5.0  # wakes for the unload at the latest
+    assert core.idle_wake == 5.0
+    assert isinstance(core.handle(Turn(now=6.0, facts=_facts({}, resident=("a", "p")), busy=["a"])), Sleep)
+    assert core.handle(Turn(now=6.0, facts=_facts({}, resident=("a", "p")))) == Unload(["a"])
+    core.handle(Evicted("a", 6.0))
+    # A batch counts as use: the limit runs from its end.
+    core.handle(BatchDone("p", taken=1, computed=1, seconds=0.01, now=7.0))
+    assert core.last_used["p"] == 7.0
+
+
+def test_a_load_nobody_waits_for_is_reaped_and_the_estimate_is_probed_after_a_run() -> None:
+    core = _core("a")
+    cancelled = LoadDue("a", "cold", 10.0, [(None, True), (20.0, True)])
+    assert core.handle(cancelled) == Reap("a", pytest.approx(0.5 + core.costs.deadline_estimate_s("a", 1)))  # type: ignore[arg-type]
+    # A deadline inside the load and a batch: refused on the estimate, PROBE_AFTER_REFUSALS times...
+    soon = LoadDue("a", "cold", 10.0, [(10.2, False)])
+    for _ in range(PROBE_AFTER_REFUSALS):
+        assert isinstance(core.handle(soon), Reap)
+    # ...then only deadlines already passed count, so an inflated estimate cannot lock it out.
+    assert core.handle(soon) == Proceed()
+    assert core.handle(LoadDue("a", "cold", 10.0, None)) == Proceed()  # a request never seen arriving may be wanted
+    assert core.handle(LoadDue("a", "cold", 10.0, [(10.2, False)], peer_serves=True)) == Proceed()
+
+
+def test_batches_refused_whole_on_a_prediction_lead_to_a_probe() -> None:
+    core = _core("a")
+    estimate = core.predicted_s("a", 4)
+    assert estimate > 0
+    for _ in range(PROBE_AFTER_REFUSALS):
+        core.handle(BatchChecked("a", refused_whole=True))
+    assert core.predicted_s("a", 4) == 0.0
+    core.handle(BatchChecked("a", refused_whole=False))
+    assert core.predicted_s("a", 4) == estimate
+
+
+def test_a_load_owes_the_share_that_justified_it_never_more_than_waits() -> None:
+    seen: list[int] = []
+    core = _core("a", "b")
+    core.driver.policy.on_loaded = lambda model, now, backlog=0: seen.append(backlog)  # type: ignore[method-assign]
+    # A peer drains b fast: only part of b's queue is ours to chase.
+    facts = _facts({"b": 40}, served_rps=10.0)
+    action = core.handle(Turn(now=0.0, facts=facts))
+    assert isinstance(action, LoadModel) and action.model == "b"
+    share = core.driver.model_state(facts[0], 0.0).backlog
+    _load(core, "b", 0.5, 100)
+    _load(core, "a", 1.0, 3)  # a load the core did not decide (a preload) owes what waits
+    assert seen == [share, 3] and share < 40
+
+
+def test_a_queue_left_to_a_peers_first_take_wakes_the_core_when_it_falls_due() -> None:
+    core = _core("a")
+    action = core.handle(Turn(now=0.0, facts=_facts({"a": 3}, deferred=True), defer_until=0.7))
+    assert isinstance(action, Sleep) and action.until is not None and action.until <= 0.7
+    # Without the deferral, the queue is ours at once.
+    assert isinstance(core.handle(Turn(now=0.0, facts=_facts({"a": 3}))), LoadModel)
+
+
+def test_every_turn_asks_one_action_and_other_events_none() -> None:
+    core = _core("a")
+    assert core.handle(Fetched("a", 0)) is None
+    assert core.handle(BatchDone("a", taken=1, computed=1, seconds=0.01, now=1.0)) is None
+    assert core.handle(Turn(now=2.0, facts=_facts({}))) is not None
+
+
+def test_last_used_times_are_forgotten_after_the_recent_window() -> None:
+    core = _core("a", "b")
+    core.handle(BatchDone("a", taken=1, computed=1, seconds=0.01, now=0.0))
+    core.handle(BatchDone("b", taken=1, computed=1, seconds=0.01, now=100.0))
+    core.handle(Turn(now=200.0, facts=_facts({})))
+    assert core.last_used == {"b": 100.0}
+
+
+@pytest.mark.parametrize("policy", ["cost-aware", "exhaustive", "fifo", "round-robin", "longest-backlog"])
+def test_the_core_is_a_function_of_its_events(policy: str) -> None:
+    """Two cores fed the same events answer the same actions, for every policy."""
+    events = []
+    t = 0.0
+    for i in range(40):
+        t += 0.1
+        waiting = {"a": (i * 7) % 5, "b": (i * 3) % 4}
+        events.append(Turn(now=t, facts=_facts(waiting, resident=("a",) if i % 3 else ())))
+        events.append(Fetched("a", i % 5))
+        events.append(BatchDone("a", taken=i % 5, computed=i % 5, seconds=0.01 * (i % 3), now=t + 0.05))
+    first, second = _core("a", "b", policy=policy), _core("a", "b", policy=policy)
+    assert [first.handle(e) for e in events] == [second.handle(e) for e in events]
+    assert not math.isnan(t)
