@@ -1,0 +1,135 @@
+"""The flight recorder and exact replay: a recorded core, simulated or live against a real
+nats-server under mixed traffic, replays action for action; a changed recording is caught at its
+first divergence; bad recordings are one-line errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from jetbatch import sdk
+from jetbatch.sidecar.recording import FlightRecorder, RecordingError, replay, replay_file
+from jetbatch.sidecar.simulator import simulate
+from jetbatch.sidecar.simulator.workloads import build_workload
+from tests.helpers import make_config, running_worker, sleep_model
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+
+def _mixed_workload() -> object:
+    """Bursts and Poisson arrivals over five models, two slots, a warm tier and prefetch,
+    deadlines and cancelling callers, an idle unload."""
+    models = {
+        "a": {"load_cost_s": 0.3, "max_batch_size": 8, "deadline_s": 4.0},
+        "b": {"load_cost_s": 0.1, "max_batch_size": 8, "cancel_after_s": 0.5},
+        "c": {"load_cost_s": 1.0, "max_batch_size": 4, "memory_bytes": 100},
+        "d": {"load_cost_s": 0.2, "max_batch_size": 16, "idle_unload_s": 2.0},
+        "e": {"load_cost_s": 0.5, "max_batch_size": 8, "warm_load_cost_s": 0.05},
+    }
+    return build_workload({
+        "models": models, "budget": {"max_models": 2}, "host": {"budget_bytes": 1000, "prefetch": True},
+        "arrivals": {"kind": "onoff", "rate": 30.0, "duration_s": 20, "zipf": 1.0, "seed": 5},
+    })  # fmt: skip
+
+
+def test_a_simulated_run_replays_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "sim.jsonl"
+    recorder = FlightRecorder(path)
+    result = simulate(_mixed_workload(), "cost-aware", record=recorder)  # type: ignore[arg-type]
+    recorder.close()
+    assert result.completed > 0
+    replayed = replay_file(path)
+    assert replayed.ok, replayed.divergence
+    assert replayed.by_action.get("fetch", 0) > 10 and replayed.by_action.get("load", 0) > 2
+    assert not replayed.truncated
+
+
+def test_a_changed_recording_diverges_at_its_first_changed_action(tmp_path: Path) -> None:
+    path = tmp_path / "sim.jsonl"
+    recorder = FlightRecorder(path)
+    simulate(_mixed_workload(), "exhaustive", record=recorder)  # type: ignore[arg-type]
+    recorder.close()
+    lines = path.read_bytes().splitlines()
+    target = next(i for i, line in enumerate(lines) if b'"type":"fetch"' in line and b'"action"' in line)
+    lines[target] = lines[target].replace(b'"max_items":', b'"max_items":1', 1)
+    result = replay(lines)
+    assert not result.ok and result.divergence is not None
+    assert result.divergence.line == target + 1
+    # The CLI says where, and exits 1.
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    out = subprocess.run([sys.executable, "-m", "jetbatch", "replay", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"diverged at line {target + 1}" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-m", "jetbatch", "replay", "--json", str(path)], capture_output=True, text=True, timeout=60)
+    report = json.loads(out.stdout)
+    assert out.returncode == 1 and report["ok"] is False and report["divergence"]["line"] == target + 1
+
+
+def test_a_recording_stops_at_its_bound_and_replays_what_it_kept(tmp_path: Path) -> None:
+    path = tmp_path / "small.jsonl"
+    recorder = FlightRecorder(path, max_bytes=64 * 1024)
+    simulate(_mixed_workload(), "cost-aware", record=recorder)  # type: ignore[arg-type]
+    recorder.close()
+    assert path.stat().st_size <= 64 * 1024 and recorder.truncated
+    result = replay_file(path)
+    assert result.ok and result.truncated and result.events > 10
+
+
+@pytest.mark.parametrize("content", [b"", b"not json\n", b'{"event":{"type":"turn","now":1.0,"facts":[]}}\n', b'{"event":{"type":"started","policy":"nope","options":{},"models":{}}}\n'])
+def test_bad_recordings_are_one_line_errors(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(RecordingError):
+        replay_file(path)
+    out = subprocess.run([sys.executable, "-m", "jetbatch", "replay", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+async def test_a_live_run_under_mixed_traffic_replays_exactly(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """A real worker, two slots over three models, bursts and a steady trickle, both priority
+    lines, deadlines that pass and callers that give up: every action replays as recorded."""
+    config = make_config(
+        prefix,
+        {
+            "a": sleep_model(max_batch_size=4, options={"load_cost_s": 0.05, "batch_cost_s": 0.01, "item_cost_s": 0.0}),
+            "b": sleep_model(max_batch_size=4, options={"load_cost_s": 0.05, "batch_cost_s": 0.01, "item_cost_s": 0.0}),
+            "c": sleep_model(max_batch_size=8, idle_unload_s=0.5, options={"load_cost_s": 0.1, "batch_cost_s": 0.02, "item_cost_s": 0.0}),
+        },
+        worker={"max_resident_models": 2},
+    )
+    path = tmp_path / "live.jsonl"
+    recorder = FlightRecorder(path)
+    outcomes: list[str] = []
+
+    async def call(client: sdk.Client, model: str, i: int, **kw: object) -> None:
+        try:
+            await client.infer(f"{model}{i}".encode(), model=model, **kw)  # type: ignore[arg-type]
+            outcomes.append("ok")
+        except sdk.JetbatchError as exc:
+            outcomes.append(type(exc).__name__)
+
+    async with running_worker(config, nats_url, record=recorder) as worker:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            for burst in range(3):
+                async with anyio.create_task_group() as tg:
+                    for i in range(12):
+                        model = "abc"[(i + burst) % 3]
+                        priority = "batch" if i % 4 == 0 else "interactive"
+                        tg.start_soon(functools.partial(call, client, model, i, timeout=20, priority=priority))
+                    # A caller whose deadline is shorter than a load: answered without it, or late.
+                    tg.start_soon(functools.partial(call, client, "c", 99, timeout=0.05))
+                # a trickle between bursts: holds, recounts and idles
+                for i in range(5):
+                    await call(client, "ab"[i % 2], 100 + i, timeout=20)
+        worker.stop()
+    recorder.close()
+    assert outcomes.count("ok") >= 3 * 12 + 15
+    result = replay_file(path)
+    assert result.ok, result.divergence
+    assert result.by_action.get("fetch", 0) >= 10 and result.by_action.get("load", 0) >= 3
+    assert result.events > result.matched  # batches done, loads and checks were replayed too
