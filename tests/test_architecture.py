@@ -116,20 +116,99 @@ def test_the_sdk_imports_nothing_of_the_sidecars() -> None:
             assert not {d for d in deps if d.startswith("jetbatch.sidecar")}, name
 
 
-def test_only_the_driver_decides_and_feeds_the_estimator() -> None:
-    """The live worker and the simulator hand events to ``policy.Driver``; no module outside the
-    policy core calls a policy's decide or event hooks, or feeds the cost estimator itself."""
+def test_the_worker_core_imports_no_io_and_only_the_policy_core() -> None:
+    graph = _graph()
+    core = {n for n in graph if n.startswith("jetbatch.sidecar.core")}
+    assert core
+    allowed = core | {n for n in graph if n.startswith("jetbatch.sidecar.policy")}
+    for name in core:
+        assert graph[name] <= allowed, f"{name} imports {graph[name] - allowed}"
+        source = _modules()[name][0].read_text()
+        for io in ("import nats", "import anyio", "import asyncio", "import time", "import socket", "import random", "open("):
+            assert io not in source, f"{name}: {io}"
+
+
+def test_only_the_worker_core_decides_and_feeds_the_estimator() -> None:
+    """The live worker and the simulator hand events to ``core.WorkerCore``; only the core calls
+    its driver's events and decisions, and no module outside the policy core calls a policy's
+    decide or event hooks or feeds the cost estimator itself."""
     calls = ("decide", "on_batch_done", "on_loaded", "on_evicted", "observe_batch", "observe_load", "observe_memory", "observe_host_memory")
+    driver_events = ("batch_done", "loaded", "evicted", "warmed", "decide", "callers_gone", "idle_unloads")
     offenders = []
     for name, (path, _) in _modules().items():
         if not name.startswith("jetbatch.sidecar") or name.startswith("jetbatch.sidecar.policy"):
             continue
+        in_core = name.startswith("jetbatch.sidecar.core")
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls:
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 receiver = ast.unparse(node.func.value)
-                if not receiver.endswith("driver"):
+                if node.func.attr in calls and not (in_core and receiver.endswith("driver")):
+                    offenders.append(f"{name}: {receiver}.{node.func.attr}()")
+                elif node.func.attr in driver_events and receiver.endswith("driver") and not in_core:
                     offenders.append(f"{name}: {receiver}.{node.func.attr}()")
     assert offenders == []
+
+
+# Who writes each field of a worker's per-model record (``worker/slots.py: Slot``) and of the
+# core: one module each. A write is an assignment to ``<obj>.<field>`` from outside the owner;
+# methods of the owner are how others change it.
+SLOT_OWNERS = {
+    # what the queues hold, from events and counts
+    **dict.fromkeys(
+        ("arrivals", "bulk", "head_deadline", "hold_until", "oldest_enqueued_at", "stranded", "stranded_since", "unfetchable", "unknown_head_at", "unknown_head_deadline"),
+        "worker/queues.py",
+    ),
+    # where the model is and what its load left for the first batch
+    **dict.fromkeys(("broken", "fresh_load", "pending_load", "resident_since", "tier"), "worker/residency.py"),
+    # its consumers and pull subscriptions
+    **dict.fromkeys(("bulk_consumer_ready_at", "bulk_psub", "consumer_ready_at", "psub"), "worker/pullers.py"),
+    # the serve loop's bookkeeping of empty fetches
+    **dict.fromkeys(("missed_fetch", "unreachable_seen_at", "unreachable_warned_at"), "worker/loop.py"),
+    "interactive_run": "worker/batching.py",
+}
+# Known second writers, each to be moved behind its owner: the batcher counts its own fetches
+# when no queue view is given (the batching unit tests run it alone).
+SLOT_SECOND_WRITERS = {("worker/batching.py", "backlog")}
+CORE_FIELDS = {"serving", "hold_missed", "current", "last_used", "resident_since", "idle_wake", "driver", "budget", "rules"}
+
+
+def _foreign_writes() -> set[tuple[str, str, str]]:
+    """(module, receiver, field) of every assignment to another object's attribute."""
+    out = set()
+    for path in (ROOT / "sidecar/jetbatch/sidecar").rglob("*.py"):
+        module = str(path.relative_to(ROOT / "sidecar/jetbatch/sidecar"))
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(t, ast.Attribute) and ast.unparse(t.value) not in ("self", "cls"):
+                        out.add((module, ast.unparse(t.value), t.attr))
+    return out
+
+
+def test_each_field_of_a_slot_and_of_the_core_has_one_writer() -> None:
+    from jetbatch.sidecar.worker.slots import Slot
+
+    fields = set(Slot.__dataclass_fields__)
+    offenders = []
+    for module, receiver, attr in _foreign_writes():
+        last = receiver.rsplit(".", 1)[-1]
+        if last in ("slot", "victim", "held", "s") and attr in fields:
+            owner = SLOT_OWNERS.get(attr, "worker/queues.py" if attr == "backlog" else None)
+            if module != owner and (module, attr) not in SLOT_SECOND_WRITERS:
+                offenders.append(f"{module} writes {receiver}.{attr} (owner: {owner})")
+        if last == "core" and attr in CORE_FIELDS:
+            offenders.append(f"{module} writes {receiver}.{attr} (owner: core/turns.py)")
+        if last.endswith("residency") and attr == "loading":
+            offenders.append(f"{module} writes {receiver}.loading (owner: worker/residency.py)")
+    assert offenders == []
+
+
+def test_the_ownership_check_sees_a_foreign_write(tmp_path: Path) -> None:
+    tree = ast.parse("def f(slot, core):\n    slot.tier = 'warm'\n    core.serving = None\n    self.x = 1\n")
+    writes = {ast.unparse(t.value) + "." + t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Attribute)}
+    assert writes == {"slot.tier", "core.serving", "self.x"}
+    assert {(m, a) for m, r, a in _foreign_writes() if a == "tier"} == {("worker/residency.py", "tier")}
 
 
 def test_every_file_has_one_import_name() -> None:

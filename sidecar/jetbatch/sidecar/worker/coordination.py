@@ -267,7 +267,7 @@ class Coordinator:
             # its release in the bucket, and our claim follows the release.
             await self.release(touched)
             return None
-        self._residency.loading = slot.name
+        self._residency.announce_loading(slot.name)
         if self.cluster.peers():
             # Peers count our drain from now on. With none in view there is nobody to tell: one
             # that starts meanwhile finds our claim, and reads our advert after the load before

@@ -30,7 +30,7 @@ from ..handlers import BadInput
 from ..core import BatchChecked, BatchDone, WorkerCore
 from ..policy import cannot_finish
 from ..replies import Answer, Replier, client_message, settle
-from ..telemetry import WorkerTelemetry
+from ..telemetry import LoadRecord, WorkerTelemetry
 from .counters import Counters
 from .slots import BatchReport, ModelTurn, Request, Slot, ack_info
 from .quarantine import Evidence, Quarantine, Verdict, groups
@@ -127,6 +127,7 @@ class BatchRunner:
         loaded: bool,
         reason: str,
         turn: ModelTurn,
+        load_record: LoadRecord | None = None,
     ) -> None:
         """Check, compute, answer and settle one batch. The model is taken (``turn.take``) right
         before each forward pass: the batch before may still compute, and this one's checks,
@@ -155,8 +156,6 @@ class BatchRunner:
             fresh = [r for r in fresh if r not in gone]
             suspects = [r for r in suspects if r not in gone]
             self._counters.add("cancelled", len(gone))
-        load_record = slot.pending_load if loaded else None
-        slot.pending_load = None
         compute_s = 0.0
         computed = 0
         with self.telemetry.batch_span(

@@ -31,7 +31,7 @@ from jetbatch.sdk.protocol import ErrorCode, Priority, SidecarReport, Subjects
 
 from ..cluster import ClusterView
 from ..config import Config, ConfigError
-from ..handlers import HandlerError, create_handler, resolve_device
+from ..handlers import create_handler, resolve_device
 from ..handlers.modules import warm_start
 from ..errors import TRANSPORT_ERRORS
 from ..pulling import Puller
@@ -57,7 +57,7 @@ from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
 from ..streams import StreamSetupError, ensure_model_consumer, ensure_model_consumers, ensure_streams, model_consumer_name
-from ..telemetry import WorkerTelemetry
+from ..telemetry import LoadRecord, WorkerTelemetry
 from .batching import Batcher
 from .pullers import Pullers
 from .coordination import Coordinator
@@ -126,7 +126,6 @@ class Worker:
         self.costs = self.core.costs
         self.budget = self.core.budget
         self.slots = _make_slots(config, self.device)
-        self._check_models()
         # Counters; what the control plane's steps cost here is added by worker/counters.py (the
         # scale bench tells the simulator this deployment's costs from them: Control.measured).
         self.stats = Counters("batches", "requests", "loads", "loads_cold", "loads_warm", "load_us", "evictions", "decisions", "decision_us", "models_shown")
@@ -189,6 +188,7 @@ class Worker:
             counters=self.stats,
             on_load_failed=self._fail_queue,
         )
+        self.residency.check_models()
         cluster: ClusterView | None = None
         if config.worker.coordinate:
             # Adverts time out within a heartbeat: a put stuck on a lost node must not silence this
@@ -215,15 +215,6 @@ class Worker:
         if self._holding is not None:
             # Something else waits (another line's arrival): a hold ends now, not at its end.
             self._holding.interrupt()
-
-    def _check_models(self) -> None:
-        """Report a model that cannot load (a missing file) now, in one line, not at its first request."""
-        for slot in self.slots.values():
-            try:
-                slot.handler.check()
-            except HandlerError as exc:
-                slot.broken = exc.reason(slot.name)
-                log.error("%s: its requests will get model_failed until it can load", exc.detail)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -264,9 +255,7 @@ class Worker:
         if self.config.streams.consumers == "eager":
             # Both lines: lag triggers (KEDA) need every consumer they name to exist.
             await ensure_model_consumers(self.js, self.subjects, self.config.streams, self.slots, priorities=tuple(Priority))
-            now = time.time()
-            for slot in self.slots.values():
-                slot.consumer_ready_at = slot.bulk_consumer_ready_at = now
+            self.pullers.made(self.slots.values(), time.time())
         # Listen before the first count, so no arrival falls between the two.
         await self.arrivals.start()
         await self.cancellations.start()
@@ -709,9 +698,8 @@ class Worker:
         slot.missed_fetch = False
         self.state.in_flight.add(msgs)
         slot.start_batch()
-        loaded = slot.fresh_load
-        slot.fresh_load = False
-        tg.start_soon(self._run_batch, slot, msgs, loaded, decision.reason)
+        loaded, load_record = self.residency.first_batch(slot)
+        tg.start_soon(self._run_batch, slot, msgs, loaded, decision.reason, load_record)
         # Before the batch can settle (peers apply a take before its settle; the publish only
         # queues it for the socket).
         await self.arrivals.took(slot.name, len(msgs))
@@ -772,7 +760,7 @@ class Worker:
         if math.isfinite(slot.hold_until) and slot.hold_until > time.time():
             self.state.count_at(slot.hold_until)
 
-    async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str) -> None:
+    async def _run_batch(self, slot: Slot, msgs: list[Msg], loaded: bool, reason: str, load_record: LoadRecord | None) -> None:
         # The model's share (``max_concurrent_batches``) is taken for the forward passes only:
         # the batch is checked and decoded while the one before still computes, and stores its
         # answers while the next one computes.
@@ -781,7 +769,7 @@ class Worker:
         self.batcher.started()
         turn = ModelTurn(slot)
         try:
-            await self.runner.run(slot, msgs, loaded, reason, turn)
+            await self.runner.run(slot, msgs, loaded, reason, turn, load_record)
         except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
             turn.release()
             log.exception("batch of %s failed; its requests are redelivered", slot.name)
@@ -848,7 +836,7 @@ class Worker:
                 # one after it is fetched again, not held back as a second in a row.
                 slot.missed_fetch = False
         finally:
-            self.residency.loading = None
+            self.residency.announce_loading(None)
             # Resident now: peers count our drain at once, before the claim is given back.
             await self.peers.loaded(claimed)
 

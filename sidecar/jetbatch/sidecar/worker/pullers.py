@@ -57,6 +57,12 @@ class Pullers:
         self._counters = counters
         self._retired = (0, 0, 0)  # the counts of pullers given up (requests, ends, forged)
 
+    @staticmethod
+    def made(slots: Iterable[Slot], now: float) -> None:
+        """Both lines' consumers of ``slots`` were made at ``now`` (at start, with eager consumers)."""
+        for slot in slots:
+            slot.consumer_ready_at = slot.bulk_consumer_ready_at = now
+
     async def ready(self, slot: Slot) -> bool:
         """Make sure ``slot``'s consumers exist and this worker is subscribed to them: the
         interactive line's always, the batch line's while batch requests wait (``slot.bulk``);

@@ -117,6 +117,27 @@ class Residency:
         else:
             self._held.add(slot.name)
 
+    def check_models(self) -> None:
+        """Report a model that cannot load (a missing file) now, in one line, not at its first request."""
+        for slot in self.slots.values():
+            try:
+                slot.handler.check()
+            except HandlerError as exc:
+                slot.broken = exc.reason(slot.name)
+                log.error("%s: its requests will get model_failed until it can load", exc.detail)
+
+    def announce_loading(self, name: str | None) -> None:
+        """``name`` is being loaded (a claim won, before the load: peers count our drain), or
+        nothing is (the load ended, or was given up)."""
+        self.loading = name
+
+    def first_batch(self, slot: Slot) -> tuple[bool, LoadRecord | None]:
+        """For the batch about to run on ``slot``: whether it is the first since the load (it
+        "paid" it), and the load's record to report under it (once)."""
+        fresh, record = slot.fresh_load, slot.pending_load
+        slot.fresh_load, slot.pending_load = False, None
+        return fresh, record if fresh else None
+
     # --- moves ----------------------------------------------------------------------------------
 
     async def load(self, slot: Slot, evict: Sequence[str], *, reason: str) -> bool:
