@@ -6,11 +6,12 @@ import json
 import subprocess
 import sys
 import uuid
+from typing import Any
 
 import nats
 import pytest
 
-from jetbatch.sdk.protocol import Headers, Subjects
+from jetbatch.sdk.protocol import Headers, Subjects, replay_id, request_id_of
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams
 from tests.helpers import make_config, running_worker, sleep_model
@@ -44,21 +45,25 @@ async def test_list_show_replay_purge(nats_url: str, prefix: str) -> None:
         )  # fmt: skip
     listed = dlq(nats_url, prefix, "list", "--json")
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert [r["reason"] for r in rows] == ["reason 0", "reason 1"] and rows[0]["deliveries"] == "5"
-    shown = dlq(nats_url, prefix, "show", str(rows[0]["seq"]))
-    assert json.loads(shown.stdout)["payload_preview"] == "payload0"
+    assert [r["reason"] for r in rows] == ["reason 0", "reason 1"] and rows[0]["deliveries"] == 5 and rows[0]["bytes"] == 8
+    shown = dlq(nats_url, prefix, "show", str(rows[0]["seq"]), "--json")
+    assert json.loads(shown.stdout)["payload_preview"] == "payload0" and json.loads(shown.stdout)["deliveries"] == 5
+    # Without --json: lines for a person, not JSON.
+    lines = dlq(nats_url, prefix, "show", str(rows[0]["seq"])).stdout.splitlines()
+    assert lines[0] == f"dead letter {rows[0]['seq']}" and "  reason      reason 0" in lines, lines
+    assert "  payload     8 bytes: payload0" in lines and not lines[0].startswith("{"), lines
     # Replay the first to its model queue: a worker answers it on the original reply-to.
     config = make_config(prefix, {"m1": sleep_model()})
     async with running_worker(config, nats_url):
         replayed = dlq(nats_url, prefix, "replay", str(rows[0]["seq"]))
-        assert replayed.returncode == 0 and "replayed 1" in replayed.stdout
+        assert replayed.returncode == 0 and replayed.stdout.strip() == "replayed 1 dead letter", replayed.stdout
         reply = await replies.next_msg(timeout=20)
     assert reply.data == b"payload0" and reply.headers[Headers.STATUS] == "ok"
     left = [json.loads(line) for line in dlq(nats_url, prefix, "list", "--json").stdout.splitlines()]
     assert [r["reason"] for r in left] == ["reason 1"]
     refused = dlq(nats_url, prefix, "purge")  # no terminal to ask on: refused, nothing deleted
     assert refused.returncode == 2 and "--yes" in refused.stderr
-    assert "purged 1" in dlq(nats_url, prefix, "purge", "--yes").stdout
+    assert dlq(nats_url, prefix, "purge", "--yes").stdout.strip() == "purged 1 dead letter"
     assert dlq(nats_url, prefix, "list").stdout.strip() == "no dead letters"
     nothing = dlq(nats_url, prefix, "replay", "--all")  # an empty queue: done, not "no dead letter with sequence None"
     assert nothing.returncode == 0 and nothing.stdout.strip() == "no dead letters", nothing.stdout + nothing.stderr
@@ -122,8 +127,10 @@ async def test_a_letter_with_a_header_that_is_not_utf8_is_listed_shown_and_repla
         assert listed.returncode == 0 and "bad bytes" in listed.stdout and "plain" in listed.stdout, listed.stderr
         rows = [json.loads(line) for line in dlq(nats_url, prefix, "list", "--json").stdout.splitlines()]
         assert [r["request_id"] for r in rows] == ["r-bin", "r-plain"]
-        shown = dlq(nats_url, prefix, "show", str(rows[0]["seq"]))
+        shown = dlq(nats_url, prefix, "show", str(rows[0]["seq"]), "--json")
         assert shown.returncode == 0 and json.loads(shown.stdout)["headers"]["X-Note"].startswith("ab"), shown.stderr
+        plain = dlq(nats_url, prefix, "show", str(rows[0]["seq"]))
+        assert plain.returncode == 0 and any(line.startswith("    X-Note: ab") for line in plain.stdout.splitlines()), plain.stdout
         async with running_worker(make_config(prefix, {"m1": sleep_model()}), nats_url):
             replayed = dlq(nats_url, prefix, "replay", "--all")
             assert replayed.returncode == 0 and "replayed 2" in replayed.stdout, replayed.stdout + replayed.stderr
@@ -154,6 +161,73 @@ async def test_replay_reads_the_letters_own_headers_in_any_case(nats_url: str, p
         names = {k.lower() for k in (queued.headers or {})}
         assert queued.data == b"lower" and not {n for n in names if n.startswith("jetbatch-dlq-")}, queued.headers
         assert "jetbatch-request-id" not in names, queued.headers  # every spelling taken off
-        assert (queued.headers or {}).get("Nats-Msg-Id") in ("r-lower", "r-upper")
+        assert (queued.headers or {}).get("Nats-Msg-Id") in ("r-lower.replay-1", "r-upper.replay-1")
+    finally:
+        await nc.close()
+
+
+def test_a_replay_id_keeps_the_request_id() -> None:
+    """A replay's message id is new to JetStream, yet every reader takes the request id from it."""
+    assert request_id_of(replay_id("abc", 7), None) == "abc"
+    assert request_id_of(replay_id("t1.abc", 7), "t1") == "abc"
+    assert replay_id(replay_id("abc", 7), 9) == "abc.replay-9"  # a letter replayed before: one mark
+    assert request_id_of("t1.abc.replay-7", None) == "t1.abc"  # still dotted: refused as before
+
+
+async def _letter_of_a_request_just_taken(js: Any, subjects: Subjects, inbox: str) -> tuple[str, int]:
+    """A request stored in the models stream and gone from it (as a worker takes it), then its dead
+    letter as a worker writes one: the request's id is in the duplicate window."""
+    rid = uuid.uuid4().hex
+    ack = await js.publish(subjects.model("m1"), b"again", headers={Headers.MSG_ID: rid, Headers.REPLY_TO: inbox})
+    await js.delete_msg(subjects.models_stream, ack.seq)
+    letter = await js.publish(
+        subjects.dead_letter("worker"), b"again",
+        headers={Headers.REPLY_TO: inbox, Headers.REQUEST_ID: rid, Headers.DLQ_REASON: "crashed", Headers.DLQ_STAGE: "worker",
+                 Headers.DLQ_SUBJECT: subjects.model("m1"), Headers.DLQ_DELIVERIES: "5"},
+    )  # fmt: skip
+    return rid, letter.seq
+
+
+async def test_a_replay_within_the_duplicate_window_is_queued_and_answered(nats_url: str, prefix: str) -> None:
+    """Replayed under its request's own Nats-Msg-Id, a letter replayed within two minutes of the
+    request was dropped by JetStream as a duplicate, while the command said "replayed 1" and
+    deleted the letter: the request was lost. It is queued again under a replay id, and answered
+    under its own request id."""
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+        inbox = nc.new_inbox()
+        replies = await nc.subscribe(inbox)
+        rid, seq = await _letter_of_a_request_just_taken(js, subjects, inbox)
+        before = (await js.stream_info(subjects.models_stream)).state.last_seq
+        replayed = dlq(nats_url, prefix, "replay", str(seq))
+        assert replayed.returncode == 0 and "replayed 1" in replayed.stdout, replayed.stdout + replayed.stderr
+        queued = await js.get_msg(subjects.models_stream, seq=before + 1)  # stored, not dropped
+        assert queued.data == b"again" and queued.headers[Headers.MSG_ID] == f"{rid}.replay-{seq}", queued.headers
+        assert (await js.stream_info(subjects.dead_letter_stream)).state.messages == 0
+        async with running_worker(make_config(prefix, {"m1": sleep_model()}), nats_url):
+            reply = await replies.next_msg(timeout=20)
+        assert reply.data == b"again" and reply.headers[Headers.REQUEST_ID] == rid, reply.headers
+    finally:
+        await nc.close()
+
+
+async def test_a_replay_jetstream_drops_as_a_duplicate_keeps_its_letter(nats_url: str, prefix: str) -> None:
+    """The PubAck decides: a republish JetStream took for a duplicate was not queued, so the
+    letter stays, and the command says so in one line and exits 1."""
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+        rid, seq = await _letter_of_a_request_just_taken(js, subjects, nc.new_inbox())
+        await js.publish(subjects.model("m1"), b"earlier", headers={Headers.MSG_ID: replay_id(rid, seq)})  # an earlier replay's id
+        replayed = dlq(nats_url, prefix, "replay", str(seq))
+        assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+        assert replayed.stdout.strip() == "replayed 0 of 1 dead letter"
+        assert len(replayed.stderr.strip().splitlines()) == 1 and "duplicate" in replayed.stderr and "letter kept" in replayed.stderr
+        assert (await js.stream_info(subjects.dead_letter_stream)).state.messages == 1
     finally:
         await nc.close()

@@ -247,3 +247,35 @@ def test_demo_stopped_by_sigterm_leaves_nothing_running(examples_dir: Path, tmp_
     assert not [pid for pid in started if _alive(pid)], "left running after the demo stopped"
     with pytest.raises(sdk.ConnectionFailed):
         asyncio.run(_connect(url))
+
+
+def test_a_second_up_on_a_running_ones_store_refuses_in_one_line(examples_dir: Path, tmp_path: Path) -> None:
+    """A second `jetbatch up --port 0` (what the port-taken message suggested) started a
+    nats-server on the running one's JetStream store, rewrote its nats-server.conf, then failed
+    on the first one's HTTP port. It is refused before anything starts, and told how to join the
+    running server or run a second deployment; the first server keeps serving."""
+    from jetbatch.sidecar.dev.natsserver import EmbeddedNats, NatsStoreInUse
+
+    store = tmp_path / "home" / "nats"  # where `jetbatch up` keeps its store under JETBATCH_HOME
+    with EmbeddedNats(store_dir=store) as first:
+        conf = (store / "nats-server.conf").read_text()
+        with pytest.raises(NatsStoreInUse, match=re.escape(first.url)):
+            EmbeddedNats(store_dir=store).start()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jetbatch", "up", "--config", str(examples_dir / "models.toml"), "--port", "0", "--http-port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path),
+        )  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:  # it started a deployment on the store: the bug
+                proc.kill()
+                proc.communicate(timeout=10)
+        assert proc.returncode == 2, out + err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"jetbatch up: the NATS store {store} is in use"), err
+        assert f"--nats-url {first.url}" in lines[0] and "JETBATCH_HOME" in lines[0]
+        assert (store / "nats-server.conf").read_text() == conf
+        asyncio.run(_connect(first.url))  # still serving
+    with EmbeddedNats(store_dir=store):  # the lock went with the server: the store is free again
+        pass

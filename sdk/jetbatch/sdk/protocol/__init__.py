@@ -56,6 +56,7 @@ from .requests import (
     message_bytes,
     new_request_id,
     parse_request_headers,
+    replay_id,
     request_id_of,
     unwritable_header_names,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "message_bytes",
     "new_request_id",
     "parse_request_headers",
+    "replay_id",
     "request_id_of",
     "subject_matches",
     "unwritable_header_names",

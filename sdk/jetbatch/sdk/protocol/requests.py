@@ -32,6 +32,9 @@ DEFAULT_REPLY_PREFIXES: tuple[str, ...] = ("_INBOX",)
 SIDECAR_INBOX_MARK = "_jbs"
 DEFAULT_TENANT_REPLY_PREFIX = "_INBOX.{tenant}"
 
+# A replayed dead letter's id ends in this and the letter's sequence (see replay_id).
+REPLAY_MARK = ".replay-"
+_REPLAY_RE = re.compile(r"\.replay-[0-9]{1,20}\Z")
 _SUBJECT_CHARS_RE = re.compile(r"^[!-~]+$")  # printable ASCII, no spaces or control characters
 _DEADLINE_RE = re.compile(r"^[0-9]{1,%d}$" % MAX_DEADLINE_DIGITS)
 _TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[!-~]*)?$")
@@ -112,10 +115,21 @@ def dedupe_id(tenant: str | None, request_id: str) -> str:
     return f"{tenant}.{request_id}" if tenant else request_id
 
 
+def replay_id(msg_id: str, letter_seq: int) -> str:
+    """The ``Nats-Msg-Id`` a dead letter is replayed under: its request's own (a replay mark it
+    already had taken off) plus ``.replay-<dead-letter sequence>``. JetStream drops a publish whose
+    id it saw within the duplicate window, so a replay under the original id soon after it was
+    lost; this id is new to the stream, yet the same letter replayed twice is one message."""
+    return f"{_REPLAY_RE.sub('', msg_id)}{REPLAY_MARK}{letter_seq}"
+
+
 def request_id_of(msg_id: str | None, tenant: str | None) -> str | None:
-    """The request id in a ``Nats-Msg-Id`` (see :func:`dedupe_id`): the tenant's prefix taken off
-    when ``tenant`` is the request's (from the subject or the classifier, never the producer's
-    word). Any other dot is left in place, so the id fails validation as it should."""
+    """The request id in a ``Nats-Msg-Id`` (see :func:`dedupe_id` and :func:`replay_id`): the
+    tenant's prefix taken off when ``tenant`` is the request's (from the subject or the
+    classifier, never the producer's word), and a replay mark taken off. Any other dot is left in
+    place, so the id fails validation as it should."""
+    if msg_id and REPLAY_MARK in msg_id:
+        msg_id = _REPLAY_RE.sub("", msg_id)
     if msg_id and tenant and msg_id.startswith(f"{tenant}."):
         return msg_id[len(tenant) + 1 :]
     return msg_id

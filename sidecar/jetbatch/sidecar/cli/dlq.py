@@ -2,9 +2,10 @@
 
 Dead letters live in the ``<prefix>_DLQ`` stream, subject ``<prefix>.dlq.<stage>``, with the
 original payload and headers plus ``Jetbatch-Dlq-Reason``, ``-Stage``, ``-Subject`` and
-``-Deliveries``. Replay republishes the original message to its original subject with its original
-request id (JetStream dedupes a replay of something already answered within the duplicate window)
-and removes the dead letter once JetStream confirmed the republish.
+``-Deliveries``. Replay republishes the original message to its original subject under its
+original request id, with a message id of its own (``<id>.replay-<seq>``: JetStream would drop the
+original id as a duplicate within its window), and removes the dead letter only once JetStream
+stored the republish as a new message.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from jetbatch.sdk import failures
 from jetbatch.sdk.connection import connect_nats
-from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, forwardable_headers
+from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, forwardable_headers, replay_id
 
 from ..errors import TRANSPORT_ERRORS
 from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix, shown
@@ -34,7 +35,7 @@ def register(sub: Any) -> None:
     p.add_argument("--yes", "-y", action="store_true", help="purge without asking")
     add_nats_url(p)
     add_prefix(p)
-    add_json(p, "list: one dead letter per line; show: the letter")
+    add_json(p, "list: one dead letter per line; show: the letter, as JSON")
     p.set_defaults(run=run)
 
 
@@ -105,10 +106,33 @@ def _summary(msg: _Letter) -> dict[str, Any]:
         "stage": h.get(Headers.DLQ_STAGE, ""),
         "request_id": h.get(Headers.REQUEST_ID, ""),
         "subject": h.get(Headers.DLQ_SUBJECT, ""),
-        "deliveries": h.get(Headers.DLQ_DELIVERIES, ""),
+        "deliveries": _count(h.get(Headers.DLQ_DELIVERIES, "")),
         "reason": h.get(Headers.DLQ_REASON, ""),
         "bytes": len(msg.data or b""),
     }
+
+
+def _count(text: str) -> int | None:
+    """A delivery count header as a number; None when it is not one (the header is data anyone
+    who can publish to the stream wrote)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 20 else None
+
+
+def _letters(n: int) -> str:
+    """``n dead letter(s)``, in agreement."""
+    return f"{n} dead letter" if n == 1 else f"{n} dead letters"
+
+
+def _print_letter(letter: dict[str, Any]) -> None:
+    """One dead letter as lines for a person: its fields, headers and the payload's start."""
+    print(f"dead letter {letter['seq']}")
+    for key, label in (("stage", "stage"), ("request_id", "request id"), ("subject", "subject"), ("deliveries", "deliveries"), ("reason", "reason")):
+        value = letter[key]
+        print(f"  {label:<11} {'' if value is None else shown(value)}")
+    print(f"  {'payload':<11} {letter['bytes']} bytes: {shown(letter['payload_preview'])}")
+    print("  headers")
+    for name, value in letter["headers"].items():
+        print(f"    {shown(name)}: {shown(value)}")
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -130,11 +154,12 @@ async def _run(args: argparse.Namespace) -> int:
             else:
                 print(f"{'seq':>6}  {'stage':<10} {'request id':<34} {'deliveries':>10}  reason")
                 for r in rows:
-                    print(f"{r['seq']:>6}  {shown(r['stage']):<10} {shown(r['request_id'])[:33]:<34} {r['deliveries']:>10}  {shown(r['reason'])}")
+                    deliveries = "" if r["deliveries"] is None else r["deliveries"]
+                    print(f"{r['seq']:>6}  {shown(r['stage']):<10} {shown(r['request_id'])[:33]:<34} {deliveries:>10}  {shown(r['reason'])}")
             return 0
         if args.action == "purge":
             await js.purge_stream(subjects.dead_letter_stream)
-            print(f"purged {len(entries)} dead letters")
+            print(f"purged {_letters(len(entries))}")
             return 0
         chosen = entries if args.all else [m for m in entries if m.seq == args.seq]
         if not chosen and args.all:
@@ -145,7 +170,10 @@ async def _run(args: argparse.Namespace) -> int:
         if args.action == "show":
             m = chosen[0]
             letter = {**_summary(m), "headers": dict(m.headers or {}), "payload_preview": (m.data or b"")[:200].decode("utf-8", "replace")}
-            print(json.dumps(letter) if args.json else json.dumps(letter, indent=2))
+            if args.json:
+                print(json.dumps(letter))
+            else:
+                _print_letter(letter)
             return 0
         replayed = 0
         for m in chosen:
@@ -160,7 +188,7 @@ async def _run(args: argparse.Namespace) -> int:
                 _take(h, key)
             rid = _take(h, Headers.REQUEST_ID)
             if rid:
-                h[Headers.MSG_ID] = rid
+                h[Headers.MSG_ID] = replay_id(rid, m.seq)
             if not subject:
                 print(f"jetbatch dlq: dead letter {m.seq} has no original subject; skipped", file=sys.stderr)
                 continue
@@ -170,7 +198,7 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"jetbatch dlq: dead letter {m.seq} names {subject[:80]!r}, not a queue of this deployment; skipped", file=sys.stderr)
                 continue
             try:
-                await js.publish(subject, m.data or b"", headers=h, timeout=5)
+                ack = await js.publish(subject, m.data or b"", headers=h, timeout=5)
             except TRANSPORT_ERRORS as exc:
                 print(f"jetbatch dlq: replay of {m.seq} to {subject} failed: {exc!r}", file=sys.stderr)
                 continue
@@ -179,10 +207,15 @@ async def _run(args: argparse.Namespace) -> int:
                 # value): this letter stays, the others are still replayed.
                 print(f"jetbatch dlq: dead letter {m.seq} cannot be sent again as stored: {shown(exc)[:200]}; skipped", file=sys.stderr)
                 continue
+            if ack.duplicate:
+                # JetStream kept an earlier copy under this id and dropped this one: deleting the
+                # letter now would lose the request if that copy is gone.
+                print(f"jetbatch dlq: dead letter {m.seq} was not queued again: JetStream took it for a duplicate of {shown(h.get(Headers.MSG_ID, ''))[:80]} (replayed within the stream's duplicate window); letter kept", file=sys.stderr)
+                continue
             await js.delete_msg(subjects.dead_letter_stream, m.seq)
             replayed += 1
-        print(f"replayed {replayed} dead letters")
-        return 0 if replayed == len(chosen) else 1
+        print(f"replayed {_letters(replayed)}" if replayed == len(chosen) else f"replayed {replayed} of {_letters(len(chosen))}")
+        return 0 if replayed == len(chosen) else EXIT_FAILED
     finally:
         await nc.close()
 

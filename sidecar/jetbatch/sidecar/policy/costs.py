@@ -42,6 +42,7 @@ class CostEstimator:
             raise ValueError("alpha must be in (0, 1]")
         self.alpha = alpha
         self._load: dict[tuple[str, str], float] = {}
+        self._measured: set[tuple[str, str]] = set()  # (model, tier) loads seen, not only configured
         self._batch: dict[str, BatchCost] = {}
         self._memory: dict[str, int] = {}
         self._host_memory: dict[str, int] = {}
@@ -67,6 +68,14 @@ class CostEstimator:
         key = (model, tier)
         prior = self._load.get(key)
         self._load[key] = seconds if prior is None else (1 - self.alpha) * prior + self.alpha * seconds
+        self._measured.add(key)
+
+    def measured_load_s(self, model: str, tier: Tier = "cold") -> float | None:
+        """The load time estimate of ``model`` from ``tier`` once a load was measured here (the
+        configured figure blended with what was seen), or None while it is the configured guess."""
+        if tier == "resident":
+            return 0.0
+        return self._load[(model, tier)] if (model, tier) in self._measured else None
 
     def observe_batch(self, model: str, n: int, seconds: float) -> None:
         self._fastest[model] = min(seconds, self._fastest.get(model, seconds))

@@ -244,7 +244,10 @@ class Worker:
             return 200, f"model {model}: resident{pin}"
         if self.residency.loading == model:
             return 200, f"model {model}: loading"
-        return 200, f"model {model}: {slot.tier}, loads on demand in about {self.residency.load_cost_s(slot):.2f} s"
+        measured = self.residency.measured_load_s(slot)
+        if measured is None:  # the configured estimate is a guess: never shown as a time
+            return 200, f"model {model}: {slot.tier}, loads on demand (load time not yet measured)"
+        return 200, f"model {model}: {slot.tier}, loads on demand {_seconds(measured)}"
 
     def problems(self) -> list[str]:
         """One line per model that cannot serve (readiness detail; /readyz)."""
@@ -907,6 +910,13 @@ class Worker:
                     await msg.in_progress()
                 except TRANSPORT_ERRORS:
                     pass
+
+
+def _seconds(value: float) -> str:
+    """A load time for a person: two significant digits (a 3 ms load is not "0.00 s")."""
+    if value < 0.001:
+        return "in under 1 ms"
+    return f"in about {value:.2g} s" if value < 10 else f"in about {value:.0f} s"
 
 
 def _make_slots(config: Config, device: Any) -> dict[str, Slot]:

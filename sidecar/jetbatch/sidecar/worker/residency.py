@@ -90,6 +90,11 @@ class Residency:
         would cost (``policy.reload_tier``, the simulator's rule too)."""
         return self.costs.load_cost_s(slot.name, reload_tier(slot.tier, self.reload_fits_host(slot)))
 
+    def measured_load_s(self, slot: Slot) -> float | None:
+        """What :meth:`load_cost_s` estimates, when a load of this model from that tier was
+        measured here; None while the figure is only the configured guess."""
+        return self.costs.measured_load_s(slot.name, reload_tier(slot.tier, self.reload_fits_host(slot)))
+
     def host_used_bytes(self) -> int:
         """Host bytes of the warm tier (remembered until a model changes tier: the decisions ask
         for it once per resident model)."""
