@@ -101,3 +101,46 @@ async def test_embeddings_and_a_sentence_transformers_directory(hf_dir: Path, na
     for got, want in zip(normalized, pooled):
         torch.testing.assert_close(got.to_torch(), torch.nn.functional.normalize(want, dim=-1), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(by_ids.to_torch(), pooled[1], atol=1e-5, rtol=1e-4)
+
+
+class _Spy:
+    """A tokenizer that records the longest text it is given."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.longest = 0
+
+    def __call__(self, texts: Any, **kwargs: Any) -> Any:
+        self.longest = max([self.longest, *(len(t) for t in ([texts] if isinstance(texts, str) else texts))])
+        return self.tokenizer(texts, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def test_a_text_of_megabytes_is_cut_before_it_is_tokenized(hf_dir: Path) -> None:
+    """A 7 MB text reaches the tokenizer as a prefix of at most max_length * CHARS_PER_TOKEN
+    characters, and is answered as its truncation would be (the logits of a short text with the
+    same first tokens); a text whose prefix holds too few tokens to know that is a BadInput."""
+    from jetbatch.sidecar.config import ModelConfig
+    from jetbatch.sidecar.handlers import BadInput, create_handler
+    from jetbatch.sidecar.handlers.huggingface import CHARS_PER_TOKEN
+
+    h = create_handler("hf", ModelConfig(handler="transformers", path=str(hf_dir), options={"max_length": 16}))
+    h.load(torch.device("cpu"))
+    spy = _Spy(h.tokenizer)
+    h.tokenizer = spy
+    ctype = sdk.ContentType.MSGPACK.value
+    phrase = "the story was fun and the actor was good but the plot "
+    huge = phrase * (7_000_000 // len(phrase))
+    value = h.decode(sdk.protocol.encode_payload(huge)[0], ctype)
+    assert isinstance(value, str) and huge.startswith(value) and len(value) <= 16 * CHARS_PER_TOKEN
+    short = phrase * 3  # more than 16 tokens: truncated the same
+    got_huge, got_short = h.predict([value]), h.predict([short])
+    assert spy.longest <= 16 * CHARS_PER_TOKEN
+    torch.testing.assert_close(got_huge[0]["logits"], got_short[0]["logits"])
+    # A short text is given whole; a long run of spaces before the words cannot be cut safely.
+    assert h.decode(sdk.protocol.encode_payload(short)[0], ctype) == short
+    with pytest.raises(BadInput, match="fewer than 16 tokens"):
+        h.decode(sdk.protocol.encode_payload(" " * 2_000_000 + phrase)[0], ctype)
+    assert spy.longest <= 16 * CHARS_PER_TOKEN

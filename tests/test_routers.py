@@ -202,3 +202,32 @@ def test_a_field_rule_fails_only_the_request_whose_tensor_cannot_be_read() -> No
     routed = router_.route(batch)
     assert [r.model for r in routed] == ["m1", None, "m0"]
     assert routed[1].error is not None and routed[1].error[0] is ErrorCode.BAD_REQUEST and "at most 64" in routed[1].error[1]
+
+
+def test_json_and_msgpack_lists_are_routed_as_model_subjects_take_them() -> None:
+    """A list of numbers is what a model subject accepts (as float32): the torch router takes it
+    too, in the same batch as tensors, and checks it like a tensor (shape, finite values); a list
+    that is not numbers is that request's bad_request."""
+
+    def listed(value: Any, ctype: str) -> Item:
+        data = msgspec.json.encode(value) if ctype == "application/json" else msgspec.msgpack.encode(value)
+        return Item(headers={}, data=data, content_type=ctype)
+
+    items = [
+        listed([1.0, 0.0], "application/json"),
+        listed([-1, 0], "application/msgpack"),
+        good(1.0),
+        listed([1.0, 0.0, 3.0], "application/json"),
+        listed([[1.0], [2.0, 3.0]], "application/json"),
+        listed(["a", "b"], "application/msgpack"),
+        listed([1e300, 0.0], "application/json"),
+        listed({"x": [1.0, 0.0]}, "application/json"),
+    ]
+    routes = router(input_shape=[2]).route(items)
+    assert [r.model for r in routes[:3]] == ["m1", "m0", "m1"]
+    codes = [r.error[0] if r.error else None for r in routes[3:]]
+    assert codes == [ErrorCode.BAD_REQUEST] * 5, routes
+    messages = [r.error[1] for r in routes[3:] if r.error]
+    assert "expects input shape [2], got [3]" in messages[0]
+    assert "list of numbers" in messages[1] and "list of numbers" in messages[2]
+    assert "infinity" in messages[3] and "got dict" in messages[4]

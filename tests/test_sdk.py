@@ -9,6 +9,8 @@ import textwrap
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jetbatch import sdk
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
@@ -329,3 +331,77 @@ async def test_closing_a_client_while_callers_are_still_publishing_logs_nothing(
     finally:
         loop.set_exception_handler(previous)
     assert not [m for m in logged if "never retrieved" in m], logged
+
+
+_KEYS = st.one_of(st.text(max_size=4), st.integers(), st.none(), st.booleans(), st.floats(), st.tuples(st.integers()))
+_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8), st.binary(max_size=8),
+    st.complex_numbers(), st.decimals(allow_nan=False), st.datetimes(), st.builds(object),
+)  # fmt: skip
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.tuples(kids, kids), st.dictionaries(_KEYS, kids, max_size=4), st.frozensets(st.integers(), max_size=3)),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_VALUES, st.sampled_from([None, "application/json", "application/msgpack", "text/plain"]))
+def test_a_payload_is_encoded_or_refused_with_a_typed_error(value: object, content_type: str | None) -> None:
+    """Any nested Python value either encodes or raises ProtocolError (a JetbatchError, which the
+    client turns into BadRequest): an integer past 64 bits raised a bare OverflowError."""
+    try:
+        data, ctype = sdk.protocol.encode_payload(value, content_type)
+    except sdk.protocol.ProtocolError as exc:
+        assert isinstance(exc, sdk.JetbatchError) and exc.code == "bad_request"
+        return
+    assert isinstance(data, bytes) and isinstance(ctype, sdk.ContentType)
+
+
+def test_payloads_that_contain_themselves_or_nest_too_deep_are_typed() -> None:
+    cycle: list[object] = []
+    cycle.append(cycle)
+    deep: list[object] = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]  # type: ignore[assignment]
+    for value in (cycle, deep, {"x": 2**64}, [-(2**63) - 1]):
+        with pytest.raises(sdk.protocol.ProtocolError):
+            sdk.protocol.encode_payload(value)
+
+
+@pytest.mark.anyio
+async def test_an_unencodable_payload_is_bad_request_from_the_client(nats_url: str, prefix: str) -> None:
+    async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+        with pytest.raises(sdk.BadRequest, match="OverflowError"):
+            await client.infer({"x": 2**64}, model="m1", timeout=5)
+        with pytest.raises(sdk.BadRequest, match="content type"):
+            await client.infer({"x": 1}, model="m1", timeout=5, content_type="text/plain")
+
+
+@pytest.mark.anyio
+async def test_a_fresh_request_id_already_taken_is_bad_request_at_once(nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another publisher took the id the SDK made for a call (a squatter): JetStream's PubAck says
+    duplicate on the first publish. That call took the squatter's answer for its own (here
+    b"squat", the echo of the squatter's body), or waited out its whole timeout when none came
+    (RequestTimeout); it is BadRequest now, at once. A caller's own id keeps the retry semantics
+    (the duplicate is its earlier attempt's: covered above)."""
+    import nats
+
+    import jetbatch.sdk.client as client_module
+
+    config = make_config(prefix, {"m1": sleep_model()})
+    async with running_worker(config, nats_url):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            # No reply key: whatever the worker makes of it, no caller hears of it.
+            await js.publish(f"{prefix}.model.m1", b"squat", headers={"Nats-Msg-Id": "squatted-id-1"})
+        finally:
+            await nc.close()
+        monkeypatch.setattr(client_module, "new_request_id", lambda: "squatted-id-1")
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            with anyio.fail_after(10):
+                with pytest.raises(sdk.BadRequest, match="is taken"):
+                    await client.infer(b"mine", model="m1", timeout=60)

@@ -283,7 +283,7 @@ class Client:
         span = _telemetry.start_producer_span(subject, rid, model, hdrs, len(data))
         status = "error"
         try:
-            duplicate = await self._send(span, subject, data, hdrs, rid, model, deadline=started + timeout)
+            duplicate = await self._send(span, subject, data, hdrs, rid, model, deadline=started + timeout, fresh=request_id is None)
             if duplicate:
                 # JetStream already holds (or held) this request id: a retry of a request that is
                 # running or finished, maybe sent by another process (under another key). Its
@@ -297,7 +297,8 @@ class Client:
                 # reply lost in a reconnect the client did not notice).
                 msg = await self._look_up(rid, anywhere=True)
                 if msg is None:
-                    raise RequestTimeout(f"no reply within {timeout:.3g}s", request_id=rid) from None
+                    taken = " (JetStream took it for a retry of a request it already holds under this id: none is stored yet)" if duplicate else ""
+                    raise RequestTimeout(f"no reply within {timeout:.3g}s{taken}", request_id=rid) from None
             result = self._to_result(msg, rid, time.monotonic() - started, with_batch)
             status = "ok"
             return result
@@ -363,11 +364,13 @@ class Client:
             )
         return subject, data, hdrs, timeout
 
-    async def _send(self, span: Any, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float) -> bool:
+    async def _send(
+        self, span: Any, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float, fresh: bool = False
+    ) -> bool:
         """Publish under a send span; True when JetStream already had this request id."""
         send = _telemetry.start_send_span(span, subject, rid, hdrs, len(data), self._server_address() if span is not None else None)
         try:
-            duplicate = await self._publish(subject, data, hdrs, rid, model, deadline=deadline)
+            duplicate = await self._publish(subject, data, hdrs, rid, model, deadline=deadline, fresh=fresh)
         except JetbatchError as exc:
             _telemetry.end_send_span(send, exc.code or type(exc).__name__)
             raise
@@ -414,12 +417,21 @@ class Client:
         return self._address
 
     async def _publish(
-        self, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float
+        self, subject: str, data: bytes, hdrs: dict[str, str], rid: str, model: str | None, *, deadline: float, fresh: bool = False
     ) -> bool:
         """Publish with retries under the same Nats-Msg-Id; returns whether JetStream reported the
-        request id as a duplicate (a retry of a request it already holds or held)."""
+        request id as a duplicate (a retry of a request it already holds or held). ``fresh``: the
+        SDK made the id for this call, so a duplicate on the first publish is another's request."""
         first = await self._publish_once(subject, data, hdrs, deadline)
         if first is not None:
+            if first.get("duplicate") and fresh:
+                # Nobody else should know an id made here: its answer would be another request's,
+                # and waiting for it ends only in RequestTimeout.
+                raise BadRequest(
+                    f"request id {rid!r} is taken: JetStream already holds another request under it (it was not stored); "
+                    "send again under a new id",
+                    request_id=rid,
+                )
             return bool(first.get("duplicate"))
         # Refused, unanswered or not sent: the careful path retries under the same Nats-Msg-Id
         # (dedupe makes a repeat safe) and turns JetStream's answer into a typed error.

@@ -187,27 +187,35 @@ def encode_payload(obj: Any, content_type: ContentType | str | None = None) -> t
 
     ``bytes`` are sent as they are (labelled ``content_type``, default octet-stream: a body the
     caller encoded itself), a :class:`Tensor` (or torch tensor, or numpy array) as the tensor
-    encoding, anything else as msgpack unless ``content_type`` asks for JSON.
+    encoding, anything else as msgpack unless ``content_type`` asks for JSON. Whatever cannot be
+    encoded (an integer past 64 bits, a cycle, an object msgpack has no type for, a tensor on a
+    device or in a layout that has no bytes) raises :class:`ProtocolError`, nothing else.
     """
-    ctype = ContentType(content_type) if content_type is not None else None
+    try:
+        ctype = ContentType(content_type) if content_type is not None else None
+    except ValueError:
+        raise ProtocolError(f"unsupported content type {str(content_type)[:128]!r}; expected one of {[c.value for c in ContentType]}") from None
     if isinstance(obj, (bytes, bytearray, memoryview)):
         # Bytes with an explicit content type are a body the caller already encoded.
         return bytes(obj), ctype or ContentType.BYTES
-    tensor = _as_tensor(obj)
-    if tensor is not None and ctype in (None, ContentType.TENSOR):
-        return _msgpack_encoder.encode(tensor), ContentType.TENSOR
-    tensors = _as_tensors(obj)
-    if tensors is not None and ctype in (None, ContentType.TENSORS):
-        return _msgpack_encoder.encode(tensors), ContentType.TENSORS
-    if ctype is ContentType.JSON:
-        try:
-            return _json_encoder.encode(obj), ContentType.JSON
-        except TypeError as exc:
-            raise ProtocolError(f"cannot encode payload as JSON: {exc}") from exc
     try:
+        tensor = _as_tensor(obj)
+        if tensor is not None and ctype in (None, ContentType.TENSOR):
+            return _msgpack_encoder.encode(tensor), ContentType.TENSOR
+        tensors = _as_tensors(obj)
+        if tensors is not None and ctype in (None, ContentType.TENSORS):
+            return _msgpack_encoder.encode(tensors), ContentType.TENSORS
+        if ctype is ContentType.JSON:
+            return _json_encoder.encode(obj), ContentType.JSON
         return _msgpack_encoder.encode(obj), ContentType.MSGPACK
-    except TypeError as exc:
-        raise ProtocolError(f"cannot encode payload as msgpack: {exc}") from exc
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError("cannot encode payload: nested too deep, or it contains itself") from None
+    except (TypeError, ValueError, OverflowError, RuntimeError, msgspec.EncodeError) as exc:
+        # msgspec's and torch's own refusals, all of them this payload's fault.
+        kind = "JSON" if ctype is ContentType.JSON else "msgpack"
+        raise ProtocolError(f"cannot encode payload as {kind}: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 def _as_tensor(obj: Any) -> Tensor | None:

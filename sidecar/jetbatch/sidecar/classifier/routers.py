@@ -13,6 +13,7 @@ from jetbatch.sdk.protocol import ContentType, ErrorCode, ProtocolError, decode_
 from ..config import ClassifierConfig, ConfigError
 from ..handlers import HandlerError, import_object, read_module
 from ..handlers.modules import export_input_spec
+from ..handlers.structure import tensor_from_list
 from ..replies import client_message
 
 __all__ = ["CallableRouter", "Item", "Route", "Router", "RulesRouter", "TorchRouter", "check_router_config", "make_router"]
@@ -67,7 +68,7 @@ class Router:
 class TorchRouter(Router):
     """A classification network run on the whole batch in one forward pass.
 
-    Inputs are finite tensors: of ``input_shape`` when it is configured or an exported program
+    Inputs are finite tensors (a tensor, or a JSON or msgpack list of numbers, as float32): of ``input_shape`` when it is configured or an exported program
     declares it (others are answered ``bad_request`` one by one; the network is warmed up on it at
     load, so it is known to work). Each distinct shape in a batch gets its own forward pass; a pass
     that fails is retried input by input, and the inputs that fail where others of their shape
@@ -205,13 +206,21 @@ class TorchRouter(Router):
         import torch
 
         value = item.payload()
-        if not hasattr(value, "to_torch"):
-            raise ProtocolError(f"the torch router needs a tensor ({ContentType.TENSOR.value})")
+        if isinstance(value, list):
+            # A JSON or msgpack list of numbers, as a model subject takes it (handlers/modules.py).
+            try:
+                value = tensor_from_list(value)
+            except ValueError as exc:
+                raise ProtocolError(f"the torch router needs a tensor or a list of numbers: {exc}") from None
+        elif not hasattr(value, "to_torch"):
+            raise ProtocolError(
+                f"the torch router needs a tensor ({ContentType.TENSOR.value}) or a list of numbers (JSON or msgpack), got {type(value).__name__}"
+            )
         expected = self.input_shape
         if expected is not None and list(value.shape) != list(expected):
             raise ProtocolError(f"the router expects input shape {list(expected)}, got {list(value.shape)}")
         try:
-            tensor = value.to_torch().to(torch.float32)
+            tensor = (value if isinstance(value, torch.Tensor) else value.to_torch()).to(torch.float32)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # a shape torch cannot build
             raise ProtocolError(f"$.shape: {list(value.shape)[:8]} is not a tensor torch can build: {client_message(exc, 200)}") from None
         if not bool(torch.isfinite(tensor).all()):

@@ -6,7 +6,9 @@
   A sentence-transformers directory (``modules.json``) is served as its encoder plus its pooling
   (mean or CLS, from ``1_Pooling/config.json``) and, when listed, normalisation.
 - A request is a text (a string: the worker tokenizes the whole batch at once, padded to its
-  longest, truncated to ``options.max_length``), or token ids as named tensors (``input_ids`` and
+  longest, truncated to ``options.max_length``; a text longer than ``max_length`` times
+  :data:`CHARS_PER_TOKEN` characters is cut before it is tokenized, and refused ``bad_request``
+  when that prefix does not hold ``max_length`` tokens), or token ids as named tensors (``input_ids`` and
   optionally ``attention_mask``, padded the same way).
 - The answer is the model's named outputs (``logits``, ``last_hidden_state`` cut to the
   request's own tokens, ...), a mapping of tensors; or, for a sentence-transformers directory or
@@ -18,6 +20,7 @@ The weights are tiered like any module's (cold / warm / resident); see docs/hand
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,15 @@ from .base import BadInput, HandlerError
 from .modules import ModuleHandler
 from .structure import batch_inputs, describe, split_output
 
-__all__ = ["TransformersHandler"]
+__all__ = ["CHARS_PER_TOKEN", "TransformersHandler"]
+
+# Characters of text kept per token of ``max_length`` before tokenizing: ordinary text spans about
+# 4 characters a token, so the prefix holds every token truncation keeps, while a text of
+# megabytes costs its tokenizer (memory and time, in every batch it joins) no more than this.
+CHARS_PER_TOKEN = 32
+# Tokens a cut prefix must hold past ``max_length``: the cut may split the last word it keeps.
+_SPARE_TOKENS = 8
+_WORD = re.compile(r"\S*")
 
 
 class TransformersHandler(ModuleHandler):
@@ -96,12 +107,34 @@ class TransformersHandler(ModuleHandler):
         if isinstance(value, str):
             if self.tokenizer is None and self._host is not None:
                 raise BadInput(f"model {self.name} has no tokenizer: send token ids (input_ids, attention_mask)")
-            return value
+            return self._bounded(value)
         if isinstance(value, Mapping) and "input_ids" in value and all(isinstance(v, torch.Tensor) for v in value.values()):
             if value["input_ids"].is_floating_point():
                 raise BadInput(f"model {self.name}: input_ids must be integers, got {str(value['input_ids'].dtype).removeprefix('torch.')}")
             return dict(value)
         raise BadInput(f"model {self.name} expects a text (a string) or token ids (input_ids, attention_mask), got {describe(value)}")
+
+    def _bounded(self, text: str) -> str:
+        """``text``, or its prefix of at most ``max_length * CHARS_PER_TOKEN`` characters cut at a
+        whitespace, which truncation turns into the same tokens; :class:`BadInput` when the prefix
+        holds too few tokens to know that (a long run of spaces, or of one unknown word)."""
+        limit = self.max_length * CHARS_PER_TOKEN
+        if len(text) <= limit:
+            return text
+        cut = text[:limit]
+        # Whole words only: a split word tokenizes differently. Matched on the reversed text, so
+        # the cost is the last word's length whatever the text holds.
+        whole = cut[: limit - _WORD.match(cut[::-1]).end()].rstrip()  # type: ignore[union-attr]
+        cut = whole or cut  # one word of ``limit`` characters: kept as cut
+        if self.tokenizer is not None:  # None only before the first load: the cut alone bounds it
+            need = self.max_length + _SPARE_TOKENS
+            ids = self.tokenizer(cut, add_special_tokens=False, truncation=True, max_length=need, verbose=False)["input_ids"]
+            if len(ids) < need:
+                raise BadInput(
+                    f"model {self.name}: a text of {len(text)} characters holds fewer than {self.max_length} tokens "
+                    f"in its first {limit}: it cannot be cut before tokenizing; send at most {limit} characters or token ids"
+                )
+        return cut
 
     def predict(self, inputs: list[Any]) -> list[Any]:
         model = self._host if self._resident else None

@@ -31,7 +31,7 @@ from jetbatch.sdk.protocol import ContentType
 
 from ..config import ModelConfig
 from .base import BadInput, Handler, HandlerError, import_object, tensor_bytes
-from .structure import batch_inputs, call, describe, split_output
+from .structure import batch_inputs, call, describe, split_output, tensor_from_list
 
 __all__ = ["ExportHandler", "InputSpec", "ModuleHandler", "StateDictHandler", "TorchScriptHandler", "read_module", "warm_start"]
 
@@ -193,8 +193,8 @@ class ModuleHandler(Handler):
             return self._check_structured(value)
         if isinstance(value, list):
             try:
-                value = torch.tensor(value, dtype=torch.float32)
-            except (TypeError, ValueError, RuntimeError):
+                value = tensor_from_list(value)
+            except ValueError:
                 raise BadInput(f"model {self.name} expects a tensor or a list of numbers") from None
         spec = self.input_spec
         if not isinstance(value, torch.Tensor):

@@ -22,7 +22,7 @@ import torch
 
 from jetbatch.sdk.protocol import Tensor
 
-__all__ = ["Batch", "batch_inputs", "call", "describe", "split_output", "to_torch"]
+__all__ = ["Batch", "batch_inputs", "call", "describe", "split_output", "tensor_from_list", "to_torch"]
 
 
 def to_torch(value: Any) -> Any:
@@ -34,6 +34,15 @@ def to_torch(value: Any) -> Any:
     if isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
         return {k: v.to_torch() for k, v in value.items()}
     return value
+
+
+def tensor_from_list(value: list[Any]) -> torch.Tensor:
+    """A JSON or msgpack list of numbers (nested, rectangular) as a float32 tensor; ValueError
+    naming what is wrong when it is not one (ragged, strings, maps)."""
+    try:
+        return torch.tensor(value, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"not a rectangular list of numbers: {str(exc)[:100]}") from None
 
 
 def describe(value: Any) -> str:
