@@ -29,7 +29,12 @@ RUN pip install --no-cache-dir --index-url ${TORCH_INDEX} torch \
 # The example producers (`python -m examples.webapp`) run from the source tree.
 ENV PYTHONPATH=/src
 # Non-root: the sidecar needs no privileges; its only state is the example models it may build.
-RUN useradd --system --uid 10001 --home /var/lib/jetbatch --create-home jetbatch
+# /models is where compose and the k8s example mount the models: it exists here, owned by the
+# sidecar's user, because a fresh named volume takes the owner of the image's directory (without
+# it the volume is root's and `examples build --dir /models` cannot write).
+RUN groupadd --system --gid 10001 jetbatch \
+    && useradd --system --uid 10001 --gid 10001 --home /var/lib/jetbatch --create-home jetbatch \
+    && install -d -o jetbatch -g jetbatch -m 0755 /models
 USER jetbatch
 WORKDIR /var/lib/jetbatch
 # /healthz, /readyz and /metrics: 9464 for a worker, 9465 for a classifier ([http] in the config).
