@@ -1,6 +1,7 @@
 # jetbatch sidecar image (worker or classifier), one image for every role.
-#   docker build -t jetbatch .                                  # CPU (python:3.11-slim)
+#   docker build -t jetbatch:cpu .                              # CPU (python:3.11-slim)
 #   docker build -t jetbatch:cuda --build-arg FLAVOR=cuda .     # CUDA 12.8 (Ubuntu 24.04, Python 3.12)
+# compose.yaml builds both: the CUDA flavor for the GPU worker, the CPU one for the rest.
 # Every base stage must ship a Python that pyproject's requires-python accepts
 # (tests/test_examples.py reads this file and checks each stage).
 ARG FLAVOR=cpu
