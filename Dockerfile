@@ -1,6 +1,7 @@
 # jetbatch sidecar image (worker or classifier), one image for every role.
-#   docker build -t jetbatch .                                  # CPU (python:3.11-slim)
+#   docker build -t jetbatch:cpu .                              # CPU (python:3.11-slim)
 #   docker build -t jetbatch:cuda --build-arg FLAVOR=cuda .     # CUDA 12.8 (Ubuntu 24.04, Python 3.12)
+# compose.yaml builds both: the CUDA flavor for the GPU worker, the CPU one for the rest.
 # Every base stage must ship a Python that pyproject's requires-python accepts
 # (tests/test_examples.py reads this file and checks each stage).
 ARG FLAVOR=cpu
@@ -29,7 +30,12 @@ RUN pip install --no-cache-dir --index-url ${TORCH_INDEX} torch \
 # The example producers (`python -m examples.webapp`) run from the source tree.
 ENV PYTHONPATH=/src
 # Non-root: the sidecar needs no privileges; its only state is the example models it may build.
-RUN useradd --system --uid 10001 --home /var/lib/jetbatch --create-home jetbatch
+# /models is where compose and the k8s example mount the models: it exists here, owned by the
+# sidecar's user, because a fresh named volume takes the owner of the image's directory (without
+# it the volume is root's and `examples build --dir /models` cannot write).
+RUN groupadd --system --gid 10001 jetbatch \
+    && useradd --system --uid 10001 --gid 10001 --home /var/lib/jetbatch --create-home jetbatch \
+    && install -d -o jetbatch -g jetbatch -m 0755 /models
 USER jetbatch
 WORKDIR /var/lib/jetbatch
 # /healthz, /readyz and /metrics: 9464 for a worker, 9465 for a classifier ([http] in the config).

@@ -1,5 +1,6 @@
 """Every example is exercised: the quickstart producer, the web app, the custom handler, the
-Kubernetes manifest, the locustfile, the Dockerfile."""
+locustfile, the Dockerfile (the README's producer code, compose.yaml and examples/k8s/:
+test_deployment_files.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import yaml
 
 from jetbatch import sdk
 from jetbatch.sidecar.dev.example_models import sample_inputs
@@ -57,18 +57,6 @@ def _with_prefix(script: Path, prefix: str) -> str:
 def _readme_python_blocks() -> list[str]:
     text = (ROOT / "README.md").read_text()
     return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
-
-
-def test_readme_snippet_runs_as_written(deployment: Deployment) -> None:
-    """The README's "Using it" code, unchanged but for the server's address and this test's
-    subject prefix, against the example models."""
-    (source,) = _readme_python_blocks()
-    assert 'URL = "nats://127.0.0.1:4222"' in source and source.count("connect(URL)") == 2
-    source = source.replace('URL = "nats://127.0.0.1:4222"', f"URL = {deployment.url!r}").replace("connect(URL)", 'connect(URL, prefix="exm")')
-    proc = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
-    assert lines[0].startswith("tensor(") and lines[-1].startswith("tensor(")
 
 
 @pytest.mark.anyio
@@ -149,55 +137,6 @@ async def test_custom_handler(nats_url: str, prefix: str) -> None:
             with pytest.raises(sdk.BadRequest, match="1-d tensor"):
                 await client.infer({"no": "numbers"}, model="scaler", timeout=20)
     assert out.to_torch().tolist() == [3.0, 6.0, 9.0]
-
-
-def test_kubernetes_manifest_runs_the_worker_as_a_sidecar() -> None:
-    doc = yaml.safe_load((ROOT / "examples" / "k8s" / "worker-sidecar.yaml").read_text())
-    assert doc["kind"] == "Deployment"
-    containers = {c["name"]: c for c in doc["spec"]["template"]["spec"]["containers"]}
-    assert set(containers) == {"app", "jetbatch-worker"}
-    worker = containers["jetbatch-worker"]
-    assert worker["args"][:1] == ["worker"] and "--config" in worker["args"]
-    assert {e["name"] for e in worker["env"]} >= {"NATS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT"}
-    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert worker["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert worker["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert {p["containerPort"] for p in worker["ports"]} == {9464}  # [http] worker_port's default
-    assert doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 20
-
-
-def test_keda_scales_the_workers_on_the_model_consumers_lag() -> None:
-    """Structural (no cluster here, and no KEDA schema offline): the ScaledObject targets the
-    worker Deployment in the same file, and each trigger names jetbatch's real stream and the
-    consumer of one of the example models."""
-    from jetbatch.sdk.protocol import Subjects
-    from jetbatch.sidecar.config import HttpConfig
-    from jetbatch.sidecar.dev.example_models import EXAMPLE_MODELS
-    from jetbatch.sidecar.streams import model_consumer_name
-
-    docs = list(yaml.safe_load_all((ROOT / "examples" / "k8s" / "keda-worker-autoscaling.yaml").read_text()))
-    by_kind = {d["kind"]: d for d in docs}
-    assert set(by_kind) == {"ConfigMap", "Deployment", "ScaledObject"}
-    scaled, deployment = by_kind["ScaledObject"], by_kind["Deployment"]
-    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
-    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
-    assert scaled["metadata"]["namespace"] == deployment["metadata"]["namespace"]
-    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
-    triggers = scaled["spec"]["triggers"]
-    assert {t["type"] for t in triggers} == {"nats-jetstream"}
-    assert {t["metadata"]["stream"] for t in triggers} == {Subjects("jetbatch").models_stream}
-    assert {t["metadata"]["consumer"] for t in triggers} == {model_consumer_name(m, p) for m in EXAMPLE_MODELS for p in ("interactive", "batch")}
-    # Lag triggers need every model's consumer to exist: the workers keep them all.
-    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["JETBATCH_STREAMS__CONSUMERS"] == "eager"
-    for t in triggers:
-        assert int(t["metadata"]["lagThreshold"]) > 0
-        assert t["metadata"]["natsServerMonitoringEndpoint"].endswith(":8222")
-    conf = by_kind["ConfigMap"]["data"]["nats.conf"]
-    assert "jetstream" in conf and "max_payload" in conf and "http_port: 8222" in conf
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert container["ports"][0]["containerPort"] == HttpConfig().worker_port
 
 
 @pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust is not installed (pip install locust)")

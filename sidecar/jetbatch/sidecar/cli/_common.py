@@ -123,6 +123,20 @@ def usable_dir(path: str, what: str) -> None:
         raise CliError(f"{what} {path}: cannot create it: {exc.strerror or exc}") from None
 
 
+def writable_dir(path: str, what: str) -> None:
+    """Fail with one line, naming this process's user, if no file can be created in ``path`` (a
+    volume owned by another user, a read-only mount): found here, before a build writes half its
+    files and torch reports the first refusal as a traceback."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        who = f"uid {os.geteuid()}" if hasattr(os, "geteuid") else "this user"
+        raise CliError(f"{what} {path}: not writable by {who}: {exc.strerror or exc}") from None
+
+
 def check_connection_files(config: Any, source: str) -> None:
     """The credential and TLS files ``config.nats`` names (its reply identity's too) exist: a
     missing one is named with ``source``, the config file, before anything connects (it was

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ._common import add_log_level, usable_dir
+from ._common import CliError, add_log_level, usable_dir, writable_dir
 
 DEFAULT_DIR = ".jetbatch/examples"
 
@@ -31,7 +31,11 @@ def run(args: argparse.Namespace) -> int:
 
     directory = args.dir or default_dir()
     usable_dir(directory, "--dir")
-    ex = build_examples(Path(directory), force=args.force)
+    writable_dir(directory, "--dir")
+    try:
+        ex = build_examples(Path(directory), force=args.force)
+    except OSError as exc:
+        raise CliError(f"--dir {directory}: cannot write {exc.filename or 'a file'}: {exc.strerror or exc}") from None
     print(f"built example models in {ex.directory}")
     print(f"  worker:     jetbatch worker --config {ex.models_toml} --nats-url nats://...")
     print(f"  classifier: jetbatch classifier --config {ex.classifier_toml} --nats-url nats://...")

@@ -24,7 +24,11 @@ from typing import IO
 from ..errors import TRANSPORT_ERRORS
 from ..errors import SidecarError
 
-__all__ = ["EmbeddedNats", "NatsCluster", "NatsServerError", "NatsServerNotFound", "NatsStoreInUse", "find_nats_server"]
+__all__ = ["MAX_PAYLOAD_BYTES", "EmbeddedNats", "NatsCluster", "NatsServerError", "NatsServerNotFound", "NatsStoreInUse", "find_nats_server"]
+
+# The server's max_payload jetbatch needs: the streams' 8 MiB message limit plus room for headers
+# (docs/protocol.md). compose.yaml and examples/k8s/nats.yaml set the same value.
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024 + 64 * 1024
 
 _LISTEN_RE = re.compile(r"Listening for client connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
 _CLUSTER_RE = re.compile(r"Listening for route connections on ([0-9.\[\]:a-fA-F]+):(\d+)")
@@ -90,7 +94,7 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         extra_config: str = "",
         name: str | None = None,
-        max_payload: int | None = 8 * 1024 * 1024 + 64 * 1024,
+        max_payload: int | None = MAX_PAYLOAD_BYTES,
         startup_timeout_s: float = 15.0,
         max_file_store: str = "64T",
     ) -> None:
