@@ -47,6 +47,30 @@ class NotTensors(nn.Module):
         return ["a"] * x.shape[0]
 
 
+class VectorAndFeatures(nn.Module):
+    """Two fixed-shape float inputs (16 and 8 wide) and an optional scale: one (batch, 3) output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 3)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, features: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.a(x) + self.b(features)
+        return out if scale is None else out * scale
+
+
+class FailsInTwoLines(nn.Module):
+    """Fails on every input with a torch-like error whose useful part is past its first line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("Trying to run with exported input tree spec:\nthe useful part " + "x" * 5000)
+
+
 def build(cls: type[nn.Module], seed: int = 0, **kwargs: int) -> nn.Module:
     torch.manual_seed(seed)
     return cls(**kwargs).eval()

@@ -130,7 +130,7 @@ def test_classifier_handler_errors_name_file_and_key(tmp_path: Path) -> None:
     path.write_text('[classifier]\nrouter = "torch"\nhandler = "nosuch:Net"\nlabels = { "0" = "m1" }\n[models.m1]\nhandler = "sleep"\n')
     proc = run_cli("classifier", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"jetbatch classifier: {path}: classifier.handler: 'nosuch:Net': cannot import nosuch: No module named 'nosuch'"
+    assert proc.stderr.strip() == f"jetbatch classifier: {path}: classifier.handler: 'nosuch:Net': cannot import nosuch: no module named 'nosuch' in the working directory or on PYTHONPATH"
 
 
 def test_seconds_at_the_boundary_and_the_milliseconds_of_0_2_as_aliases() -> None:
@@ -492,3 +492,105 @@ def test_running_out_of_memory_is_a_user_error_not_a_traceback() -> None:
 
     found = _user_error(MemoryError())
     assert found is not None and "out of memory" in str(found)
+
+
+_USER_MODULE = '''
+import torch
+from jetbatch.sidecar.handlers import Handler
+
+
+class Net(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 2)
+
+
+class Shout(Handler):
+    inline = True
+
+    def load(self, device: torch.device) -> None:
+        self.device = device
+
+    def unload(self) -> None:
+        pass
+
+    def predict(self, inputs: list) -> list:
+        return [bytes(x).upper() for x in inputs]
+'''
+
+
+def _console_script(tmp_path: Path) -> list[str]:
+    """The installed ``jetbatch`` console script, else a copy of what pip writes for it (a script
+    in its own folder, so the folder, not the working directory, is first on ``sys.path``)."""
+    installed = Path(sys.executable).parent / "jetbatch"
+    if installed.is_file():
+        return [str(installed)]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "jetbatch").write_text("import sys\nfrom jetbatch.sidecar.cli import main\nsys.exit(main())\n")
+    return [sys.executable, str(bin_dir / "jetbatch")]
+
+
+@pytest.mark.anyio
+async def test_the_console_script_imports_models_and_handlers_from_the_working_directory(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """Found by a new user: ``module_class = "mynets:Net"`` with ``mynets.py`` in the working
+    directory worked under ``python -m jetbatch`` and ``jetbatch up`` but not under the ``jetbatch
+    worker`` console script (``No module named 'mynets'``), whose ``sys.path`` starts with its
+    ``bin`` folder. Through the real console script: a state_dict model and a custom handler from
+    the working directory serve, and a module that is nowhere is a one-line error, exit 2."""
+    import asyncio
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    from jetbatch import sdk
+    from tests.helpers import wait_until
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mynets.py").write_text(_USER_MODULE)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2).eval()
+    save_file(net.state_dict(), str(work / "net.safetensors"))
+    (work / "jetbatch.toml").write_text(
+        f'[nats]\nprefix = "{prefix}"\n[worker]\npoll_interval_ms = 50\n'
+        '[models.net]\nhandler = "state_dict"\npath = "net.safetensors"\nmodule_class = "mynets:Net"\noptions = { input_shape = [4] }\n'
+        '[models.shout]\nhandler = "mynets:Shout"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_") and k != "NATS_URL"}
+    console = _console_script(tmp_path)
+    proc = subprocess.Popen(
+        [*console, "worker", "--config", "jetbatch.toml", "--nats-url", nats_url, "--http-port", "off"],
+        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        x = torch.randn(4, generator=torch.Generator().manual_seed(1))
+        answers: list[Any] = []
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+
+            async def served() -> bool:
+                if proc.poll() is not None:
+                    return True  # exited: its output says why
+                try:
+                    answers.extend(await asyncio.gather(client.infer(x, model="net", timeout=60), client.infer(b"hi", model="shout", timeout=60)))
+                except sdk.StreamNotFound:
+                    return False  # the worker has not made its streams yet
+                return True
+
+            await wait_until(served, timeout_s=60, what="answers or the worker's exit")
+        assert proc.poll() is None, proc.communicate()[0].decode()
+        out, shouted = answers
+        with torch.inference_mode():
+            torch.testing.assert_close(out.to_torch(), net(x))
+        assert shouted == b"HI"
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+    (work / "gone.toml").write_text('[models.m1]\nhandler = "state_dict"\npath = "net.safetensors"\nmodule_class = "nonets:Net"\n')
+    gone = subprocess.run([*console, "worker", "--config", "gone.toml", "--nats-url", nats_url], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 2, gone.stderr
+    assert gone.stderr.strip() == (
+        "jetbatch worker: gone.toml: models.m1.module_class: module_class 'nonets:Net': cannot import nonets: "
+        "no module named 'nonets' in the working directory or on PYTHONPATH"
+    )

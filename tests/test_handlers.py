@@ -377,3 +377,109 @@ async def test_every_handler_that_can_takes_several_inputs_and_returns_structure
                     assert isinstance(out, tuple), model
                     torch.testing.assert_close(out[0].to_torch(), pooled[0])
                     torch.testing.assert_close(out[1].to_torch(), tokens[0])
+
+
+def _export_vector_and_features(tmp_path: Path) -> torch.nn.Module:
+    """The docs' recipe for a model of several inputs, twice: positional inputs (``two.pt2``) and
+    keyword ones (``kw.pt2``), one ``Dim`` for the batch shared by every input."""
+    from tests.structured_models import VectorAndFeatures, build
+
+    module = build(VectorAndFeatures)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = torch.export.export(module, (torch.zeros(2, DIM), torch.zeros(2, 8)), dynamic_shapes=({0: batch}, {0: batch}))
+    torch.export.save(program, str(tmp_path / "two.pt2"))
+    kwargs = {"features": torch.zeros(2, 8), "scale": torch.ones(2, 3)}
+    program = torch.export.export(module, (torch.zeros(2, DIM),), kwargs, dynamic_shapes={"x": {0: batch}, "features": {0: batch}, "scale": {0: batch}})
+    torch.export.save(program, str(tmp_path / "kw.pt2"))
+    return module
+
+
+@pytest.mark.anyio
+async def test_an_export_of_two_inputs_is_served_as_the_module_runs_here(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """Found by a new user: a two-input program exported as docs/handlers.md says failed every
+    request (the load-time example was built from its first input only), and declaring
+    ``options.inputs`` failed too (the program takes its inputs positionally, not by name). Now
+    positional and keyword programs are served, a tuple or a mapping by name, each answer equal
+    to the module run here, and a request that does not fit the program is ``bad_request``."""
+    module = _export_vector_and_features(tmp_path)
+    named = {"x": {"shape": [DIM], "dtype": "float32"}, "features": {"shape": [8], "dtype": "float32"}}
+    models = {
+        "pos": {"handler": "export", "path": str(tmp_path / "two.pt2")},
+        "declared": {"handler": "export", "path": str(tmp_path / "two.pt2"), "options": {"inputs": named}},
+        "kw": {"handler": "export", "path": str(tmp_path / "kw.pt2")},
+    }
+    models = {name: {**cfg, "max_batch_size": 8, "max_delay_ms": 50} for name, cfg in models.items()}
+    gen = torch.Generator().manual_seed(7)
+    x, f, s = torch.randn(4, DIM, generator=gen), torch.randn(4, 8, generator=gen), torch.randn(4, 3, generator=gen)
+    with torch.inference_mode():
+        plain, scaled = module(x, f), module(x, f, scale=s)
+    requests: dict[str, list[Any]] = {
+        "pos": [(x[i], f[i]) for i in range(4)],
+        "declared": [{"x": x[i], "features": f[i]} for i in range(4)],
+        "kw": [{"x": x[i], "features": f[i], "scale": s[i]} for i in range(4)],
+    }
+    async with running_worker(make_config(prefix, models, worker={"max_resident_models": 3}), nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            for model, expected in (("pos", plain), ("declared", plain), ("kw", scaled)):
+                outs = await asyncio.gather(*(client.infer_result(r, model=model, timeout=30) for r in requests[model]))
+                torch.testing.assert_close(torch.stack([o.output.to_torch() for o in outs]), expected)
+                assert max(o.batch.batch_size for o in outs) > 1, model  # one forward pass for several requests
+            # A positional program also takes its inputs by name; a float64 row is cast as for one input.
+            out = await client.infer({"features": f[0].double(), "x": x[0]}, model="pos", timeout=30)
+            torch.testing.assert_close(out.to_torch(), plain[0])
+            with pytest.raises(sdk.BadRequest, match=r"takes the tensors \(x: float32 \[16\], features: float32 \[8\]\)"):
+                await client.infer(x[0], model="pos", timeout=30)
+            with pytest.raises(sdk.BadRequest, match=r"tensor features must have shape \[8\], got \[7\]"):
+                await client.infer((x[0], torch.zeros(7)), model="pos", timeout=30)
+            with pytest.raises(sdk.BadRequest, match=r"scale: float32 \[3\]\) by name, got a tuple"):
+                await client.infer((x[0], f[0], s[0]), model="kw", timeout=30)
+            with pytest.raises(sdk.BadRequest, match="tensor x must be float32, got int64"):
+                await client.infer({"x": torch.zeros(DIM, dtype=torch.int64), "features": f[0], "scale": s[0]}, model="kw", timeout=30)
+
+
+def test_an_export_with_a_dynamic_sequence_runs_its_load_time_check_within_its_range(tmp_path: Path) -> None:
+    """A program whose second dimension is dynamic and bounded (``max=6``): the load-time example
+    is a length the range allows, a request past the bound or with lengths that differ where
+    the program shares one dimension is ``bad_request`` (not torch's guard as ``model_failed``)."""
+    from tests.structured_models import TwoInputs, build
+
+    module = build(TwoInputs)
+    batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=1, max=6)
+    ids, mask = torch.ones(2, 5, dtype=torch.int64), torch.ones(2, 5, dtype=torch.int64)
+    program = torch.export.export(module, (ids, mask), dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+    torch.export.save(program, str(tmp_path / "seq.pt2"))
+    h = create_handler("m", ModelConfig(handler="export", path=str(tmp_path / "seq.pt2")))
+    passes = TwoInputs.passes
+    h.load(torch.device("cpu"))
+    assert isinstance(h, ExportHandler) and h.signature is not None and TwoInputs.passes == passes  # the program, not the module, ran
+    example = h._example()
+    assert isinstance(example, tuple) and [t.shape[0] for t in example] == [6, 6]  # 8 clamped to the range
+
+    def encode(value: Any) -> tuple[bytes, str]:
+        data, ctype = sdk.protocol.encode_payload(value)
+        return data, ctype.value
+    with pytest.raises(BadInput, match=r"tensor input_ids's dimension 0 must be 1 to 6, got 7"):
+        h.decode(*encode((torch.ones(7, dtype=torch.int64), torch.ones(7, dtype=torch.int64))))
+    with pytest.raises(BadInput, match=r"attention_mask's dimension 0 \(4\) must equal input_ids's dimension 0 \(3\)"):
+        h.decode(*encode((torch.ones(3, dtype=torch.int64), torch.ones(4, dtype=torch.int64))))
+    r = torch.randint(1, 50, (4,), generator=torch.Generator().manual_seed(2))
+    (got,) = h.predict([h.decode(*encode((r, torch.ones(4, dtype=torch.int64))))])
+    with torch.inference_mode():
+        pooled, tokens = module(r.unsqueeze(0), torch.ones(1, 4, dtype=torch.int64))
+    torch.testing.assert_close(got[0], pooled[0])
+    torch.testing.assert_close(got[1], tokens[0])
+
+
+def test_a_model_refused_at_load_keeps_torchs_whole_message_on_one_bounded_line(tmp_path: Path) -> None:
+    """Torch puts the useful part of many errors after their first line (the flatten error said
+    only ``...exported input tree spec:``): the refusal keeps it, on one line, bounded."""
+    from tests.structured_models import FailsInTwoLines, build
+
+    cfg = ModelConfig(handler="state_dict", path=_save(build(FailsInTwoLines), tmp_path / "fails.safetensors"),
+                      module_class="tests.structured_models:FailsInTwoLines", options={"input_shape": [DIM]})  # fmt: skip
+    h = create_handler("m", cfg)
+    with pytest.raises(HandlerError) as info:
+        h.load(torch.device("cpu"))
+    message = str(info.value)
+    assert message.startswith("model m: cannot be served: Trying to run with exported input tree spec: the useful part xxx")
+    assert "\n" not in message and len(message) <= 1100

@@ -12,7 +12,7 @@ from jetbatch.sdk.protocol import ContentType, ErrorCode, ProtocolError, decode_
 
 from ..config import ClassifierConfig, ConfigError
 from ..handlers import HandlerError, import_object, read_module
-from ..handlers.modules import export_input_spec
+from ..handlers.exported import export_input_spec
 from ..handlers.structure import tensor_from_list
 from ..replies import client_message
 

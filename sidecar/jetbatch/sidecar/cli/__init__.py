@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import bench, classifier, demo, dlq, examples, probe, replay, simulate, status, up, worker
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _import_from_working_directory()
     parser = build_parser()
     args = parser.parse_args(argv)
     level = getattr(args, "log_level", None)
@@ -73,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"jetbatch {args.command}: {user}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _import_from_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m jetbatch`` does: a
+    ``module_class``, ``function`` or custom handler is documented to import from there, and the
+    ``jetbatch`` console script's path starts with its own ``bin`` folder instead."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        sys.path.insert(0, cwd)
 
 
 def _user_error(exc: BaseException) -> BaseException | None:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
+
 from ..config import ConfigError, ModelConfig
 from .base import BadInput, Handler, HandlerError, import_object, resolve_device, tensor_bytes
-from .modules import ExportHandler, InputSpec, ModuleHandler, StateDictHandler, TorchScriptHandler, read_module
+from .modules import InputSpec, ModuleHandler, StateDictHandler, TorchScriptHandler
+from .exported import ExportHandler
 from .huggingface import TransformersHandler
 from .simple import FunctionHandler, IdentityHandler, SleepHandler
 
@@ -85,3 +88,14 @@ def check_model_configs(models: Mapping[str, ModelConfig], source: str) -> None:
                 continue
             detail = str(exc).removeprefix(f"model {name}: ")
             raise ConfigError(f"{source}: models.{name}.{exc.key}: {detail}") from None
+
+
+def read_module(fmt: str, path: str, *, module_class: str | None = None, module_kwargs: dict[str, Any] | None = None) -> Any:
+    """Read a module in one of the built-in formats onto the CPU (the classifier's router uses it)."""
+    config = ModelConfig(handler=fmt, path=path, module_class=module_class, module_kwargs=module_kwargs or {})
+    classes: dict[str, type[ModuleHandler]] = {"export": ExportHandler, "state_dict": StateDictHandler, "torchscript": TorchScriptHandler}
+    handler = classes[fmt]("router", config)
+    handler.check()
+    handler.read_weights()
+    handler.load(torch.device("cpu"))
+    return handler.module

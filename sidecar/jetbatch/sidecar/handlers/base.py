@@ -165,6 +165,11 @@ def import_object(spec: str, *, what: str, builtins: Iterable[str] = (), key: st
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            # The module itself (not one it imports) is nowhere: say where it was looked for.
+            where = f"no module named {missing!r} in the working directory or on PYTHONPATH"
+            raise HandlerError(f"{what} {spec!r}: cannot import {module_name}: {where}", key=key) from exc
         raise HandlerError(f"{what} {spec!r}: cannot import {module_name}: {exc}", key=key) from exc
     try:
         return getattr(module, attr)

@@ -1,8 +1,7 @@
 """Handlers for real PyTorch models on disk, in the formats teams ship:
 
-- ``export``: a ``torch.export`` program (``.pt2``, written by ``torch.export.save``), batched on
-  its dynamic first dimension; its input shape and dtype are read from the program, so a request
-  of the wrong shape gets ``bad_request`` naming the expected one.
+- ``export``: a ``torch.export`` program (``.pt2``), in :mod:`.exported`: its inputs are read
+  from the program, so a request of the wrong shape gets ``bad_request`` naming the expected one.
 - ``state_dict``: weights in a safetensors or ``torch.save`` state-dict file plus a
   ``package.module:Class`` (``module_class``, constructor kwargs in ``module_kwargs``). The module is
   built on the meta device and the weights assigned, so a load allocates the weights once.
@@ -33,7 +32,7 @@ from ..config import ModelConfig
 from .base import BadInput, Handler, HandlerError, import_object, tensor_bytes
 from .structure import batch_inputs, call, describe, split_output, tensor_from_list
 
-__all__ = ["ExportHandler", "InputSpec", "ModuleHandler", "StateDictHandler", "TorchScriptHandler", "read_module", "warm_start"]
+__all__ = ["InputSpec", "ModuleHandler", "StateDictHandler", "TorchScriptHandler", "warm_start"]
 
 
 @dataclass(frozen=True)
@@ -251,7 +250,7 @@ class ModuleHandler(Handler):
         module = self._host if self._resident else None
         if module is None:
             raise RuntimeError(f"model {self.name} is not loaded")
-        dtype = self.input_spec.dtype if self.input_spec else torch.float32
+        dtype = self._batch_dtype()
         # Off unless asked (options.pad = true): padding changes what a model that is not a
         # sequence model computes; without it, different shapes run one pass each.
         pad = bool(self.options.get("pad", False))
@@ -265,9 +264,16 @@ class ModuleHandler(Handler):
                 for x in inputs:
                     one = batch_inputs([x], dtype=dtype, device=self.device, pad=False, pad_value=pad_value, mask_name=None)
                     assert one is not None
-                    outs.extend(split_output(call(module, one.value), 1))
+                    outs.extend(split_output(self._forward(module, one.value), 1))
                 return outs
-            return split_output(call(module, batch.value), len(inputs), batch.lengths)
+            return split_output(self._forward(module, batch.value), len(inputs), batch.lengths)
+
+    def _batch_dtype(self) -> torch.dtype | None:
+        """The dtype floating-point inputs are cast to when batched (None: as decoded)."""
+        return self.input_spec.dtype if self.input_spec else torch.float32
+
+    def _forward(self, module: Any, batch: Any) -> Any:
+        return call(module, batch)
 
     def warm_up(self) -> None:
         """One pass on zeros shaped as the declared input (``options.input_shape`` or
@@ -279,7 +285,8 @@ class ModuleHandler(Handler):
         try:
             self.predict([example])
         except Exception as exc:  # noqa: BLE001 - any failure of the example is the model's
-            raise HandlerError(f"model {self.name}: cannot be served: {_first_line(exc)}") from exc
+            # Torch puts the useful part of many errors after the first line: keep it all, bounded.
+            raise HandlerError(f"model {self.name}: cannot be served: {_whole_message(exc)}") from exc
 
     def _example(self) -> Any:
         declared = self.options.get("inputs")
@@ -294,40 +301,6 @@ class ModuleHandler(Handler):
         if spec is None or spec.shape is None:
             return None
         return torch.zeros(spec.shape, dtype=spec.dtype)
-
-
-class ExportHandler(ModuleHandler):
-    """A ``torch.export`` program (``.pt2``) with a dynamic batch dimension."""
-
-    format = "export"
-
-    def _read(self) -> Any:
-        import zipfile
-
-        # A .pt2 is a zip archive. torch.export.load logs a multi-line traceback to stderr before
-        # it raises on anything else; say it in one line instead.
-        if not zipfile.is_zipfile(self.path):
-            raise HandlerError(
-                f"model {self.name}: cannot load {Path(self.path).name}: not a torch.export archive (.pt2 is a zip file)",
-                detail=f"model {self.name}: cannot load {self.path}: not a torch.export archive (.pt2 is a zip file)",
-            )
-        program = torch.export.load(self.path)
-        return program.module()
-
-    def _input_spec(self, module: Any) -> InputSpec | None:
-        declared = super()._input_spec(module)
-        if declared is not None:
-            return declared
-        return export_input_spec(module)
-
-    def _inputs_taken(self, module: Any) -> int | None:
-        if isinstance(self.options.get("inputs"), Mapping):
-            return None
-        # An exported program's placeholders are its inputs (its forward's signature is generic).
-        graph = getattr(module, "graph", None)
-        if graph is None:
-            return None
-        return 1 if sum(1 for node in graph.nodes if node.op == "placeholder") == 1 else None
 
 
 class StateDictHandler(ModuleHandler):
@@ -363,24 +336,6 @@ class TorchScriptHandler(ModuleHandler):
         return module
 
 
-def export_input_spec(module: Any) -> InputSpec | None:
-    """The per-request input of an exported module: its first input without the batch dimension."""
-    graph = getattr(module, "graph", None)
-    if graph is None:
-        return None
-    for node in graph.nodes:
-        if node.op != "placeholder":
-            continue
-        val = node.meta.get("val")
-        if val is None or not hasattr(val, "shape"):
-            return None
-        dims = list(val.shape)[1:]
-        if not all(isinstance(d, int) for d in dims):
-            return InputSpec(None, val.dtype)
-        return InputSpec(tuple(int(d) for d in dims), val.dtype)
-    return None
-
-
 def read_state_dict_module(cls: type, kwargs: dict[str, Any], path: str, *, what: str) -> Any:
     """Build ``cls(**kwargs)`` on the meta device and assign the weights from ``path``, so the
     weights are allocated once (safetensors are read into memory, ``torch.save`` files mapped)."""
@@ -403,17 +358,6 @@ def read_state_dict_module(cls: type, kwargs: dict[str, Any], path: str, *, what
     return module
 
 
-def read_module(fmt: str, path: str, *, module_class: str | None = None, module_kwargs: dict[str, Any] | None = None) -> Any:
-    """Read a module in one of the built-in formats onto the CPU (the classifier's router uses it)."""
-    config = ModelConfig(handler=fmt, path=path, module_class=module_class, module_kwargs=module_kwargs or {})
-    classes: dict[str, type[ModuleHandler]] = {"export": ExportHandler, "state_dict": StateDictHandler, "torchscript": TorchScriptHandler}
-    handler = classes[fmt]("router", config)
-    handler.check()
-    handler.read_weights()
-    handler.load(torch.device("cpu"))
-    return handler.module
-
-
 def _tensors(module: Any) -> list[torch.Tensor]:
     """Every parameter and buffer of ``module`` once (tied weights are one object)."""
     out: list[torch.Tensor] = []
@@ -428,6 +372,12 @@ def _tensors(module: Any) -> list[torch.Tensor]:
 def _release_cuda_cache(device: torch.device) -> None:
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _whole_message(exc: BaseException, limit: int = 1000) -> str:
+    """An exception's whole text on one line, at most ``limit`` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _first_line(exc: BaseException) -> str:
