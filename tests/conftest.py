@@ -1,9 +1,16 @@
 """Shared fixtures: one real nats-server (JetStream, own store dir, free loopback port) per session;
-each test uses its own subject prefix, so its streams and consumers are its own."""
+each test uses its own subject prefix, so its streams and consumers are its own.
+
+The suite is hermetic: it binds no fixed port (the default ports are held for the session, so a
+test that relies on one fails on every host, not only where another process has it), and a
+socket, transport or file a test leaves open fails that test (see ``_leaks_fail_their_test``)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import socket
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -12,6 +19,38 @@ import hypothesis  # noqa: F401  - imported early: CPython 3.11 can fail to comp
 import pytest
 
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from tests.ports import DEFAULT_PORTS
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_ports_taken() -> Iterator[None]:
+    """Bind (without listening) jetbatch's default ports for the session, as another exporter or
+    a developer's `jetbatch up` would: a sidecar started on a default port fails its test here
+    too, and a client that dials a default address is refused at once. A port already taken (by
+    another xdist worker, or another process) is taken either way."""
+    with contextlib.ExitStack() as stack:
+        for port in DEFAULT_PORTS:
+            sock = stack.enter_context(socket.socket())
+            with contextlib.suppress(OSError):
+                sock.bind(("127.0.0.1", port))
+        yield
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # What the imports made lives for the session: frozen out of the collector's walk, so the
+    # collection after each test (below) costs what that test made, not 0.2 s of torch's objects.
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _leaks_fail_their_test() -> Iterator[None]:
+    """Collect the test's garbage in its own teardown: a socket or transport it left open warns
+    (ResourceWarning, an error under pytest's filterwarnings) there and fails this test, not
+    whichever later test the collector happened to run in (once inside ``ast.parse``, where the
+    warning became a SystemError)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -185,26 +185,28 @@ async def test_crash_between_republish_and_ack_routes_each_request_once(nats_url
     cfg = config(prefix, {"router": "rules", "default_model": "m1"}, models=("m1",))
     await prepare(cfg, nats_url)
     nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    for i in range(10):
-        headers = {Headers.MSG_ID: f"req-{i}-{uuid.uuid4().hex[:6]}"} if with_ids else {"X-Request": str(i)}
-        await js.publish(cfg.subjects.ingress, f"p{i}".encode(), headers=headers)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_")}
-    args = ["classifier", "--config", str(cfg_path), "--nats-url", nats_url]
-    cmd = [sys.executable, "-m", "jetbatch", *args]
-    crash = f"from tests.fault_handlers import run_classifier_that_dies_after_its_first_republish as r; r({args!r})"
-    crashed = await anyio.run_process([sys.executable, "-c", crash], env=env, check=False)
-    assert crashed.returncode == 137  # died after a republish, before acking it
-    assert (await js.stream_info(cfg.subjects.models_stream)).state.messages >= 1
-    with anyio.fail_after(60):
-        async with await anyio.open_process(cmd, env=env) as proc:
-            try:
-                await wait_until(lambda: _stream_count(js, cfg.subjects.models_stream, 10), timeout_s=30, what="10 routed")
-                await wait_until(lambda: _empty(js, cfg.subjects.ingress_stream), timeout_s=30, what="ingress drained")
-            finally:
-                proc.terminate()
-    info = await js.stream_info(cfg.subjects.models_stream)
-    await nc.close()
+    try:
+        js = nc.jetstream()
+        for i in range(10):
+            headers = {Headers.MSG_ID: f"req-{i}-{uuid.uuid4().hex[:6]}"} if with_ids else {"X-Request": str(i)}
+            await js.publish(cfg.subjects.ingress, f"p{i}".encode(), headers=headers)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JETBATCH_")}
+        args = ["classifier", "--config", str(cfg_path), "--nats-url", nats_url, "--http-port", "0"]
+        cmd = [sys.executable, "-m", "jetbatch", *args]
+        crash = f"from tests.fault_handlers import run_classifier_that_dies_after_its_first_republish as r; r({args!r})"
+        crashed = await anyio.run_process([sys.executable, "-c", crash], env=env, check=False)
+        assert crashed.returncode == 137  # died after a republish, before acking it
+        assert (await js.stream_info(cfg.subjects.models_stream)).state.messages >= 1
+        with anyio.fail_after(60):
+            async with await anyio.open_process(cmd, env=env) as proc:
+                try:
+                    await wait_until(lambda: _stream_count(js, cfg.subjects.models_stream, 10), timeout_s=30, what="10 routed")
+                    await wait_until(lambda: _empty(js, cfg.subjects.ingress_stream), timeout_s=30, what="ingress drained")
+                finally:
+                    proc.terminate()
+        info = await js.stream_info(cfg.subjects.models_stream)
+    finally:
+        await nc.close()  # on a failed assertion too: left open, it failed the next test
     assert info.state.messages == 10  # each request reached its model queue exactly once
 
 

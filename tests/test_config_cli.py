@@ -193,7 +193,7 @@ def test_cli_unknown_policy_and_handler(tmp_path: Path, nats_url: str) -> None:
 def test_cli_server_down_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "models.toml"
     path.write_text('[models.m1]\nhandler = "sleep"\n')
-    proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1")
+    proc = run_cli("worker", "--config", str(path), "--nats-url", "nats://127.0.0.1:1", "--http-port", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "cannot connect to NATS at nats://127.0.0.1:1" in proc.stderr
