@@ -162,8 +162,8 @@ SLOT_OWNERS = {
     **dict.fromkeys(("broken", "fresh_load", "pending_load", "resident_since", "tier"), "worker/residency.py"),
     # its consumers and pull subscriptions
     **dict.fromkeys(("bulk_consumer_ready_at", "bulk_psub", "consumer_ready_at", "psub"), "worker/pullers.py"),
-    # the serve loop's bookkeeping of empty fetches
-    **dict.fromkeys(("missed_fetch", "unreachable_seen_at", "unreachable_warned_at"), "worker/loop.py"),
+    # what empty fetches said
+    **dict.fromkeys(("missed_fetch", "unreachable_seen_at", "unreachable_warned_at"), "worker/lines.py"),
     "interactive_run": "worker/batching.py",
 }
 # Known second writers, each to be moved behind its owner: the batcher counts its own fetches

@@ -755,22 +755,22 @@ async def test_an_empty_fetch_with_requests_in_our_own_puller_holds_nothing_back
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             await client.infer(b"x", model="m1", timeout=10)  # m1 resident, its consumer made
         slot = worker.slots["m1"]
-        real, count = slot.psub, worker._refresh
+        real, count = slot.psub, worker.lines.refresh
         me, counts = asyncio.current_task(), []  # the tasks that counted (the loop counts too)
 
         async def counted(now: float) -> None:
             counts.append(asyncio.current_task())
             await count(now)
 
-        worker._refresh = counted  # type: ignore[method-assign]
+        worker.lines.refresh = counted  # type: ignore[method-assign]
         try:
             worker.queues.arrived(slot, 0.0, None)  # the count says one waits
             slot.psub = SimpleNamespace(buffered=1)  # ... and it sits in our puller
-            await worker._found_nothing(slot)
+            await worker.lines.found_nothing(slot)
             assert slot.hold_until == 0.0 and me not in counts
             worker.queues.arrived(slot, 0.0, None)
             slot.psub = SimpleNamespace(buffered=0)  # nowhere: counted again, not held back
-            await worker._found_nothing(slot)
+            await worker.lines.found_nothing(slot)
             assert me in counts and slot.hold_until == 0.0 and slot.backlog == 0
         finally:
             slot.psub = real
@@ -800,7 +800,7 @@ async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats
         assert not slot.resident
         real, slot.psub = slot.psub, puller
         try:
-            await worker._hand_back_leftovers()
+            await worker.lines.hand_back_leftovers()
         finally:
             slot.psub = real
         assert puller.buffered == 0 and worker.stats["leftovers_handed_back"] == 1

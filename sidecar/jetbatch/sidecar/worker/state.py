@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import anyio
 from nats.aio.msg import Msg
 
 __all__ = ["InFlight", "LoopState"]
@@ -62,11 +61,6 @@ class LoopState:
     # Counts due whatever the schedule says (wall clock): requests that come back to a queue with
     # no arrival event (JetStream sends none for a redelivery) are found by a count.
     recounts: list[float] = field(default_factory=list)
-    # Models whose unregistered queues are due to be answered (worker/orphans.py), for the task
-    # that answers them, woken by the count that found them.
-    orphans_due: set[str] = field(default_factory=set)
-    orphans_wake: anyio.Event = field(default_factory=anyio.Event)
-    orphans_warned_at: float = -math.inf
 
     def count_at(self, *times: float) -> None:
         """Count the queues at each of ``times`` too, whatever the poll interval."""
