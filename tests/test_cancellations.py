@@ -96,7 +96,7 @@ def test_callers_are_gone_when_cancelled_or_due_before_the_load_and_a_batch_end(
 def test_a_cancel_heard_before_the_arrival_event_still_counts() -> None:
     """A tenant's request reaches the workers through the classifier, its cancel straight: the
     arrival of a request already cancelled is marked at once (no load for it)."""
-    from jetbatch.sidecar.worker.queues import ArrivalFeed
+    from jetbatch.sidecar.worker.arrivals import ArrivalFeed
 
     slot = _slot()
     view = QueueView({"m1": slot})

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from nats.aio.msg import Msg
 
 from jetbatch.sidecar.pulling import Puller
-from jetbatch.sidecar.worker.queues import missed_by
+from jetbatch.sidecar.worker.stream_facts import missed_by
 from tests.helpers import pull_waiting, wait_until
 
 pytestmark = pytest.mark.anyio

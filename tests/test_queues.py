@@ -18,7 +18,10 @@ from hypothesis import strategies as st
 from jetbatch.sdk.protocol import Headers, Subjects
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams, model_consumer_name
-from jetbatch.sidecar.worker.queues import ArrivalFeed, LineStored, QueueView, line_stored, missed_by, parse_stream_timestamp
+from jetbatch.sidecar.worker.arrivals import ArrivalFeed
+from jetbatch.sidecar.worker.counting import count_queues
+from jetbatch.sidecar.worker.queues import QueueView
+from jetbatch.sidecar.worker.stream_facts import LineStored, line_stored, missed_by, parse_stream_timestamp
 from jetbatch.sidecar.worker.slots import Slot
 from tests.helpers import wait_until
 
@@ -475,7 +478,7 @@ async def test_a_batch_acked_while_the_count_is_on_its_way_is_not_subtracted_twi
             def __getattr__(self, name: str) -> Any:
                 return getattr(js, name)
 
-        assert await view.refresh(AckedDuringTheCount(), subjects, now=time.time(), mine=lambda: dict(held), not_ours={})
+        assert await count_queues(view, AckedDuringTheCount(), subjects, now=time.time(), mine=lambda: dict(held), not_ours={})
         assert slots["m1"].backlog == 1
 
 
@@ -490,16 +493,16 @@ async def test_the_backlog_comes_from_events_and_one_count_with_stranded_request
         # No consumer exists (they are made on demand): the stream's republished headers count.
         await wait_until(lambda: slots["m1"].backlog == 3, timeout_s=10, what="three arrival events")
         assert slots["m2"].backlog == 0 and view.waiting == {"m1"}
-        assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={})
+        assert await count_queues(view, js, subjects, now=time.time(), mine={}, not_ours={})
         assert slots["m1"].backlog == 3
         # A worker that fetches two and dies without acking leaves them stranded: still backlog.
         await ensure_model_consumer(js, subjects, cfg, "m1")
         dead = await js.pull_subscribe_bind(durable=model_consumer_name("m1"), stream=subjects.models_stream)
         assert len(await dead.fetch(2, timeout=5)) == 2
-        assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={})
+        assert await count_queues(view, js, subjects, now=time.time(), mine={}, not_ours={})
         assert slots["m1"].backlog == 3
         # A live peer that advertises the two as in flight takes them off our backlog.
-        assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={"m1": 2})
+        assert await count_queues(view, js, subjects, now=time.time(), mine={}, not_ours={"m1": 2})
         assert slots["m1"].backlog == 1
         await feed.stop()
 
@@ -530,7 +533,7 @@ async def test_a_quiet_line_s_arrivals_are_not_sent_and_listening_again_counts_t
         assert feed.seen == 3  # the batch line's first, m2's and the last interactive one
         # A stream count after listening sees what the events missed.
         assert await feed.listen("m1", bulk=True)
-        assert await view.refresh(js, subjects, now=time.time(), mine={}, not_ours={})
+        assert await count_queues(view, js, subjects, now=time.time(), mine={}, not_ours={})
         assert slots["m1"].interactive == 4 and slots["m1"].bulk == 3
         await feed.stop()
 
@@ -682,7 +685,7 @@ def test_a_forged_hour_with_an_offset_reads_as_the_full_parse_does() -> None:
     ],
 )
 def test_why_a_fetch_came_back_empty(pending: int, ack_pending: int, missed_before: bool, in_our_puller: bool, why: str) -> None:
-    from jetbatch.sidecar.worker.queues import empty_fetch
+    from jetbatch.sidecar.worker.stream_facts import empty_fetch
 
     assert empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=missed_before, in_our_puller=in_our_puller) == why
 
@@ -691,7 +694,8 @@ def test_requests_a_consumer_still_has_to_deliver_are_fetched_again_after_a_rech
     """Two empty fetches in a row while the consumer says requests are undelivered: they are held
     back for a recheck, after which the next count shows them again (held back for good, the
     model's queue looked empty to its worker and served to its peers)."""
-    from jetbatch.sidecar.worker.queues import RECHECK_S, empty_fetch
+    from jetbatch.sidecar.worker.queues import RECHECK_S
+    from jetbatch.sidecar.worker.stream_facts import empty_fetch
 
     view, slots = _view("m1")
     s = slots["m1"]

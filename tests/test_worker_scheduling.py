@@ -387,7 +387,7 @@ async def _a_peer(nc: Any, prefix: str) -> AsyncIterator[None]:
 async def test_a_worker_alone_tells_nobody_what_it_takes_and_tells_a_peer_once_it_sees_one(nats_url: str, prefix: str) -> None:
     """Take and settle events are for peers: alone, a worker sends as few messages a request as
     the raw loop (bench/deployed.py); once a peer's advert is in its view, its takes reach it."""
-    from jetbatch.sidecar.worker.queues import WORKER_HEADER
+    from jetbatch.sidecar.worker.arrivals import WORKER_HEADER
 
     config = make_config(prefix, {"m1": sleep_model()}, worker={"peer_timeout_s": 60.0})
     observer = await nats.connect(nats_url)

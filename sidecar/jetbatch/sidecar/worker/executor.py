@@ -29,7 +29,8 @@ from .counters import Counters
 from .execution import GIVE_BACK_DELAY_S, BatchRunner
 from .lines import Lines
 from .loads import Loads
-from .queues import ArrivalFeed, QueueView
+from .arrivals import ArrivalFeed
+from .queues import QueueView
 from .residency import Residency
 from .slots import ModelTurn, Slot
 from .state import LoopState

@@ -18,10 +18,13 @@ from ..errors import TRANSPORT_ERRORS
 from ..policy import listens
 from ..streams import model_consumer_name
 from .coordination import Coordinator
+from .counting import count_queues
 from .counters import Counters
 from .orphan_answers import OrphanAnswers
 from .pullers import Pullers
-from .queues import RECHECK_S, ArrivalFeed, QueueView, empty_fetch, line_stored, missed_by
+from .arrivals import ArrivalFeed
+from .queues import RECHECK_S, QueueView
+from .stream_facts import empty_fetch, line_stored, missed_by
 from .slots import Slot
 from .state import LoopState
 
@@ -60,8 +63,8 @@ class Lines:
         """Count every queue (one call), then schedule the next count: every poll interval while
         anything waits or runs, every ``idle_refresh_s`` otherwise (arrivals are events)."""
         not_ours = self.peers.not_ours(now)
-        ok = await self.queues.refresh(
-            self.js, self.subjects, now, not_ours=not_ours,
+        ok = await count_queues(
+            self.queues, self.js, self.subjects, now, not_ours=not_ours,
             mine=lambda: self.state.in_flight.by_model(self.subjects.model_from_subject),
             mine_bulk=lambda: self.state.in_flight.by_model(self._bulk_model),
         )  # fmt: skip

@@ -22,7 +22,8 @@ from .coordination import Coordinator
 from .counters import Counters
 from .execution import BatchRunner
 from .lines import Lines
-from .queues import ArrivalFeed, QueueView
+from .arrivals import ArrivalFeed
+from .queues import QueueView
 from .residency import Residency
 from .slots import Slot
 from .state import LoopState

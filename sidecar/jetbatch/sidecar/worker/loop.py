@@ -51,7 +51,8 @@ from .loads import Loads
 from .orphan_answers import OrphanAnswers
 from .pullers import Pullers
 from .quarantine import Quarantine
-from .queues import ArrivalFeed, QueueView
+from .arrivals import ArrivalFeed
+from .queues import QueueView
 from .residency import Residency, default_host_budget_bytes
 from .slots import BatchReport, Slot
 from .state import LoopState

@@ -33,22 +33,14 @@ from __future__ import annotations
 
 import logging
 import math
-import re
-import time
-from datetime import datetime, timezone
-from typing import Any, Callable, Literal, Mapping, NamedTuple
+from typing import Any, Mapping
 
-from nats.aio.msg import Msg
+from jetbatch.sdk.protocol import Priority, Subjects
 
-from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, deadline_from_headers, request_id_of
+from .slots import Slot
+from .stream_facts import LineStored, stored_after
 
-from ..errors import TRANSPORT_ERRORS
-from .counters import Counters
-from .slots import Slot, ack_info
-
-__all__ = [
-    "RECHECK_S", "ArrivalFeed", "EmptyFetch", "LineStored", "QueueView", "empty_fetch", "line_stored", "missed_by", "parse_stream_timestamp",
-]
+__all__ = ["RECHECK_S", "QueueView"]
 
 log = logging.getLogger("jetbatch.worker")
 
@@ -62,138 +54,6 @@ RECHECK_S = 1.0
 # Limits on the take events (core messages any worker-permitted client can send: hostile input).
 MAX_PEER_HELD = 100_000
 MAX_PEERS_A_MODEL = 256  # peers whose unsettled takes of one model are kept
-_MAX_TAKE_CHARS = 8
-_MAX_PEER_ID_CHARS = 128
-WORKER_HEADER = "Jetbatch-Worker"
-_KEY_TOKEN_RE = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
-_MAX_TIMESTAMP_CHARS = 40
-_MAX_SEQUENCE_CHARS = 20  # a uint64
-
-
-def _request_key(headers: Mapping[str, str]) -> tuple[str, str] | None:
-    """(tenant, request id) of an arrival, when both headers are well formed (None otherwise:
-    such a request cannot be cancelled while it waits, only when its batch forms)."""
-    tenant = headers.get(Headers.TENANT)
-    if tenant is not None and (not isinstance(tenant, str) or not _KEY_TOKEN_RE.match(tenant)):
-        return None
-    rid = request_id_of(headers.get(Headers.MSG_ID), tenant)
-    if not isinstance(rid, str) or not _KEY_TOKEN_RE.match(rid):
-        return None
-    return (tenant or "", rid)
-
-
-def parse_stream_timestamp(text: str | None) -> float | None:
-    """Unix seconds of a JetStream RFC 3339 timestamp (``2026-12-04T16:07:39.458084362Z``), or
-    None for anything else: the header is data a publisher could forge, so it is parsed with a
-    length limit and never raises."""
-    if not text or len(text) > _MAX_TIMESTAMP_CHARS or not text.endswith("Z"):
-        return None
-    base, _, frac = text[:-1].partition(".")
-    if frac and not frac.isdigit():
-        return None
-    # Every arrival event carries one, and a minute's arrivals share the date, hour and minute:
-    # those are read once a minute (a datetime for each event was a quarter of the feed's cost).
-    if _strict_seconds(base):
-        minute = _minute_at(base[:16])
-        seconds = None if minute is None else minute + int(base[17:])
-    else:
-        seconds = _iso_seconds(base)
-    if seconds is None:
-        return None
-    return seconds + (float(f"0.{frac}") if frac else 0.0)
-
-
-def _strict_seconds(base: str) -> bool:
-    """Whether ``base`` is exactly ``YYYY-MM-DDTHH:MM:SS`` in ASCII digits (seconds under 60):
-    only then is its minute the same datetime alone as in full. A forged ``T00-00:01`` reads as
-    an hour with a UTC offset (``fromisoformat``), and its "minute" as another time."""
-    return (
-        len(base) == 19 and base.isascii() and base[4] == base[7] == "-" and base[10] == "T" and base[13] == base[16] == ":"
-        and (base[:4] + base[5:7] + base[8:10] + base[11:13] + base[14:16] + base[17:]).isdigit() and base[17:] < "60"
-    )  # fmt: skip
-
-
-def _iso_seconds(base: str) -> float | None:
-    try:
-        return datetime.fromisoformat(base).replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
-
-
-_MINUTES: dict[str, float | None] = {}
-
-
-def _stored_after(known: Any, seq: int | None, *, ordered: bool = False) -> int:
-    """How many of a line's newest known arrivals were stored after stream sequence ``seq``.
-    The feed counts arrivals in the order the stream stored them, so the count stops at the
-    first one not after ``seq``, or whose sequence is unknown. ``ordered``: every entry has a
-    sequence, each larger than the one before (no forged event among them): then the first one
-    after ``seq`` is found by bisection. Counting back one by one cost a fetch of a deep queue a
-    pass over up to ``MAX_KNOWN_TIMES`` entries (6% of a saturated worker's samples)."""
-    if seq is None or not known:
-        return 0
-    newest = known[-1][3]
-    if newest is None or newest <= seq:
-        return 0
-    if ordered:
-        lo, hi = 0, len(known) - 1  # known[hi] is after seq
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if known[mid][3] <= seq:
-                lo = mid + 1
-            else:
-                hi = mid
-        return len(known) - lo
-    n = 0
-    for entry in reversed(known):
-        if entry[3] is None or entry[3] <= seq:
-            break
-        n += 1
-    return n
-
-
-def parse_stream_sequence(text: str | None) -> int | None:
-    """A republished message's stream sequence (``Nats-Sequence``), None unless plain digits
-    of a sane length: forgeable data, like every header of an arrival event."""
-    if not text or len(text) > _MAX_SEQUENCE_CHARS or not text.isascii() or not text.isdigit():
-        return None
-    return int(text)
-
-
-def _minute_at(prefix: str) -> float | None:
-    """Unix seconds of ``YYYY-MM-DDTHH:MM`` (UTC), None when it is no such time; the last few kept."""
-    at = _MINUTES.get(prefix, -1.0)
-    if at == -1.0:
-        at = _iso_seconds(prefix + ":00")
-        if len(_MINUTES) >= 4:  # forged ones must not grow it: only the current minute repeats
-            _MINUTES.clear()
-        _MINUTES[prefix] = at
-    return at
-
-
-Held = Mapping[str, int] | Callable[[], Mapping[str, int]]  # per model, or how to read it when needed
-EmptyFetch = Literal["fetch again", "in our puller", "delivered elsewhere", "unreachable"]
-
-
-def empty_fetch(*, pending: int, ack_pending: int, missed_before: bool, in_our_puller: bool) -> EmptyFetch:
-    """Why a fetch came back empty although the count said requests wait, from what the model's
-    consumer says of itself. ``pending`` undelivered: the fetch was short, or a peer took only
-    some; fetch again, once (``missed_before``: this is the second empty fetch in a row). In this
-    worker's own puller (delivered after its fetch returned): the next fetch takes them.
-    Delivered to someone and unacked, or undelivered yet not delivered to two fetches in a row
-    (a consumer whose leader moved, a pull lost with a node): held back for a recheck
-    (:meth:`QueueView.found_empty`). Neither undelivered nor unacked, yet still stored: left
-    behind in the work queue, never to be delivered. Only that last one is held back for good,
-    so it must never be concluded while the consumer still has something to deliver (it once
-    was, on ack pending 0 alone: a model's 8 undelivered requests went unserved for a minute on a
-    3-node cluster, its worker holding them back and its peers counting them served)."""
-    if pending and not missed_before:
-        return "fetch again"
-    if in_our_puller:
-        return "in our puller"
-    if pending or ack_pending:
-        return "delivered elsewhere"
-    return "unreachable"
 
 
 class QueueView:
@@ -249,14 +109,14 @@ class QueueView:
             self._set_head(slot)
         self.waiting.add(slot.name)
 
-    def _stored_after(self, slot: Slot, bulk: bool, seq: int | None) -> int:
+    def stored_after(self, slot: Slot, bulk: bool, seq: int | None) -> int:
         known = slot.known_bulk if bulk else slot.known_times
         line = (slot.name, bulk)
         since = self._unordered.get(line)
         if since is not None and len(known) <= since:
             del self._unordered[line]  # what is left all came after the last one out of order
             since = None
-        return _stored_after(known, seq, ordered=since is None)
+        return stored_after(known, seq, ordered=since is None)
 
     def cancel(self, key: tuple[str, str]) -> bool:
         """A caller cancelled the request ``key``: if it waits in a queue we know, it stops
@@ -299,7 +159,7 @@ class QueueView:
         if pending is None:
             left = max(0, line - n)
         else:
-            left = max(pending, self._stored_after(slot, bulk, last_seq))
+            left = max(pending, self.stored_after(slot, bulk, last_seq))
             if redelivered:
                 left = max(left, line - n)
         self._count_line(slot, left, bulk=bulk)
@@ -418,7 +278,7 @@ class QueueView:
         - ``arrived_since``."""
         waiting = max(pending + missed, arrived_since)
         if stored is not None:
-            after = self._stored_after(slot, bulk, stored.last_seq)
+            after = self.stored_after(slot, bulk, stored.last_seq)
             waiting = max(waiting, max(0, stored.messages - unacked) + missed + after)
         self._count_line(slot, waiting, bulk=bulk)
 
@@ -447,8 +307,8 @@ class QueueView:
         waiting = available - slot.unfetchable
         interactive = min(max(0, (stored - stored_bulk) - (mine - mine_bulk)), max(0, waiting))
         bulk = max(0, waiting - interactive)
-        interactive = max(interactive, self._stored_after(slot, False, last_seq))
-        bulk = max(bulk, self._stored_after(slot, True, last_seq))
+        interactive = max(interactive, self.stored_after(slot, False, last_seq))
+        bulk = max(bulk, self.stored_after(slot, True, last_seq))
         self._count(slot, interactive + bulk, bulk=bulk)
 
     def needs_head(self, slot: Slot) -> bool:
@@ -506,28 +366,16 @@ class QueueView:
 
     # --- the I/O ------------------------------------------------------------------------------
 
-    async def refresh(
-        self, js: Any, subjects: Subjects, now: float, *, mine: Held, not_ours: Mapping[str, int], mine_bulk: Held = {}
-    ) -> bool:
-        """Reconcile every queue with one stream-info call (and read a few unknown heads); False
-        when JetStream did not answer (the view is kept as it was). ``mine`` and ``mine_bulk``
-        (what this worker holds unacked, per model) may be functions, read once the count is
-        back: a batch acked while the count was on its way may be gone from it, and subtracted
-        again it hid as many waiting requests until the next count. Read after, a batch fetched
-        meanwhile is in both (stored until acked), and one acked meanwhile at worst over-counts
-        (an empty fetch)."""
-        try:
-            info = await js.stream_info(subjects.models_stream, subjects_filter=subjects.models_wildcard)
-        except TRANSPORT_ERRORS as exc:
-            log.debug("stream info for the backlog failed: %r", exc)
-            return False
-        mine = mine() if callable(mine) else mine
-        mine_bulk = mine_bulk() if callable(mine_bulk) else mine_bulk
+    def counted(
+        self, stored: Mapping[str, int], last_seq: int | None, now: float, *, subjects: Subjects, mine: Mapping[str, int], not_ours: Mapping[str, int],
+        mine_bulk: Mapping[str, int],
+    ) -> list[Slot]:
+        """Reconcile every queue with the models stream's count per subject (``stored``, one
+        stream-info answer: ``worker/counting.py``); the waiting queues whose head nobody saw
+        arrive, a few, to be read by direct get (:meth:`set_unknown_head`)."""
         counts: dict[str, int] = {}
         bulk: dict[str, int] = {}
-        last_seq = getattr(info.state, "last_seq", None)
-        last_seq = last_seq if isinstance(last_seq, int) else None
-        for subject, n in (getattr(info.state, "subjects", None) or {}).items():
+        for subject, n in stored.items():
             queue = subjects.queue_from_subject(subject)
             if queue is not None:
                 counts[queue[0]] = counts.get(queue[0], 0) + int(n)
@@ -545,255 +393,4 @@ class QueueView:
                     slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=peers, stored_bulk=bulk.get(name, 0),
                     mine_bulk=mine_bulk.get(name, 0), last_seq=last_seq,
                 )  # fmt: skip
-        reads = [s for s in (self._slots[n] for n in sorted(self.waiting)) if self.needs_head(s)][:MAX_HEAD_READS]
-        for slot in reads:
-            await self._read_head(js, subjects, slot, now)
-        return True
-
-    async def _read_head(self, js: Any, subjects: Subjects, slot: Slot, now: float) -> None:
-        """The first stored message of the model's subject: its enqueue time and deadline. It may
-        be delivered already (in flight somewhere): an over-estimate of the age, on the safe side."""
-        # The line with requests nobody saw arrive (the interactive one when both have some).
-        priority = Priority.INTERACTIVE if slot.interactive > len(slot.known_times) else Priority.BATCH
-        try:
-            raw = await js.get_msg(subjects.models_stream, seq=1, subject=subjects.model(slot.name, priority), next=True)
-        except TRANSPORT_ERRORS:
-            self.set_unknown_head(slot, now, None)
-            return
-        headers = getattr(raw, "headers", None)
-        try:
-            deadline = deadline_from_headers(headers)
-        except ProtocolError:
-            deadline = None  # a malformed deadline: that request gets bad_request anyway
-        ts = getattr(raw, "time", None)
-        at = ts.timestamp() if hasattr(ts, "timestamp") else parse_stream_timestamp(str(ts) if ts is not None else None)
-        self.set_unknown_head(slot, min(at, now) if at is not None else now, deadline)
-
-
-class LineStored(NamedTuple):
-    """What the models stream stores on one line's subject, and its last sequence then."""
-
-    messages: int
-    last_seq: int | None
-
-
-def line_stored(info: Any, subject: str) -> LineStored:
-    """Read a stream info asked with ``subjects_filter=subject`` (a subject with nothing stored
-    is absent from its answer)."""
-    state = getattr(info, "state", None)
-    subjects = getattr(state, "subjects", None) or {}
-    n = subjects.get(subject, 0) if isinstance(subjects, dict) else 0
-    last_seq = getattr(state, "last_seq", None)
-    return LineStored(n if isinstance(n, int) and n > 0 else 0, last_seq if isinstance(last_seq, int) else None)
-
-
-def missed_by(count: Any) -> tuple[Callable[[Msg], bool | None], Callable[[Msg], bool]]:
-    """Which deliveries a count of a line's consumer (its ``ConsumerInfo``) did not count as
-    undelivered, though they may reach this worker's puller only after its answer (the server
-    sends deliveries and API answers from different places): first deliveries made when the
-    count was taken (a stream sequence no later than the consumer's last delivered one: it
-    delivers in stream order, so a later first delivery of such a sequence was on its way), and
-    redeliveries (counted as unacked while they waited, whenever they come). A message whose ack
-    subject is not JetStream's is no request, never counted. ``Puller.watch`` takes the two; the
-    first says None at a later first delivery: the ones before it came first on the connection."""
-    delivered = getattr(count.delivered, "stream_seq", None) or 0
-
-    def before(msg: Msg) -> bool | None:
-        info = ack_info(msg)
-        if info is None or info.delivered > 1:
-            return False
-        return True if info.stream_seq <= delivered else None
-
-    def again(msg: Msg) -> bool:
-        info = ack_info(msg)
-        return info is not None and info.delivered > 1
-
-    return before, again
-
-
-class ArrivalFeed:
-    """The event feed of the queues. ``<prefix>.arrived.>``: each republished request counts into
-    its model's queue and wakes the worker. Each line of each served model has its own
-    subscription (2000, for 1000 models, cost 33 ms to make and 9 MB), so that the worker can stop listening to a
-    line it drains (:meth:`quiet`, :meth:`listen`; ``sidecar/policy/interest.py``), and hears
-    nothing of models it does not serve. ``<prefix>.taken.>``: the workers' own events, ``+n`` when
-    one fetched n requests of a model and ``-n`` when it settled them (:meth:`took`,
-    :meth:`settled`), so its peers' counts follow at once. Hostile input never raises here: an
-    unknown model, a malformed timestamp, deadline or count is ignored or read as "now" / "no
-    deadline"; a forged take can hide requests from the count until the next reconcile (a
-    poll interval) at most. ``audience`` says whether any peer hears the take events now: a
-    worker that knows it is alone sends none (two messages a batch the raw loop does not send);
-    one that starts beside it misses its takes until it has read the newcomer's advert
-    (its first advert goes out after its start-up), an over-count its next count corrects, as for
-    any lost event."""
-
-    def __init__(
-        self,
-        nc: Any,
-        subjects: Subjects,
-        slots: Mapping[str, Slot],
-        view: QueueView,
-        on_arrival: Callable[[], None],
-        worker_id: str = "",
-        counters: Counters | None = None,
-        cancelled: Callable[[str | None, str], bool] = lambda tenant, request_id: False,
-        audience: Callable[[], bool] = lambda: True,
-    ) -> None:
-        self._nc = nc
-        self._audience = audience
-        self._subjects = subjects
-        self._slots = slots
-        self._view = view
-        self._on_arrival = on_arrival
-        self._cancelled = cancelled  # whether a cancel notice for (tenant, request id) came already
-        self._worker_id = worker_id
-        self._subs: dict[tuple[str, bool], Any] = {}  # (model, batch line?) -> its arrivals' subscription
-        self._quiet: set[tuple[str, bool]] = set()  # the lines whose arrivals we stopped listening to
-        self._taken_sub: Any = None
-        self.seen = 0
-        self._counters = Counters() if counters is None else counters
-
-    async def start(self) -> None:
-        """Subscribe (once: a retried startup calls it again)."""
-        for name in self._slots:
-            for bulk in (False, True):
-                if (name, bulk) not in self._subs and (name, bulk) not in self._quiet:
-                    self._subs[(name, bulk)] = await self._subscribe(name, bulk)
-        if self._taken_sub is None:
-            self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
-
-    async def _subscribe(self, name: str, bulk: bool) -> Any:
-        subject = self._subjects.arrived(name, Priority.BATCH if bulk else Priority.INTERACTIVE)
-        return await self._nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=1_000_000)
-
-    @property
-    def quiet_lines(self) -> frozenset[tuple[str, bool]]:
-        """The lines (model, whether the batch one) whose arrivals this worker does not listen to now."""
-        return frozenset(self._quiet)
-
-    def is_quiet(self, name: str, *, bulk: bool = False) -> bool:
-        """Whether this worker does not listen to the arrivals of that line of ``name`` now."""
-        return (name, bulk) in self._quiet
-
-    async def quiet(self, name: str, *, bulk: bool = False) -> bool:
-        """Stop listening to the arrivals of one of ``name``'s lines (False, still listening,
-        when the connection refused)."""
-        line = (name, bulk)
-        sub = self._subs.get(line)
-        if sub is None:
-            return line in self._quiet
-        try:
-            await sub.unsubscribe()
-        except TRANSPORT_ERRORS + (ValueError,) as exc:
-            log.debug("arrivals of %s: unsubscribe failed: %r", line, exc)
-            return False
-        del self._subs[line]
-        self._quiet.add(line)
-        self._counters.add("arrivals_quiet")
-        return True
-
-    async def listen(self, name: str, *, bulk: bool = False) -> bool:
-        """Listen to the arrivals of one of ``name``'s lines again (False when the connection
-        refused: try again later). The subscription goes out before anything the caller sends
-        next on the connection, so a fetch or count sent after this sees every arrival the
-        events miss."""
-        line = (name, bulk)
-        if line not in self._quiet:
-            return True
-        try:
-            self._subs[line] = await self._subscribe(name, bulk)
-        except TRANSPORT_ERRORS + (ValueError,) as exc:
-            log.debug("arrivals of %s: subscribe failed: %r", line, exc)
-            return False
-        self._quiet.discard(line)
-        return True
-
-    async def stop(self) -> None:
-        for sub in (self._taken_sub, *self._subs.values()):
-            if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except TRANSPORT_ERRORS + (ValueError,):
-                    pass
-        self._taken_sub = None
-        self._subs.clear()
-        self._quiet.clear()
-
-    async def _on_msg(self, msg: Msg) -> None:
-        self.note(msg.subject, msg.headers)
-
-    def note(self, subject: str, headers: Mapping[str, str] | None, now: float | None = None) -> None:
-        """Count one republished arrival (the subscription's callback, callable from tests)."""
-        queue = self._subjects.queue_from_arrival(subject)
-        slot = self._slots.get(queue[0]) if queue is not None else None
-        if slot is None or queue is None:
-            return
-        now = time.time() if now is None else now
-        headers = headers or {}
-        at = parse_stream_timestamp(headers.get("Nats-Time-Stamp"))
-        self._arrived(slot, at, headers, queue[1] is Priority.BATCH, parse_stream_sequence(headers.get("Nats-Sequence")), now)
-        self.seen += 1
-        if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
-            self._counters.sample("arrival_delay", now - at)
-        self._on_arrival()
-
-    def missed(self, slot: Slot, msg: Msg, *, bulk: bool, now: float | None = None) -> None:
-        """Count a delivery to this worker's puller that a count of its line missed, as its
-        arrival event would have been counted (``Puller.watch``: delivered before the count was
-        taken, it reached the puller after the count's answer; stored while the worker did not
-        listen, it had no event). Its ack subject says when it was stored, and where."""
-        now = time.time() if now is None else now
-        info = ack_info(msg)
-        self._arrived(slot, None if info is None else info.stored_at_s, msg.headers or {}, bulk, None if info is None else info.stream_seq, now)
-        self._counters.add("arrivals_missed_by_counts")
-        self._on_arrival()
-
-    def _arrived(self, slot: Slot, at: float | None, headers: Mapping[str, str], bulk: bool, seq: int | None, now: float) -> None:
-        try:
-            deadline = deadline_from_headers(headers)
-        except ProtocolError:
-            deadline = None
-        key = _request_key(headers)
-        self._view.arrived(slot, min(at, now) if at is not None else now, deadline, bulk=bulk, key=key, seq=seq)
-        if key is not None and self._cancelled(key[0] or None, key[1]):
-            # Its cancel came before this event (a tenant's request goes through the classifier,
-            # the notice straight to the workers): counted as cancelled at once.
-            self._view.cancel(key)
-
-
-    async def took(self, name: str, n: int) -> None:
-        """Tell the peers this worker fetched ``n`` requests of ``name`` (best effort: a lost
-        event costs a peer one poll interval of a stale count, as before events)."""
-        await self._announce(name, f"+{n}")
-
-    async def settled(self, name: str, n: int) -> None:
-        """Tell the peers this worker settled (acked, nak'd or termed) ``n`` requests it took."""
-        await self._announce(name, f"-{n}")
-
-    async def _announce(self, name: str, text: str) -> None:
-        if self._nc is None or not self._worker_id or not self._audience():
-            return
-        try:
-            await self._nc.publish(self._subjects.taken(name), text.encode(), headers={WORKER_HEADER: self._worker_id})
-        except TRANSPORT_ERRORS + (ValueError,) as exc:
-            log.debug("take event for %s not sent: %r", name, exc)
-
-    async def _on_taken(self, msg: Msg) -> None:
-        self.note_taken(msg.subject, msg.headers, msg.data)
-
-    def note_taken(self, subject: str, headers: Mapping[str, str] | None, data: bytes, now: float | None = None) -> None:
-        """Apply one peer's take or settle event (the subscription's callback, callable from tests)."""
-        slot = self._slots.get(self._subjects.model_from_taken(subject) or "")
-        peer = (headers or {}).get(WORKER_HEADER, "")
-        if slot is None or not peer or len(peer) > _MAX_PEER_ID_CHARS or peer == self._worker_id:
-            return  # ours (counted when fetched), or not a worker's
-        if not 2 <= len(data) <= _MAX_TAKE_CHARS or data[:1] not in (b"+", b"-") or not data[1:].isdigit():
-            return
-        n = int(data[1:])
-        if not 0 < n <= MAX_PEER_HELD:
-            return
-        now = time.time() if now is None else now
-        if data[:1] == b"+":
-            self._view.peer_took(slot, peer, n, now)
-        else:
-            self._view.peer_settled(slot.name, peer, n, now)
+        return [s for s in (self._slots[n] for n in sorted(self.waiting)) if self.needs_head(s)][:MAX_HEAD_READS]
