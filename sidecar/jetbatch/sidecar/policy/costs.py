@@ -11,9 +11,9 @@ A load's cost depends on the tier the model comes from: *cold* (read and deseria
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterable, Literal
 
-__all__ = ["BatchCost", "CostEstimator", "Tier", "warm_copy_value"]
+__all__ = ["BatchCost", "CostEstimator", "Tier", "prefetch_choice", "warm_copy_value"]
 
 Tier = Literal["cold", "warm", "resident"]
 
@@ -119,6 +119,14 @@ class CostEstimator:
     def host_memory_bytes(self, model: str) -> int:
         """Host bytes of the model's warm copy (measured; the device size until then)."""
         return self._host_memory.get(model, self._memory.get(model, 0))
+
+
+def prefetch_choice(waiting: Iterable[tuple[str, int]]) -> str | None:
+    """Which cold model's weights to read into host memory while the device computes: the one
+    with the largest backlog that is ours to serve (ties: the later name), None when none waits.
+    ``waiting``: (model, backlog) of the cold models, the one being served left out."""
+    best = max(((n, name) for name, n in waiting if n > 0), default=None)
+    return None if best is None else best[1]
 
 
 def warm_copy_value(cold_load_cost_s: float, backlog: int, recent_demand: float) -> float:

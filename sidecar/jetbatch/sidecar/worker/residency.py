@@ -22,7 +22,7 @@ import anyio.abc
 
 from ..handlers import HandlerError
 from ..core import Evicted, Loaded, Warmed, WorkerCore
-from ..policy import Tier, reload_tier, warm_copy_value
+from ..policy import Tier, prefetch_choice, reload_tier, warm_copy_value
 from ..telemetry import LoadRecord, WorkerTelemetry
 from .slots import Slot
 from .counters import Counters
@@ -279,11 +279,10 @@ class Residency:
         if not self.prefetch_enabled or self.host_budget_bytes <= 0:
             return
         cold = [self.slots[n] for n in candidates if n in self.slots]
-        waiting = [(backlog_of(s), s) for s in cold if s.tier == "cold" and s.name != exclude and s.broken is None]
-        waiting = [(n, s) for n, s in waiting if n > 0]
-        if not waiting:
+        choice = prefetch_choice((s.name, backlog_of(s)) for s in cold if s.tier == "cold" and s.name != exclude and s.broken is None)
+        if choice is None:
             return
-        nxt = max(waiting, key=lambda pair: (pair[0], pair[1].name))[1]
+        nxt = self.slots[choice]
         if nxt.name in self._prefetching or not self._fits_host(nxt, self.costs.host_memory_bytes(nxt.name)):
             return
         self._prefetching.add(nxt.name)
