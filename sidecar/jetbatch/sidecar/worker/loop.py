@@ -203,7 +203,7 @@ class Worker:
             cluster, worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             driver=self.driver, budget=self.budget, counters=self.stats, heartbeat_s=config.worker.heartbeat_s, report=self.report,
         )  # fmt: skip
-        self.telemetry.register_gauges(self.report, self.peers.reports_queues)
+        self.telemetry.register_gauges(self.report, self.peers.reports_queues, self.queues)
 
     def _note_trouble(self) -> None:
         self.peers.note_trouble()
