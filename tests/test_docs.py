@@ -61,6 +61,6 @@ def test_every_figure_on_the_benchmarks_page_has_a_command_and_a_date() -> None:
     for row in rows:
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
         assert len(cells) == 5, row
-        what, figure, _, command, date = cells
+        _, figure, _, command, date = cells
         assert figure and ("python -m bench." in command or "the same" in command or "above" in command or "stress loop" in command), row
         assert re.search(r"\b20\d\d\b", date), row
