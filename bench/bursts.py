@@ -5,7 +5,7 @@ A burst is 2 or 3 requests from one client (alternately), the i-th sent i x ``of
 first, then an idle pause; the offsets put the later requests inside the first one's batch
 window, at its close and just after it. Sparse bursty traffic is where a request's arrival event
 and the fetch that counts its queue race: a request left out of its window waited for the
-worker's next count of the queue, up to ``idle_refresh_s`` (docs/benchmarks.md, "A request
+worker's next count of the queue, up to ``idle_refresh_s`` (docs/benchmarks.md in git, "A request
 stored while its window is open"). The worker runs in its own process (identity handler, batches
 of up to 64), as in ``compose.yaml``.
 

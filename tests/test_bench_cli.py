@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def test_bench_against_an_embedded_deployment(tmp_path: Path) -> None:
     for key in ("throughput", "p50 / p95 / p99", "mean batch size", "loads"):
         assert key in proc.stdout
     assert (tmp_path / "out.png").stat().st_size > 10_000
+    # Piped (no terminal, as in CI): progress still shows, as whole lines on stderr.
+    assert re.search(r"^bench: \d+\.\ds of 2s sent=\d+ answered=\d+ errors=0$", proc.stderr, re.M), proc.stderr[-2000:]
 
 
 def test_bench_json_is_one_summary_on_stdout(tmp_path: Path) -> None:

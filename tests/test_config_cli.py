@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -594,3 +595,20 @@ async def test_the_console_script_imports_models_and_handlers_from_the_working_d
         "jetbatch worker: gone.toml: models.m1.module_class: module_class 'nonets:Net': cannot import nonets: "
         "no module named 'nonets' in the working directory or on PYTHONPATH"
     )
+
+
+def test_no_help_text_shows_docstring_markup() -> None:
+    """Found in a day of use: ``--help`` printed docstrings as written, reStructuredText's double
+    backticks and :class: roles included."""
+    import contextlib
+    import io
+
+    from jetbatch.sidecar.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "worker" in a.choices)
+    for name, command in [("jetbatch", parser), *sub.choices.items()]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            command.print_help()
+        assert "``" not in out.getvalue() and not re.search(r":[a-z]+:`", out.getvalue()), (name, out.getvalue())

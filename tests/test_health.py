@@ -201,3 +201,30 @@ async def test_a_request_head_over_4_kib_is_refused() -> None:
             assert not (await ask(port, over)).startswith(b"HTTP/1.1 200")
         finally:
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("role", ["worker", "classifier"])
+def test_a_sidecar_says_when_it_is_ready_and_where_its_endpoints_listen(server: EmbeddedNats, tmp_path: Path, role: str) -> None:
+    """Found in a day of use: ``jetbatch worker``/``classifier`` printed nothing when ready, and
+    with ``--http-port 0`` nothing said which port they bound. One line now says both, and the
+    port it names answers."""
+    config = tmp_path / "s.toml"
+    config.write_text(
+        '[nats]\nprefix = "ready-line"\n[worker]\nid = "w-ready"\n[classifier]\nid = "c-ready"\nrouter = "rules"\ndefault_model = "m1"\n'
+        '[models.m1]\nhandler = "sleep"\noptions = { load_cost_s = 0.0, batch_cost_s = 0.001, item_cost_s = 0.0 }\n'
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetbatch", role, "--config", str(config), "--nats-url", server.url, "--http-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until the line (or EOF if it died): the test's timeout bounds it
+        want = f"{role} {'w-ready' if role == 'worker' else 'c-ready'} ready"
+        assert line.startswith(want), line
+        assert role != "worker" or "serving m1" in line, line
+        port = int(line.rsplit(":", 1)[1])
+        assert _get(port, "/readyz")[0] == 200
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 import anyio
+import nats
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,9 +26,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from jetbatch import sdk
-from jetbatch.sdk.protocol import Headers
+from jetbatch.sdk.protocol import Headers, Subjects
 from jetbatch.sidecar.classifier.service import OTHER_MODEL_LABEL
+from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.otel import PrivateIdGenerator
+from jetbatch.sidecar.streams import ensure_streams
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
 from tests.otlp_receiver import OtlpReceiver
 
@@ -409,3 +412,42 @@ async def test_the_classifier_names_only_models_a_queue_took(otel: Otel, nats_ur
     assert _total(reader, "jetbatch.classifier.requests", jetbatch__model=OTHER_MODEL_LABEL, jetbatch__status="unknown_model") - before == 5
     assert not [p for p in _points(reader, "jetbatch.classifier.requests") if p.attributes.get("jetbatch.model", "").startswith("hostile-")]
     assert _points(reader, "jetbatch.classifier.requests", jetbatch__model="m1", jetbatch__status="ok")
+
+
+async def test_the_backlog_gauge_shows_queues_of_models_the_reporter_does_not_serve(otel: Otel, nats_url: str, prefix: str) -> None:
+    """Found in a day of use: 450 requests waited for three models, and no ``/metrics`` showed
+    them (``jetbatch status`` did): the deployment's one reporter served none of those models and
+    the gauge read only its own. Its stream count has every queue; the gauge now carries them."""
+    _, reader, _ = otel
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1", "x1", "x2"])  # as a worker serving x1 and x2 left them
+        for i in range(5):
+            await js.publish(subjects.model("x1"), f"a{i}".encode())
+        for i in range(3):
+            await js.publish(subjects.model("x2", "batch"), f"b{i}".encode())
+        config = make_config(prefix, {"m1": sleep_model()}, worker={"id": "w-alone", "orphan_grace_s": None})
+        async with running_worker(config, nats_url) as worker:
+            await wait_until(lambda: worker.queues.unregistered == {"x1": 5, "x2": 3}, timeout_s=20, what="the worker counts x1 and x2")
+            points = _points(reader, "jetbatch.queue.backlog", jetbatch__worker__id="w-alone")
+            assert {p.attributes["jetbatch.model"]: p.value for p in points if p.value} == {"x1": 5, "x2": 3}
+    finally:
+        await nc.close()
+
+
+def test_the_backlog_gauge_bounds_the_models_it_names() -> None:
+    """Any producer can store requests under any model name: past the cap, the smallest queues
+    of unregistered models are summed under ``_other``, so the series stay bounded and a sum is
+    still the backlog."""
+    from types import SimpleNamespace
+
+    from jetbatch.sidecar.telemetry import MAX_UNREGISTERED_BACKLOG_SERIES, _Gauges
+
+    gauges = _Gauges()
+    queues = SimpleNamespace(unregistered={f"u{i}": i + 1 for i in range(MAX_UNREGISTERED_BACKLOG_SERIES + 10)})
+    gauges._stored["w"] = lambda: queues
+    named = gauges._unregistered("w", exclude={"u0": 1})
+    assert len(named) == MAX_UNREGISTERED_BACKLOG_SERIES + 1 and "u0" not in named
+    assert named["_other"] == sum(range(2, 11)) and sum(named.values()) == sum(queues.unregistered.values()) - 1

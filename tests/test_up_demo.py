@@ -183,6 +183,8 @@ def test_demo_runs_and_summarises(examples_dir: Path, tmp_path: Path) -> None:
     out = proc.stdout
     assert re.search(r"answered\s+60\b", out), out
     assert re.search(r"errors\s+0\b", out), out
+    # The seconds the sidecars take to start are not silent.
+    assert re.search(r"waiting for the sidecars: \d+ of 1 workers", out), out
     batch_lines = [line for line in out.splitlines() if line.startswith("batch ")]
     assert batch_lines and all("model=" in line and "size=" in line for line in batch_lines)
     sizes = [int(re.search(r"size=\s*(\d+)", line).group(1)) for line in batch_lines]  # type: ignore[union-attr]

@@ -2,7 +2,7 @@
 
 nats-py's pull ``fetch`` awaits each message of a batch with ``next_msg``, an ``asyncio.wait_for``
 that makes a task every time: in the worker's profile that was 3 tasks and 2 ``wait_for`` calls a
-request (docs/benchmarks.md, "As deployed"). A :class:`Puller` sends the same pull requests
+request (docs/benchmarks.md before 2026-12-08, "As deployed", in git). A :class:`Puller` sends the same pull requests
 (``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>``) with replies to an inbox of its own, and
 its callback buffers what arrives: a fetch waits on one event with one deadline.
 

@@ -159,7 +159,7 @@ class Replier:
         # In chunks, each handed to the socket before the next is published: the first callers
         # have their answers (and send their next requests) while the rest go out. A batch sent
         # whole kept a closed loop of callers in lockstep with the worker, one batch at a time
-        # (docs/benchmarks.md, "Answers in chunks"). An atomic batch is one group, not split.
+        # (docs/benchmarks.md before 2026-12-08, "Answers in chunks", in git). An atomic batch is one group, not split.
         size = ATOMIC_BATCH_MAX if self._atomic and self.config.durable else PUBLISH_CHUNK
         for i in range(0, len(answers), size):
             chunk = answers[i : i + size]

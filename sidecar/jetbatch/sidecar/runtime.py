@@ -48,12 +48,14 @@ class EndpointError(SidecarError):
 
 async def serve_sidecar(
     config: Config, url: str, *, name: str, make: Callable[[NATS, NATS | None], Sidecar], http_port: int | None = None,
-    no_echo: bool = False,
+    no_echo: bool = False, on_ready: Callable[[Any, str], None] | None = None,
 ) -> int:
     """Listen for /healthz, /readyz and /metrics on ``http_port`` (None: off; 0: any free port),
     then connect, run the sidecar until SIGTERM/SIGINT, drain. The endpoints listen first, so a
     taken port is an :class:`EndpointError` before anything connects. ``no_echo``: the server
-    does not send the sidecar's main connection what that connection published itself."""
+    does not send the sidecar's main connection what that connection published itself.
+    ``on_ready(sidecar, address)``: called once when the sidecar is first ready, with where its
+    endpoints listen as bound (``host:port``; ``""`` when off)."""
     from .transport import connect, connect_replies
 
     state: dict[str, Any] = {"nc": None, "reply_nc": None, "sidecar": None, "stopping": False}
@@ -94,8 +96,14 @@ async def serve_sidecar(
                 state["stopping"] = True
                 sidecar.stop()
 
+            async def announce() -> None:
+                await sidecar.ready.wait()
+                if on_ready is not None:
+                    on_ready(sidecar, address)
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, stop)
+                tg.start_soon(announce)
                 freeze_start_up_heap()
                 await sidecar.run()
                 tg.cancel_scope.cancel()

@@ -28,6 +28,11 @@ COMPUTE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LOAD_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# The backlog gauge names at most this many models a worker does not register (the largest
+# queues); the rest are summed under ``_other``: any producer can store requests for any model
+# name, and each name would otherwise be a series for as long as its requests stay stored.
+MAX_UNREGISTERED_BACKLOG_SERIES = 100
+OTHER_MODEL_LABEL = "_other"
 
 
 @dataclass
@@ -115,11 +120,14 @@ class _Gauges:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reports: list[tuple[str, Callable[[], Callable[[], Any] | None], Callable[[], Callable[[], bool] | None]]] = []
+        self._stored: dict[str, Callable[[], Any]] = {}  # worker id -> weak ref to its queue view
         self._created = False
 
-    def add(self, worker_id: str, report: Callable[[], Any], reports_queues: Callable[[], bool]) -> None:
+    def add(self, worker_id: str, report: Callable[[], Any], reports_queues: Callable[[], bool], queues: Any = None) -> None:
         with self._lock:
             self._reports.append((worker_id, _weak(report), _weak(reports_queues)))
+            if queues is not None:
+                self._stored[worker_id] = weakref.ref(queues)
             if self._created:
                 return
             self._created = True
@@ -127,7 +135,7 @@ class _Gauges:
         # One meaning per metric (Prometheus naming): use and limit are two gauges, not a label.
         meter.create_observable_gauge(
             "jetbatch.queue.backlog", [self._backlog], unit="{request}",
-            description="Requests waiting per model, stream-wide; reported by one worker of a deployment, so sum() by model is the backlog",
+            description="Requests waiting per model, stream-wide, for every model with requests stored (served here or not); reported by one worker of a deployment, so sum() by model is the backlog",
         )  # fmt: skip
         meter.create_observable_gauge("jetbatch.models.resident", [self._resident], unit="{model}", description="Models resident on the device")
         meter.create_observable_gauge("jetbatch.memory.used", [self._memory_used], unit="By", description="Device memory the resident models hold")
@@ -140,6 +148,7 @@ class _Gauges:
         with self._lock:
             live = [(wid, ref, owns, ref(), owns()) for wid, ref, owns in self._reports]
             self._reports = [(wid, ref, owns) for wid, ref, owns, fn, _ in live if fn is not None]
+            self._stored = {wid: ref for wid, ref in self._stored.items() if ref() is not None}
         for wid, _, _, fn, owns_fn in live:
             if fn is None:
                 continue
@@ -152,10 +161,30 @@ class _Gauges:
     def _backlog(self, _: Any) -> Iterable[Observation]:
         # Every worker counts every queue; only the one that reports them is observed, so the
         # series do not double when several workers serve one stream.
-        return [
-            Observation(n, {"jetbatch.model": m, "jetbatch.worker.id": wid})
-            for wid, r, owns in self._current() if owns for m, n in r.backlog.items()
-        ]  # fmt: skip
+        out = []
+        for wid, r, owns in self._current():
+            if owns:
+                counts = dict(r.backlog)
+                # Models this worker does not serve: their queues are in its stream count too,
+                # and a deployment's one reporter may serve none of the models that wait.
+                for m, n in self._unregistered(wid, exclude=counts).items():
+                    counts[m] = counts.get(m, 0) + n
+                out.extend(Observation(n, {"jetbatch.model": m, "jetbatch.worker.id": wid}) for m, n in counts.items())
+        return out
+
+    def _unregistered(self, worker_id: str, *, exclude: Mapping[str, int]) -> dict[str, int]:
+        """Requests stored per model that ``worker_id`` does not register, from its queue view's
+        last count: the ``MAX_UNREGISTERED_BACKLOG_SERIES`` largest queues, the rest summed
+        under ``_other``."""
+        ref = self._stored.get(worker_id)
+        queues = ref() if ref is not None else None
+        stored = {m: n for m, n in dict(getattr(queues, "unregistered", None) or {}).items() if n > 0 and m not in exclude}
+        if len(stored) <= MAX_UNREGISTERED_BACKLOG_SERIES:
+            return stored
+        ranked = sorted(stored.items(), key=lambda item: (-item[1], item[0]))
+        named = dict(ranked[:MAX_UNREGISTERED_BACKLOG_SERIES])
+        named[OTHER_MODEL_LABEL] = named.get(OTHER_MODEL_LABEL, 0) + sum(n for _, n in ranked[MAX_UNREGISTERED_BACKLOG_SERIES:])
+        return named
 
     def _resident(self, _: Any) -> Iterable[Observation]:
         return [Observation(len(r.resident), {"jetbatch.worker.id": wid}) for wid, r, _ in self._current()]
@@ -205,11 +234,14 @@ class WorkerTelemetry:
         self.evictions = meter.create_counter("jetbatch.model.evictions", unit="{eviction}", description="Model evictions")
         self.switches = meter.create_counter("jetbatch.scheduler.switches", unit="{switch}", description="Model switches, by reason")
 
-    def register_gauges(self, report: Callable[[], Any], reports_queues: Callable[[], bool] = lambda: True) -> None:
+    def register_gauges(self, report: Callable[[], Any], reports_queues: Callable[[], bool] = lambda: True, queues: Any = None) -> None:
         """Observe this worker's ``report()`` (a StatusReport: backlog, resident models, memory and
         budget) in the process's observable gauges, at each metric collection; its backlog only
-        while ``reports_queues()`` (one worker of a deployment reports the stream's queues)."""
-        _GAUGES.add(self.worker_id, report, reports_queues)
+        while ``reports_queues()`` (one worker of a deployment reports the stream's queues).
+        ``queues`` (held weakly): an object whose ``unregistered`` maps each model this worker
+        does not register to the requests stored for it (the worker's ``QueueView``), so the
+        backlog gauge shows those queues too."""
+        _GAUGES.add(self.worker_id, report, reports_queues, queues)
 
     def record_load(self, record: "LoadRecord", parent: Span) -> None:
         """Emit the ``model.unload`` and ``model.load`` spans of a switch under ``parent``, the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any, Callable, Coroutine
 
 from jetbatch.sdk.errors import JetbatchError
@@ -234,3 +235,19 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> int:
 
     use_uvloop = os.environ.get("JETBATCH_UVLOOP", "1") != "0" and importlib.util.find_spec("uvloop") is not None
     return anyio.run(runner, backend="asyncio", backend_options={"use_uvloop": use_uvloop})
+
+
+def ready_line(role: str, sidecar_id: str, address: str, serves: str = "") -> str:
+    """The one line a sidecar prints when it is ready: who it is, what it serves, and where its
+    /readyz and /metrics listen as bound (``--http-port 0`` picks the port: this says which)."""
+    where = f"/readyz and /metrics on http://{address}" if address else "HTTP endpoints off"
+    return f"{role} {sidecar_id} ready{f', {serves}' if serves else ''}; {where}"
+
+
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # :class:`Name`, :func:`~mod.name` (shown as name)
+
+
+def plain(doc: str) -> str:
+    """A docstring as ``--help`` shows it: reStructuredText's ``literals`` and :role:`refs`
+    become plain text (argparse prints a description as given)."""
+    return _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), doc).replace("``", "`")

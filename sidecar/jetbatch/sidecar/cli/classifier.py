@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import CliError, add_sidecar_options, check_connection_files, http_port, run_async, setup_telemetry
+from ._common import CliError, add_sidecar_options, check_connection_files, http_port, ready_line, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from jetbatch.sidecar.classifier.routers import check_router_config
 
     check_router_config(config.classifier, args.config)
+    router = config.classifier.router
     check_connection_files(config, args.config)
     url = args.nats_url or config.nats.url
     if not url:
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_async(
             serve_sidecar(
-                config, url, name="jetbatch-classifier", make=lambda nc, rnc: Classifier(config, nc, reply_nc=rnc), http_port=port
+                config, url, name="jetbatch-classifier", make=lambda nc, rnc: Classifier(config, nc, reply_nc=rnc), http_port=port,
+                on_ready=lambda c, address: print(ready_line("classifier", c.id, address, f"router {router}"), flush=True),
             )
         )
     finally:

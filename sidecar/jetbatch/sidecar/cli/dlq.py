@@ -23,12 +23,12 @@ from jetbatch.sdk.connection import connect_nats
 from jetbatch.sdk.protocol import Headers, Priority, ProtocolError, Subjects, forwardable_headers, replay_id
 
 from ..errors import TRANSPORT_ERRORS
-from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix, shown
+from ._common import EXIT_FAILED, CliError, add_json, add_nats_url, add_prefix, plain, shown
 
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("dlq", help="inspect, replay or purge dead letters", description=__doc__.split("\n\n")[0])
+    p = sub.add_parser("dlq", help="inspect, replay or purge dead letters", description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("action", choices=["list", "show", "replay", "purge"], help="list | show SEQ | replay SEQ or --all | purge")
     p.add_argument("seq", nargs="?", type=int, help="dead-letter sequence number (show, replay)")
     p.add_argument("--all", action="store_true", help="replay every dead letter")

@@ -7,11 +7,11 @@ import argparse
 import json
 from typing import Any
 
-from ._common import EXIT_FAILED, EXIT_OK, CliError, add_json
+from ._common import EXIT_FAILED, EXIT_OK, CliError, add_json, plain
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("replay", help="replay a worker's flight recording and check its decisions", description=__doc__)
+    p = sub.add_parser("replay", help="replay a worker's flight recording and check its decisions", description=plain(__doc__))
     p.add_argument("path", metavar="PATH", help="a recording written by `jetbatch worker --record` or `jetbatch simulate --record`")
     add_json(p, "the counts (and the first divergence)")
     p.set_defaults(run=run)

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._common import CliError, add_json, add_record, open_recorder, writable_file
+from ._common import CliError, add_json, add_record, open_recorder, plain, writable_file
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("simulate", help="simulate scheduling policies on a workload", description=__doc__)
+    p = sub.add_parser("simulate", help="simulate scheduling policies on a workload", description=plain(__doc__))
     p.add_argument("--workload", required=True, metavar="FILE", help="workload file, TOML or JSON (docs/scheduler.md)")
     p.add_argument("--policy", default="all", help="comma-separated policy names, or all (default)")
     add_json(p, "one summary per policy")

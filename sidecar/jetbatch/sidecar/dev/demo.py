@@ -105,6 +105,7 @@ def run_demo(args: argparse.Namespace) -> int:
         classifier=classify,
         log_level=args.log_level,
         store_dir=None,
+        progress=lambda line: print(line, flush=True),
     ) as dep:
         print(f"NATS at {dep.url}; sending {args.requests} requests ({'half classified, half with a model' if classify else 'each names its model'})", flush=True)
         interrupted = False

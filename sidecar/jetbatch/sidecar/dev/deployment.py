@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jetbatch.sdk.protocol import SidecarReport
 
@@ -55,8 +55,12 @@ class Deployment:
         port: int = -1,
         configured_http: bool = False,
         http_port: int | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.config_path = Path(config_path)
+        # Told how the start goes (the demo prints it: sidecars take seconds to import torch and
+        # set up, and a silent terminal looks hung).
+        self.progress = progress
         self.config = load_config(self.config_path)
         self.nats_url = nats_url or self.config.nats.url
         self.with_classifier = classifier and self.config.classifier is not None
@@ -166,6 +170,8 @@ class Deployment:
 
         want_workers = len(self.worker_config_paths or []) or self.workers
         deadline = time.monotonic() + timeout_s
+        began = time.monotonic()
+        told, next_tell = (-1, -1), began
         nc = await connect_nats(self.url)
         try:
             while True:
@@ -173,6 +179,11 @@ class Deployment:
                 reports = await collect_status(nc, self.config.subjects, wait_s=0.2)
                 workers = sum(1 for r in reports if r.role == "worker")
                 classifiers = sum(1 for r in reports if r.role == "classifier")
+                counts = (workers, classifiers)
+                if self.progress is not None and (counts != told or time.monotonic() >= next_tell):
+                    told, next_tell = counts, time.monotonic() + 2.0
+                    also = f", {classifiers} of 1 classifier" if self.with_classifier else ""
+                    self.progress(f"  waiting for the sidecars: {workers} of {want_workers} workers{also} ready ({time.monotonic() - began:.0f} s)")
                 if workers >= want_workers and classifiers >= (1 if self.with_classifier else 0):
                     by_id = {r.id: r for r in reports}
                     self.reports = {name: by_id[i] for name, i in self.ids.items() if i in by_id}

@@ -190,17 +190,24 @@ async def run_bench(
             while time.monotonic() < deadline:
                 await one()
 
+        # On a terminal a bar redrawn in place; piped or in CI (no terminal) a whole line now and
+        # then, so a log shows the run is alive without filling with redraws.
+        tty = sys.stderr.isatty()
+        every_s = 0.5 if tty else max(1.0, min(10.0, duration_s / 10))
+
         async def reporter() -> None:
             while True:
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(every_s)
                 done = time.monotonic() - started
-                bar = "#" * int(30 * min(1.0, done / duration_s))
-                sys.stderr.write(
-                    f"\r[{bar:<30}] {done:5.1f}s sent={result.sent} answered={result.answered} errors={sum(result.errors.values())}"
-                )
+                counts = f"sent={result.sent} answered={result.answered} errors={sum(result.errors.values())}"
+                if tty:
+                    bar = "#" * int(30 * min(1.0, done / duration_s))
+                    sys.stderr.write(f"\r[{bar:<30}] {done:5.1f}s {counts}")
+                else:
+                    sys.stderr.write(f"bench: {done:.1f}s of {duration_s:g}s {counts}\n")
                 sys.stderr.flush()
 
-        rep = asyncio.create_task(reporter()) if progress and sys.stderr.isatty() else None
+        rep = asyncio.create_task(reporter()) if progress else None
         try:
             if concurrency is not None:
                 await asyncio.gather(*(closed_loop() for _ in range(concurrency)))
@@ -221,7 +228,8 @@ async def run_bench(
             result.elapsed_s = time.monotonic() - started
             if rep is not None:
                 rep.cancel()
-                sys.stderr.write("\n")
+                if tty:
+                    sys.stderr.write("\n")
         counted_after = await _load_counters(client)
         if counted_before is not None and counted_after is not None:
             result.loads_cold = counted_after["loads_cold"] - counted_before["loads_cold"]

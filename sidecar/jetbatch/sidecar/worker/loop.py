@@ -174,7 +174,7 @@ class Worker:
             cluster, worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             driver=self.driver, budget=self.budget, counters=self.stats, heartbeat_s=config.worker.heartbeat_s, report=self.report,
         )  # fmt: skip
-        self.telemetry.register_gauges(self.report, self.peers.reports_queues)
+        self.telemetry.register_gauges(self.report, self.peers.reports_queues, self.queues)
         self.orphans = OrphanAnswers(self.js, self.subjects, config.streams, queues=self.queues, runner=self.runner, grace_s=config.worker.orphan_grace_s)
         parts = dict(slots=self.slots, core=self.core, queues=self.queues, peers=self.peers, state=self.state, stats=self.stats)
         self.lines = Lines(
