@@ -10,7 +10,7 @@ passed in), so the live worker and the simulator drive the same code.
 - :mod:`.visible`: which models a decision looks at (all of a few dozen; the active ones of thousands).
 """
 
-from .costs import BatchCost, CostEstimator, Tier, prefetch_choice, warm_copy_value
+from .costs import BatchCost, CostEstimator, Tier, fits_host, prefetch_choice, warm_copy_value
 from .driver import Driver, QueueFacts, reload_tier
 from .interest import HOLD_S, LISTEN_BELOW_BATCHES, MIN_HOLD_S, QUIET_FROM_BATCHES, SERVING_AGAIN_FROM, SERVING_FROM, hold_s, listens, serves_on
 from .scheduling import (
@@ -87,6 +87,7 @@ __all__ = [
     "make_policy",
     "reload_tier",
     "visible_models",
+    "fits_host",
     "prefetch_choice",
     "warm_copy_value",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-__all__ = ["BatchCost", "CostEstimator", "Tier", "prefetch_choice", "warm_copy_value"]
+__all__ = ["BatchCost", "CostEstimator", "Tier", "fits_host", "prefetch_choice", "warm_copy_value"]
 
 Tier = Literal["cold", "warm", "resident"]
 
@@ -127,6 +127,18 @@ def prefetch_choice(waiting: Iterable[tuple[str, int]]) -> str | None:
     ``waiting``: (model, backlog) of the cold models, the one being served left out."""
     best = max(((n, name) for name, n in waiting if n > 0), default=None)
     return None if best is None else best[1]
+
+
+def fits_host(budget_bytes: int, nbytes: int, used_bytes: int, others: Iterable[tuple[int, float]], value: float) -> bool:
+    """Whether a copy of ``nbytes`` worth ``value`` (``warm_copy_value``) fits the host budget,
+    ``used_bytes`` of it taken, once the other warm copies worth no more than it go (``others``:
+    each one's bytes and value). A copy worth less than what it would displace is not kept."""
+    if budget_bytes <= 0 or nbytes > budget_bytes:
+        return False
+    if used_bytes + nbytes <= budget_bytes:
+        return True
+    freeable = sum(size for size, worth in others if worth <= value)
+    return used_bytes - freeable + nbytes <= budget_bytes
 
 
 def warm_copy_value(cold_load_cost_s: float, backlog: int, recent_demand: float) -> float:

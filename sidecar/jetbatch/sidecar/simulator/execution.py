@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ..core import BatchChecked, BatchDone, Evicted, Fetch, Fetched, LoadDue, Loaded, LoadModel, Reap
-from ..policy import batch_line_first, cannot_finish, listens, pipeline_has_room, prefetch_choice, warm_copy_value
+from ..policy import batch_line_first, cannot_finish, fits_host, listens, pipeline_has_room, prefetch_choice, warm_copy_value
 
 from .workers import SimWorker
 
@@ -200,19 +200,27 @@ class SimExecution:
         self.keep_warm(worker, name)
         worker.core.handle(Evicted(name, self.sim.t))
 
+    def warm_value(self, worker: SimWorker, name: str) -> float:
+        """What keeping ``name`` warm is worth to ``worker`` (``policy.warm_copy_value``, on the
+        estimate, as live: the simulated worker does not know the true cost)."""
+        recent = worker.driver.demand(name, self.sim.t)
+        return warm_copy_value(worker.costs.load_cost_s(name, "cold"), len(self.sim.queues[name]), recent)
+
+    def fits_host(self, worker: SimWorker, model: str) -> bool:
+        """Whether the host tier would keep ``model`` evicted (``policy.fits_host``, as live)."""
+        sizes = self.sim.w.models
+        others = [(sizes[n].memory_bytes, self.warm_value(worker, n)) for n in worker.warm if n != model]
+        used = sum(size for size, _ in others)
+        return fits_host(self.sim.w.host_budget_bytes, sizes[model].memory_bytes, used, others, self.warm_value(worker, model))
+
     def keep_warm(self, worker: SimWorker, model: str) -> None:
         """Keep ``model`` in the host tier if it fits, dropping the warm copies worth least."""
         budget = self.sim.w.host_budget_bytes
         size = self.sim.w.models[model].memory_bytes
-        if budget <= 0 or size > budget:
+        if not self.fits_host(worker, model):
             return
-        def value(name: str) -> float:
-            recent = worker.driver.demand(name, self.sim.t)
-            # The estimate, as live (the simulated worker does not know the true cost).
-            return warm_copy_value(worker.costs.load_cost_s(name, "cold"), len(self.sim.queues[name]), recent)
-
         while sum(self.sim.w.models[n].memory_bytes for n in worker.warm) + size > budget and worker.warm:
-            del worker.warm[min(worker.warm, key=lambda n: (value(n), n))]
+            del worker.warm[min(worker.warm, key=lambda n: (self.warm_value(worker, n), n))]
         worker.warm[model] = self.sim.t
 
     def _share(self, worker: SimWorker, name: str) -> int:

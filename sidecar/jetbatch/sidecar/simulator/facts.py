@@ -73,7 +73,7 @@ class WorkerViews:
                 # Deadlines are arrival + a per-model constant, so the queue's head has the earliest.
                 head_deadline=q.head.deadline if q else None,
                 tier=tier,
-                reload_fits_host=resident and self._fits_host(name),  # keep_warm's rule
+                reload_fits_host=resident and self.sim.execution.fits_host(worker, name),  # keep_warm's rule, as live
                 max_batch_size=m.max_batch_size,
                 max_wait_s=m.max_wait_s,
                 last_used_at=core.last_used.get(name),
@@ -112,10 +112,6 @@ class WorkerViews:
                         first = min(first, r.cancel_at)
                         break
         return first
-
-    def _fits_host(self, name: str) -> bool:
-        """Whether the host tier would keep ``name`` evicted (``keep_warm`` drops others for it)."""
-        return 0 < self.sim.w.host_budget_bytes and self.sim.w.models[name].memory_bytes <= self.sim.w.host_budget_bytes
 
     def _deferred_until(self, worker: SimWorker, name: str, head_at: float, load_cost_s: float, slots: dict[str, tuple[int, int]]) -> float:
         """``slots``: per worker id, its models on the device (loading counted) and their bytes,

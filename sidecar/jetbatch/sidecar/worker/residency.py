@@ -22,7 +22,7 @@ import anyio.abc
 
 from ..handlers import HandlerError
 from ..core import Evicted, Loaded, Warmed, WorkerCore
-from ..policy import Tier, prefetch_choice, reload_tier, warm_copy_value
+from ..policy import Tier, fits_host, prefetch_choice, reload_tier, warm_copy_value
 from ..telemetry import LoadRecord, WorkerTelemetry
 from .slots import Slot
 from .counters import Counters
@@ -320,10 +320,9 @@ class Residency:
         if used + nbytes <= self.host_budget_bytes:
             return True  # fits as it is: no warm copy need be weighed (the common case, and O(1) decisions)
         now = time.time()
-        mine = self._value(slot, now)
-        warm = (self.slots[n] for n in self._held)
-        freeable = sum(self._host_bytes(s) for s in warm if s.tier == "warm" and s is not slot and self._value(s, now) <= mine)
-        return used - freeable + nbytes <= self.host_budget_bytes
+        warm = [self.slots[n] for n in self._held if self.slots[n].tier == "warm" and self.slots[n] is not slot]
+        others = ((self._host_bytes(s), self._value(s, now)) for s in warm)
+        return fits_host(self.host_budget_bytes, nbytes, used, others, self._value(slot, now))  # the simulator's rule too
 
     def _make_host_room(self, nbytes: int, *, keep: Slot) -> None:
         now = time.time()
