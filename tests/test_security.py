@@ -91,7 +91,8 @@ def _server_config(tmp: Path) -> str:
         f"    {tenant('producer')}\n"
         f"    {tenant('other')}\n"
         # The sidecars' main identities: JetStream API and acks, queues and dead letters, never a caller's inbox.
-        f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>'], ['_INBOX.classifier.>', f'{PREFIX}.status', '$SRV.>'])}\n"
+        # The classifier reads the workers' adverts (admission: docs/reliability.md, "Backpressure").
+        f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>'], ['_INBOX.classifier.>', f'{PREFIX}.status', '$SRV.>', '$KV.SEC_WORKERS.>'])}\n"
         # The worker also listens to the models stream's republished arrivals (headers only),
         # tells its peers what it fetched and settled (jetbatch.taken.>), and hears cancels.
         f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>', f'{PREFIX}.taken.>'], ['_INBOX.worker.>', f'{PREFIX}.status', '$SRV.>', f'{PREFIX}.arrived.>', f'{PREFIX}.taken.>', f'{PREFIX}.cancel', f'{PREFIX}.cancel.*'])}\n"

@@ -14,10 +14,12 @@ from nats.aio.msg import Msg
 
 from . import failures
 from . import telemetry as _telemetry
+from .admission import Admission, follow_adverts
 from .errors import (
     BadRequest,
     ClientClosed,
     JetbatchError,
+    Overloaded,
     PayloadTooLarge,
     RequestTimeout,
     StreamNotFound,
@@ -79,7 +81,8 @@ class Client:
     """
 
     def __init__(
-        self, nc: NATS, *, prefix: str = DEFAULT_PREFIX, owns_connection: bool = False, tenant: str | None = None
+        self, nc: NATS, *, prefix: str = DEFAULT_PREFIX, owns_connection: bool = False, tenant: str | None = None,
+        admission: bool = True,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -99,6 +102,11 @@ class Client:
         self._timeouts = Timeouts()  # the reply and PubAck waits, on shared timers
         self._address_of: Any = None
         self._address: tuple[str, int] | None = None
+        # What the workers' adverts say of each model's queue: a request its workers cannot reach
+        # within its time is refused before it is sent (a tenant's go through the classifier,
+        # which applies the same rule).
+        self._admission = Admission() if admission and tenant is None else None
+        self._adverts_sub: Any = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -110,6 +118,7 @@ class Client:
         prefix: str = DEFAULT_PREFIX,
         connect_timeout_s: float = 2.0,
         tenant: str | None = None,
+        admission: bool = True,
         **nats_options: Any,
     ) -> "_Connecting":
         """Connect to NATS. Await it, or use it as ``async with``.
@@ -118,13 +127,16 @@ class Client:
         bounds the whole connect, TLS negotiation included. ``tenant`` (in a multi-tenant
         deployment, see docs/security.md) sends every request through ``<prefix>.in.<tenant>``
         and receives its answers under ``<prefix>.result.<tenant>.`` and JetStream's replies under
-        ``_INBOX.<tenant>.`` (unless ``inbox_prefix`` says otherwise).
+        ``_INBOX.<tenant>.`` (unless ``inbox_prefix`` says otherwise). ``admission`` (without a
+        tenant): refuse a request for a named model with :class:`Overloaded` before sending it
+        when the workers' adverts say its queue cannot be served within its timeout
+        (docs/reliability.md, "Backpressure"); off, only a full stream refuses.
         Extra keyword arguments go to ``nats.connect`` (``user``/``password``, ``token``,
         ``nkeys_seed``, ``user_credentials``, ``tls``, ...). Raises :class:`ConnectionFailed` if
         no server answers.
         """
         return _Connecting(
-            cls._open(url, prefix=prefix, connect_timeout_s=connect_timeout_s, tenant=tenant, **nats_options)
+            cls._open(url, prefix=prefix, connect_timeout_s=connect_timeout_s, tenant=tenant, admission=admission, **nats_options)
         )
 
     @classmethod
@@ -135,6 +147,7 @@ class Client:
         prefix: str,
         connect_timeout_s: float,
         tenant: str | None = None,
+        admission: bool = True,
         **nats_options: Any,
     ) -> "Client":
         if tenant is not None:
@@ -144,25 +157,29 @@ class Client:
                 raise BadRequest(str(exc)) from None
             nats_options.setdefault("inbox_prefix", f"_INBOX.{tenant}")
         nc = await connect_nats(url, connect_timeout_s=connect_timeout_s, **nats_options)
-        client = cls(nc, prefix=prefix, owns_connection=True, tenant=tenant)
+        client = cls(nc, prefix=prefix, owns_connection=True, tenant=tenant, admission=admission)
         await client._start()
         return client
 
     @classmethod
-    async def from_connection(cls, nc: NATS, *, prefix: str = DEFAULT_PREFIX, tenant: str | None = None) -> "Client":
+    async def from_connection(
+        cls, nc: NATS, *, prefix: str = DEFAULT_PREFIX, tenant: str | None = None, admission: bool = True
+    ) -> "Client":
         """Wrap an existing nats-py connection (it stays open when the client closes).
 
         The connection is hardened as the SDK's own are: a message nats-py cannot read (a
         subject, reply subject or status line that is not UTF-8, which anyone who may publish
         to your answer subject could send) is dropped instead of ending its read loop."""
         guard_read_loop(nc)
-        client = cls(nc, prefix=prefix, owns_connection=False, tenant=tenant)
+        client = cls(nc, prefix=prefix, owns_connection=False, tenant=tenant, admission=admission)
         await client._start()
         return client
 
     async def _start(self) -> None:
         self._sub = await self._nc.subscribe(self._subjects.answers(self._key, self._tenant), cb=self._on_reply)
         self._reconnects_seen = self._nc.stats.get("reconnects", 0)
+        if self._admission is not None:
+            self._adverts_sub = await follow_adverts(self._nc, self._subjects, self._admission)
         self._spawn(self._watch_reconnects())
 
     async def close(self) -> None:
@@ -180,11 +197,12 @@ class Client:
         for task in list(self._tasks):
             task.cancel()
         await self._acks.close()
-        try:
-            if self._sub is not None:
-                await self._sub.unsubscribe()
-        except failures.TRANSPORT_ERRORS:
-            pass
+        for sub in (self._sub, self._adverts_sub):
+            try:
+                if sub is not None:
+                    await sub.unsubscribe()
+            except failures.TRANSPORT_ERRORS:
+                pass
         if self._owns_connection:
             try:
                 await self._nc.drain()
@@ -268,6 +286,10 @@ class Client:
 
         if rid in self._pending:
             raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid)
+        if self._admission is not None and model is not None:
+            refused = self._admission.refusal(model, timeout - (time.monotonic() - started))
+            if refused is not None:
+                raise Overloaded(refused, request_id=rid)
         if request_id is not None:
             # A caller's own id is usually a retry: its answer may be stored already. JetStream
             # forgets the ids of finished requests when the server restarts, so the PubAck alone

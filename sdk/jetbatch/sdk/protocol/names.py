@@ -330,6 +330,12 @@ class Subjects:
         return f"{self._stream_base}_WORKERS"
 
     @property
+    def adverts(self) -> str:
+        """Where the workers' adverts are published (each put into :attr:`kv_bucket`), as a
+        core-NATS subscription reads them: ``$KV.<bucket>.>``."""
+        return f"$KV.{self.kv_bucket}.>"
+
+    @property
     def status_subject(self) -> str:
         """Every sidecar answers status requests here (see `jetbatch status`)."""
         return f"{self.prefix}.status"

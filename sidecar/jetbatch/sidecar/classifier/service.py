@@ -27,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from jetbatch.sdk import __version__
+from jetbatch.sdk.admission import Admission, follow_adverts
 from jetbatch.sdk.connection import unreadable_messages
 from jetbatch.sdk.errors import BadRequest, JetbatchError, Overloaded, PayloadTooLarge, UnknownModel
 from jetbatch.sdk.protocol import (
@@ -108,6 +109,9 @@ class Classifier:
         self._started_at = time.time()
         self._tracer = trace.get_tracer(_tracer_name)
         self.metrics = ClassifierTelemetry()
+        # The workers' adverts: a request its model's workers cannot reach before its deadline is
+        # answered overloaded here instead of queued (docs/reliability.md, "Backpressure").
+        self.admission = Admission()
 
     @property
     def ready(self) -> anyio.Event:
@@ -151,6 +155,7 @@ class Classifier:
         psub = await retry_startup(self._setup, timeout_s=self.config.worker.startup_timeout_s, what=self.id)
         await anyio.to_thread.run_sync(self.router.load)
         status = await serve_status(self.nc, self.subjects, self.report, self.reply_policy, out=self.replier.out)
+        adverts = await follow_adverts(self.nc, self.subjects, self.admission)
         self._ready.set()
         # Pipelining: the next batch is fetched and classified while the previous one's
         # republishes wait for their PubAcks (at most two batches in flight).
@@ -172,10 +177,11 @@ class Classifier:
                 # classifier, not after their ack wait.
                 for msg in await psub.close(_IDLE_WAIT_S + self.window.max_delay_s + _OPEN_PAST_S + _STOP_GRACE_S):
                     await settle(msg, "nak")
-                try:
-                    await status.unsubscribe()
-                except TRANSPORT_ERRORS + (ValueError,):
-                    pass
+                for sub in (status, adverts):
+                    try:
+                        await sub.unsubscribe()
+                    except TRANSPORT_ERRORS + (ValueError,):
+                        pass
 
     async def _handle_and_release(self, msgs: list[Msg], limiter: anyio.Semaphore) -> None:
         try:
@@ -283,6 +289,12 @@ class Classifier:
                     decided = [Route(None, (ErrorCode.INTERNAL, f"router failed: {client_message(exc)}"))] * len(batch)
                 for i, route in zip(to_classify, decided):
                     routes[i] = route
+            for i, route in enumerate(routes):
+                deadline = parsed[i][1].deadline
+                if route is not None and route.model is not None and deadline is not None:
+                    refused = self.admission.refusal(route.model, deadline - now)
+                    if refused is not None:
+                        routes[i] = Route(None, (ErrorCode.OVERLOADED, refused))
             failed = await self._forward([(msg, meta, route) for msg, (_, meta), route in zip(msgs, parsed, routes) if route])
             if failed:
                 await self._answer(failed)
