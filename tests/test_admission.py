@@ -4,7 +4,6 @@ Overloaded or DeadlineExceeded) before its own timeout, at the default settings
 
 from __future__ import annotations
 
-import asyncio
 import collections
 
 import anyio

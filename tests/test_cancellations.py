@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jetbatch.sdk.protocol import Subjects
 from jetbatch.sidecar.policy import BatchCost, CostEstimator, Driver, make_policy
 from jetbatch.sidecar.worker.cancellations import Cancellations
+from jetbatch.sidecar.worker.control import RateBound, RatesByKey
+from jetbatch.sidecar.worker.counters import Counters
 from jetbatch.sidecar.worker.queues import QueueView
 from jetbatch.sidecar.worker.slots import Slot
 
@@ -46,6 +49,37 @@ def test_notices_are_forgotten_after_their_ttl_and_beyond_the_bound() -> None:
     assert not cancels.cancelled(None, "d")  # expired
     cancels.note("jb.cancel", b"e")
     assert len(cancels) == 1  # the expired ones are dropped on the next notice
+
+
+def test_a_tenant_past_its_rate_is_dropped_and_counted_while_another_is_heard() -> None:
+    clock = Clock()
+    counters = Counters()
+    cancels = Cancellations(None, SUBJECTS, per_tenant_per_s=3.0, counters=counters, clock=clock)
+    assert [cancels.note("jb.cancel.a", b"r%d" % i) for i in range(5)] == [True] * 3 + [False] * 2
+    assert counters["cancels_dropped"] == 2 and counters["cancels_heard"] == 3
+    assert cancels.note("jb.cancel.b", b"r1") and cancels.cancelled("b", "r1")  # b's own budget
+    assert not cancels.cancelled("a", "r4")
+    clock.now += 1.0
+    assert cancels.note("jb.cancel.a", b"r5")  # a second later, a's budget is back
+
+
+def test_a_rate_bound_pauses_a_reader_for_what_it_read_past_its_rate() -> None:
+    clock = Clock()
+    bound = RateBound(100.0, 10.0, clock=clock)
+    assert [bound.wait_s() for _ in range(10)] == [0.0] * 10  # the burst
+    assert bound.wait_s(5) == pytest.approx(0.05)  # 5 units owed at 100 a second
+    clock.now += 0.05
+    assert bound.wait_s() == pytest.approx(0.01)  # never shorter than one pause
+    assert not bound.take()  # still owed
+    clock.now += 1.0
+    assert bound.take()
+
+
+def test_rates_by_key_keep_a_bounded_table() -> None:
+    rates = RatesByKey(1.0, max_keys=2, clock=Clock())
+    assert rates.take("a") and rates.take("b") and not rates.take("a")
+    assert rates.take("c")  # "b" was the least recently used: forgotten
+    assert rates.take("b")  # a fresh budget, since it was forgotten
 
 
 @given(st.text(max_size=80), st.binary(max_size=200))

@@ -394,8 +394,12 @@ async def test_a_header_block_larger_than_jetstream_stores_is_dropped_unread(nat
             assert await client.infer(b"big headers", model="m1", timeout=10, headers=big) == b"big headers"
             assert await client.infer(b"after", model="m1", timeout=10) == b"after"
             assert unreadable_messages(client.nats) == 1
-            reports = await worker_reports(nats_url, prefix)
-            assert [r.stats["unreadable_messages"] for r in reports] == [1]
+            # The cancel subject is read on a connection of its own, in no order with the answers.
+
+            async def counted() -> bool:
+                return [r.stats["unreadable_messages"] for r in await worker_reports(nats_url, prefix)] == [1]
+
+            await wait_until(counted, timeout_s=10, what="the worker's count of unreadable messages")
 
 
 # --- the parser itself ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import nats.errors
 import nats.js.errors
 
 __all__ = [
-    "ALREADY_ACKED", "API_ERRORS", "BAD_HEADER", "BAD_REQUEST", "CLOSED", "CONFLICT", "KEY_MISSING",
+    "ALREADY_ACKED", "API_ERRORS", "BAD_HEADER", "BAD_REQUEST", "CLOSED", "CONFLICT", "DROPPED", "KEY_MISSING",
     "NOT_FOUND", "NO_SERVERS", "NO_STREAM", "SLOW", "TIMEOUTS", "TOO_LARGE", "TRANSPORT_ERRORS", "UNAVAILABLE",
     "UNREADABLE_REPLY",
 ]  # fmt: skip
@@ -56,3 +56,5 @@ SLOW: Errors = (nats.errors.OutboundBufferLimitError, nats.errors.TimeoutError, 
 NO_SERVERS: Errors = (nats.errors.NoServersError, OSError)
 # An ack or nak of a message already acknowledged.
 ALREADY_ACKED: Errors = (nats.errors.MsgAlreadyAckdError,)
+# A message a subscription's pending limit dropped (reported to the error callback, not raised).
+DROPPED: Errors = (nats.errors.SlowConsumerError,)

@@ -14,7 +14,7 @@ from jetbatch.sdk.protocol import SIDECAR_INBOX_MARK
 
 from .config import ConfigError, NatsConfig, NatsIdentity
 
-__all__ = ["connect", "connect_options", "connect_replies"]
+__all__ = ["connect", "connect_beside", "connect_options", "connect_replies"]
 
 
 def connect_options(cfg: NatsConfig, identity: NatsIdentity | None = None) -> dict[str, Any]:
@@ -85,3 +85,10 @@ async def connect_replies(cfg: NatsConfig, url: str | None = None, *, name: str 
         return None
     options = connect_options(cfg, cfg.reply_identity)
     return await connect_nats(url or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, **options)
+
+
+async def connect_beside(cfg: NatsConfig, servers: list[str] | None, *, name: str, **nats_options: Any) -> NATS:
+    """A further connection with the main identity of ``cfg``, to ``servers`` (those of a
+    connection already open; None: ``cfg.url``): for inputs read apart from the data path."""
+    options = {**connect_options(cfg), **nats_options}
+    return await connect_nats(servers or cfg.url, connect_timeout_s=cfg.connect_timeout_s, name=name, **options)

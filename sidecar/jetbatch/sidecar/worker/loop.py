@@ -114,8 +114,9 @@ class Worker:
         self.quarantine = Quarantine(self.js, self.subjects, config.streams.max_deliver, replicas=config.streams.replicas)
         # A peer's take event counts until it settles, or for two heartbeats (its advert tells then).
         self.queues = QueueView(self.slots, peer_event_s=2 * config.worker.heartbeat_s)
-        # Callers that gave up early (their tasks cancelled): no load is paid for them.
-        self.cancellations = Cancellations(nc, self.subjects, on_cancel=self._on_cancel, counters=self.stats)
+        # Callers that gave up early (their tasks cancelled): no load is paid for them. Their notices
+        # are read on a connection of its own (worker/control.py).
+        self.cancellations = Cancellations(nc, self.subjects, on_cancel=self._on_cancel, counters=self.stats, nats=config.nats)
         self.arrivals = ArrivalFeed(
             nc, self.subjects, self.slots, self.queues, on_arrival=lambda: self.executor.wake_up(), worker_id=self.worker_id, counters=self.stats,
             cancelled=self.cancellations.cancelled, audience=lambda: self.peers.heard(),
@@ -265,6 +266,14 @@ class Worker:
     async def run(self) -> None:
         """Set up streams and consumers (retrying while the cluster is slow or electing), then
         serve until :meth:`stop` (or cancellation)."""
+        try:
+            await self._run()
+        finally:
+            # The cancel notices' own connection is closed on every way out, a failed start too.
+            with anyio.CancelScope(shield=True):
+                await self.cancellations.stop()
+
+    async def _run(self) -> None:
         async with anyio.create_task_group() as starting:
             # torch's one-time set-up for the configured formats, beside the streams' set-up and
             # before ready: no model's first load pays it (nor teaches the estimator it).
@@ -305,7 +314,6 @@ class Worker:
                 self.state.in_flight.clear()
                 await self.residency.unload_all()
                 await self.arrivals.stop()
-                await self.cancellations.stop()
                 await self.pullers.close(self.slots.values())
 
     def report(self) -> SidecarReport:
@@ -316,7 +324,7 @@ class Worker:
             costs=self.costs, budget=self.budget, in_flight=self.state.in_flight.by_model(self.subjects.model_from_subject),
             stats={
                 **self.stats.snapshot(), **self.pullers.counts(self.slots.values()),
-                "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc),
+                "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc, self.cancellations.connection),
                 # Adverts under this worker's id that it did not put: another live worker shares it.
                 "duplicate_id_adverts": self.peers.cluster.duplicate_adverts if self.peers.cluster is not None else 0,
             },

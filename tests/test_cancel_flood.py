@@ -1,0 +1,128 @@
+"""A flood of cancel notices costs only the flooder (worker/control.py, docs/security.md): a
+tenant may publish to its own cancel subject as fast as it likes, and another tenant's requests
+are still answered, on a data connection nats-server never cuts."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+from jetbatch import sdk
+from jetbatch.sdk import failures
+from jetbatch.sdk.connection import connect_nats
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from jetbatch.sidecar.transport import connect
+from jetbatch.sidecar.worker import Worker
+from tests.helpers import make_config, sleep_model, wait_until
+
+pytestmark = pytest.mark.anyio
+
+FLOOD_MSGS = 200_000
+
+# A raw client: CONNECT, then the notices as fast as the socket takes them, then a PING whose
+# PONG says the server has read them all.
+FLOODER = r"""
+import socket, sys
+host, port, subject, n = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), int(sys.argv[4])
+s = socket.create_connection((host, port))
+f = s.makefile("rb")
+f.readline()
+s.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\n')
+chunk = b"".join(b"PUB %s 8\r\n%08d\r\n" % (subject, i) for i in range(10_000))
+for _ in range(n // 10_000):
+    s.sendall(chunk)
+s.sendall(b"PING\r\n")
+while not f.readline().startswith(b"PONG"):
+    pass
+"""
+
+
+@pytest.fixture(scope="module")
+def small_buffer_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[EmbeddedNats]:
+    # The server cuts a client as a slow consumer once 64 KiB wait for it (the default is 64 MiB,
+    # which took a 15 s flood): the same rule, reached by a bounded flood.
+    with EmbeddedNats(
+        store_dir=tmp_path_factory.mktemp("store"),
+        max_payload=65_536,
+        extra_config="max_pending: 65536",
+    ) as server:
+        yield server
+
+
+async def test_a_tenant_flooding_its_cancel_subject_never_cuts_the_data_connection(
+    small_buffer_server: EmbeddedNats,
+) -> None:
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    url = small_buffer_server.url
+    config = make_config(prefix, {"m1": sleep_model()})
+    errors: list[Exception] = []
+
+    async def record(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = await connect(config.nats, url)
+    nc._error_cb = (
+        record  # the worker's data connection: every error nats-py reports on it
+    )
+    worker = Worker(config, nc)
+    try:
+        async with (
+            anyio.create_task_group() as tg,
+            sdk.Client.connect(url, prefix=prefix) as client,
+        ):
+            tg.start_soon(worker.run)
+            with anyio.fail_after(20):
+                await worker.ready.wait()
+            await client.infer(b"warm", model="m1", timeout=10)
+            host, port = url.removeprefix("nats://").rsplit(":", 1)
+            flood = [
+                sys.executable,
+                "-c",
+                FLOODER,
+                host,
+                port,
+                f"{prefix}.cancel.a",
+                str(FLOOD_MSGS),
+            ]
+            with anyio.fail_after(60):
+                flooder = await anyio.open_process(flood, stdout=None, stderr=None)
+                # The other tenant's requests, one after another, from the flood's start to well
+                # past its end (the worker reads what the server holds for it after the flooder
+                # is done).
+                for _ in range(40):
+                    assert await client.infer(b"b", model="m1", timeout=5) == b"b"
+                await flooder.wait()
+                await flooder.aclose()
+                assert flooder.returncode == 0
+            assert not [e for e in errors if isinstance(e, failures.DROPPED)], errors
+            assert nc.stats["reconnects"] == 0 and not errors, errors
+            assert worker.stats["cancels_dropped"] > 0
+            assert worker.stats["cancels_heard"] < FLOOD_MSGS
+            # The notices' own connection took the cut, and came back.
+            await wait_until(
+                lambda: worker.stats["cancels_connection_cuts"] >= 1,
+                timeout_s=15,
+                what="the control connection cut",
+            )
+
+            # Another tenant's notice is heard once the flood is over (republished: one sent
+            # while the read budget is still spent may be dropped, as any notice may).
+            other = await connect_nats(url)
+            try:
+
+                async def heard() -> bool:
+                    await other.publish(f"{prefix}.cancel.b", b"rb1")
+                    return worker.cancellations.cancelled("b", "rb1")
+
+                await wait_until(heard, timeout_s=15, what="tenant b's notice heard")
+            finally:
+                await other.close()
+            worker.stop()
+    finally:
+        await nc.close()
