@@ -104,6 +104,7 @@ class Simulation:
                 memory_bytes=m.memory_bytes,
                 idle_unload_s=m.idle_unload_s,
                 pin=m.pin,
+                max_concurrent_batches=m.max_concurrent_batches,
             )
             for name, m in self.w.models.items()
         }

@@ -37,7 +37,9 @@ class SimExecution:
         # As live: a batch computes while earlier ones' answers are stored, a bounded number of
         # them (the device is free here, so none is computing).
         answering = worker.answering[decision.model] = [t for t in worker.answering.get(decision.model, ()) if t > self.sim.t]
-        if not pipeline_has_room(len(answering), 0, 1):
+        # The live worker's bound (policy.pipeline_has_room) with the model's own share of the device;
+        # a simulated turn comes only when nothing computes.
+        if not pipeline_has_room(len(answering), 0, worker.core.rules[decision.model].max_concurrent_batches):
             self.sim.wake(worker, min(answering))
             return
         window = self.sim.windows[decision.model]

@@ -98,6 +98,7 @@ class SimModel:
     pin: bool = False  # resident from the start, never evicted (the worker's models.<m>.pin)
     preload: bool = False  # resident from the start (the worker's models.<m>.preload)
     idle_unload_s: float | None = None  # evicted after this long without a batch (the worker's rule)
+    max_concurrent_batches: int = 1  # the worker's models.<m>.max_concurrent_batches (the pipeline bound)
 
     def batch_s(self, n: int) -> float:
         """True device seconds of a batch of ``n``."""
@@ -275,6 +276,7 @@ class _ModelSpec(_Spec):
     pin: bool = False
     preload: bool = False
     idle_unload_s: Annotated[float, Meta(ge=0.01, le=1e9)] | None = None  # below a clock's step, an eviction never ends
+    max_concurrent_batches: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
 class _BudgetSpec(_Spec):
