@@ -56,7 +56,7 @@ from ..policy import BatchWindow, cannot_finish, listens, make_policy, visible_m
 from ..replies import Answer, Replier, settle
 from ..status import serve_status
 from ..runtime import retry_startup
-from ..streams import StreamSetupError, ensure_model_consumer, ensure_model_consumers, ensure_streams, model_consumer_name
+from ..streams import StreamSetupError, ensure_model_consumer, ensure_model_consumers, ensure_streams, model_consumer_name, progress_interval_s
 from ..telemetry import LoadRecord, WorkerTelemetry
 from .batching import Batcher
 from .pullers import Pullers
@@ -900,12 +900,13 @@ class Worker:
     # --- state -----------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        """Tell JetStream that in-flight messages are still being worked on (long loads and long
-        batches), so they are not redelivered to another worker meanwhile."""
-        interval = max(self.config.streams.ack_wait_s / 3.0, 0.05)
+        """Tell JetStream that in-flight messages and those in open batch windows are still being
+        worked on (long loads and long batches), so they are not redelivered to another worker
+        meanwhile, while a killed worker's are due one short ack wait after its last heartbeat."""
+        interval = progress_interval_s(self.config.streams.ack_wait_s)
         while True:
             await anyio.sleep(interval)
-            for msg in self.state.in_flight.messages():
+            for msg in [*self.state.in_flight.messages(), *self.batcher.holding()]:
                 try:
                     await msg.in_progress()
                 except TRANSPORT_ERRORS:
