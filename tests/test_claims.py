@@ -146,3 +146,45 @@ async def test_a_second_live_worker_under_one_id_is_refused_or_reported(nats_url
         await first.stop()
         for nc in conns:
             await nc.close()
+
+
+async def test_a_restarted_worker_never_counts_its_killed_predecessor_as_a_live_peer(nats_url: str, prefix: str) -> None:
+    """A worker killed (-9) leaves its last advert in the bucket until the TTL; its replacement
+    (a new process, a new id) read it with the bucket's contents and counted it as a live peer
+    for a whole peer timeout (5 s): its in-flight requests hid backlog and its models looked
+    served. An advert only read from the contents counts until 1.5 heartbeats after it was put,
+    unless heard put again; a live peer, which puts every heartbeat, stays in view."""
+    conns = [await nats.connect(nats_url) for _ in range(3)]
+    subjects = Subjects(prefix)
+    dead, live, restarted = (ClusterView(nc.jetstream(), subjects, wid, heartbeat_s=1.0) for nc, wid in zip(conns, ("w-dead", "w-live", "w-new")))
+    try:
+        for view in (dead, live):
+            await view.start()
+        async with anyio.create_task_group() as tg:
+            stopped = anyio.Event()
+
+            async def beat(view: ClusterView) -> None:
+                while not stopped.is_set():
+                    await view.advertise(SidecarReport(role="worker", id=view.worker_id, resident=["m1"], in_flight={"m1": 4}, started_at=1.0))
+                    with anyio.move_on_after(view.heartbeat_s):
+                        await stopped.wait()
+
+            tg.start_soon(beat, live)
+            await dead.advertise(SidecarReport(role="worker", id="w-dead", resident=["m2"], in_flight={"m2": 8}, started_at=1.0))
+            killed_at = anyio.current_time()  # it puts nothing more, as a killed process
+            await restarted.start()
+            tg.start_soon(restarted.watch)
+            tg.start_soon(beat, restarted)
+            await wait_until(lambda: restarted.heard == 3 and restarted.view_fresh(), what="the bucket read and our own advert heard")
+            await wait_until(lambda: "w-dead" not in restarted.peers(), timeout_s=2.5, what="the dead predecessor out of view")
+            assert anyio.current_time() - killed_at < 2.5  # the peer timeout (5 s) kept it before
+            assert restarted.not_ours() == {"m1": 4}  # what the dead one held is backlog again
+            # Its own snapshot window ended before the dead one's: it is in view on a live put.
+            assert set(restarted.peers()) == {"w-live"}
+            stopped.set()
+            tg.cancel_scope.cancel()
+    finally:
+        for view in (dead, live, restarted):
+            await view.stop()
+        for nc in conns:
+            await nc.close()

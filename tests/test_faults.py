@@ -314,3 +314,80 @@ async def test_repeated_kill_9_at_max_deliver_3_convicts_no_innocent(nats_url: s
     assert failures == []
     assert sorted(r.output for r in results) == sorted(f"r{i}".encode() for i in range(1000))  # type: ignore[union-attr]
     assert kills >= 4
+
+
+async def test_a_killed_workers_requests_are_taken_by_its_peer_within_seconds_at_the_default_ack_wait(
+    nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Two workers serve m1 at the default ack wait; the one holding a batch is killed (-9). Its
+    requests are due a short ack wait after its last progress ack, and its peer answers them
+    all within 10 s of the kill (with the 30 s ack wait of before, none could be taken sooner
+    than 30 s after the last heartbeat)."""
+    path = tmp_path / f"{prefix}.toml"
+    path.write_text(
+        f'[nats]\nprefix = "{prefix}"\n'
+        '[models.m1]\nhandler = "sleep"\nmax_batch_size = 4\nmax_delay_ms = 5\npin = true\n'
+        "options = { load_cost_s = 0.0, batch_cost_s = 1.5, item_cost_s = 0.0 }\n"
+    )
+    dep = await anyio.to_thread.run_sync(lambda: Deployment(path, nats_url=nats_url, workers=2).start())
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            await wait_until(lambda: _workers_with_m1(nats_url, prefix, 2), timeout_s=30, what="both workers with m1 on the device")
+            calls = [asyncio.ensure_future(client.infer(f"r{i}".encode(), model="m1", timeout=60)) for i in range(4)]
+            holder: list[str] = []
+
+            async def one_holds() -> bool:
+                holder[:] = [r.id for r in await worker_reports(nats_url, prefix, wait_s=0.2) if r.in_flight.get("m1") == 4]
+                return bool(holder)
+
+            await wait_until(one_holds, timeout_s=30, what="a worker holding the batch")
+            [victim] = [name for name, wid in dep.ids.items() if wid == holder[0]]
+            dep.stop_process(victim, kill=True)
+            killed_at = time.monotonic()
+            with anyio.fail_after(10):
+                results = await asyncio.gather(*calls)
+            recovered_s = time.monotonic() - killed_at
+    finally:
+        await anyio.to_thread.run_sync(dep.stop)
+    assert sorted(results) == [f"r{i}".encode() for i in range(4)]
+    print(f"all answered {recovered_s:.1f} s after the kill")
+
+
+@pytest.mark.timeout(240)
+async def test_two_poisons_in_a_fetch_of_16_at_the_defaults_are_convicted_in_few_crashes_and_innocents_answered_within_30_s(
+    nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Two process-killing requests in one fetch of 16, default ack wait and max_deliver: both
+    convicted in at most 12 crashes (before: 10 crashes, each a 30 s ack wait), every innocent
+    answered within 30 s of its send (before: up to 122 s), nobody innocent convicted."""
+    config = tmp_path / f"{prefix}.toml"
+    config.write_text(
+        f'[nats]\nprefix = "{prefix}"\n[worker]\npoll_interval_ms = 50\n'
+        '[models.m1]\nhandler = "tests.fault_handlers:CrashOnPayload"\nmax_batch_size = 16\nmax_delay_ms = 300\n'
+        "options = { load_cost_s = 0.0, batch_cost_s = 0.0, item_cost_s = 0.0 }\n"
+    )
+    dep = await anyio.to_thread.run_sync(lambda: Deployment(config, nats_url=nats_url).start())
+    payloads = [b"crash-a" if i == 3 else b"crash-b" if i == 11 else f"ok{i}".encode() for i in range(16)]
+    answered_after: dict[int, float] = {}
+    try:
+        async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+            sent_at = time.monotonic()
+
+            async def call(i: int) -> Any:
+                try:
+                    return await client.infer(payloads[i], model="m1", timeout=180)
+                finally:
+                    answered_after[i] = time.monotonic() - sent_at
+
+            calls = [asyncio.ensure_future(call(i)) for i in range(16)]
+            restarts = await _supervise(dep, lambda: all(c.done() for c in calls), deadline_s=200)
+            outcomes = [c.exception() or c.result() for c in calls]
+    finally:
+        await anyio.to_thread.run_sync(dep.stop)
+    innocents = [i for i in range(16) if i not in (3, 11)]
+    assert [outcomes[i] for i in innocents] == [payloads[i] for i in innocents]
+    assert all(isinstance(outcomes[i], sdk.ModelFailed) and "crashed the worker" in str(outcomes[i]) for i in (3, 11))
+    print(f"{restarts} crashes; innocents answered after at most {max(answered_after[i] for i in innocents):.1f} s; "
+          f"poisons after {answered_after[3]:.1f} s and {answered_after[11]:.1f} s")
+    assert restarts <= 12
+    assert max(answered_after[i] for i in innocents) <= 30

@@ -128,3 +128,30 @@ async def test_the_models_stream_takes_two_consumers_for_each_of_a_thousand_mode
         await js.delete_stream(subjects.models_stream)
     finally:
         await nc.close()
+
+
+async def test_a_consumer_made_with_the_old_30_s_ack_wait_is_updated_to_the_configured_one(nats_url: str, prefix: str) -> None:
+    """The ack wait is what a killed worker's requests wait before a peer may take them: it went
+    from 30 s to 5 s, and a deployment's existing consumers (made with 30 s) must follow, or its
+    recovery stays 30 s. Ensuring a consumer updates it in place, pending requests kept."""
+    from jetbatch.sdk.protocol import Subjects
+    from jetbatch.sidecar.config import StreamsConfig
+    from jetbatch.sidecar.streams import ensure_model_consumer, progress_interval_s
+
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1"])
+        await ensure_model_consumer(js, subjects, StreamsConfig(ack_wait_s=30.0), "m1")
+        await js.publish(subjects.model("m1", Priority.INTERACTIVE), b"x")
+        name = model_consumer_name("m1")
+        assert (await js.consumer_info(subjects.models_stream, name)).config.ack_wait == 30.0
+        await ensure_model_consumer(js, subjects, StreamsConfig(), "m1")
+        info = await js.consumer_info(subjects.models_stream, name)
+        assert info.config.ack_wait == StreamsConfig().ack_wait_s == 5.0
+        assert info.num_pending == 1
+        assert progress_interval_s(info.config.ack_wait) < info.config.ack_wait / 2  # two progress acks may be lost
+        await js.delete_stream(subjects.models_stream)
+    finally:
+        await nc.close()

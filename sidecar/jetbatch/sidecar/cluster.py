@@ -77,7 +77,11 @@ class ClusterView:
         self._duplicate_logged_at = -math.inf
         self.duplicate_adverts = 0  # adverts under our id that we did not put (another live worker's)
         self._first_revision: int | None = None  # the bucket's revision of our first advert
-
+        # Adverts read from the bucket's contents when the watch began, not heard put since: each
+        # counts until one and a half heartbeats after it was put (a live peer puts again by then
+        # and is heard live), so a dead predecessor of a restarted worker is no peer of it.
+        self._unconfirmed: dict[str, float] = {}
+        self._initial = True  # the watch still reads the bucket's contents
 
     @property
     def ttl_s(self) -> float:
@@ -140,12 +144,14 @@ class ClusterView:
                 await asyncio.sleep(self.heartbeat_s)
                 continue
             if entry is None:  # end of the initial values
+                self._initial = False
                 continue
             if entry.key.startswith(CLAIM_PREFIX):
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 self._peers.pop(entry.key, None)
                 self._seen_at.pop(entry.key, None)
+                self._unconfirmed.pop(entry.key, None)
                 continue
             now = time.time()
             if entry.key not in self._peers and len(self._peers) >= MAX_PEERS:
@@ -160,6 +166,10 @@ class ClusterView:
             except msgspec.DecodeError:
                 continue
             self._seen_at[entry.key] = now
+            if self._initial:
+                self._unconfirmed[entry.key] = _put_at(entry.created, now) + 1.5 * self.heartbeat_s
+            else:
+                self._unconfirmed.pop(entry.key, None)
             if entry.key == self.worker_id:
                 self._own_seen_at = now
                 # Only puts after our first (an older one is a dead process's, left to expire),
@@ -300,6 +310,7 @@ class ClusterView:
         for wid in [w for w, at in self._seen_at.items() if now - at > timeout_s]:
             del self._seen_at[wid]
             self._peers.pop(wid, None)
+            self._unconfirmed.pop(wid, None)
 
     def peers(self, now: float | None = None) -> dict[str, SidecarReport]:
         """Live peers (not this worker): adverts heard within ``peer_timeout_s``, on our own clock.
@@ -309,7 +320,9 @@ class ClusterView:
         return {
             wid: adv
             for wid, adv in self._peers.items()
-            if wid != self.worker_id and (not fresh or now - self._seen_at.get(wid, 0.0) <= max(self.ttl_s, self.peer_timeout_s))
+            if wid != self.worker_id
+            and (not fresh or now - self._seen_at.get(wid, 0.0) <= max(self.ttl_s, self.peer_timeout_s))
+            and self._unconfirmed.get(wid, math.inf) >= now
         }
 
     def next_expiry(self, now: float | None = None) -> float:
@@ -319,7 +332,9 @@ class ClusterView:
         if not self.view_fresh(now):
             return math.inf
         timeout_s = max(self.ttl_s, self.peer_timeout_s)
-        return min((self._seen_at.get(w, 0.0) + timeout_s for w in self.peers(now)), default=math.inf)
+        return min(
+            (min(self._seen_at.get(w, 0.0) + timeout_s, self._unconfirmed.get(w, math.inf)) for w in self.peers(now)), default=math.inf
+        )
 
     def not_ours(self, now: float | None = None, *, resident: Collection[str] = ()) -> dict[str, int]:
         """Per model, delivered-but-unacked messages the peers account for (their in-flight, and
@@ -349,3 +364,10 @@ class ClusterView:
             if adv.loading:
                 total[adv.loading] = total.get(adv.loading, 0.0) + max(adv.drain_rps.get(adv.loading, 0.0), 1e-9)
         return total
+
+
+def _put_at(created: object, now: float) -> float:
+    """When an advert was put (the stream's timestamp, a datetime), on our clock as far as the
+    two agree; never later than ``now`` (a server clock ahead of ours)."""
+    timestamp = getattr(created, "timestamp", None)
+    return min(float(timestamp()), now) if callable(timestamp) else now

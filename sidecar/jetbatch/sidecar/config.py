@@ -146,7 +146,7 @@ class RepliesConfig(_Base):
     durable: bool = True
     # How long a worker keeps trying to store an answer that was already sent live (the results
     # stream down or electing) before it leaves the request for redelivery, which may compute it
-    # again. Keep it under streams.ack_wait_s (in-flight requests get in_progress meanwhile).
+    # again (in-flight requests get in_progress meanwhile, so it may exceed streams.ack_wait_s).
     store_timeout_s: PositiveFloat = 20.0
     max_age_s: PositiveFloat = 300.0
     max_bytes: PositiveInt = 256 * MiB
@@ -176,7 +176,10 @@ class StreamsConfig(_Base):
     max_msgs: PositiveInt = 1_000_000
     max_bytes: PositiveInt = 1024 * MiB
     duplicate_window_s: PositiveFloat = 120.0
-    ack_wait_s: PositiveFloat = 30.0
+    # How long a delivered request stays its worker's without a word: a running batch or load
+    # renews it every third of this (a progress ack), so it bounds only how long a killed
+    # worker's requests wait before another worker may take them.
+    ack_wait_s: PositiveFloat = 5.0
     max_deliver: PositiveInt = 5
     max_ack_pending: PositiveInt = 1024
     dlq_max_age_s: PositiveFloat = 7 * 24 * 3600.0

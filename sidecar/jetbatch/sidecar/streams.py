@@ -44,6 +44,7 @@ __all__ = [
     "model_consumer_config",
     "model_consumer_name",
     "models_stream_config",
+    "progress_interval_s",
     "results_stream_config",
 ]
 
@@ -156,6 +157,14 @@ def _work_queue(name: str, subjects_list: list[str], cfg: StreamsConfig, descrip
         duplicate_window=cfg.duplicate_window_s,
         num_replicas=cfg.replicas,
     )
+
+
+def progress_interval_s(ack_wait_s: float) -> float:
+    """How often a message being worked on gets a progress ack (``+WPI``, ``msg.in_progress()``):
+    three a ack wait, so that two lost or late ones still leave it ours. The ack wait itself is
+    short (``streams.ack_wait_s``, 5 s) because it is what a killed worker's requests wait before
+    anyone else may take them."""
+    return max(ack_wait_s / 3.0, 0.05)
 
 
 def model_consumer_name(model: str, priority: Priority | str = Priority.INTERACTIVE) -> str:

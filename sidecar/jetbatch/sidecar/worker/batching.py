@@ -82,6 +82,13 @@ class Batcher:
         # the batches it closed started (:meth:`started`); the time the last one aimed at.
         self._lead = CloseLead()
         self._aimed_at: float | None = None
+        # The messages of the windows open now, by the list's identity: delivered and ours, so the
+        # worker's heartbeat keeps them (a window outlasts a short ack wait while the device is busy).
+        self._open: dict[int, list[Msg]] = {}
+
+    def holding(self) -> list[Msg]:
+        """The messages gathered into windows still open (not yet handed to a batch)."""
+        return [m for msgs in list(self._open.values()) for m in msgs]
 
     def started(self) -> None:
         """The batch gathered last starts now (the worker hands it on): when its window closed on
@@ -191,8 +198,15 @@ class Batcher:
         ``hold_s``: a hold (policy/interest.py): the first request is waited for this long, on
         one pull request for the whole batch that stays open through the window it opens, so
         that the window's fill sends no request of its own."""
-        window = slot.window
         msgs: list[Msg] = list(first or [])
+        self._open[id(msgs)] = msgs
+        try:
+            return await self._gather(slot, max_items, msgs, compute_s=compute_s, hold_s=hold_s)
+        finally:
+            del self._open[id(msgs)]
+
+    async def _gather(self, slot: Slot, max_items: int, msgs: list[Msg], *, compute_s: float, hold_s: float | None) -> list[Msg]:
+        window = slot.window
         # Which line this batch takes first (policy/window.py: one batch in BATCH_LINE_EVERY goes
         # to the batch line while both wait, so interactive traffic cannot starve it).
         both = slot.bulk_psub is not None and slot.bulk > 0 and slot.interactive > 0

@@ -4,7 +4,7 @@ Per batch: requests with invalid headers get ``bad_request`` (or, when their rep
 refused, a dead letter and no publish at all); expired ones get ``deadline_exceeded`` without
 compute; first-time requests run as one batch (bisected if the handler raises, so only the
 failing ones get ``model_failed``); redelivered ones (suspects) then run in the groups the
-quarantine's evidence allows: together without evidence, alone after a crash
+quarantine's evidence allows: together without evidence, a crashed group cut into parts
 (worker/quarantine.py). Every answer is stored and sent before its
 message is acked (replies.py).
 """
@@ -308,12 +308,12 @@ class BatchRunner:
                 await self.quarantine.clear(slot.name, r.seq)
                 continue
             evidence = await self.quarantine.evidence(slot.name, r.seq)
-            verdict = self.quarantine.verdict(r.deliveries, evidence.alone_crashes)
+            verdict = self.quarantine.verdict(r.deliveries, evidence)
             if verdict is Verdict.RUN_ALONE:
                 to_run.append((r, evidence))
                 continue
             if verdict is Verdict.CULPRIT:
-                reason = f"request crashed the worker {evidence.alone_crashes + 1} times (the last {evidence.alone_crashes} while running alone)"
+                reason = f"request crashed the worker {evidence.crashes} times while it ran ({evidence.alone_crashes} of them alone)"
             else:
                 reason = f"request was delivered {r.deliveries} times without completing (workers died while it was in flight)"
             log.warning("model %s: request %s: %s", slot.name, r.meta.request_id, reason)
@@ -321,12 +321,8 @@ class BatchRunner:
             await self.replier.dead_letter(r.msg, reason, "worker")
             await self.finish(slot, [r])
             await self.quarantine.clear(slot.name, r.seq)
-        plan = groups([(r.seq, ev) for r, ev in to_run])
-        # Weakest evidence first, so innocents complete before a likely poison kills the process
-        # again; a random order among equals, so a worker killed from outside soon after it
-        # starts does not find the same group running every time.
-        self._rng.shuffle(plan)
-        plan.sort(key=lambda g: _suspicion(to_run[g[0]][1]))
+        # Weakest evidence first, equals in a random order (``quarantine.groups``).
+        plan = groups([(r.seq, ev) for r, ev in to_run], rng=self._rng)
         for indices in plan:
             group = [to_run[i] for i in indices]
             members = [r for r, _ in group]
@@ -335,8 +331,9 @@ class BatchRunner:
             if runnable:
                 # The evidence window is the model's own code: recorded just before it runs,
                 # cleared as soon as it returns.
+                tag = min(r.seq for r, _ in runnable)  # tells this group's crash from another's
                 for r, ev in runnable:
-                    await self.quarantine.begin(slot.name, r.seq, ev, len(runnable))
+                    await self.quarantine.begin(slot.name, r.seq, ev, len(runnable), tag)
                 attrs = {"jetbatch.model": slot.name, "jetbatch.batch.size": len(runnable), "jetbatch.redelivered": True}
                 await turn.take()
                 with self.telemetry.child_span("infer", **attrs):
@@ -388,14 +385,6 @@ class BatchRunner:
         model = slot if isinstance(slot, str) else slot.name
         for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
             self.telemetry.requests.add(count, {"jetbatch.model": model, "jetbatch.status": outcome})
-
-
-def _suspicion(evidence: Evidence) -> tuple[int, int]:
-    """How strongly a group's evidence points at it: none, then a crash in a group, then alone
-    crashes (the more, the later)."""
-    if evidence.crashed_in_group is None:
-        return (0, 0)
-    return (1 if evidence.alone_crashes == 0 else 2, evidence.alone_crashes)
 
 
 def _too_late(r: Request, now: float, predicted_s: float) -> str:

@@ -37,7 +37,7 @@ from ..recording import FlightRecorder
 from ..replies import Replier, settle
 from ..runtime import retry_startup
 from ..status import serve_status
-from ..streams import ensure_model_consumers, ensure_streams
+from ..streams import ensure_model_consumers, ensure_streams, progress_interval_s
 from ..telemetry import WorkerTelemetry
 from . import view
 from .batching import Batcher
@@ -336,12 +336,13 @@ class Worker:
             self.executor.wake_up()  # a queue may now be abandoned, or worth less
 
     async def _heartbeat_loop(self) -> None:
-        """Tell JetStream that in-flight messages are still being worked on (long loads and long
-        batches), so they are not redelivered to another worker meanwhile."""
-        interval = max(self.config.streams.ack_wait_s / 3.0, 0.05)
+        """Tell JetStream that in-flight messages and those in open batch windows are still being
+        worked on (long loads and long batches), so they are not redelivered to another worker
+        meanwhile, while a killed worker's are due one short ack wait after its last heartbeat."""
+        interval = progress_interval_s(self.config.streams.ack_wait_s)
         while True:
             await anyio.sleep(interval)
-            for msg in self.state.in_flight.messages():
+            for msg in [*self.state.in_flight.messages(), *self.batcher.holding()]:
                 try:
                     await msg.in_progress()
                 except TRANSPORT_ERRORS:

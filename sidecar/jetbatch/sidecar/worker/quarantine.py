@@ -4,23 +4,24 @@ A request that JetStream redelivers may be what killed the previous worker, or a
 was in flight when a worker or a server went away. Redelivered requests (the *suspects*) are
 tested after the first-time requests of their batch are answered: the suspects with no evidence
 against them run together, as one batch (after a server restart or a worker killed from outside,
-that is all it takes); a suspect that was inside the model's code when the process died runs
-alone from then on (see :func:`groups` for why not in halves). Just before a group's model code
-runs, the worker records each member in a key-value bucket under its stream sequence, with the
-group's size, and clears the records as soon as the code returns. A record that survives is
-evidence: the process died while that request was inside the model's code, in a group of that
-size (``1``: alone).
+that is all it takes); a group that was inside the model's code when the process died is cut into
+parts (:func:`groups`), each run on its own, so a poison is cornered in ever smaller groups while
+the innocents beside it complete in the first part that holds no poison. Just before a group's
+model code runs, the worker records each member in a key-value bucket under its stream sequence,
+with the group's size and tag, and clears the records as soon as the code returns. A record that
+survives is evidence: the process died while that request was inside the model's code, in a group
+of that size (``1``: alone).
 
 Verdicts, with ``max_deliver`` from the configuration:
 
-- a suspect with ``max_deliver - 1`` recorded alone-crashes is the culprit: it gets
-  ``model_failed`` and a dead letter without running again (a poison costs ``max_deliver + 1``
-  crashes: its first batch, its group, then the alone ones; an innocent that was merely in flight
-  during crashes is never convicted);
+- a suspect whose record holds ``max_deliver - 1`` crashes, at least two of them alone (one where
+  ``max_deliver`` is 2) and the last alone, is the culprit: ``model_failed`` and a dead letter
+  without running again. An innocent that was merely in flight during crashes completes in a
+  part without the poison and is never convicted;
 - a request delivered ``give_up_after`` times without ever completing (an endless kill pattern,
   or no evidence store) is answered ``model_failed`` as *not proven* and dead-lettered, so no
   message waits forever;
-- otherwise it runs: together with the suspects of no evidence, or alone.
+- otherwise it runs: together with the suspects of no evidence, or in its part.
 
 JetStream's own delivery limit is off for the model queues (see sidecar/streams.py): a message
 that hit it unacked would stay in the work queue forever, unanswered, counted as backlog.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +44,7 @@ from jetbatch.sdk.protocol import Subjects
 from ..errors import TRANSPORT_ERRORS
 from ..streams import ensure_key_value
 
-__all__ = ["Evidence", "Quarantine", "Verdict", "give_up_after", "groups"]
+__all__ = ["FANOUT", "Evidence", "Quarantine", "Verdict", "give_up_after", "groups"]
 
 log = logging.getLogger("jetbatch.quarantine")
 
@@ -55,43 +57,85 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class Evidence:
-    """What the bucket says of one message: crashes while it ran alone, and the size of the group
-    it was in when the process last died with it inside the model (None: no such crash)."""
+    """What the bucket says of one message: crashes while it ran alone, the size of the group it
+    was in when the process last died with it inside the model (None: no such crash), every such
+    crash in any group (``crashes``), and which group that last one was (``tag``: the group's
+    lowest stream sequence, so the members of one crashed group are told apart from another's)."""
 
     alone_crashes: int = 0
     crashed_in_group: int | None = None
+    crashes: int = 0
+    tag: int = 0
 
-    def encode(self, running_in: int) -> bytes:
-        """The record written before a run in a group of ``running_in``."""
+    def encode(self, running_in: int, tag: int = 0) -> bytes:
+        """The record written before a run in a group of ``running_in`` tagged ``tag``."""
         alone = self.alone_crashes + (1 if running_in == 1 else 0)
-        return f"{alone},{running_in}".encode()
+        return f"{alone},{running_in},{self.crashes + 1},{tag}".encode()
+
+    def after_crash(self, running_in: int, tag: int = 0) -> "Evidence":
+        """The evidence once the process died while this ran in a group of ``running_in``."""
+        return Evidence.decode(self.encode(running_in, tag))
 
     @staticmethod
     def decode(value: bytes | None) -> "Evidence":
-        """A record as :meth:`encode` writes it (a bare count: alone crashes, as 0.2 wrote them);
-        anything else is no evidence."""
-        text = (value or b"").decode("ascii", "replace")[:32]
-        alone, _, group = text.partition(",")
+        """A record as :meth:`encode` writes it (``alone,size``, as 0.3 wrote them, or a bare
+        count of alone crashes, as 0.2 did); anything else is no evidence."""
+        text = (value or b"").decode("ascii", "replace")[:64]
+        fields = text.split(",")
         try:
-            crashes = max(0, int(alone or "0"))
-            size = max(1, int(group)) if group else (1 if crashes else None)
+            crashes = max(0, int(fields[0] or "0"))
+            size = max(1, int(fields[1])) if len(fields) > 1 and fields[1] else (1 if crashes else None)
+            total = max(crashes, int(fields[2])) if len(fields) > 2 else crashes + (1 if size is not None and size > 1 else 0)
+            tag = max(0, int(fields[3])) if len(fields) > 3 else 0
         except ValueError:
             return Evidence()
-        return Evidence(crashes, size)
+        return Evidence(crashes, size, total, tag)
 
 
-def groups(suspects: list[tuple[int, Evidence]]) -> list[list[int]]:
-    """Indices of ``suspects`` in the groups they run in: all those with no evidence against them
-    together, as one batch; each with evidence (a crash in any group) alone.
+# How many parts a group that crashed is cut into when it runs again. Only a crash costs (a restart
+# and an ack wait, seconds); a part that runs clean costs one batch: the finer the cut, the fewer
+# crashes and the sooner the innocents beside a poison are answered, halves being the worst
+# (tests/test_quarantine.py counts them). Bounded so that a crashed fetch of thousands costs a
+# round of 32 batches, not thousands.
+FANOUT = 32
 
-    Why not halve a crashed group again and again: every crash costs a restart and an ack wait
-    before the next delivery (seconds), while running alone costs one batch (milliseconds). One
-    group run answers the common case (a server restart, a worker killed from outside, nothing
-    poisonous) in one batch; once a group has crashed, alone runs find the poison at the price of
-    one more crash than running everyone alone from the start."""
+
+def groups(suspects: list[tuple[int, Evidence]], *, fanout: int = FANOUT, rng: random.Random | None = None) -> list[list[int]]:
+    """Indices of ``suspects`` (stream sequence, evidence) in the groups they run in, in the order
+    they run: all those with no evidence against them together, as one batch; those that crashed
+    together (one ``tag``) cut into ``fanout`` parts by sequence; one that crashed alone alone.
+
+    k poisons among n thus cost about k times log_fanout(n) crashes, not n, and an innocent is
+    answered in the first run of its part that holds no poison. Weakest evidence runs first
+    (fewer crashes, then a larger group), so the innocents complete before a likely poison kills
+    the process again; ``rng`` orders equals at random, so a worker killed from outside soon after
+    it starts does not find the same group running every time."""
+    rng = rng or random.Random()
+    out: list[tuple[tuple[int, int, float], list[int]]] = []
     together = [i for i, (_, ev) in enumerate(suspects) if ev.crashed_in_group is None]
-    alone = [[i] for i, (_, ev) in enumerate(suspects) if ev.crashed_in_group is not None]
-    return ([together] if together else []) + alone
+    if together:
+        out.append(((-1, 0, 0.0), together))
+    # The members of one crashed group present here. Its tag is its lowest sequence, which a part
+    # cut from it may have again after a crash of its own: the size and the crash count tell
+    # them apart (a crash counts one more for each member).
+    crashed: dict[tuple[int, int, int], list[int]] = {}
+    for i, (_, ev) in enumerate(suspects):
+        if ev.crashed_in_group == 1:
+            out.append(((ev.crashes, -1, rng.random()), [i]))
+        elif ev.crashed_in_group is not None:
+            crashed.setdefault((ev.tag, ev.crashed_in_group, ev.crashes), []).append(i)
+    for members in crashed.values():
+        members.sort(key=lambda i: suspects[i][0])
+        parts = min(max(fanout, 2), len(members))
+        size, extra = divmod(len(members), parts)
+        start = 0
+        for p in range(parts):
+            part = members[start : start + size + (1 if p < extra else 0)]
+            start += len(part)
+            worst = max((suspects[i][1] for i in part), key=lambda ev: (ev.crashes, -(ev.crashed_in_group or 0)))
+            out.append(((worst.crashes, -(worst.crashed_in_group or 0), rng.random()), part))
+    out.sort(key=lambda entry: entry[0])
+    return [part for _, part in out]
 
 
 def give_up_after(max_deliver: int) -> int:
@@ -139,19 +183,29 @@ class Quarantine:
             return Evidence()
         return Evidence.decode(entry.value)
 
-    def verdict(self, deliveries: int, crashes: int) -> Verdict:
-        if self.max_deliver > 1 and crashes >= self.max_deliver - 1:
+    def verdict(self, deliveries: int, evidence: Evidence) -> Verdict:
+        """CULPRIT: the process died ``max_deliver - 1`` times with this request inside the model,
+        in ever smaller groups (each a cut of the crashed one before), and at least twice alone
+        (once where ``max_deliver`` is 2): one kill from outside during a lone run is no proof."""
+        alone_needed = min(2, self.max_deliver - 1)
+        if (
+            self.max_deliver > 1
+            and evidence.crashed_in_group == 1
+            and evidence.alone_crashes >= alone_needed
+            and evidence.crashes >= self.max_deliver - 1
+        ):
             return Verdict.CULPRIT
         if deliveries >= give_up_after(self.max_deliver):
             return Verdict.GIVE_UP
         return Verdict.RUN_ALONE
 
-    async def begin(self, model: str, seq: int, evidence: Evidence, group_size: int) -> None:
-        """Record that this message starts running in a group of ``group_size`` (before it runs)."""
+    async def begin(self, model: str, seq: int, evidence: Evidence, group_size: int, tag: int = 0) -> None:
+        """Record that this message starts running in a group of ``group_size`` tagged ``tag``
+        (before it runs)."""
         if self._kv is None or seq <= 0:
             return
         try:
-            await self._kv.put(self._key(model, seq), evidence.encode(group_size))
+            await self._kv.put(self._key(model, seq), evidence.encode(group_size, tag))
         except TRANSPORT_ERRORS as exc:
             log.warning("recording the run of %s/%s failed: %r", model, seq, exc)
 
