@@ -392,7 +392,7 @@ def test_a_json_request_gets_json_only_for_what_json_holds_as_it_is() -> None:
 
     import msgspec
 
-    from jetbatch.sidecar.worker.execution import _as_asked
+    from jetbatch.sidecar.worker.triage import as_asked as _as_asked
 
     as_json = ContentType.JSON.value
     for value in ({"a": [1, 2.5, "x"], "b": None}, [True, {"c": "d"}]):

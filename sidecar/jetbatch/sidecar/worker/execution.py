@@ -18,11 +18,10 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 import anyio
-import msgspec
 from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import (
-    ContentType, ErrorCode, Headers, ProtocolError, ReplyPolicy, RequestMeta, batch_header_of, decode_payload, encode_payload, new_request_id,
+    ErrorCode, Headers, ReplyPolicy, batch_header_of, new_request_id,
     parse_request_headers, validate_tenant,
 )  # fmt: skip
 
@@ -34,6 +33,7 @@ from ..telemetry import LoadRecord, WorkerTelemetry
 from .counters import Counters
 from .slots import BatchReport, ModelTurn, Request, Slot, ack_info
 from .quarantine import Evidence, Quarantine, Verdict, groups
+from .triage import as_asked, too_late, triage, with_problem
 
 __all__ = ["GIVE_BACK_DELAY_S", "BatchRunner"]
 
@@ -107,7 +107,7 @@ class BatchRunner:
                 tenant_problem, tenant = str(exc), None
         meta = parse_request_headers(headers, policy=self.reply_policy, tenant=tenant, fallback_id=new_request_id)
         if tenant_problem:
-            meta = _with_problem(meta, f"header {Headers.TENANT}: {tenant_problem}")
+            meta = with_problem(meta, f"header {Headers.TENANT}: {tenant_problem}")
         ack = ack_info(msg)
         return Request(
             msg=msg,
@@ -147,7 +147,7 @@ class BatchRunner:
             return {Headers.MODEL: slot.name, Headers.BATCH: batch_value(waits_ms[id(r)])}
 
         predicted_s = self.core.predicted_s(slot.name, len(requests))  # the core's probe rule
-        rejected, expired, fresh, suspects = _triage(requests, now, predicted_s)
+        rejected, expired, fresh, suspects = triage(requests, now, predicted_s)
         # A caller that cancelled is gone: its request is answered `cancelled`, not computed (a
         # suspect, or one late anyway, too), as the simulator counts it.
         gone = [r for r in expired + fresh + suspects if self._cancelled(r.meta.tenant, r.meta.request_id)]
@@ -178,7 +178,7 @@ class BatchRunner:
             for r in gone:
                 r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, _CANCELLED, extra(r))
             for r in expired:
-                r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, _too_late(r, now, predicted_s), extra(r))
+                r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, too_late(r, now, predicted_s), extra(r))
             self._decode(slot, fresh, extra)
             good = [r for r in fresh if r.answer is None]
             late = 0
@@ -193,7 +193,7 @@ class BatchRunner:
                         r.answer = Answer.failure(r.meta, ErrorCode.CANCELLED, _CANCELLED, extra(r))
                         self._counters.add("cancelled")
                     elif cannot_finish(r.meta.deadline, now, predicted_s):
-                        r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, _too_late(r, now, predicted_s), extra(r))
+                        r.answer = Answer.failure(r.meta, ErrorCode.DEADLINE_EXCEEDED, too_late(r, now, predicted_s), extra(r))
                         late += 1
                 good = [r for r in good if r.answer is None]
             # A batch refused whole on a prediction teaches the estimator nothing: the core
@@ -278,7 +278,7 @@ class BatchRunner:
             return
         for r, out in zip(requests, results):
             try:
-                body, ctype = _as_asked(*slot.handler.encode(out), r.meta.content_type)
+                body, ctype = as_asked(*slot.handler.encode(out), r.meta.content_type)
                 r.answer = Answer.ok(r.meta, body, ctype, extra(r))
             except Exception as exc:  # noqa: BLE001
                 r.answer = Answer.failure(r.meta, ErrorCode.MODEL_FAILED, f"cannot encode output: {client_message(exc)}", extra(r))
@@ -385,59 +385,3 @@ class BatchRunner:
         model = slot if isinstance(slot, str) else slot.name
         for outcome, count in outcomes.items():  # one metric update per outcome and batch, not per request
             self.telemetry.requests.add(count, {"jetbatch.model": model, "jetbatch.status": outcome})
-
-
-def _too_late(r: Request, now: float, predicted_s: float) -> str:
-    """Why a request is answered ``deadline_exceeded`` instead of computed."""
-    left_s = (r.meta.deadline or now) - now
-    return f"deadline passed {-left_s:.3f}s before compute" if left_s < 0 else f"{left_s:.3f}s left, a batch takes about {predicted_s:.3f}s"
-
-
-def _with_problem(meta: RequestMeta, problem: str) -> RequestMeta:
-    return msgspec.structs.replace(meta, problem=f"{meta.problem}; {problem}" if meta.problem else problem)
-
-
-def _triage(requests: list[Request], now: float, predicted_s: float) -> tuple[list[Request], list[Request], list[Request], list[Request]]:
-    """Split a batch: malformed (answered bad_request, never retried), unable to finish before
-    its deadline, first deliveries (computed together), redeliveries (suspects: computed apart,
-    worker/quarantine.py)."""
-    rejected: list[Request] = []
-    expired: list[Request] = []
-    fresh: list[Request] = []
-    suspects: list[Request] = []
-    for r in requests:
-        if r.meta.problem is not None:
-            rejected.append(r)
-        elif cannot_finish(r.meta.deadline, now, predicted_s):
-            expired.append(r)
-        elif r.deliveries <= 1:
-            fresh.append(r)
-        else:
-            suspects.append(r)
-    return rejected, expired, fresh, suspects
-
-
-def _as_asked(body: bytes, ctype: ContentType, request_ctype: str | None) -> tuple[bytes, ContentType]:
-    """A request sent as JSON gets its answer in JSON (a tensor as nested lists, plain values as
-    they are), so a caller without the tensor or msgpack decoder (``nats sub``, curl through a
-    gateway) can read it. A plain value JSON cannot hold (a msgpack extension) keeps msgpack."""
-    if ctype not in (ContentType.TENSOR, ContentType.TENSORS, ContentType.MSGPACK) or (request_ctype or "").split(";")[0].strip().lower() != ContentType.JSON.value:
-        return body, ctype
-    value = decode_payload(body, ctype.value)
-    if ctype is ContentType.MSGPACK:
-        # Only what JSON holds as it is: bytes (base64 text), NaN (null) or integer keys (text)
-        # would come back as something else, so such an output keeps msgpack.
-        try:
-            as_json, json_type = encode_payload(value, ContentType.JSON)
-            if decode_payload(as_json, json_type.value) == value:
-                return as_json, json_type
-        except ProtocolError:
-            pass
-        return body, ctype
-    if isinstance(value, dict):
-        plain: Any = {k: v.to_torch().tolist() for k, v in value.items()}
-    elif isinstance(value, tuple):
-        plain = [v.to_torch().tolist() for v in value]
-    else:
-        plain = value.to_torch().tolist()
-    return encode_payload(plain, ContentType.JSON)
