@@ -105,6 +105,12 @@ class WorkerCore:
             self.recorder.write(event, action)
         return action
 
+    @property
+    def wants_arrival_order(self) -> bool:
+        """Whether a turn should say the waiting requests' models in arrival order
+        (``Turn.arrival_order``): only a policy that reads it (``fifo``) is worth the walk."""
+        return bool(getattr(self.driver.policy, "uses_arrival_order", False))
+
     def predicted_s(self, model: str, n: int) -> float:
         """The batch time a deadline check assumes for ``n`` requests of ``model``: the estimate,
         and 0 after ``PROBE_AFTER_REFUSALS`` batches in a row were refused whole on it (that batch

@@ -60,6 +60,7 @@ class Fifo(_LruBaseline):
     Without an arrival order (the live worker), the model with the oldest request, a full batch."""
 
     name = "fifo"
+    uses_arrival_order = True  # its executors tell the waiting requests' models in arrival order
 
     def decide(self, state: SchedulerState, now: float) -> Decision:
         waiting = [m for m in state.models.values() if m.backlog > 0]

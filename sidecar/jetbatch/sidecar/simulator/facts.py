@@ -84,7 +84,7 @@ class WorkerViews:
                 interactive_enqueued_at=q.urgent[0].arrival if self.sim.classes and q.urgent else None,
             ))  # fmt: skip
         order = None
-        if worker.policy.name == "fifo":
+        if worker.core.wants_arrival_order:
             while self.sim.arrival_log and self.sim.arrival_log[0].id in self.sim.served_ids:
                 self.sim.arrival_log.popleft()
             order = [r.model for r in list(self.sim.arrival_log)[:256] if r.id not in self.sim.served_ids]

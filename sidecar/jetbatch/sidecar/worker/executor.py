@@ -6,6 +6,8 @@ it; the simulator executes the same actions (``simulator/engine.py``)."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import time
@@ -38,6 +40,9 @@ from .state import LoopState
 __all__ = ["Executor"]
 
 log = logging.getLogger("jetbatch.worker")
+
+# The arrival order a turn tells a policy that reads it, at most this many requests long.
+ARRIVAL_ORDER_MAX = 256
 
 
 class Executor:
@@ -126,7 +131,19 @@ class Executor:
             now=now, facts=facts,
             busy=[s.name for s in on_device if s.in_flight], computing=[s.name for s in on_device if s.computing],
             defer_until=defer_until if math.isfinite(defer_until) else None,
+            arrival_order=self._arrival_order() if self.core.wants_arrival_order else None,
         )  # fmt: skip
+
+    def _arrival_order(self) -> list[str]:
+        """The waiting requests' models in the order the stream stored them (the first
+        ``ARRIVAL_ORDER_MAX``), from the arrival events (``Slot.known_times``, ``known_bulk``), as
+        the simulator gives its own arrival order. Requests nobody saw arrive are not in it."""
+        entries: list[tuple[float, int, str]] = []
+        for name in self.queues.waiting:
+            slot = self.slots[name]
+            for line in (slot.known_times, slot.known_bulk):
+                entries.extend((seq if seq is not None else math.inf, at, name) for at, _, _, seq in itertools.islice(line, ARRIVAL_ORDER_MAX))
+        return [name for _, _, name in heapq.nsmallest(ARRIVAL_ORDER_MAX, entries)]
 
     async def _do_unload(self, tg: anyio.abc.TaskGroup, action: Unload) -> None:
         for name in action.models:
