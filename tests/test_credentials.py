@@ -126,3 +126,20 @@ def test_the_shipped_deployments_name_the_same_users_and_rights() -> None:
     assert creds.authorization_block(SUBJECTS, compose_refs) in text
     (k8s,) = [d for d in yaml.safe_load_all((root / "examples" / "k8s" / "nats.yaml").read_text()) if d and d["kind"] == "ConfigMap"]
     assert creds.authorization_block(SUBJECTS, {r: f"${r.upper()}_PASSWORD" for r in roles}) in k8s["data"]["nats.conf"]
+
+
+def test_the_quickstart_runs_with_the_app_credentials_up_wrote(secured: Deployment) -> None:
+    """examples/quickstart.py as its docstring runs it against `jetbatch up`: the URL and app.json."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    assert secured.credentials_dir is not None
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "quickstart.py"), secured.url, str(secured.credentials_dir / "app.json")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "sdk"), str(root)])},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert sum("model=" in line and "batch=" in line for line in proc.stdout.splitlines()) == 8
+    assert "typed error, as expected: UnknownModel" in proc.stdout

@@ -515,9 +515,12 @@ def test_readme_producer_snippet_runs_without_torch_or_numpy(configmap_deploymen
     """The README's "Using it" code, unchanged but for the server's address and the subject
     prefix, with torch and numpy unimportable, against the sidecars the ConfigMap configures."""
     source = _readme_producer_snippet()
-    assert 'URL = "nats://127.0.0.1:4222"' in source and source.count("connect(URL)") == 2
+    assert 'URL = "nats://127.0.0.1:4222"' in source and source.count("connect(URL, **APP)") == 2
+    # jetbatch up's app credentials (tests/test_credentials.py connects with them); this server admits anyone.
+    assert 'APP = json.load(open(".jetbatch/credentials/app.json"))' in source
+    source = source.replace('APP = json.load(open(".jetbatch/credentials/app.json"))', "APP = {}")
     assert not re.search(r"^\s*(import|from)\s+(torch|numpy)\b", source, re.MULTILINE)
-    source = source.replace('URL = "nats://127.0.0.1:4222"', f"URL = {configmap_deployment.url!r}").replace("connect(URL)", 'connect(URL, prefix="dpl")')
+    source = source.replace('URL = "nats://127.0.0.1:4222"', f"URL = {configmap_deployment.url!r}").replace("connect(URL, **APP)", 'connect(URL, prefix="dpl", **APP)')
     proc = subprocess.run([sys.executable, "-c", _PRODUCER_ONLY + source], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     first, last = proc.stdout.strip().splitlines()
