@@ -1,7 +1,10 @@
 """Quickstart producer: a few requests with and without a model, printing how each was batched.
 
     jetbatch up &                       # or any running deployment of the example models
-    python examples/quickstart.py nats://127.0.0.1:4222
+    python examples/quickstart.py nats://127.0.0.1:4222 .jetbatch/credentials/app.json
+
+The second argument, the app's credentials `jetbatch up` wrote, is for a server that admits only
+its users (leave it out for one that admits anyone).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import sys
 from jetbatch import sdk
 
 
-async def main(url: str) -> None:
+async def main(url: str, credentials: str | None = None) -> None:
+    import json
     import random
 
-    async with sdk.Client.connect(url) as client:
+    options = json.loads(open(credentials).read()) if credentials else {}  # user, password, inbox_prefix
+    async with sdk.Client.connect(url, **options) as client:
         vectors = [[random.gauss(0, 1) for _ in range(16)] for _ in range(8)]
         tensors = [sdk.Tensor(dtype="float32", shape=(16,), data=memoryview(_f32(v))) for v in vectors]
         # Let the classifier pick the model for half, name it for the other half.
@@ -37,4 +42,4 @@ def _f32(values: list[float]) -> bytes:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "nats://127.0.0.1:4222"))
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "nats://127.0.0.1:4222", sys.argv[2] if len(sys.argv) > 2 else None))

@@ -1,7 +1,7 @@
 """A small web app using the SDK, like the FastAPI `/items/batch/{id}` example of the
 `dynamic-batcher` package, on the standard library (no web framework to install).
 
-    NATS_URL=nats://127.0.0.1:4222 python -m examples.webapp --port 8000
+    NATS_URL=nats://127.0.0.1:4222 NATS_USER=app NATS_PASSWORD=... NATS_INBOX_PREFIX=_INBOX.app python -m examples.webapp --port 8000
     curl -X POST localhost:8000/items/batch/42 -d '{"values": [0.1, 0.2, ...16 floats]}'
 
 POST /items/batch/{item_id} with a JSON body {"values": [16 floats], "model": optional} runs one
@@ -16,7 +16,7 @@ import json
 import os
 import struct
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Mapping
 
 from jetbatch import sdk
 
@@ -74,8 +74,15 @@ def make_handler(client: sdk.BlockingClient) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def credentials(environ: Mapping[str, str]) -> dict[str, str]:
+    """The app's NATS identity from NATS_USER, NATS_PASSWORD and NATS_INBOX_PREFIX (compose and
+    examples/k8s set them; `jetbatch up` keeps the same three in its app.json)."""
+    names = {"NATS_USER": "user", "NATS_PASSWORD": "password", "NATS_INBOX_PREFIX": "inbox_prefix"}
+    return {key: environ[var] for var, key in names.items() if environ.get(var)}
+
+
 def serve(url: str | None, host: str, port: int) -> ThreadingHTTPServer:
-    client = sdk.BlockingClient.connect(url)
+    client = sdk.BlockingClient.connect(url, **credentials(os.environ))
     return ThreadingHTTPServer((host, port), make_handler(client))
 
 

@@ -165,6 +165,13 @@ def test_compose_wires_the_sidecars() -> None:
     assert {"nats", "models", "classifier", "worker", "app", "jaeger"} <= set(services)
     for name in ("classifier", "worker", "app"):
         assert services[name]["environment"]["NATS_URL"] == "nats://nats:4222"
+    # Each connects as its own user of the server's authorization block, in its own inboxes.
+    for name in ("classifier", "worker"):
+        env = services[name]["environment"]
+        assert (env["JETBATCH_NATS__USER"], env["JETBATCH_NATS__INBOX_PREFIX"]) == (name, f"_INBOX.{name}")
+        assert f"JETBATCH_{name.upper()}_PASSWORD:?" in env["JETBATCH_NATS__PASSWORD"]
+    app = services["app"]["environment"]
+    assert (app["NATS_USER"], app["NATS_INBOX_PREFIX"]) == ("app", "_INBOX.app") and "JETBATCH_APP_PASSWORD:?" in app["NATS_PASSWORD"]
     assert services["classifier"]["healthcheck"]["test"][-1] == str(HttpConfig().classifier_port)
     assert services["worker"]["healthcheck"]["test"][-1] == str(HttpConfig().worker_port)
 
@@ -220,12 +227,28 @@ def test_examples_build_that_cannot_write_a_file_is_one_line(examples_dir: Path,
 # --- the NATS server's settings -------------------------------------------------------------------
 
 
+# The users' passwords, as the environment (compose) or the Secret (Kubernetes) gives them.
+_PASSWORDS = {"WORKER_PASSWORD": "worker-secret-0001", "CLASSIFIER_PASSWORD": "classifier-secret-0001", "APP_PASSWORD": "app-secret-0001"}
+
+
+def _interpolated(text: str) -> str:
+    """``text`` as docker compose reads it, with the passwords of _PASSWORDS set: ``${VAR:?..}``
+    replaced, ``$$`` a literal ``$``; a variable not set fails, as compose does."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1).removeprefix("JETBATCH_")
+        assert name in _PASSWORDS, f"compose reads ${{{match.group(1)}}}, which no step of docs/deployment.md sets"
+        return _PASSWORDS[name]
+
+    return re.sub(r"\$\{([A-Z_]+)(?::\?[^}]*)?\}", value, text).replace("$$", "$")
+
+
 def _compose_nats_conf() -> str:
     compose = _compose()
     nats = compose["services"]["nats"]
     (mount,) = nats["configs"]
     assert nats["command"] == ["--config", mount["target"]]
-    return str(compose["configs"][mount["source"]]["content"])
+    return _interpolated(str(compose["configs"][mount["source"]]["content"]))
 
 
 def _k8s_nats_conf() -> str:
@@ -250,8 +273,48 @@ def test_nats_configs_are_valid_for_nats_server_with_jetstream_and_monitoring(wh
     assert re.search(r"^jetstream \{", conf, re.MULTILINE) and "http_port: 8222" in conf and "port: 4222" in conf
     path = tmp_path / "nats.conf"
     path.write_text(conf)
-    proc = subprocess.run([find_nats_server(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=30)
+    env = {**os.environ, **_PASSWORDS}  # the Secret's keys, in the nats container's environment
+    proc = subprocess.run([find_nats_server(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=30, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("which", ["compose", "k8s"])
+def test_the_shipped_nats_servers_admit_their_users_only(which: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the config compose.yaml or examples/k8s/nats.yaml gives nats-server (passwords as
+    they would be set), the app is served with its password and refused without one, and may
+    not publish an arrival event, a take event or into the workers' bucket."""
+    import asyncio
+
+    from jetbatch.sdk import ConnectionFailed
+    from jetbatch.sdk.connection import connect_nats
+
+    conf = _compose_nats_conf() if which == "compose" else _k8s_nats_conf()
+    conf = conf[conf.index("authorization {") :]  # the rest (ports, store) is checked above
+    errors: list[str] = []
+
+    async def check(url: str) -> None:
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc).lower())
+
+        with pytest.raises(ConnectionFailed):
+            await connect_nats(url)
+        app = await connect_nats(url, user="app", password=_PASSWORDS["APP_PASSWORD"], inbox_prefix="_INBOX.app", error_cb=on_error)
+        try:
+            for subject in ("jetbatch.arrived.sentiment", "jetbatch.taken.sentiment", "$KV.JETBATCH_WORKERS.claim.sentiment", "jetbatch.in.other"):
+                await app.publish(subject, b"1")
+            await app.flush()
+            for _ in range(200):
+                if len(errors) >= 4:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await app.close()
+
+    for key, value in _PASSWORDS.items():
+        monkeypatch.setenv(key, value)  # nats-server reads $ROLE_PASSWORD from the environment it starts with
+    with EmbeddedNats(store_dir=tmp_path / "store", extra_config=conf) as server:
+        asyncio.run(check(server.url))
+    assert sum("permissions violation for publish" in e for e in errors) == 4, errors
 
 
 # --- Kubernetes manifests -------------------------------------------------------------------------
@@ -452,9 +515,12 @@ def test_readme_producer_snippet_runs_without_torch_or_numpy(configmap_deploymen
     """The README's "Using it" code, unchanged but for the server's address and the subject
     prefix, with torch and numpy unimportable, against the sidecars the ConfigMap configures."""
     source = _readme_producer_snippet()
-    assert 'URL = "nats://127.0.0.1:4222"' in source and source.count("connect(URL)") == 2
+    assert 'URL = "nats://127.0.0.1:4222"' in source and source.count("connect(URL, **APP)") == 2
+    # jetbatch up's app credentials (tests/test_credentials.py connects with them); this server admits anyone.
+    assert 'APP = json.load(open(".jetbatch/credentials/app.json"))' in source
+    source = source.replace('APP = json.load(open(".jetbatch/credentials/app.json"))', "APP = {}")
     assert not re.search(r"^\s*(import|from)\s+(torch|numpy)\b", source, re.MULTILINE)
-    source = source.replace('URL = "nats://127.0.0.1:4222"', f"URL = {configmap_deployment.url!r}").replace("connect(URL)", 'connect(URL, prefix="dpl")')
+    source = source.replace('URL = "nats://127.0.0.1:4222"', f"URL = {configmap_deployment.url!r}").replace("connect(URL, **APP)", 'connect(URL, prefix="dpl", **APP)')
     proc = subprocess.run([sys.executable, "-c", _PRODUCER_ONLY + source], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     first, last = proc.stdout.strip().splitlines()

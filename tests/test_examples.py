@@ -50,7 +50,7 @@ def test_quickstart(deployment: Deployment) -> None:
 
 def _with_prefix(script: Path, prefix: str) -> str:
     # The quickstart uses the default prefix; this test's deployment uses its own.
-    source = script.read_text().replace("sdk.Client.connect(url)", f"sdk.Client.connect(url, prefix={prefix!r})")
+    source = script.read_text().replace("sdk.Client.connect(url, **options)", f"sdk.Client.connect(url, prefix={prefix!r}, **options)")
     return source
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -74,16 +76,27 @@ def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> No
         assert health, "no health URL printed"
         with urllib.request.urlopen(f"{health.group(1)}/readyz", timeout=10) as resp:
             assert resp.status == 200
+        # The server admits only its users: `up` says where the app's credentials are, and how
+        # the SDK takes them (the file holds connect's keyword arguments, for its owner only).
+        credentials = Path(_env(tmp_path)["JETBATCH_HOME"]) / "credentials"
+        assert str(credentials / "app.json") in proc.stdout.readline()
+        assert f"sdk.Client.connect({url!r}, **json.load(open({str(credentials / 'app.json')!r})))" in proc.stdout.readline()
+        assert str(credentials / "admin.json") in proc.stdout.readline()
+        assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in credentials.iterdir())
+        app = json.loads((credentials / "app.json").read_text())
+        admin_url = url.replace("nats://", f"nats://admin:{json.loads((credentials / 'admin.json').read_text())['password']}@")
 
         async def ids() -> list[str]:
-            async with sdk.Client.connect(url) as client:
+            async with sdk.Client.connect(admin_url) as client:
                 return [r.id for r in await collect_status(client.nats, client.subjects, wait_s=0.5)]
 
         assert asyncio.run(ids()) == [worker_id]  # `jetbatch status` shows the name `up` printed
+        with pytest.raises(sdk.ConnectionFailed):
+            asyncio.run(_connect(url))  # no credentials, no connection
 
         async def ask() -> sdk.Result:
             x, truth = sample_inputs(1, seed=5)
-            async with sdk.Client.connect(url) as client:
+            async with sdk.Client.connect(url, **app) as client:
                 return await client.infer_result(Tensor.from_torch(x[0]), model=truth[0], timeout=30)
 
         result = asyncio.run(ask())

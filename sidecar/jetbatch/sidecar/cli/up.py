@@ -18,7 +18,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "up", help="run the sidecars of a config in one process tree (embedded NATS if no URL)",
         description="Run a worker (and the classifier, if the config has one). Without --nats-url, start an embedded "
-        "nats-server on 127.0.0.1:4222 with JetStream, its store under $JETBATCH_HOME/nats.",
+        "nats-server on 127.0.0.1:4222 with JetStream, its store under $JETBATCH_HOME/nats, that admits only the "
+        "worker, classifier, app and admin users whose passwords it keeps in $JETBATCH_HOME/credentials.",
     )  # fmt: skip
     add_sidecar_options(p, config_required=False)
     p.add_argument("--no-classifier", action="store_true", help="run only the worker")
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         port=-1 if args.port == 0 else args.port,
         configured_http=True,
         http_port=args.http_port,
+        credentials_dir=home / "credentials",
     )
     stop = {"signal": 0, "failed": False}
 
@@ -72,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             host, _, port = report.http.rpartition(":")
             shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
             print(f"jetbatch up: {report.id} health and metrics at http://{shown}:{port}/readyz and /metrics", flush=True)
+    if dep.passwords:
+        _print_credentials(dep.credentials_dir, dep.url)
     try:
         while not stop["signal"]:
             for name, proc in list(dep.procs.items()):
@@ -86,3 +90,13 @@ def run(args: argparse.Namespace) -> int:
     if stop["signal"]:
         return EXIT_INTERRUPTED
     return EXIT_FAILED if stop["failed"] else 0
+
+
+def _print_credentials(folder: Path | None, url: str) -> None:
+    """Where the app's and the admin's passwords are, and how to connect with them."""
+    assert folder is not None
+    app, admin = folder / "app.json", folder / "admin.json"
+    print(f"jetbatch up: NATS admits only its users (docs/security.md); the app's credentials are in {app} (owner only):", flush=True)
+    print(f"jetbatch up:   sdk.Client.connect({url!r}, **json.load(open({str(app)!r})))", flush=True)
+    host = url.removeprefix("nats://")
+    print(f"jetbatch up: status, dlq, bench: --nats-url nats://admin:PASSWORD@{host}, the admin's PASSWORD in {admin}", flush=True)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -54,14 +56,14 @@ class _BatchPrinter:
                 )
 
 
-async def _workload(url: str, n: int, concurrency: int, quiet: bool, classify: bool) -> dict[str, Any]:
+async def _workload(url: str, n: int, concurrency: int, quiet: bool, classify: bool, options: dict[str, str]) -> dict[str, Any]:
     vectors, truth = sample_inputs(n, seed=7)
     printer = _BatchPrinter(quiet)
     latencies: list[float] = []
     errors: dict[str, int] = defaultdict(int)
     correct = 0
     gate = asyncio.Semaphore(concurrency)
-    async with sdk.Client.connect(url) as client:
+    async with sdk.Client.connect(url, **options) as client:
 
         async def one(i: int) -> None:
             nonlocal correct
@@ -99,29 +101,33 @@ def run_demo(args: argparse.Namespace) -> int:
     examples = build_examples(Path(args.dir))
     print(f"example models in {examples.directory}; starting NATS, classifier and worker...", flush=True)
     classify = _has_classifier()
-    with Deployment(
-        examples.up_toml,
-        nats_url=args.nats_url,
-        classifier=classify,
-        log_level=args.log_level,
-        store_dir=None,
-        progress=lambda line: print(line, flush=True),
-    ) as dep:
-        print(f"NATS at {dep.url}; sending {args.requests} requests ({'half classified, half with a model' if classify else 'each names its model'})", flush=True)
-        interrupted = False
-        previous = signal.getsignal(signal.SIGINT)
-        try:
-            summary = run_interruptible(_workload(dep.url, args.requests, args.concurrency, args.quiet, classify))
-        except KeyboardInterrupt:
-            interrupted = True
-            summary = None
-        finally:
-            signal.signal(signal.SIGINT, previous)
+    # The embedded server admits only the roles of `jetbatch up`, with passwords of this run.
+    credentials = tempfile.mkdtemp(prefix="jetbatch-demo-credentials-")
+    try:
+        summary, interrupted = _run(examples.up_toml, args, classify, credentials)
+    finally:
+        shutil.rmtree(credentials, ignore_errors=True)
     if interrupted or summary is None:
         print("interrupted; sidecars and NATS stopped", file=sys.stderr)
         return 130
     _print_summary(summary)
     return 0 if summary["answered"] == summary["requests"] else 1
+
+
+def _run(config: Path, args: argparse.Namespace, classify: bool, credentials: str) -> tuple[dict[str, Any] | None, bool]:
+    with Deployment(
+        config, nats_url=args.nats_url, classifier=classify, log_level=args.log_level, store_dir=None, credentials_dir=credentials,
+        progress=lambda line: print(line, flush=True),
+    ) as dep:
+        print(f"NATS at {dep.url}; sending {args.requests} requests ({'half classified, half with a model' if classify else 'each names its model'})", flush=True)
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            workload = _workload(dep.url, args.requests, args.concurrency, args.quiet, classify, dep.connect_options("app"))
+            return run_interruptible(workload), False
+        except KeyboardInterrupt:
+            return None, True
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _has_classifier() -> bool:

@@ -22,6 +22,7 @@ from jetbatch.sdk.protocol import SidecarReport
 from ..config import load_config
 from ..errors import SidecarError
 from ..interrupts import run_interruptible
+from . import credentials as creds
 from .natsserver import EmbeddedNats
 
 __all__ = ["Deployment", "DeploymentError"]
@@ -38,7 +39,11 @@ class DeploymentError(SidecarError):
 
 class Deployment:
     """A NATS server (embedded unless ``nats_url`` is given), a worker process per config, and a
-    classifier process when the config has a ``[classifier]`` section and ``classifier`` is True."""
+    classifier process when the config has a ``[classifier]`` section and ``classifier`` is True.
+
+    With ``credentials_dir``, an embedded server admits only the roles of
+    :mod:`~jetbatch.sidecar.dev.credentials` (passwords kept in that folder, made on first use),
+    and each sidecar connects as its role; an external server is used as it is."""
 
     def __init__(
         self,
@@ -56,6 +61,7 @@ class Deployment:
         configured_http: bool = False,
         http_port: int | None = None,
         progress: Callable[[str], None] | None = None,
+        credentials_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.config_path = Path(config_path)
         # Told how the start goes (the demo prints it: sidecars take seconds to import torch and
@@ -76,6 +82,9 @@ class Deployment:
         self.configured_http = configured_http
         # `jetbatch up --http-port P`: worker0 on P, the classifier on P + 1 (0: free ports; -1: off).
         self.http_port = http_port
+        self.credentials_dir = Path(credentials_dir) if credentials_dir is not None else None
+        # Each role's password, once an embedded server with authorization runs (else empty).
+        self.passwords: dict[str, str] = {}
         self.server: EmbeddedNats | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         # Each sidecar's id (what `jetbatch status` shows): the config's, else <host>-<name>.
@@ -91,9 +100,19 @@ class Deployment:
         assert self.nats_url is not None, "start() first"
         return self.nats_url
 
+    def connect_options(self, role: str) -> dict[str, str]:
+        """Keyword arguments for ``sdk.Client.connect`` that connect as ``role`` (``app``,
+        ``admin``, ...); none when the server admits anyone."""
+        if role not in self.passwords:
+            return {}
+        return creds.connect_options(role, self.passwords[role])
+
     def _spawn(self, name: str, args: list[str], ids: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
         env.update(self.extra_env)
+        role = name.rstrip("0123456789")
+        if role in self.passwords:
+            env.update(creds.sidecar_env(role, self.passwords[role]))
         for var, value in (ids or {}).items():
             env.setdefault(var, value)
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -136,7 +155,11 @@ class Deployment:
 
     def start(self, ready_timeout_s: float = 60.0) -> "Deployment":
         if self.nats_url is None:
-            self.server = EmbeddedNats(store_dir=self.store_dir, port=self.port).start()
+            extra = ""
+            if self.credentials_dir is not None:
+                self.passwords = creds.load_or_create(self.credentials_dir)
+                extra = creds.authorization_block(self.config.subjects, self.passwords)
+            self.server = EmbeddedNats(store_dir=self.store_dir, port=self.port, extra_config=extra).start()
             self.nats_url = self.server.url
         try:
             for i in range(self.workers):
@@ -172,7 +195,7 @@ class Deployment:
         deadline = time.monotonic() + timeout_s
         began = time.monotonic()
         told, next_tell = (-1, -1), began
-        nc = await connect_nats(self.url)
+        nc = await connect_nats(self.url, **self.connect_options("admin"))
         try:
             while True:
                 self._check_children()

@@ -162,7 +162,7 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock_store()
         conf = self.store_dir / "nats-server.conf"
-        conf.write_text(self._config_text(), encoding="utf-8")
+        _write_private(conf, self._config_text())
         try:
             self._proc = subprocess.Popen(
                 [binary, "-c", str(conf)],
@@ -274,6 +274,14 @@ class EmbeddedNats:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read: a server config may hold the users' passwords."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file, made before this rule, keeps its mode through O_CREAT
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
