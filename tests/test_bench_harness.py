@@ -1,40 +1,159 @@
-"""bench/ is a package run as modules, on one harness: every benchmark imports as ``bench.<name>``
-without touching sys.path, and the harness's in-process layout serves a real burst."""
+"""bench/ is thin scenarios on one harness: every scenario imports as ``bench.<group>.<name>``
+without touching sys.path, imports no other scenario, writes no TOML by hand and starts its
+servers and sidecars through the harness; and the harness's parts do what the scenarios rely on."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import pytest
 
 from bench import harness
-from bench.overhead import add_raw_streams, raw_replies, raw_requests
+from bench.harness.raw import add_raw_streams, raw_replies, raw_requests
 from jetbatch import sdk
+from jetbatch.sidecar.config import Config, load_config
 
 pytestmark = pytest.mark.anyio
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-NAMES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
+HARNESS = BENCH / "harness"
+GROUPS = sorted(p.name for p in BENCH.iterdir() if p.is_dir() and p != HARNESS and (p / "__init__.py").exists())
+SCENARIOS = sorted(f"{p.parent.name}.{p.stem}" for g in GROUPS for p in (BENCH / g).glob("*.py") if p.stem != "__init__")
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_every_benchmark_imports_as_a_module_of_the_package(name: str) -> None:
-    source = (BENCH / f"{name}.py").read_text()
-    assert "sys.path" not in source, f"bench/{name}.py edits sys.path: run it as python -m bench.{name}"
+def _source(name: str) -> str:
+    return (BENCH / (name.replace(".", "/") + ".py")).read_text()
+
+
+def _imported(name: str) -> set[str]:
+    """Every module a scenario's import statements name (``from bench import harness`` names
+    ``bench.harness``), at any depth (imports inside functions too)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(_source(name))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_the_scenarios_are_grouped_and_nothing_lies_loose_beside_the_harness() -> None:
+    assert set(GROUPS) >= {"scheduler", "overhead", "scale", "reliability", "models", "peers"}
+    assert sorted(p.name for p in BENCH.glob("*.py")) == ["__init__.py"]  # a scenario belongs to a group
+    assert len(SCENARIOS) >= 30
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_scenario_imports_as_a_module_of_its_group(name: str) -> None:
+    assert "sys.path" not in _source(name), f"bench/{name.replace('.', '/')}.py edits sys.path: run it as python -m bench.{name}"
     module = importlib.import_module(f"bench.{name}")
     assert module.__name__ == f"bench.{name}"
 
 
-def test_live_benchmarks_share_the_harness() -> None:
-    """A benchmark that starts a server or a worker does it through bench.harness (or the
-    Deployment the harness wraps), not with its own copy of the set-up."""
-    own = [n for n in NAMES if n != "harness" and "Worker(" in (BENCH / f"{n}.py").read_text()]
-    assert own == []
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_no_scenario_imports_another(name: str) -> None:
+    """What two scenarios share belongs in the harness: a scenario imports bench.harness (and
+    jetbatch), never a module of a group."""
+    others = {m for m in _imported(name) if m.startswith("bench.") and not m.startswith("bench.harness")}
+    assert others == set(), f"bench.{name} imports {sorted(others)}: move what it needs into bench/harness/"
+
+
+def _strings(name: str) -> list[str]:
+    """The string literals of a scenario's code (docstrings left out: they may quote a config)."""
+    tree = ast.parse(_source(name))
+    docs = {
+        id(n.body[0].value) for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+        and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+    }  # fmt: skip
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_no_scenario_writes_toml_by_hand(name: str) -> None:
+    """Configs for sidecars in processes go through harness.write_config, the one writer."""
+    written = [m for m in ("[models.", "[worker]", "[nats]", "[streams]", "[classifier]") if any(m in text for text in _strings(name))]
+    written += [m for m in ("tomli_w", "msgspec.toml") if m in _imported(name)]
+    assert written == [], f"bench.{name} writes TOML by hand ({written}): use harness.write_config"
+
+
+# What starts a nats-server or a jetbatch sidecar in this process; only the harness calls them.
+_STARTERS = {"EmbeddedNats", "NatsCluster", "Deployment", "Worker", "Classifier"}
+
+
+def _started(name: str) -> list[str]:
+    """The starters a scenario calls, and the command lines it builds that run a sidecar
+    (``-m jetbatch``) or the harness's raw processes itself."""
+    out = []
+    for node in ast.walk(ast.parse(_source(name))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if called in _STARTERS:
+                out.append(called)
+        elif isinstance(node, (ast.List, ast.Tuple)):
+            items = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            if "-m" in items and ({"jetbatch", "bench.harness.raw"} & set(items)):
+                out.append("-m " + next(i for i in items if i in ("jetbatch", "bench.harness.raw")))
+    return out
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_live_scenarios_start_servers_and_sidecars_only_through_the_harness(name: str) -> None:
+    own = _started(name)
+    assert own == [], f"bench.{name} starts {own} itself: use harness.server/cluster/in_process/processes/cli_processes"
+    assert not {m for m in _imported(name) if m.startswith(("jetbatch.sidecar.dev.natsserver", "jetbatch.sidecar.dev.deployment"))}
+
+
+def test_the_rule_checks_see_a_scenario_that_breaks_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static checks above fail on the habits they forbid (a scenario importing a sibling,
+    hand-written TOML, its own server), so their passing means something."""
+    fake = tmp_path / "bench"
+    (fake / "scale").mkdir(parents=True)
+    (fake / "scale" / "bad.py").write_text(
+        "from bench.overhead.deployed import x\n"
+        "from jetbatch.sidecar.dev.natsserver import EmbeddedNats\n"
+        "def f(p):\n    import bench.scale.many_models\n    p.write_text('[models.m]\\nhandler = \"sleep\"')\n    EmbeddedNats()\n"
+        "    subprocess.Popen([sys.executable, '-m', 'jetbatch', 'worker'])\n"
+    )
+    monkeypatch.setitem(globals(), "BENCH", fake)
+    assert _imported("scale.bad") >= {"bench.overhead.deployed", "bench.scale.many_models"}
+    with pytest.raises(AssertionError, match="imports"):
+        test_no_scenario_imports_another("scale.bad")
+    with pytest.raises(AssertionError, match="by hand"):
+        test_no_scenario_writes_toml_by_hand("scale.bad")
+    assert _started("scale.bad") == ["EmbeddedNats", "-m jetbatch"]
+    with pytest.raises(AssertionError, match="EmbeddedNats"):
+        test_live_scenarios_start_servers_and_sidecars_only_through_the_harness("scale.bad")
+
+
+def test_write_config_round_trips_sections_and_a_config(tmp_path: Path) -> None:
+    """The one TOML writer: sections (nested tables, a model's inline options, a model name that
+    is not a bare key, booleans, a None left out) read back as written, and a whole Config
+    (every default spelled out) reads back equal."""
+    sections: dict[str, Any] = {
+        "nats": {"prefix": "wc1"}, "streams": {"replicas": 1, "consumers": "eager"},
+        "worker": {"max_resident_models": 2, "prefetch_weights": False, "policy": None},
+        "models": {"m-0": {"handler": "sleep", "max_batch_size": 16, "max_delay_s": 0.005, "options": {"load_cost_s": 0.2}}},
+        "classifier": {"router": "rules", "default_model": "m-0"},
+    }  # fmt: skip
+    path = harness.write_config(sections, tmp_path, "wc")
+    assert path == tmp_path / "wc.toml"
+    read = tomllib.loads(path.read_text())
+    assert read["models"]["m-0"]["options"] == {"load_cost_s": 0.2} and "policy" not in read["worker"]
+    given = {**sections, "worker": {"max_resident_models": 2, "prefetch_weights": False}}  # None: the default
+    assert load_config(str(path)) == msgspec.convert(given, Config)
+    cfg = harness.config(given, tag="wc")
+    assert load_config(str(harness.write_config(cfg, tmp_path, "whole"))) == cfg
 
 
 def test_emit_appends_one_json_object_per_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,7 +201,7 @@ async def test_the_raw_twin_of_the_classifier_path_relays_every_request_once_and
     """The baseline of ``--raw-relayed`` (and ``--relay-fast-ingest``): every request published to
     the ingress stream is republished once to the consumer's stream and acked there, and its
     caller is answered from the results stream; both work queues end empty."""
-    from bench.overhead import raw_relay, raw_relay_fast
+    from bench.harness.raw import raw_relay, raw_relay_fast
 
     nc = await nats.connect(nats_url)
     try:
@@ -106,10 +225,10 @@ async def test_the_raw_twin_of_the_classifier_path_relays_every_request_once_and
 
 
 def test_sampled_stacks_are_charged_to_the_package_on_top_and_idle_waits_left_out(tmp_path: Path) -> None:
-    """bench.process_profiles --sampler py-spy: each busy sample counts for the function on top
+    """bench.overhead.process_profiles --sampler py-spy: each busy sample counts for the function on top
     of its stack (a socket write to asyncio, not to the jetbatch code that published); the
     event loop's epoll wait and an idle pool thread are not busy."""
-    from bench.process_profiles import spy_summary
+    from bench.overhead.process_profiles import spy_summary
 
     raw = tmp_path / "worker.spy"
     raw.write_text(
@@ -127,13 +246,13 @@ def test_sampled_stacks_are_charged_to_the_package_on_top_and_idle_waits_left_ou
 
 
 def test_the_consumer_sides_messages_are_counted_per_connection_over_the_round() -> None:
-    """bench.deployed: what each consumer-side connection published and was sent during a round,
+    """bench.harness.rounds (bench.overhead.deployed's records): what each consumer-side connection published and was sent during a round,
     a connection made during it counted from zero (a sidecar's reconnect), per request."""
-    from bench.deployed import _msgs_per_request
+    from bench.harness.rounds import msgs_per_request
 
     before = {1: ("jetbatch-worker", 100, 50), 2: ("jetbatch-classifier", 10, 10)}
     after = {1: ("jetbatch-worker", 300, 250), 2: ("jetbatch-classifier", 10, 10), 3: ("jetbatch-worker", 20, 40)}
-    counted = _msgs_per_request(before, after, 100)
+    counted = msgs_per_request(before, after, 100)
     assert counted["consumer_published"] == pytest.approx(2.2) and counted["consumer_received"] == pytest.approx(2.4)
     # Which hop pays what: the worker's two connections (one since the round began) together.
     assert counted["consumer_msgs_by_connection"] == {"jetbatch-classifier": [0.0, 0.0], "jetbatch-worker": [2.2, 2.4]}
@@ -157,7 +276,7 @@ async def _republished_round(nc: Any, prefix: str, *, protocol_headers: bool) ->
 
 
 async def test_the_stored_raw_loop_republishes_and_takes_random_ids_as_jetbatch_does(nats_url: str, prefix: str) -> None:
-    """``bench.server_profile``'s and ``--raw-republished``'s variants of the baseline: its request
+    """``bench.overhead.server_profile``'s and ``--raw-republished``'s variants of the baseline: its request
     stream republishes each stored request's headers, and its ids are 32 random hex characters."""
     nc = await nats.connect(nats_url)
     try:
@@ -190,10 +309,10 @@ async def test_the_raw_twin_carries_jetbatchs_headers_and_answers_under_the_key(
 
 @pytest.mark.parametrize("relayed", [False, True], ids=["twin", "relayed twin"])
 async def test_the_one_process_twins_answer_every_request(nats_url: str, relayed: bool) -> None:
-    """``bench.overhead --raw-twin`` / ``--raw-relayed-twin``: the same twin in one process, its
+    """``bench.overhead.in_process --raw-twin`` / ``--raw-relayed-twin``: the same twin in one process, its
     streams wired to its prefix (a reply under the wrong subject is never answered) and removed
     after the round."""
-    from bench.overhead import raw_round
+    from bench.harness.raw import raw_round
 
     rate, latencies = await raw_round(nats_url, 20, 4, b"x", relayed=relayed, twin=True)
     assert len(latencies) == 20 and rate > 0
@@ -221,11 +340,11 @@ def _pb(field: int, value: int | bytes) -> bytes:
 
 
 def test_a_go_cpu_profile_is_read_into_each_functions_inclusive_and_self_cpu(tmp_path: Path) -> None:
-    """``bench.pprof`` against a profile.proto written by hand: main calls f (10 ms on top) and
+    """``bench.harness.pprof`` against a profile.proto written by hand: main calls f (10 ms on top) and
     g (30 ms), g inlined into main's location for one sample."""
     import gzip
 
-    from bench.pprof import read_profile
+    from bench.harness.pprof import read_profile
 
     strings = ["", "samples", "count", "cpu", "nanoseconds", "main", "f", "g"]
     functions = [_pb(5, _pb(1, i) + _pb(2, name)) for i, name in ((1, 5), (2, 6), (3, 7))]

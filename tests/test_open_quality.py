@@ -1,4 +1,4 @@
-"""bench.open_quality on a tiny run: the record carries, per arrival kind, the cost-aware ÷
+"""bench.scheduler.open_quality on a tiny run: the record carries, per arrival kind, the cost-aware ÷
 exhaustive ratios the open-traffic targets are read from, and a run replays exactly (the bisect
 over commits compares seed by seed)."""
 
@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from bench import open_quality
+from bench.scheduler import open_quality
 
 
 def test_tiny_run_reports_ratios_per_kind(tmp_path: Path) -> None:

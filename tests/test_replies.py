@@ -163,7 +163,7 @@ def _record_buffered(nc: Any, head: str, into: list[int]) -> None:
 async def test_a_batchs_answers_reach_the_socket_in_chunks(nats_url: str, prefix: str) -> None:
     """A batch's answers were all published before any was written: a closed loop of callers
     then waited for the whole batch, and the worker for all their next requests, one batch in
-    lockstep at a time (bench.deployed: batches of 55-59 at 64 in flight). Each chunk now reaches the socket before
+    lockstep at a time (bench.overhead.deployed: batches of 55-59 at 64 in flight). Each chunk now reaches the socket before
     the next is published, and every answer is stored as before."""
     subjects = Subjects(prefix)
     nc = await nats.connect(nats_url)

@@ -269,7 +269,7 @@ async def test_cancelled_infer_and_fetch_leave_everything_working(nats_url: str,
 async def test_live_burst_agrees_with_the_simulator(nats_url: str, prefix: str) -> None:
     """4 models x 64 interleaved requests, queued before the worker starts, one slot: the live
     worker makes the simulator's loads and batches (both drive the same policy, window and
-    estimator). How close its makespan comes is a benchmark figure (bench/scheduler_figures.py,
+    estimator). How close its makespan comes is a benchmark figure (bench/scheduler/figures.py,
     1.07x when last run); here it only has to stay clear of anything pathological, as a wall
     clock on a shared 2-core host cannot be held to 15% (it read 1.18x under a loaded CI run)."""
     from jetbatch.sidecar.simulator import build_workload, simulate
@@ -386,7 +386,7 @@ async def _a_peer(nc: Any, prefix: str) -> AsyncIterator[None]:
 
 async def test_a_worker_alone_tells_nobody_what_it_takes_and_tells_a_peer_once_it_sees_one(nats_url: str, prefix: str) -> None:
     """Take and settle events are for peers: alone, a worker sends as few messages a request as
-    the raw loop (bench/deployed.py); once a peer's advert is in its view, its takes reach it."""
+    the raw loop (bench/overhead/deployed.py); once a peer's advert is in its view, its takes reach it."""
     from jetbatch.sidecar.worker.arrivals import WORKER_HEADER
 
     config = make_config(prefix, {"m1": sleep_model()}, worker={"peer_timeout_s": 60.0})
@@ -510,7 +510,7 @@ async def test_a_cancelled_caller_costs_no_load_and_no_compute(nats_url: str, pr
 
 async def test_a_batch_is_checked_and_decoded_while_the_one_before_computes(nats_url: str, prefix: str) -> None:
     """The next batch's own CPU work (headers, deadlines, decoding) overlaps the forward pass
-    before it; only the forward pass waits for the model (bench.device_busy measures the gain)."""
+    before it; only the forward pass waits for the model (bench.overhead.device_busy measures the gain)."""
     config = _busy_config(prefix, 1.0, "other")
     async with running_worker(config, nats_url) as worker:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
@@ -744,7 +744,7 @@ async def test_an_empty_fetch_with_requests_in_our_own_puller_holds_nothing_back
     """A pull request that ended late (a busy host) delivers its requests after its fetch
     returned empty: the consumer counts them unacked, as if a peer held them, but they wait in
     this worker's own puller. Taken for a peer's, they were held back for a recheck (1.6 s of
-    queue wait in bench.overhead's classified runs); they are served at the next fetch.
+    queue wait in bench.overhead.in_process's classified runs); they are served at the next fetch.
     Nowhere at all (neither undelivered nor unacked), the count is what is wrong until the
     stream says otherwise: the queues are counted again, and nothing is held back for good."""
     from types import SimpleNamespace

@@ -200,7 +200,7 @@ def _use_fast_header_values() -> None:
     input: a property test holds them together). nats-py passes every value of every publish
     through ``str.translate`` with a dict, which looks each distinct character up as a Python
     object: 1.5 µs for a 74-character value, 3.6 times the tuple's cost. An answer's five headers
-    paid about 3 µs of the worker's CPU a request (``bench.process_profiles --sampler py-spy``).
+    paid about 3 µs of the worker's CPU a request (``bench.overhead.process_profiles --sampler py-spy``).
     The table is nats-py's module global, read at each publish: this swaps it for the whole
     process, only while it is the table this was written against."""
     if getattr(nats_client, "_HEADER_VALUE_NEWLINES", None) == _NATS_HEADER_VALUE_TABLE:

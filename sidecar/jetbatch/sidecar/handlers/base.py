@@ -86,7 +86,7 @@ class Handler(ABC):
     # Whether ``predict`` is cheap and bounded whatever the batch (no device, no blocking call,
     # little work an item, nothing that needs its own thread): the worker then calls it on the
     # event loop, which a thread's round trip a batch (about 0.11 ms of CPU, ``python -m
-    # bench.thread_hop``) would cost more than. Otherwise in a worker thread, so that a slow
+    # bench.overhead.thread_hop``) would cost more than. Otherwise in a worker thread, so that a slow
     # batch never stops the loop.
     inline = False
 

@@ -18,7 +18,7 @@ __all__ = ["BatchCost", "CostEstimator", "Tier", "fits_host", "prefetch_choice",
 Tier = Literal["cold", "warm", "resident"]
 
 # Until a warm load is measured, assume it costs this share of a cold one (a host-to-device
-# copy against a disk read plus deserialisation; bench/model_loading.py measures the real ratio).
+# copy against a disk read plus deserialisation; bench/models/loading.py measures the real ratio).
 WARM_SHARE_PRIOR = 0.3
 
 

@@ -114,8 +114,8 @@ class SimModel:
 @dataclass(frozen=True)
 class Control:
     """What the live worker's control plane costs, so the simulated worker pays it too. The
-    defaults are the live worker's, measured by ``python -m bench.control_plane`` and
-    ``python -m bench.scale`` on the 2-core development VM (docs/benchmarks.md): a decision's CPU (fixed, and per model shown to the policy), the delay
+    defaults are the live worker's, measured by ``python -m bench.scale.control_plane`` and
+    ``python -m bench.scale.many_models`` on the 2-core development VM (docs/benchmarks.md): a decision's CPU (fixed, and per model shown to the policy), the delay
     before an arrival is known (the stream's republished event), and the fixed part of a load
     (the consumer check; with peers, the claims, the adverts and the release), and
     a batch's fixed I/O: the fetch before compute (it holds the worker), and storing and sending
@@ -129,12 +129,12 @@ class Control:
     answer_s: float = 0.0013
     # The first load of a model whose consumer does not exist yet (streams.consumers =
     # "on-demand") makes it: about 2 ms on one server, 10-70 ms on a 3-node cluster where each
-    # consumer is a Raft group (bench/consumers.py). 0 for "eager" consumers.
+    # consumer is a Raft group (bench/scale/consumers.py). 0 for "eager" consumers.
     consumer_create_s: float = 0.002
     consumer_idle_s: float = 600.0  # the server removes a consumer nobody pulled from this long
     # A load claims its models and releases them, and advertises after it (and before it, with
     # peers): key-value round trips, about 1 ms each on one server, 4-20 ms on the loaded 3-node
-    # test cluster (bench/control_plane.py).
+    # test cluster (bench/scale/control_plane.py).
     claim_s: float = 0.002
     advert_s: float = 0.002
     # A worker that stops serving a model's batches counts that model's interactive line (a

@@ -287,7 +287,7 @@ class BatchRunner:
         """One forward pass: in a worker thread, so that the event loop serves the queues (pulls,
         answers, PubAcks) while the model computes; on the event loop itself when the handler
         declares ``predict`` cheap and bounded (:attr:`Handler.inline`), where a thread's round
-        trip would cost more than the pass (about 0.11 ms of CPU: ``python -m bench.thread_hop``)."""
+        trip would cost more than the pass (about 0.11 ms of CPU: ``python -m bench.overhead.thread_hop``)."""
         if slot.handler.inline:
             return slot.handler.predict(values)
         return await anyio.to_thread.run_sync(slot.handler.predict, values)

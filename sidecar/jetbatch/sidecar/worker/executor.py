@@ -106,7 +106,7 @@ class Executor:
                 self._wake = anyio.Event()
             turn = self.turn(now)
             action = self.core.handle(turn)
-            # What deciding costs (the simulator charges it too: Workload.control, bench/scale.py).
+            # What deciding costs (the simulator charges it too: Workload.control, bench/scale/many_models.py).
             self.stats.add("decisions")
             self.stats.add("decision_us", int((time.perf_counter() - started) * 1e6))
             self.stats.add("models_shown", len(turn.facts))

@@ -186,7 +186,7 @@ class Lines:
             return
         # In our own puller: delivered after the fetch returned (its pull request ended late: a
         # busy host), so counted as unacked elsewhere. Held back as a peer's, they waited a whole
-        # recheck (1.6 s in bench.overhead's classified runs).
+        # recheck (1.6 s in bench.overhead.in_process's classified runs).
         in_our_puller = any(p is not None and p.buffered for p in (slot.psub, slot.bulk_psub))
         why = empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=slot.missed_fetch, in_our_puller=in_our_puller)
         now = time.time()

@@ -229,7 +229,7 @@ def ack_info(msg: Msg) -> AckInfo | None:
     and a token after), None for any other message; never raises.
 
     nats-py's ``msg.metadata`` reads the same fields, but builds a datetime and three objects per
-    message: a third of the worker's own per-request parsing (``bench.process_profiles --sampler
+    message: a third of the worker's own per-request parsing (``bench.overhead.process_profiles --sampler
     py-spy``). The subject is the server's, but anyone who may publish to the pull's inbox can
     forge one, so a malformed one is simply not a JetStream delivery."""
     reply = msg.reply

@@ -1,0 +1,1 @@
+"""What a model costs the worker: loading from each tier, padding, and idle unload."""

@@ -1,0 +1,1 @@
+"""Faults, failover, recovery and floods: requests counted through each, and what they cost."""
