@@ -20,7 +20,11 @@ from .config import Config
 from .errors import SidecarError
 from .streams import StreamSetupError
 
-__all__ = ["EndpointError", "Sidecar", "liveness", "retry_startup", "serve_sidecar"]
+__all__ = ["READY_LINE_ENV", "EndpointError", "Sidecar", "liveness", "retry_startup", "serve_sidecar"]
+
+# Set to "0" in a sidecar's environment when what started it says it is ready in its own words
+# (``jetbatch up``'s deployment): the sidecar then prints no ready line of its own.
+READY_LINE_ENV = "JETBATCH_READY_LINE"
 
 log = logging.getLogger("jetbatch.runtime")
 T = TypeVar("T")

@@ -237,6 +237,14 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> int:
     return anyio.run(runner, backend="asyncio", backend_options={"use_uvloop": use_uvloop})
 
 
+def print_ready(line: str) -> None:
+    """Print a sidecar's ready line, unless what started it says so itself (``READY_LINE_ENV``)."""
+    from ..runtime import READY_LINE_ENV
+
+    if os.environ.get(READY_LINE_ENV, "1") != "0":
+        print(line, flush=True)
+
+
 def ready_line(role: str, sidecar_id: str, address: str, serves: str = "") -> str:
     """The one line a sidecar prints when it is ready: who it is, what it serves, and where its
     /readyz and /metrics listen as bound (``--http-port 0`` picks the port: this says which)."""

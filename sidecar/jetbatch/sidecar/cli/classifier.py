@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import CliError, add_sidecar_options, check_connection_files, http_port, ready_line, run_async, setup_telemetry
+from ._common import CliError, add_sidecar_options, check_connection_files, http_port, print_ready, ready_line, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         return run_async(
             serve_sidecar(
                 config, url, name="jetbatch-classifier", make=lambda nc, rnc: Classifier(config, nc, reply_nc=rnc), http_port=port,
-                on_ready=lambda c, address: print(ready_line("classifier", c.id, address, f"router {router}"), flush=True),
+                on_ready=lambda c, address: print_ready(ready_line("classifier", c.id, address, f"router {router}")),
             )
         )
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._common import CliError, add_record, ready_line, add_sidecar_options, check_connection_files, http_port, open_recorder, run_async, setup_telemetry
+from ._common import CliError, add_record, print_ready, ready_line, add_sidecar_options, check_connection_files, http_port, open_recorder, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             # messages a batch it would only drop); nothing else it publishes comes back to it.
             serve_sidecar(
                 config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc, record=recorder), http_port=port, no_echo=True,
-                on_ready=lambda w, address: print(ready_line("worker", w.worker_id, address, f"serving {', '.join(config.models)}"), flush=True),
+                on_ready=lambda w, address: print_ready(ready_line("worker", w.worker_id, address, f"serving {', '.join(config.models)}")),
             )
         )
     finally:

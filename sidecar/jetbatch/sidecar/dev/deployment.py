@@ -22,6 +22,7 @@ from jetbatch.sdk.protocol import SidecarReport
 from ..config import load_config
 from ..errors import SidecarError
 from ..interrupts import run_interruptible
+from ..runtime import READY_LINE_ENV
 from . import credentials as creds
 from .natsserver import EmbeddedNats
 
@@ -116,6 +117,9 @@ class Deployment:
         for var, value in (ids or {}).items():
             env.setdefault(var, value)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # The deployment says what it started in its own lines (scripts read them): a sidecar's
+        # own ready line would come first and say less.
+        env[READY_LINE_ENV] = "0"
         log_path = self._log_dir / f"{name}.log"
         self._logs[name] = log_path
         out = open(log_path, "wb") if self.capture_output else None
