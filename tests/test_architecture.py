@@ -155,7 +155,7 @@ def test_only_the_worker_core_decides_and_feeds_the_estimator() -> None:
 SLOT_OWNERS = {
     # what the queues hold, from events and counts
     **dict.fromkeys(
-        ("arrivals", "bulk", "head_deadline", "hold_until", "oldest_enqueued_at", "stranded", "stranded_since", "unfetchable", "unknown_head_at", "unknown_head_deadline"),
+        ("arrivals", "bulk", "doubted", "head_deadline", "hold_until", "oldest_enqueued_at", "stranded", "stranded_since", "unfetchable", "unknown_head_at", "unknown_head_deadline"),
         "worker/queues.py",
     ),
     # where the model is and what its load left for the first batch

@@ -751,3 +751,43 @@ async def test_a_worker_connection_without_echo_hears_its_peers_take_events_and_
     finally:
         await worker_nc.close()
         await peer_nc.close()
+
+
+# --- events are hints: checked against the stream ----------------------------------------------
+
+
+def test_a_refuted_queue_doubts_its_arrival_events_until_the_stream_stores_some() -> None:
+    """A look found nothing stored (``Lines.look``): the count is zero, forged arrivals are not
+    counted, and a count that finds requests stored makes the events count again."""
+    view, slots = _view("m1")
+    s = slots["m1"]
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me")
+    for _ in range(3):
+        feed.note("p.arrived.m1", {"Nats-Sequence": "999999"}, now=5.0)
+    assert s.backlog == 3
+    view.refuted(s)
+    assert s.backlog == 0 and s.known == 0 and "m1" not in view.waiting
+    feed.note("p.arrived.m1", {"Nats-Sequence": "1000000"}, now=5.1)
+    assert s.backlog == 0
+    view.reconcile(s, 0, 5.2, mine=0, not_ours=0)
+    feed.note("p.arrived.m1", None, now=5.3)
+    assert s.backlog == 0  # still nothing stored: still doubted
+    view.reconcile(s, 2, 5.4, mine=0, not_ours=0)
+    assert s.backlog == 2 and not s.doubted
+    feed.note("p.arrived.m1", None, now=5.5)
+    assert s.backlog == 3
+
+
+def test_takes_cannot_hide_what_a_consumer_delivered_to_nobody() -> None:
+    view, slots = _view("m1")
+    s = slots["m1"]
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me")
+    view.arrived(s, 1.0, None)
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "evil"}, b"+100000", now=1.1)
+    view.counted({"p.model.m1": 1}, None, 1.2, subjects=Subjects("p"), mine={}, not_ours={}, mine_bulk={})
+    assert s.backlog == 0 and view.hidden_by_takes == ["m1"]  # stored, yet zero by a take alone
+    view.undelivered(s, 1, bulk=False)
+    assert s.backlog == 1
+    # A peer's advert that says it holds them is believed: nothing for the consumers to check.
+    view.counted({"p.model.m1": 1}, None, 1.3, subjects=Subjects("p"), mine={}, not_ours={"m1": 1}, mine_bulk={})
+    assert view.hidden_by_takes == []

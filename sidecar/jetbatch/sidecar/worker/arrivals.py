@@ -36,8 +36,11 @@ class ArrivalFeed:
     one fetched n requests of a model and ``-n`` when it settled them (:meth:`took`,
     :meth:`settled`), so its peers' counts follow at once. Hostile input never raises here: an
     unknown model, a malformed timestamp, deadline or count is ignored or read as "now" / "no
-    deadline"; a forged take can hide requests from the count until the next reconcile (a
-    poll interval) at most. ``audience`` says whether any peer hears the take events now: a
+    deadline". Both kinds are hints, checked against the stream before they cost more than a
+    look: a load is paid only for what the stream stores (``Lines.look``; a model found empty
+    is doubted, its events not counted until a count shows it non-empty), and takes that bring
+    a model's count to zero while the stream stores some of it are checked against its
+    consumers (``Lines.check_takes``). ``audience`` says whether any peer hears the take events now: a
     worker that knows it is alone sends none (two messages a batch the raw loop does not send);
     one that starts beside it misses its takes until it has read the newcomer's advert
     (its first advert goes out after its start-up), an over-count its next count corrects, as for
@@ -143,6 +146,9 @@ class ArrivalFeed:
         queue = self._subjects.queue_from_arrival(subject)
         slot = self._slots.get(queue[0]) if queue is not None else None
         if slot is None or queue is None:
+            return
+        if slot.doubted:
+            self._counters.add("arrivals_doubted")  # the stream's count will show a real one
             return
         now = time.time() if now is None else now
         headers = headers or {}

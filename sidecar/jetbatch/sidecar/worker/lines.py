@@ -24,7 +24,7 @@ from .orphan_answers import OrphanAnswers
 from .pullers import Pullers
 from .arrivals import ArrivalFeed
 from .queues import RECHECK_S, QueueView
-from .stream_facts import empty_fetch, line_stored, missed_by
+from .stream_facts import empty_fetch, line_stored, missed_by, unheld
 from .slots import Slot
 from .state import LoopState
 
@@ -36,6 +36,8 @@ log = logging.getLogger("jetbatch.worker")
 # redelivers on its own timer): counted before, a fetch would miss them and hold the queue back
 # for a recheck.
 _DUE_MARGIN_S = 0.05
+# Models whose take events are checked against their consumers per count (``Lines.check_takes``).
+_MAX_TAKE_CHECKS = 16
 
 
 class Lines:
@@ -58,6 +60,7 @@ class Lines:
         self.stats = stats
         self.orphans = orphans
         self._note_trouble = note_trouble
+        self._takes_checked: dict[str, float] = {}  # model -> when its take events were last checked
 
     async def refresh(self, now: float) -> None:
         """Count every queue (one call), then schedule the next count: every poll interval while
@@ -88,6 +91,57 @@ class Lines:
         if not ok:
             self._note_trouble()
             self.state.next_refresh = time.time() + poll_s
+        elif self.queues.hidden_by_takes:
+            await self.check_takes()  # last: the turn after this count reads its correction
+
+    async def look(self, slot: Slot) -> bool:
+        """Before a load is paid for ``slot``'s backlog: whether the stream stores requests of it
+        beyond what this worker and its peers' adverts hold (a stream count of the interactive
+        line, and of the batch line when that finds none). The backlog came from arrival events,
+        which anyone who may publish on their subjects can forge: a load they alone ask for is
+        not paid; the model's count is set to zero and its events doubted (``QueueView.refuted``)."""
+        now = time.time()
+        mine = self.state.in_flight.by_model(self.subjects.model_from_subject).get(slot.name, 0)
+        advertised = self.peers.not_ours(now).get(slot.name, 0)
+        stored = 0
+        self.stats.add("load_looks")
+        try:
+            for priority in (Priority.INTERACTIVE, Priority.BATCH):
+                subject = self.subjects.model(slot.name, priority)
+                stored += line_stored(await self.js.stream_info(self.subjects.models_stream, subjects_filter=subject), subject).messages
+                if unheld(stored, mine, advertised):
+                    return True
+        except TRANSPORT_ERRORS as exc:
+            log.debug("look at %s before its load failed: %r", slot.name, exc)
+            self._note_trouble()  # no load on a count we do not have: the next turn decides again
+            return False
+        self.stats.add("loads_refuted")
+        self.queues.refuted(slot)
+        return False
+
+    async def check_takes(self) -> None:
+        """Take events brought these models' counts to zero although the stream stores requests of
+        them beyond what this worker and its peers' adverts hold (``QueueView.hidden_by_takes``):
+        a forged take looks like a real one its sender has not advertised yet. Each line's
+        consumer says how many it delivered to nobody, which no take can hold. A model at most
+        once a ``RECHECK_S`` and a few a count; the view is corrected once every answer is in."""
+        now = time.time()
+        due = [n for n in self.queues.hidden_by_takes if now - self._takes_checked.get(n, -math.inf) >= RECHECK_S][:_MAX_TAKE_CHECKS]
+        found: list[tuple[Slot, int, bool]] = []
+        for name in due:
+            self._takes_checked[name] = now
+            slot = self.slots[name]
+            for priority in (Priority.INTERACTIVE, Priority.BATCH) if slot.bulk_consumer_ready_at is not None else (Priority.INTERACTIVE,):
+                try:
+                    info = await self.js.consumer_info(self.subjects.models_stream, model_consumer_name(name, priority))
+                except TRANSPORT_ERRORS as exc:
+                    log.debug("check of the takes of %s failed: %r", name, exc)
+                    continue
+                found.append((slot, int(info.num_pending or 0), priority is Priority.BATCH))
+        for slot, pending, bulk in found:
+            if pending:
+                self.stats.add("takes_refuted")
+            self.queues.undelivered(slot, pending, bulk=bulk)
 
     async def follow_arrivals(self, *, leaving: bool = False) -> None:
         """Listen to the arrivals of a line of the model this worker drains only while it needs

@@ -80,6 +80,8 @@ class Loads:
                 log.warning("not preloading %s: peers held its claim for %.0f s", slot.name, self.config.worker.startup_timeout_s)
 
     async def load(self, slot: Slot, evict: tuple[str, ...], *, reason: str, for_backlog: bool = True) -> None:
+        if for_backlog and not slot.resident and not await self.lines.look(slot):
+            return  # what the events said waits, the stream does not store
         if for_backlog and not slot.resident:
             # Asked just before paying: once the models to evict are free (their last batch may
             # run for a while), is anyone still waiting? If every caller of this queue has given

@@ -24,9 +24,9 @@ worker 50x slower than its simulator, and idle it burned a third of a core polli
   stored before this worker started, or while it was disconnected) is read once with a direct
   get of the subject's first stored message, a few per reconcile.
 
-All of it is bookkeeping on :class:`~sidecar.worker.slots.Slot` fields; the pure part (the
-counting rules) is separate from the I/O (the subscription and the stream-info call), so the unit
-tests drive the rules without a server.
+- **Events are hints.** Anyone who may publish on their subjects can forge them: a load is paid
+  only for what the stream stores, and takes that hide all of a stored queue are checked against
+  its consumers (``worker/lines.py``). The rules are Slot bookkeeping, apart from the I/O.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from typing import Any, Mapping
 from jetbatch.sdk.protocol import Priority, Subjects
 
 from .slots import Slot
-from .stream_facts import LineStored, stored_after
+from .stream_facts import LineStored, stored_after, unheld
+from .takes import MAX_PEER_HELD, MAX_PEERS_A_MODEL, PeerTakes
 
-__all__ = ["RECHECK_S", "QueueView"]
+__all__ = ["MAX_PEERS_A_MODEL", "MAX_PEER_HELD", "RECHECK_S", "QueueView"]
 
 log = logging.getLogger("jetbatch.worker")
 
@@ -51,9 +52,6 @@ MAX_KNOWN_TIMES = 4096
 MAX_HEAD_READS = 16
 # How soon a queue held back past its stranded requests' ack wait is tried again.
 RECHECK_S = 1.0
-# Limits on the take events (core messages any worker-permitted client can send: hostile input).
-MAX_PEER_HELD = 100_000
-MAX_PEERS_A_MODEL = 256  # peers whose unsettled takes of one model are kept
 
 
 class QueueView:
@@ -67,16 +65,13 @@ class QueueView:
         # Known waiting requests by (tenant, request id): where a cancel notice finds its queue.
         self._where: dict[tuple[str, str], str] = {}
         # Lines (model, bulk) whose known arrivals are not all in increasing sequence (a forged or
-        # unsequenced event among them): how many were counted since the last out of order. Once
-        # that one has left the line (taken, or beyond what is kept), the line is in order again.
+        # unsequenced event among them): how many were counted since the last out of order (once
+        # that one has left the line, taken or beyond what is kept, it is in order again).
         self._unordered: dict[tuple[str, bool], int] = {}
         self.waiting: set[str] = {name for name, s in slots.items() if s.backlog > 0}
-        self.peer_event_s = peer_event_s
-        # model -> peer -> (requests it took and has not settled, when last told)
-        self._peer_held: dict[str, dict[str, tuple[int, float]]] = {}
-        self._peers_pruned_at: dict[str, float] = {}  # model -> when peer_took last dropped old entries
-        # Requests stored for models this worker does not register, per model, as of the last
-        # count (worker/orphans.py: answered when no live worker registers them either).
+        self.takes = PeerTakes(peer_event_s)
+        self.hidden_by_takes: list[str] = []  # models the last count found stored, at zero by take events alone
+        # Requests stored for models no worker here registers, per model, at the last count (orphans.py).
         self.unregistered: dict[str, int] = {}
         self.unregistered_bulk: dict[str, int] = {}  # of those, in the batch line
 
@@ -165,63 +160,41 @@ class QueueView:
         self._count_line(slot, left, bulk=bulk)
 
     def peer_took(self, slot: Slot, peer: str, n: int, now: float) -> None:
-        """A peer fetched ``n`` of the queue's requests (its take event): they leave this
-        worker's backlog now, the oldest first (a consumer delivers in order), instead of at the
-        next count; until the peer settles them they are the peer's, not stranded. Without it a
-        peer's served requests stayed in the count for up to a poll interval, and a worker loaded
-        a model for requests already answered (the 4-worker bench: more loads than batches)."""
-        held = self._peer_held.setdefault(slot.name, {})
-        if peer not in held and len(held) >= MAX_PEERS_A_MODEL:
-            # Entries go when the model waits (peers_hold) or the peer leaves the view: events
-            # under ever new ids (anyone who may publish take events) grew this for good. Old
-            # ones are dropped at most once a second; a new peer past the limit is not counted
-            # (an over-count, which the next count corrects).
-            if now - self._peers_pruned_at.get(slot.name, -math.inf) > 1.0:
-                self._peers_pruned_at[slot.name] = now
-                self.peers_hold(slot.name, now)
-                held = self._peer_held.setdefault(slot.name, {})
-            if len(held) >= MAX_PEERS_A_MODEL:
-                return
-        count = held.get(peer, (0, now))[0]
-        held[peer] = (min(count + n, MAX_PEER_HELD), now)
-        # Peers pull the interactive line first, as we do.
-        self._count(slot, slot.backlog - n, bulk=slot.bulk - max(0, n - slot.interactive))
+        """A peer fetched ``n`` of the queue's requests (its take event, ``PeerTakes.took``):
+        they leave this worker's backlog now, the oldest first (a consumer delivers in order)."""
+        if self.takes.took(slot.name, peer, n, now):
+            # Peers pull the interactive line first, as we do.
+            self._count(slot, slot.backlog - n, bulk=slot.bulk - max(0, n - slot.interactive))
 
     def peer_settled(self, name: str, peer: str, n: int, now: float) -> None:
         """A peer answered (or gave back) ``n`` requests it took."""
-        held = self._peer_held.get(name)
-        if not held or peer not in held:
-            return
-        left = held[peer][0] - n
-        if left > 0:
-            held[peer] = (left, now)
-        else:
-            del held[peer]
-            if not held:
-                del self._peer_held[name]
+        self.takes.settled(name, peer, n, now)
 
     def forget_peers(self, peers: list[str]) -> None:
-        """Peers that left (or whose process was replaced under the same id): what their take
-        events said they hold is theirs no more. A killed process never sends its settle event,
-        and its successor's events would keep that hold alive under the same id (the successor's
-        first takes may be forgotten with it: an over-count, which costs an empty fetch)."""
-        for name in list(self._peer_held):
-            held = self._peer_held[name]
-            for peer in peers:
-                held.pop(peer, None)
-            if not held:
-                del self._peer_held[name]
+        """Peers that left, or whose process was replaced (``PeerTakes.forget``)."""
+        self.takes.forget(peers)
 
     def peers_hold(self, name: str, now: float) -> int:
         """What peers said they took from ``name``'s queue and have not settled (recent events)."""
-        held = self._peer_held.get(name)
-        if not held:
-            return 0
-        for peer in [p for p, (_, at) in held.items() if now - at > self.peer_event_s]:
-            del held[peer]  # a lost settle event, or a peer gone: its advert or the ack wait tells
-        if not held:
-            del self._peer_held[name]
-        return sum(c for c, _ in held.values())
+        return self.takes.hold(name, now)
+
+    @property
+    def peer_event_s(self) -> float:
+        return self.takes.peer_event_s
+
+    def refuted(self, slot: Slot) -> None:
+        """A look at the stream found nothing of ``slot``'s queue a load could be for
+        (``Lines.look``): its count is zero, and its arrival events are not counted until a count
+        shows the stream storing some of it (:meth:`reconcile`, :meth:`undelivered`)."""
+        self._count(slot, 0, bulk=0)
+        slot.doubted = True
+
+    def undelivered(self, slot: Slot, pending: int, *, bulk: bool) -> None:
+        """A line's consumer has ``pending`` requests it delivered to nobody: no peer's take
+        holds them, so the line waits at least that many (``Lines.check_takes``)."""
+        if pending > (slot.bulk if bulk else slot.interactive):
+            self._count_line(slot, pending, bulk=bulk)
+        slot.doubted = slot.doubted and pending == 0
 
     def found_empty(self, slot: Slot, now: float, ack_wait_s: float, *, unreachable: bool = False) -> None:
         """A fetch came back empty although the backlog said otherwise: the rest is delivered
@@ -291,6 +264,7 @@ class QueueView:
         ``last_seq``: the truth the events are checked against. Arrivals counted while the count
         was on its way, stored after it, are not in it and stay counted (as in :meth:`fetched`)."""
         available = max(0, stored - mine - not_ours)
+        slot.doubted = slot.doubted and stored <= mine  # the stream stores some: its arrival events count again
         slot.stranded = max(0, available - slot.known)  # an upper bound: arrivals not seen
         if slot.stranded == 0:
             slot.stranded_since = None
@@ -383,8 +357,8 @@ class QueueView:
                     bulk[queue[0]] = int(n)
         self.unregistered = {name: n for name, n in counts.items() if name not in self._slots}
         self.unregistered_bulk = {name: n for name, n in bulk.items() if name not in self._slots}
-        # A model with no messages is absent from the answer: only those we thought non-empty, or
-        # that hold something back, need their count set to zero.
+        # A model with no messages is absent from the answer: only those thought non-empty, or holding some back, are set to zero.
+        self.hidden_by_takes = []
         for name in set(counts) | self.waiting | {n for n, s in self._slots.items() if s.unfetchable}:
             slot = self._slots.get(name)
             if slot is not None:
@@ -393,4 +367,6 @@ class QueueView:
                     slot, counts.get(name, 0), now, mine=mine.get(name, 0), not_ours=peers, stored_bulk=bulk.get(name, 0),
                     mine_bulk=mine_bulk.get(name, 0), last_seq=last_seq,
                 )  # fmt: skip
+                if slot.backlog == 0 and unheld(counts.get(name, 0), mine.get(name, 0), not_ours.get(name, 0)):
+                    self.hidden_by_takes.append(name)  # a peer's take may be forged: its consumers tell (Lines.check_takes)
         return [s for s in (self._slots[n] for n in sorted(self.waiting)) if self.needs_head(s)][:MAX_HEAD_READS]

@@ -96,6 +96,10 @@ class Slot:
     unreachable_seen_at: float = -math.inf
     unreachable_warned_at: float = -math.inf  # when the worker last warned of them (once a minute)
     stranded_since: float | None = None  # when the count first showed stranded messages
+    # A look before a load found nothing stored for this model: its arrival events are not
+    # counted (anyone who may publish there can forge them) until a count of the stream shows
+    # requests of it again (worker/lines.py, Lines.look).
+    doubted: bool = False
     # Enqueue times (and deadlines) of the newest waiting interactive requests, oldest first,
     # from the arrival events; the same for the batch class (``known_bulk``); older waiting
     # requests' head, when read (None: not known). See queues.py.

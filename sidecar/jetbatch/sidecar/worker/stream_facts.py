@@ -16,7 +16,7 @@ from .slots import ack_info
 
 __all__ = [
     "EmptyFetch", "LineStored", "empty_fetch", "line_stored", "missed_by", "parse_stream_sequence", "parse_stream_timestamp", "request_key",
-    "stored_after",
+    "stored_after", "unheld",
 ]  # fmt: skip
 
 _MAX_TIMESTAMP_CHARS = 40
@@ -141,6 +141,14 @@ def empty_fetch(*, pending: int, ack_pending: int, missed_before: bool, in_our_p
     if pending or ack_pending:
         return "delivered elsewhere"
     return "unreachable"
+
+
+def unheld(stored: int, mine: int, advertised: int) -> int:
+    """What the stream stores of a model beyond what this worker holds and what its peers'
+    adverts say they hold: the requests a load could be for, or that a peer's take events may
+    not hide. Arrival and take events play no part (anyone who may publish on their subjects
+    can forge them); adverts lag a heartbeat, so this may over-count, never under-count."""
+    return max(0, stored - mine - advertised)
 
 
 class LineStored(NamedTuple):
