@@ -177,6 +177,12 @@ class Simulation:
 
     def step(self, worker: SimWorker) -> None:
         core = worker.core
+        if worker.gathering is not None:
+            # A batch window under way: it goes on (to its close, or full) with no turn between.
+            fetch, held = worker.gathering
+            worker.gathering = None
+            self.execution.serve(worker, fetch, held=held)
+            return
         if worker.holding_until > -math.inf and core.serving is not None:
             # Carrying out a Hold: it ends with the served model's first interactive request,
             # whose batch it serves with no turn in between; with another line's first arrival

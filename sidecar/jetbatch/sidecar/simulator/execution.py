@@ -52,7 +52,9 @@ class SimExecution:
         latest_start = head.deadline - worker.costs.deadline_estimate_s(decision.model, limit) if head.deadline is not None else None
         close_at = window.close_at(head.arrival, head.arrival, latest_start)
         if not window.should_close(min(len(q), limit), close_at, self.sim.t) and len(q) < limit:
-            self.sim.wake(worker, max(min(close_at, self.sim.next_arrival_at()), self.sim.t + 1e-9))  # the window is open
+            # The window is open: committed to it until it closes or fills, as live (no turn between).
+            worker.gathering = (decision, held)
+            self.sim.wake(worker, max(min(close_at, self.sim.next_arrival_at()), self.sim.t + 1e-9))
             return
         batch: list[Request] = []
         q.count_batch(bulk_first)

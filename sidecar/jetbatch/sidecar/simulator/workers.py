@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..core import WorkerCore
+from ..core import Fetch, WorkerCore
 from ..policy import CostEstimator, Driver, Policy
 
 __all__ = ["SimWorker"]
@@ -32,6 +32,9 @@ class SimWorker:
     holding_until: float = -math.inf
     hold_seen: int = 0  # the arrivals known when the hold began, or last looked at: later ones may end it
     hold_checked: float = -math.inf  # when the hold last looked: cancel notices since may end it
+    # A batch whose window is open (the core's Fetch, and whether a hold began it): carried out
+    # to its close before the next turn, as the live worker's gather is.
+    gathering: tuple[Fetch, bool] | None = None
     served_by: dict[str, float] = field(default_factory=dict)  # what its peers drain per model, at its last turn
 
     @property
