@@ -21,6 +21,7 @@ from jetbatch.sidecar.classifier import Classifier
 from jetbatch.sidecar.config import Config
 from jetbatch.sidecar.dev.deployment import Deployment
 from jetbatch.sidecar.transport import connect
+from jetbatch.sidecar.recording import FlightRecorder
 from jetbatch.sidecar.worker import Worker
 
 __all__ = ["classifier_in_process", "cli_processes", "in_process", "processes"]
@@ -29,14 +30,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.asynccontextmanager
-async def in_process(cfg: Config, url: str, *, classifier: bool = False, ready_timeout_s: float = 60.0) -> AsyncIterator[Worker]:
+async def in_process(
+    cfg: Config, url: str, *, classifier: bool = False, ready_timeout_s: float = 60.0, record: FlightRecorder | None = None
+) -> AsyncIterator[Worker]:
     """A worker (and, with ``classifier``, a classifier on its own connection) running on this
     event loop, ready on entry, stopped on exit. Yields the worker (its ``stats`` are the run's
-    counters)."""
+    counters). ``record``: the worker's core is recorded there (``jetbatch worker --record``)."""
     nc = await connect(cfg.nats, url)
     nc2 = await connect(cfg.nats, url) if classifier else None
     try:
-        worker = Worker(cfg, nc)
+        worker = Worker(cfg, nc, record=record)
         sidecar = Classifier(cfg, nc2) if nc2 is not None else None
         async with anyio.create_task_group() as tg:
             tg.start_soon(worker.run)
