@@ -64,6 +64,7 @@ def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> No
         stderr=subprocess.PIPE,
         text=True,
         env=_env(tmp_path),
+        start_new_session=True,  # its own process group: a failed test kills what it started too
     )
     try:
         assert proc.stdout is not None
@@ -107,11 +108,20 @@ def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> No
         assert proc.wait(timeout=60) == 130  # interrupted, as docs/cli.md promises for every command
     finally:
         if proc.poll() is None:
-            proc.kill()
+            _kill_group(proc)
         proc.communicate(timeout=10)  # closes the pipes
     # The embedded server is gone with it: nothing listens on its port any more.
     with pytest.raises(sdk.ConnectionFailed):
         asyncio.run(_connect(url))
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kill a process started in a session of its own, and everything it started: a test that
+    fails half-way leaves no nats-server or sidecar running without a parent."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 async def _connect(url: str) -> None:
@@ -240,7 +250,7 @@ def test_demo_stopped_by_sigterm_leaves_nothing_running(examples_dir: Path, tmp_
     classifier too: they were left running without a parent, with the server's store on disk."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "jetbatch", "demo", "--requests", "100000", "--concurrency", "1", "--quiet", "--dir", str(examples_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path), start_new_session=True,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -256,7 +266,7 @@ def test_demo_stopped_by_sigterm_leaves_nothing_running(examples_dir: Path, tmp_
         assert proc.wait(timeout=60) == 130
     finally:
         if proc.poll() is None:
-            proc.kill()
+            _kill_group(proc)
         _, err = proc.communicate(timeout=10)
     assert "Traceback" not in err, err
     assert not [pid for pid in started if _alive(pid)], "left running after the demo stopped"
@@ -278,13 +288,13 @@ def test_a_second_up_on_a_running_ones_store_refuses_in_one_line(examples_dir: P
             EmbeddedNats(store_dir=store).start()
         proc = subprocess.Popen(
             [sys.executable, "-m", "jetbatch", "up", "--config", str(examples_dir / "models.toml"), "--port", "0", "--http-port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path), start_new_session=True,
         )  # fmt: skip
         try:
             out, err = proc.communicate(timeout=60)
         finally:
             if proc.poll() is None:  # it started a deployment on the store: the bug
-                proc.kill()
+                _kill_group(proc)
                 proc.communicate(timeout=10)
         assert proc.returncode == 2, out + err
         lines = err.strip().splitlines()
