@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stats = asyncio.run(worker_stats(dep.url, prefix))
     decisions = max(stats.get("decisions", 0), 1)
     record["live"]["loads"] = stats.get("loads")
+    record["live"]["batch_mean"] = stats.get("requests", 0) / max(stats.get("batches", 0), 1)
     record["decision"] = {
         "count": stats.get("decisions", 0),
         "mean_s": stats.get("decision_us", 0) / 1e6 / decisions,
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mean_s": sum(measured.latencies_s) / max(len(measured.latencies_s), 1),
         "p50_s": percentile(measured.latencies_s, 0.5), "p90_s": percentile(measured.latencies_s, 0.9),
         "p99_s": percentile(measured.latencies_s, 0.99), "loads": measured.loads,
+        "batch_mean": sum(b[3] for b in measured.batches) / max(len(measured.batches), 1),
     }  # fmt: skip
     live = record["live"]
     for key in ("simulated", "simulated_measured"):
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         record[f"live_over_{key}"] = {
             "mean": live["mean_s"] / simd["mean_s"], "p50": live["p50_s"] / simd["p50_s"], "p99": live["p99_s"] / simd["p99_s"],
             "loads": live["loads"] / max(simd["loads"], 1),
+            **({"batch_mean": live["batch_mean"] / simd["batch_mean"]} if simd.get("batch_mean") else {}),
         }  # fmt: skip
     return record
 
