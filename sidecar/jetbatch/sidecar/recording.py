@@ -148,7 +148,7 @@ def replay(lines: Iterable[bytes]) -> ReplayResult:
             )
             break
         if action is not None:
-            kind = type(action).__struct_config__.tag
+            kind = str(type(action).__struct_config__.tag)
             result.by_action[kind] = result.by_action.get(kind, 0) + 1
             result.matched += 1
     if core is None:

@@ -179,9 +179,9 @@ class Simulation:
         core = worker.core
         if worker.gathering is not None:
             # A batch window under way: it goes on (to its close, or full) with no turn between.
-            fetch, held = worker.gathering
+            fetch, from_hold = worker.gathering
             worker.gathering = None
-            self.execution.serve(worker, fetch, held=held)
+            self.execution.serve(worker, fetch, held=from_hold)
             return
         if worker.holding_until > -math.inf and core.serving is not None:
             # Carrying out a Hold: it ends with the served model's first interactive request,

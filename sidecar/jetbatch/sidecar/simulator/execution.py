@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ..core import BatchChecked, BatchDone, Evicted, Fetch, Fetched, LoadDue, Loaded, LoadModel, Reap
-from ..policy import batch_line_first, cannot_finish, fits_host, listens, pipeline_has_room, prefetch_choice, warm_copy_value
+from ..policy import Tier, batch_line_first, cannot_finish, fits_host, listens, pipeline_has_room, prefetch_choice, warm_copy_value
 
 from .workers import SimWorker
 
@@ -130,7 +130,7 @@ class SimExecution:
             # As live: a queue whose callers are all gone, or will be before the load and a batch
             # end (the estimates; only passed deadlines after PROBE_AFTER_REFUSALS such reaps in
             # a row), is answered without a load.
-            tier = "warm" if decision.model in worker.warm else "cold"
+            tier: Tier = "warm" if decision.model in worker.warm else "cold"
             peer_serves = any(decision.model in p.resident or p.loading == decision.model for p in self.sim.workers if p is not worker)
             waiting = [(r.deadline, r.gone(self.sim.t)) for r in q]
             verdict = worker.core.handle(LoadDue(decision.model, tier, self.sim.t, waiting, peer_serves=peer_serves))

@@ -62,13 +62,13 @@ class WorkerViews:
                     deferred = True
                     defer_until = min(defer_until, until)
             # A line it does not listen to: the count of the last take (less what peers took since).
-            urgent, bulk = len(q.urgent), len(q.bulk)
+            urgent, in_bulk = len(q.urgent), len(q.bulk)
             if worker.quiet:
                 urgent = min(urgent, worker.quiet.get((name, False), urgent))
-                bulk = min(bulk, worker.quiet.get((name, True), bulk))
+                in_bulk = min(in_bulk, worker.quiet.get((name, True), in_bulk))
             facts.append(QueueFacts(
                 name=name,
-                waiting=urgent + bulk,
+                waiting=urgent + in_bulk,
                 head_enqueued_at=q.head.arrival if q else None,
                 # Deadlines are arrival + a per-model constant, so the queue's head has the earliest.
                 head_deadline=q.head.deadline if q else None,

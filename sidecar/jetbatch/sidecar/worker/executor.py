@@ -11,7 +11,7 @@ import itertools
 import logging
 import math
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 import anyio
 import anyio.abc
@@ -51,7 +51,7 @@ class Executor:
     def __init__(
         self, config: Config, *, slots: dict[str, Slot], core: WorkerCore, queues: QueueView, residency: Residency, peers: Coordinator,
         batcher: Batcher, arrivals: ArrivalFeed, runner: BatchRunner, state: LoopState, stats: Counters, lines: Lines, loads: Loads,
-        stopping: anyio.Event, consumer: Callable[[Slot], Awaitable[bool]],
+        stopping: anyio.Event, consumer: Callable[[Slot], Coroutine[Any, Any, bool]],
     ) -> None:
         self.config = config
         self.slots = slots
@@ -138,7 +138,7 @@ class Executor:
         """The waiting requests' models in the order the stream stored them (the first
         ``ARRIVAL_ORDER_MAX``), from the arrival events (``Slot.known_times``, ``known_bulk``), as
         the simulator gives its own arrival order. Requests nobody saw arrive are not in it."""
-        entries: list[tuple[float, int, str]] = []
+        entries: list[tuple[float, float, str]] = []
         for name in self.queues.waiting:
             slot = self.slots[name]
             for line in (slot.known_times, slot.known_bulk):

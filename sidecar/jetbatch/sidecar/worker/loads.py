@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Coroutine
 
 import anyio
 
@@ -39,7 +39,7 @@ class Loads:
     def __init__(
         self, config: Config, *, worker_id: str, slots: dict[str, Slot], core: WorkerCore, queues: QueueView, peers: Coordinator, residency: Residency,
         batcher: Batcher, arrivals: ArrivalFeed, runner: BatchRunner, cancellations: Cancellations, state: LoopState, stats: Counters, lines: Lines,
-        consumer: Callable[[Slot], Awaitable[bool]],
+        consumer: Callable[[Slot], Coroutine[Any, Any, bool]],
     ) -> None:
         self.config = config
         self.worker_id = worker_id
@@ -160,7 +160,8 @@ class Loads:
             return 0
         await self.arrivals.took(slot.name, len(msgs))
         now = time.time()
-        answered, back = [], []
+        answered: list[Any] = []
+        back: list[Any] = []
         for r in (self.runner.parse(m, now) for m in msgs):
             r.answer = answer(r, now)
             (answered if r.answer is not None else back).append(r)
