@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
 import pytest
 
 from jetbatch.sidecar.core import (
@@ -206,3 +208,86 @@ def test_the_core_is_a_function_of_its_events(policy: str) -> None:
     first, second = _core("a", "b", policy=policy), _core("a", "b", policy=policy)
     assert [first.handle(e) for e in events] == [second.handle(e) for e in events]
     assert not math.isnan(t)
+
+
+# --- properties -------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from jetbatch.sidecar.core import Action, Event  # noqa: E402
+from jetbatch.sidecar.recording import RecordLine, replay  # noqa: E402
+
+_NAMES = ("a", "b", "c")
+
+
+@st.composite
+def _events(draw: st.DrawFn) -> list[Event]:
+    """A run of a worker's events: turns on random facts (each model cold, warm or resident,
+    waiting or not, pinned or not), batches fetched and done, loads due and done, evictions."""
+    out: list[Event] = []
+    t = 0.0
+    for _ in range(draw(st.integers(1, 40))):
+        t += draw(st.floats(0.0, 5.0))
+        kind = draw(st.sampled_from(["turn", "turn", "fetched", "done", "due", "loaded", "evicted", "checked"]))
+        model = draw(st.sampled_from(_NAMES))
+        if kind == "turn":
+            facts = []
+            for name in _NAMES:
+                n = draw(st.integers(0, 20))
+                tier = draw(st.sampled_from(["cold", "warm", "resident"]))
+                facts.append(QueueFacts(
+                    name=name, waiting=n, head_enqueued_at=t - draw(st.floats(0, 10)) if n else None, head_deadline=None, tier=tier,
+                    reload_fits_host=draw(st.booleans()), max_batch_size=4, pinned=name == "c" and tier == "resident",
+                    served_rps=draw(st.sampled_from([0.0, 5.0])),
+                ))  # fmt: skip
+            computing = draw(st.lists(st.sampled_from(_NAMES), max_size=2, unique=True))
+            out.append(Turn(now=t, facts=facts, computing=computing, busy=computing))
+        elif kind == "fetched":
+            out.append(Fetched(model, draw(st.integers(0, 4)), held=draw(st.booleans())))
+        elif kind == "done":
+            out.append(BatchDone(model, taken=3, computed=draw(st.integers(0, 3)), seconds=draw(st.floats(0, 0.1)), now=t))
+        elif kind == "due":
+            waiting = draw(st.none() | st.lists(st.tuples(st.none() | st.floats(t - 5, t + 5), st.booleans()), max_size=4))
+            out.append(LoadDue(model, "cold", t, waiting, peer_serves=draw(st.booleans())))
+        elif kind == "loaded":
+            out.append(Loaded(model, "cold", draw(st.floats(0.01, 2.0)), t, waiting=draw(st.integers(0, 20))))
+        elif kind == "evicted":
+            out.append(Evicted(model, t))
+        else:
+            out.append(BatchChecked(model, refused_whole=draw(st.booleans())))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=_events(), policy=st.sampled_from(["cost-aware", "exhaustive", "fifo", "round-robin", "longest-backlog"]))
+def test_any_run_of_events_is_answered_within_the_rules_and_replays_exactly(events: list[Event], policy: str) -> None:
+    """Whatever a run's events, the core never raises, a turn always answers one action that
+    respects the models' rules (a batch within its model's max size, no pinned model evicted, a
+    wait only for a model that computes), and a recording of the run replays action for action."""
+    lines: list[bytes] = []
+
+    class Lines:
+        def write(self, event: Event, action: Action | None) -> None:
+            lines.append(msgspec.json.encode(RecordLine(event=event, action=action)))
+
+    core = _core(*_NAMES, policy=policy, max_models=2, pin=("c",))
+    core.recorder = Lines()
+    lines.append(msgspec.json.encode(RecordLine(event=core.started)))
+    for event in events:
+        action = core.handle(event)
+        if isinstance(event, Turn):
+            assert action is not None
+            if isinstance(action, Fetch):
+                assert 1 <= action.max_items <= 4
+            if isinstance(action, LoadModel):
+                assert "c" not in action.evict or not any(f.name == "c" and f.pinned for f in event.facts)
+            if isinstance(action, WaitFree):
+                assert set(action.models) <= set(event.computing)
+        elif isinstance(event, LoadDue):
+            assert isinstance(action, (Reap, Proceed))
+        else:
+            assert action is None
+    result = replay(lines)
+    assert result.ok, result.divergence
+    assert result.events == len(events)
