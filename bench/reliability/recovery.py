@@ -36,8 +36,8 @@ MODELS = ("m1", "m2", "m3")
 LOAD_S = 0.5
 
 
-def write_config(directory: Path, prefix: str) -> Path:
-    options = {"load_cost_s": LOAD_S, "batch_cost_s": 0.005, "item_cost_s": 0.0002}
+def write_config(directory: Path, prefix: str, batch_cost_s: float = 0.005) -> Path:
+    options = {"load_cost_s": LOAD_S, "batch_cost_s": batch_cost_s, "item_cost_s": 0.0002}
     model = {"handler": "sleep", "max_batch_size": 16, "max_delay_ms": 5, "load_cost_s": LOAD_S, "options": options}
     return harness.write_config({"nats": {"prefix": prefix}, "models": dict.fromkeys(MODELS, model)}, directory, prefix)
 
@@ -47,7 +47,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory() as tmp,
         harness.server(store_dir=Path(tmp) / "store") as server,
-        harness.processes(write_config(Path(tmp), prefix), server.url, classifier=False, http_port=-1) as dep,
+        harness.processes(write_config(Path(tmp), prefix, args.batch_cost_s), server.url, classifier=False, http_port=-1) as dep,
     ):
         latencies: list[float] = []
         errors: dict[str, int] = {}
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--fault-at", type=float, default=8.0)
+    parser.add_argument("--batch-cost-s", type=float, default=0.005, help="each batch's fixed cost (the issue's case: 0.05)")
     parser.add_argument("--down", type=float, default=8.0, help="seconds the server stays down (outage)")
     parser.add_argument("--json", help="append the record to this file")
     args = parser.parse_args(argv)

@@ -14,7 +14,7 @@ serves a model's batches needs none of them for the line its batches fill from:
   worker's count of that line is then a lower bound (what its last fetch said was left); before
   it acts on any decision other than another batch of that model (an idle, a load, another
   model's batch), it listens again, counts the line by its consumer, and decides again on that
-  count (``sidecar/worker/loop.py``).
+  count (``core/turns.py``: the core asks a ``Recount``; ``sidecar/worker/lines.py`` carries it out).
 - **The batch line of the model it drains** is not listened to while at least
   ``QUIET_FROM_BATCHES`` batches wait there, and listened to again once fewer than
   ``LISTEN_BELOW_BATCHES`` batches do (or the worker serves another model, or the model leaves

@@ -205,7 +205,7 @@ class Executor:
         if decision.before is not None:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)
         elif hold_s is not None and slot.psub is not None:
-            # Another line's arrival ends the hold at once (_wake_up), as one counted since the
+            # Another line's arrival ends the hold at once (wake_up), as one counted since the
             # decision does: the worker then counts the served line and decides again, and the
             # request waits a count, not the hold (the simulator does the same).
             self.stats.add("holds")
