@@ -203,9 +203,9 @@ def _signals_call(on_signal: Callable[[int], None]) -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            loop.remove_signal_handler(signum)
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        for number, handler in previous.items():
+            loop.remove_signal_handler(number)
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
 async def _drain(nc: Any) -> None:

@@ -181,7 +181,7 @@ def timeline_figure(results: list[SimResult], workload: "Workload") -> Any:
         ax.set_title(f"{res.policy}: {res.loads} loads, makespan {res.makespan_s:.2f} s (own time axis)", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("time (s)")
     handles = [
-        Patch(label="model load", **LOAD_STYLE),
+        Patch(label="model load", facecolor=LOAD_STYLE["facecolor"], hatch=LOAD_STYLE["hatch"], edgecolor=LOAD_STYLE["edgecolor"]),
         Patch(label="batch", facecolor=BATCH_COLOR),
         Patch(label="batch that paid a load", facecolor=LOADED_BATCH_COLOR),
     ]
