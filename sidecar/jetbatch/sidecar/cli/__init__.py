@@ -22,13 +22,14 @@ code   meaning
 
 from __future__ import annotations
 
-import argparse
-import importlib
+from ..interrupts import EXIT_INTERRUPTED, exits_at_once  # first: main() needs it before anything else
+
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..interrupts import EXIT_INTERRUPTED, exits_at_once
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CliError", "build_parser", "main"]
 
@@ -53,6 +54,9 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
+    import importlib
+
     parser = argparse.ArgumentParser(
         prog="jetbatch",
         description="Model-affinity batching for many PyTorch models on one GPU, on NATS JetStream.",
