@@ -228,3 +228,4 @@ def test_a_sidecar_says_when_it_is_ready_and_where_its_endpoints_listen(server: 
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+    assert proc.returncode == 0  # SIGTERM: a graceful stop (docs/cli.md)

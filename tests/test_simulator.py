@@ -123,7 +123,7 @@ def test_simulate_cli_table_json_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "t.png").stat().st_size > 10_000
 
 
-def test_the_table_fits_a_terminal_and_the_plot_shares_one_time_axis() -> None:
+def test_the_table_fits_a_terminal_and_each_plot_panel_has_its_own_time_axis() -> None:
     from jetbatch.sidecar.simulator.report import format_table, timeline_figure
 
     # The burst with the policy of the longest name and the slowest one (fifo's two-minute
@@ -135,11 +135,36 @@ def test_the_table_fits_a_terminal_and_the_plot_shares_one_time_axis() -> None:
     assert max(len(line) for line in lines) <= 100, "\n".join(lines)
     fig = timeline_figure(results, workload)
     try:
-        limits = {ax.get_xlim() for ax in fig.axes}
-        assert limits == {(0.0, max(r.makespan_s for r in results))}  # one axis for every policy
+        # Each policy on its own time axis: on fifo's 131 s one, cost-aware's 2 s were a sliver.
+        assert [ax.get_xlim() for ax in fig.axes] == [(0.0, r.makespan_s) for r in results]
     finally:
         import matplotlib.pyplot as plt
 
+        plt.close(fig)
+
+
+def test_the_plots_bars_are_visible_and_coloured_as_its_legend_says() -> None:
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+    from jetbatch.sidecar.simulator.report import MIN_BAR_FRACTION, timeline_figure
+
+    workload = load_workload(ROOT / "examples" / "workloads" / "burst.toml")
+    results = [simulate(workload, policy) for policy in ("cost-aware", "longest-backlog")]
+    fig = timeline_figure(results, workload)
+    try:
+        (legend,) = fig.legends
+        legend_colors = {text.get_text(): mcolors.to_hex(h.get_facecolor()) for text, h in zip(legend.get_texts(), legend.legend_handles)}
+        assert set(legend_colors) == {"model load", "batch", "batch that paid a load"}
+        for ax, res in zip(fig.axes, results):
+            bars = [mcolors.to_hex(p.get_facecolor()) for p in ax.patches]
+            # One bar per load and per batch, each in a colour the legend names, and each meaning
+            # drawn in its legend colour (batches were coloured by model, with no key).
+            assert len(bars) == len(res.load_log) + len(res.batches)
+            assert bars.count(legend_colors["model load"]) == len(res.load_log)
+            assert bars.count(legend_colors["batch that paid a load"]) == sum(1 for *_, loaded in res.batches if loaded)
+            assert bars.count(legend_colors["batch"]) == sum(1 for *_, loaded in res.batches if not loaded)
+            assert min(p.get_width() for p in ax.patches) >= res.makespan_s * MIN_BAR_FRACTION * 0.999
+    finally:
         plt.close(fig)
 
 

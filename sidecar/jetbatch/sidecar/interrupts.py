@@ -1,40 +1,69 @@
-"""Ctrl-C and SIGTERM in the commands that start processes and run event loops (``jetbatch
-demo``, ``jetbatch bench``, the embedded deployment they start).
+"""Ctrl-C and SIGTERM in the ``jetbatch`` commands.
 
-Python raises ``KeyboardInterrupt`` from a signal handler at whatever bytecode runs. Inside the
-constructor of an event loop that leaves half an object, whose finalizer prints a traceback
-(``'_UnixSelectorEventLoop' object has no attribute '_thread_id'``) on the way out. So the loops
-these commands run are built while the signals wait; they are delivered right after.
+Python raises ``KeyboardInterrupt`` from a signal handler at whatever bytecode runs: inside an
+import (torch's C++ initialisers then abort the process), a finalizer ("Exception ignored in"),
+or the constructor of an event loop (half an object, whose finalizer prints a traceback). So a
+command exits at once with status 130 while it has started nothing (:func:`exits_at_once`);
+a command that starts processes says so (:func:`sigterm_as_interrupt`) and builds its loops
+while the signals wait (:func:`run_interruptible`); a sidecar handles them in its event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import os
 import signal
 import threading
 from typing import Any, Coroutine, Iterator, TypeVar
 
-__all__ = ["run_interruptible", "signals_deferred", "sigterm_as_interrupt"]
+__all__ = ["EXIT_INTERRUPTED", "exits_at_once", "run_interruptible", "signals_deferred", "sigterm_as_interrupt"]
+
+EXIT_INTERRUPTED = 130
 
 T = TypeVar("T")
 _DEFERRED = (signal.SIGINT, signal.SIGTERM)
 
 
+def _exit_now(signum: int, frame: object) -> None:
+    os._exit(EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
+def exits_at_once() -> Iterator[None]:
+    """Within the block, Ctrl-C ends the process at once with status 130, without a traceback:
+    for the part of a command that has started nothing to stop (imports, reading arguments and
+    configs). Python's own start, before any of this runs, is out of reach. Off the main thread
+    (where handlers cannot be set) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM (``kill``, ``docker stop``, a CI timeout) ends the command as
-    Ctrl-C does, so what it started (an embedded nats-server, sidecar processes) is stopped on the
-    way out instead of left running without a parent."""
+    """Within the block, Ctrl-C raises ``KeyboardInterrupt`` (also inside :func:`exits_at_once`),
+    and SIGTERM (``kill``, ``docker stop``, a CI timeout) ends the command as Ctrl-C does, so
+    what it started (an embedded nats-server, sidecar processes) is stopped on the way out
+    instead of left running without a parent."""
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is _exit_now:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_int is _exit_now:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 @contextlib.contextmanager
@@ -71,6 +100,8 @@ def run_interruptible(coro: Coroutine[Any, Any, T]) -> T:
     "never awaited" warning when the interrupt came first). While it runs, a SIGTERM that
     :func:`sigterm_as_interrupt` turns into an interrupt cancels it as asyncio cancels on Ctrl-C,
     and ``KeyboardInterrupt`` is raised once it has unwound."""
+    import asyncio
+
     runner = asyncio.Runner()
     terminated: list[bool] = []
     main: Coroutine[Any, Any, T] | None = None
@@ -96,6 +127,8 @@ async def _terminable(coro: Coroutine[Any, Any, T], terminated: list[bool]) -> T
     Raised from the handler at whatever bytecode ran, the interrupt hit the event loop itself:
     ``jetbatch bench`` then printed "coroutine ignored GeneratorExit", no summary, and crashed at
     exit (status 139). Cancelled, it unwinds as after Ctrl-C: finally blocks, partial results."""
+    import asyncio
+
     previous = signal.getsignal(signal.SIGTERM)
     if not callable(previous) or threading.current_thread() is not threading.main_thread():
         return await coro

@@ -4,11 +4,14 @@ SIGINT asks for a graceful stop, drain the connections. Shared by ``jetbatch wor
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 import signal
+import threading
 import time
-from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
 import anyio
 from nats.aio.client import Client as NATS
@@ -59,10 +62,36 @@ async def serve_sidecar(
     taken port is an :class:`EndpointError` before anything connects. ``no_echo``: the server
     does not send the sidecar's main connection what that connection published itself.
     ``on_ready(sidecar, address)``: called once when the sidecar is first ready, with where its
-    endpoints listen as bound (``host:port``; ``""`` when off)."""
-    from .transport import connect, connect_replies
+    endpoints listen as bound (``host:port``; ``""`` when off). Returns 130 when SIGINT (Ctrl-C)
+    stopped it, else 0.
 
+    A signal before the sidecar is ready cancels its start (a second one: its drain); once
+    ready, the first asks for a graceful stop."""
     state: dict[str, Any] = {"nc": None, "reply_nc": None, "sidecar": None, "stopping": False}
+    received: list[int] = []
+    with anyio.CancelScope() as whole:
+
+        def on_signal(signum: int) -> None:
+            received.append(signum)
+            sidecar = state["sidecar"]
+            if len(received) == 1 and sidecar is not None and sidecar.ready.is_set():
+                state["stopping"] = True
+                sidecar.stop()
+            else:
+                # A cancel scope cancels every await until it is left: a library that swallows
+                # one CancelledError (the interrupt asyncio's runner sends) cannot keep it running.
+                whole.cancel()
+
+        with _signals_call(on_signal):
+            await _serve(state, config, url, name, make, http_port, no_echo, on_ready)
+    return 130 if signal.SIGINT in received else 0
+
+
+async def _serve(
+    state: dict[str, Any], config: Config, url: str, name: str, make: Callable[[NATS, NATS | None], Sidecar],
+    http_port: int | None, no_echo: bool, on_ready: Callable[[Any, str], None] | None,
+) -> None:
+    from .transport import connect, connect_replies
 
     def alive() -> tuple[bool, str]:
         return liveness(state["nc"], state["reply_nc"])
@@ -96,17 +125,12 @@ async def serve_sidecar(
             sidecar.http_address = address
             state["sidecar"] = sidecar
 
-            def stop() -> None:
-                state["stopping"] = True
-                sidecar.stop()
-
             async def announce() -> None:
                 await sidecar.ready.wait()
                 if on_ready is not None:
                     on_ready(sidecar, address)
 
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_stop_on_signals, stop)
                 tg.start_soon(announce)
                 freeze_start_up_heap()
                 await sidecar.run()
@@ -117,7 +141,6 @@ async def serve_sidecar(
                     if conn is not None:
                         await _drain(conn)
             probes.cancel_scope.cancel()
-    return 0
 
 
 def liveness(nc: NATS | None, reply_nc: NATS | None = None) -> tuple[bool, str]:
@@ -169,11 +192,24 @@ async def _start_probes(tg: Any, config: Config, port: int, alive: Any, ready: A
     return f"{config.http.host}:{bound}"
 
 
-async def _stop_on_signals(stop: Callable[[], None]) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            stop()
-            return
+@contextlib.contextmanager
+def _signals_call(on_signal: Callable[[int], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM call ``on_signal(signum)`` on the event loop for the whole block,
+    from its first line; after it, the handlers from before it come back (asyncio's own removal
+    would leave SIGINT raising ``KeyboardInterrupt`` wherever the process then is). Off the main
+    thread, where no handler can be set, the block runs without."""
+    loop = asyncio.get_running_loop()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.getsignal(signum)
+            loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            loop.remove_signal_handler(number)
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
 async def _drain(nc: Any) -> None:

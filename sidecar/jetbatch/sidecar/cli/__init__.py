@@ -22,17 +22,29 @@ code   meaning
 
 from __future__ import annotations
 
-import argparse
-import logging
+from ..interrupts import EXIT_INTERRUPTED, exits_at_once  # first: main() needs it before anything else
+
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
-from . import bench, classifier, demo, dlq, examples, probe, replay, simulate, status, up, worker
-from ._common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliError
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CliError", "build_parser", "main"]
 
-_SUBCOMMANDS = (worker, classifier, up, demo, examples, status, probe, dlq, bench, simulate, replay)
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# Imported by main() once Ctrl-C ends the process quietly: the SDK and nats take a quarter of a
+# second to import, where an interrupt printed a traceback.
+_SUBCOMMANDS = ("worker", "classifier", "up", "demo", "examples", "status", "probe", "dlq", "bench", "simulate", "replay")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CliError":
+        from ._common import CliError
+
+        return CliError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _version() -> str:
@@ -42,6 +54,9 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
+    import importlib
+
     parser = argparse.ArgumentParser(
         prog="jetbatch",
         description="Model-affinity batching for many PyTorch models on one GPU, on NATS JetStream.",
@@ -50,12 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jetbatch {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module in _SUBCOMMANDS:
-        module.register(sub)
+    for name in _SUBCOMMANDS:
+        importlib.import_module(f"{__name__}.{name}").register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Until a command starts something it must stop (sidecars handle signals in their event
+    # loop, `up`, `demo` and `bench` say so), Ctrl-C exits 130 at once: see interrupts.py.
+    with exits_at_once():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    import logging
+
     _import_from_working_directory()
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -90,6 +114,8 @@ def _user_error(exc: BaseException) -> BaseException | None:
     """A jetbatch error (anything under JetbatchError: config, connection, handler, setup) or a
     missing extra, also inside the exception groups task groups raise."""
     from jetbatch.sdk.errors import JetbatchError
+
+    from ._common import CliError
 
     if isinstance(exc, (JetbatchError, CliError)):
         return exc

@@ -9,10 +9,11 @@ from typing import Any, Callable, Coroutine
 
 from jetbatch.sdk.errors import JetbatchError
 
+from ..interrupts import EXIT_INTERRUPTED  # noqa: F401 - the subcommands read every exit code here
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 
 class CliError(JetbatchError):
