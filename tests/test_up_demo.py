@@ -68,16 +68,12 @@ def test_up_serves_and_stops_on_sigint(examples_dir: Path, tmp_path: Path) -> No
     )
     try:
         assert proc.stdout is not None
-        # Printed once the sidecars are ready; the worker's own ready line may come first (the
-        # sidecars share up's stdout).
-        lines = [proc.stdout.readline() for _ in range(2)]
-        line = next((text for text in lines if "NATS at" in text), "".join(lines))
+        line = proc.stdout.readline()  # printed once the sidecars are ready (theirs say nothing under up)
         match = re.search(r"NATS at (nats://\S+); sidecars: (\S+) \(worker\)\.", line)
         assert match, line + (proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
         url, worker_id = match.group(1), match.group(2)
         # The health URL printed is the one the worker listens on (a free port here), on loopback.
-        rest = "".join(lines) + proc.stdout.readline()
-        health = re.search(rf"{re.escape(worker_id)} health and metrics at (http://127\.0\.0\.1:\d+)/readyz", rest)
+        health = re.search(rf"{re.escape(worker_id)} health and metrics at (http://127\.0\.0\.1:\d+)/readyz", proc.stdout.readline())
         assert health, "no health URL printed"
         with urllib.request.urlopen(f"{health.group(1)}/readyz", timeout=10) as resp:
             assert resp.status == 200
