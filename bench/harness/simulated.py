@@ -27,8 +27,10 @@ MEMORY = ("1 slot", "2 slots", "3 slots", "bytes 40%")
 N_MODELS = 10
 
 
-def open_models(family: str, seed: int) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
-    loads = [0.12 * (2.0 / 0.12) ** (k / (N_MODELS - 1)) for k in range(N_MODELS)]  # cheapest first
+def open_models(family: str, seed: int, *, n: int = N_MODELS, min_load_s: float = 0.12) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """``n`` models with loads from ``min_load_s`` to 2 s spaced geometrically (cheapest first),
+    and a Zipf 1.1 mix over them: cheap-popular, costly-popular, or ranks shuffled by ``seed``."""
+    loads = [min_load_s * (2.0 / min_load_s) ** (k / (n - 1)) for k in range(n)]  # cheapest first
     models = {}
     for k, load in enumerate(loads):
         models[f"m{k}"] = {
@@ -40,12 +42,12 @@ def open_models(family: str, seed: int) -> tuple[dict[str, dict[str, Any]], dict
             "max_batch_size": 16,
             "memory_bytes": int(load * 1000),
         }
-    ranks = list(range(N_MODELS))  # ranks[i]: the popularity rank of model i
+    ranks = list(range(n))  # ranks[i]: the popularity rank of model i
     if family == "costly-popular":
         ranks.reverse()
     elif family == "unrelated":
         random.Random(1000 + seed).shuffle(ranks)
-    mix = {f"m{i}": 1.0 / (ranks[i] + 1) ** 1.1 for i in range(N_MODELS)}
+    mix = {f"m{i}": 1.0 / (ranks[i] + 1) ** 1.1 for i in range(n)}
     return models, mix
 
 

@@ -15,38 +15,23 @@ compare seed by seed.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 from typing import Any
 
 from jetbatch.sidecar.simulator import Workload, build_workload, simulate
 
 from bench.harness import emit
+from bench.harness.simulated import open_models
 
 N_MODELS = 8
-ZIPF = 1.1
 TARGET_MEAN = 0.9
 TARGET_P99 = 0.8
 
 
 def models(seed: int, n: int = N_MODELS) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
-    """The models (cheapest load first) and a Zipf mix whose ranks are shuffled by ``seed``, so
-    popularity is unrelated to load cost and each seed is a different pairing."""
-    loads = [0.1 * (2.0 / 0.1) ** (k / (n - 1)) for k in range(n)]
-    spec = {
-        f"m{k}": {
-            "load_cost_s": round(load, 4),
-            "warm_load_cost_s": round(load / 5, 4),
-            "batch_cost_s": round(0.01 + 0.02 * load, 4),
-            "item_cost_s": round(0.001 + 0.002 * load, 5),
-            "max_batch_size": 16,
-            "memory_bytes": int(load * 1000),
-        }
-        for k, load in enumerate(loads)
-    }
-    ranks = list(range(n))
-    random.Random(1000 + seed).shuffle(ranks)
-    return spec, {f"m{i}": 1.0 / (ranks[i] + 1) ** ZIPF for i in range(n)}
+    """The models (loads 0.1-2 s, cheapest first) and a Zipf mix whose ranks are shuffled by
+    ``seed``, so popularity is unrelated to load cost and each seed is a different pairing."""
+    return open_models("unrelated", seed, n=n, min_load_s=0.1)
 
 
 def workload(kind: str, seed: int, *, rho: float, duration_s: float, on_s: float, off_s: float) -> Workload:
