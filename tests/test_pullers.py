@@ -84,7 +84,7 @@ async def test_a_quiet_batch_line_keeps_its_puller_while_it_holds_a_delivery_the
         await msg.ack()
         assert await pullers.ready(slot)
         assert slot.bulk_psub is None and slot.psub is not None  # nothing held: gone
-        assert pullers.counts([slot])["pull_requests"] == 2  # the dropped puller's still count
+        assert pullers.counts()["pull_requests"] == 2  # the dropped puller's still count
 
 
 async def test_a_stop_hands_back_what_each_line_held(nats_url: str, prefix: str) -> None:
@@ -97,7 +97,7 @@ async def test_a_stop_hands_back_what_each_line_held(nats_url: str, prefix: str)
             await _given_back(nc, subjects.models_stream, model_consumer_name("m1", priority))
         # The status counters: each line's cancelled fetch sent a no_wait request (ended by its
         # 404: nothing was stored) and one that waited (ended by the delivery it asked for).
-        assert pullers.counts([slot]) == {"pull_requests": 4, "pull_ends": 2, "forged_deliveries": 0}
+        assert pullers.counts() == {"pull_requests": 4, "pull_ends": 2, "forged_deliveries": 0}
 
 
 @pytest.mark.anyio

@@ -789,14 +789,15 @@ async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats
         await js.add_stream(name=stream, subjects=[f"{prefix}.left"], retention="workqueue")
         await js.add_consumer(stream, durable_name="c", ack_policy="explicit")
         nc = await nats.connect(nats_url)
-        puller = await Puller(nc, stream, "c").start()
+        slot = worker.slots["m1"]
+        # As the worker's own pullers do: a delivery into an empty buffer tells the worker.
+        puller = await Puller(nc, stream, "c", on_holding=lambda: worker.pullers.note_holding(slot)).start()
         fetch = asyncio.ensure_future(puller.fetch(1, timeout=30.0))
         await pull_waiting(js, stream)
         fetch.cancel()
         await js.publish(f"{prefix}.left", b"late")
         await wait_until(lambda: puller.buffered == 1, timeout_s=10, what="the late delivery in the buffer")
 
-        slot = worker.slots["m1"]
         assert not slot.resident
         real, slot.psub = slot.psub, puller
         try:

@@ -117,6 +117,9 @@ def test_a_queue_is_left_only_to_a_peer_that_serves_its_model() -> None:
         def held_by_peers(self, now: float | None = None) -> set[str]:
             return set()
 
+        def registered(self, worker: str) -> frozenset[str] | None:
+            return frozenset(self.live[worker].models)
+
     view = View()
     slot = SimpleNamespace(resident=False, oldest_enqueued_at=100.0, tier="cold")
     peers = Coordinator(

@@ -26,6 +26,7 @@ from jetbatch.sdk import failures
 from jetbatch.sdk.protocol import SidecarReport, Subjects
 
 from .errors import TRANSPORT_ERRORS, SidecarError
+from .registered import KnownSets, Shipping, models_digest
 from .streams import ensure_key_value
 
 __all__ = ["CLAIM_PREFIX", "ClusterView", "DuplicateWorkerId"]
@@ -82,6 +83,10 @@ class ClusterView:
         # and is heard live), so a dead predecessor of a restarted worker is no peer of it.
         self._unconfirmed: dict[str, float] = {}
         self._initial = True  # the watch still reads the bucket's contents
+        # Adverts name the registered models only when a peer may not know them (registered.py).
+        self._sets = KnownSets()
+        self._shipping = Shipping()
+        self._digest: tuple[list[str], str] | None = None  # the names' list last hashed, and its digest
 
     @property
     def ttl_s(self) -> float:
@@ -152,6 +157,7 @@ class ClusterView:
                 self._peers.pop(entry.key, None)
                 self._seen_at.pop(entry.key, None)
                 self._unconfirmed.pop(entry.key, None)
+                self._sets.forget(entry.key)
                 continue
             now = time.time()
             if entry.key not in self._peers and len(self._peers) >= MAX_PEERS:
@@ -162,9 +168,14 @@ class ClusterView:
                         log.warning("%d adverts of new workers ignored: %d kept already (MAX_PEERS)", self._refused, len(self._peers))
                     continue
             try:
-                self._peers[entry.key] = _decoder.decode(entry.value)
+                advert = _decoder.decode(entry.value)
             except msgspec.DecodeError:
                 continue
+            before = self._peers.get(entry.key)
+            if entry.key != self.worker_id and (before is None or before.started_at != advert.started_at):
+                self._shipping.newcomer()  # it knows nothing of our registered set yet
+            self._peers[entry.key] = advert
+            self._sets.heard(entry.key, advert)
             self._seen_at[entry.key] = now
             if self._initial:
                 self._unconfirmed[entry.key] = _put_at(entry.created, now) + 1.5 * self.heartbeat_s
@@ -183,13 +194,22 @@ class ClusterView:
                 # whenever forgetting can happen (not in peers(), several times a decision).
                 self._forget_unheard(now)
 
-    async def advertise(self, advert: SidecarReport) -> None:
+    async def advertise(self, advert: SidecarReport, *, names: list[str] | None = None) -> None:
+        """Put ``advert``, naming the registered models (``names``, a list the caller keeps: hashed
+        once; by default its ``models``) only when a peer may not know them (registered.py)."""
         if self._kv is None:
             return
+        names = advert.models if names is None else names
+        if self._digest is None or self._digest[0] is not names:
+            self._digest = (names, models_digest(names))
+        digest, now = self._digest[1], time.time()
+        full = self._shipping.due(digest, now)
+        advert = msgspec.structs.replace(advert, models=list(names) if full else [], models_digest=digest, models_count=len(names))
         data = _encoder.encode(advert)
         self._own_started_at = advert.started_at
         try:
             revision = await self._kv.put(self.worker_id, data)  # type: ignore[attr-defined]
+            self._shipping.sent(digest, now, full)
             if self._first_revision is None:
                 self._first_revision = revision
         except TRANSPORT_ERRORS as exc:
@@ -255,6 +275,11 @@ class ClusterView:
             except TRANSPORT_ERRORS:
                 pass  # the TTL clears it
 
+    def registered(self, worker: str) -> frozenset[str] | None:
+        """A peer's registered models as its adverts last named them (None: not known now)."""
+        advert = self._peers.get(worker)
+        return None if advert is None else self._sets.of(worker, advert)
+
     def held_by_peers(self, now: float | None = None) -> set[str]:
         """Models a live peer has on its device or is loading (as last heard)."""
         held: set[str] = set()
@@ -311,6 +336,7 @@ class ClusterView:
             del self._seen_at[wid]
             self._peers.pop(wid, None)
             self._unconfirmed.pop(wid, None)
+            self._sets.forget(wid)
 
     def peers(self, now: float | None = None) -> dict[str, SidecarReport]:
         """Live peers (not this worker): adverts heard within ``peer_timeout_s``, on our own clock.

@@ -101,14 +101,17 @@ class Puller:
     message delivered while no fetch or fill waits (it lands in :attr:`buffered`): one whose
     fetch gave up before the server's answer was read, on a loaded host, comes with no arrival
     event, so a batch window waiting on those events must hear of it. ``on_uncounted`` is
-    called for each delivery a count of the consumer missed (:meth:`watch`)."""
+    called for each delivery a count of the consumer missed (:meth:`watch`). ``on_holding`` is
+    called when a delivery lands in an empty buffer: its owner keeps the pullers that hold
+    something without walking every one it has (the worker has one per model it ever fetched)."""
 
     def __init__(
         self, nc: Any, stream: str, durable: str, *, on_late: Callable[[], None] | None = None,
-        on_uncounted: Callable[[Msg], None] | None = None,
+        on_uncounted: Callable[[Msg], None] | None = None, on_holding: Callable[[], None] | None = None,
     ) -> None:
         self._nc = nc
         self._on_late = on_late
+        self._on_holding = on_holding
         self._on_uncounted = on_uncounted
         # After a count of the consumer (:meth:`watch`): which deliveries it missed, and the
         # requests open then (only they can still bring one).
@@ -303,6 +306,8 @@ class Puller:
                 self._error = f"{status} {headers.get('Description', '')}"[:200].strip()
         else:
             self._buffer.append(msg)
+            if len(self._buffer) == 1 and self._on_holding is not None:
+                self._on_holding()
             # A delivery names its stream subject, not its request: it is counted against the
             # oldest open one with any left to come (the server serves waiting requests in turn,
             # so another may have had it: a request's end says how many it still had,

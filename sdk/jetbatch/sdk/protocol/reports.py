@@ -12,7 +12,11 @@ class SidecarReport(msgspec.Struct, frozen=True, kw_only=True):
     role: str  # "worker" or "classifier"
     id: str
     version: str = ""
-    models: list[str] = []  # served models
+    # Served models. A status answer names them all; an advert only when a peer may not know
+    # them (a new peer, a changed set, every 30 s): the others carry the digest and count alone.
+    models: list[str] = []
+    models_digest: str = ""  # a digest of the served models' sorted names ("" from older workers)
+    models_count: int = 0  # how many models it serves (0 from older workers: len(models))
     resident: list[str] = []  # on the device now
     warm: list[str] = []  # evicted but in host memory: a cheap reload
     loading: str | None = None  # being loaded now (counts as served for peers)

@@ -59,7 +59,7 @@ class Coordinator:
         self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
         self._live: dict[str, float] = {}  # the peers in view at the last departed() call, and when each started
         self._claim_s = 0.0  # how long the claim of the load under way took
-        self._serves: dict[str, tuple[SidecarReport, frozenset[str]]] = {}  # peer -> (its advert, the models it serves)
+        self._names = list(slots or ())  # the registered models, as adverts name them (hashed once: cluster.py)
 
     @property
     def enabled(self) -> bool:
@@ -71,7 +71,7 @@ class Coordinator:
         if self.cluster is None:
             return
         started = time.perf_counter()
-        await self.cluster.advertise(self._report())
+        await self.cluster.advertise(self._report(), names=self._names)
         self._counters.sample("advert", time.perf_counter() - started)
 
     async def advertise_forever(self) -> None:
@@ -101,12 +101,20 @@ class Coordinator:
         advert heard within the TTL, no JetStream trouble lately)."""
         return self.cluster is not None and self.cluster.view_fresh(now)
 
-    def registered_by_peers(self, now: float) -> set[str]:
-        """The models live peers register (their adverts' ``models``; a stale view keeps every
-        peer last heard, so what it registered still counts)."""
+    def registered_by_peers(self, now: float) -> set[str] | None:
+        """The models live peers register (as their adverts last named them; a stale view keeps
+        every peer last heard, so what it registered still counts). None while a live peer's
+        set is not known (it changed, or the peer has not named it since we heard it: its next
+        advert does, as we are new to it): an orphan check on a guess could answer its queues."""
         if self.cluster is None:
             return set()
-        return {m for adv in self.cluster.peers(now).values() for m in adv.models}
+        registered: set[str] = set()
+        for worker in self.cluster.peers(now):
+            names = self.cluster.registered(worker)
+            if names is None:
+                return None
+            registered |= names
+        return registered
 
     def departed(self, now: float) -> list[str]:
         """The peers that left the view since the last call: an advert withdrawn, one not heard
@@ -120,8 +128,6 @@ class Coordinator:
         live = {wid: adv.started_at for wid, adv in self.cluster.peers(now).items()}
         gone = [wid for wid, started in self._live.items() if live.get(wid, started) != started or wid not in live]
         self._live = live
-        for wid in gone:
-            self._serves.pop(wid, None)
         return gone
 
     def next_departure(self, now: float) -> float:
@@ -180,7 +186,9 @@ class Coordinator:
         if not peers:
             return {}
         held = self.cluster.held_by_peers(now)
-        serves = {w: self._served_by(w, adv) for w, adv in peers.items()}
+        # A peer whose registered set is not known now is no taker (at worst a queue is not left
+        # to it for a heartbeat or two).
+        serves = {w: self.cluster.registered(w) or frozenset() for w in peers}
         out: dict[str, float] = {}
         costs = self._driver.costs
         mine = self._residency.resident_names()
@@ -212,14 +220,6 @@ class Coordinator:
                 if until > now:
                     out[name] = until
         return out
-
-    def _served_by(self, worker: str, advert: SidecarReport) -> frozenset[str]:
-        """The models a peer's advert says it serves, as a set made once per advert (a thousand
-        models' list searched per waiting queue per decision would cost more than the decision)."""
-        cached = self._serves.get(worker)
-        if cached is None or cached[0] is not advert:
-            cached = self._serves[worker] = (advert, frozenset(advert.models))
-        return cached[1]
 
     # --- placement changes -----------------------------------------------------------------
 

@@ -227,7 +227,7 @@ class Worker:
 
     def problems(self) -> list[str]:
         """One line per model that cannot serve (readiness detail; /readyz)."""
-        return [f"model {name}: {slot.broken}" for name, slot in self.slots.items() if slot.broken]
+        return [f"model {name}: {why}" for name, why in self.residency.broken.items()]
 
     async def _setup(self) -> Any:
         await ensure_streams(self.js, self.subjects, self.config.streams, self.slots, self.config.replies)
@@ -323,7 +323,7 @@ class Worker:
             worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
             costs=self.costs, budget=self.budget, in_flight=self.state.in_flight.by_model(self.subjects.model_from_subject),
             stats={
-                **self.stats.snapshot(), **self.pullers.counts(self.slots.values()),
+                **self.stats.snapshot(), **self.pullers.counts(),
                 "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc, self.cancellations.connection),
                 # Adverts under this worker's id that it did not put: another live worker shares it.
                 "duplicate_id_adverts": self.peers.cluster.duplicate_adverts if self.peers.cluster is not None else 0,

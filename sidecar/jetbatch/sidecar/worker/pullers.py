@@ -56,6 +56,12 @@ class Pullers:
         self._on_uncounted = on_uncounted
         self._counters = counters
         self._retired = (0, 0, 0)  # the counts of pullers given up (requests, ends, forged)
+        # The pullers made (for the counters and the stop), and the slots whose pullers may hold
+        # deliveries (added as a puller's buffer fills, ``Puller``'s ``on_holding``): what a
+        # count hands back walks these, not every registered model (24% of a 10 000-model
+        # worker's samples did).
+        self._pullers: dict[Puller, None] = {}
+        self._holding: dict[str, Slot] = {}
 
     @staticmethod
     def made(slots: Iterable[Slot], now: float) -> None:
@@ -98,7 +104,7 @@ class Pullers:
                     psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
                     with anyio.CancelScope(shield=True):
                         await self._give_back(await psub.close(CLOSE_WAIT_S))
-                    self._retired = (self._retired[0] + psub.pulls, self._retired[1] + psub.ends, self._retired[2] + psub.forged)
+                    self._retire(psub)
             except (TRANSPORT_ERRORS + (StreamSetupError,)) as exc:
                 log.warning("consumer for %s not ready: %s", slot.name, exc)
                 return False
@@ -111,24 +117,41 @@ class Pullers:
             if psub.buffered:
                 await self._give_back(psub.leftovers())
 
+    def holding(self) -> list[Slot]:
+        """The slots whose pullers hold deliveries no fetch took: those whose buffer filled since
+        the last call and still holds some (the rest are forgotten here until it fills again)."""
+        for name in [n for n, slot in self._holding.items() if not any(p.buffered for p in _pullers_of((slot,)))]:
+            del self._holding[name]
+        return list(self._holding.values())
+
     async def close(self, slots: Iterable[Slot]) -> None:
         """At a stop: every puller unsubscribed, what it holds handed back (delivered to a fetch
         the stop cancelled)."""
         for psub in _pullers_of(slots):
             await self._give_back(await psub.close(CLOSE_WAIT_S))
+            self._retire(psub)
 
-    def counts(self, slots: Iterable[Slot]) -> dict[str, int]:
+    def note_holding(self, slot: Slot) -> None:
+        """A puller of ``slot`` got a delivery into its empty buffer (its ``on_holding``)."""
+        self._holding.setdefault(slot.name, slot)
+
+    def counts(self) -> dict[str, int]:
         """The pull messages so far, for the status counters: requests sent (``pull_requests``)
         and requests ended by a status message (``pull_ends``), the worker's share of the
         messages it publishes and receives beyond its requests, answers and acks; and messages
         dropped from the pull inboxes because JetStream did not send them
-        (``forged_deliveries``)."""
-        pullers = _pullers_of(slots)
+        (``forged_deliveries``). A walk over the pullers made, not every registered model."""
+        pullers = list(self._pullers)
         return {
             "pull_requests": self._retired[0] + sum(p.pulls for p in pullers),
             "pull_ends": self._retired[1] + sum(p.ends for p in pullers),
             "forged_deliveries": self._retired[2] + sum(p.forged for p in pullers),
         }
+
+    def _retire(self, psub: Puller) -> None:
+        """``psub`` was given up: its counts stay in the status counters."""
+        if self._pullers.pop(psub, 0) is None:
+            self._retired = (self._retired[0] + psub.pulls, self._retired[1] + psub.ends, self._retired[2] + psub.forged)
 
     def _stale(self, ready_at: float | None, now: float) -> bool:
         """Not made sure of yet, or (consumers made on demand) long enough ago that the server
@@ -140,10 +163,12 @@ class Pullers:
     async def _puller(self, slot: Slot, priority: Priority) -> Puller:
         name = model_consumer_name(slot.name, priority)
         bulk = priority is Priority.BATCH
-        return await Puller(
+        puller = await Puller(
             self._nc, self._subjects.models_stream, name, on_late=lambda: self._on_late(slot),
-            on_uncounted=lambda msg: self._on_uncounted(slot, bulk, msg),
+            on_uncounted=lambda msg: self._on_uncounted(slot, bulk, msg), on_holding=lambda: self.note_holding(slot),
         ).start()  # fmt: skip
+        self._pullers[puller] = None
+        return puller
 
     async def _give_back(self, msgs: list[Any]) -> None:
         for msg in msgs:

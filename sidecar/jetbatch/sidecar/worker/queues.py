@@ -69,6 +69,9 @@ class QueueView:
         # that one has left the line, taken or beyond what is kept, it is in order again).
         self._unordered: dict[tuple[str, bool], int] = {}
         self.waiting: set[str] = {name for name, s in slots.items() if s.backlog > 0}
+        # Models holding requests back as unfetchable (``Slot.unfetchable``, set only here): what a
+        # count and the report walk besides the waiting ones, not every registered model.
+        self.holding_back: set[str] = {name for name, s in slots.items() if s.unfetchable}
         self.takes = PeerTakes(peer_event_s)
         self.hidden_by_takes: list[str] = []  # models the last count found stored, at zero by take events alone
         # Requests stored for models no worker here registers, per model, at the last count (orphans.py).
@@ -210,10 +213,10 @@ class QueueView:
         in the failover bench: acked, answered, never removed). Nobody will ever deliver them;
         they are held back until the count says they are gone."""
         if slot.backlog > 0 and unreachable:
-            slot.unfetchable = slot.backlog
+            self._hold_back(slot, slot.backlog)
             slot.hold_until = math.inf
         elif slot.backlog > 0 and now >= slot.hold_until:
-            slot.unfetchable = slot.backlog
+            self._hold_back(slot, slot.backlog)
             if slot.resident:
                 slot.hold_until = now + RECHECK_S
             else:
@@ -227,7 +230,7 @@ class QueueView:
         (:meth:`found_empty`) spares only the arrivals seen since it: it would mask them as
         delivered elsewhere until it ended and the next count came (a poll interval). The hold
         ends here; if what it held back is still delivered elsewhere, a fetch says so again."""
-        slot.unfetchable = 0
+        self._hold_back(slot, 0)
         slot.hold_until = 0.0
 
     def line_counted(
@@ -271,10 +274,10 @@ class QueueView:
         elif slot.stranded_since is None:
             slot.stranded_since = now
         if now >= slot.hold_until:
-            slot.unfetchable = 0
+            self._hold_back(slot, 0)
         # Held-back messages leave the count as they are acked or redelivered to someone; the
         # arrivals seen since the hold are never among them (found_empty forgot the older ones).
-        slot.unfetchable = min(slot.unfetchable, max(0, available - slot.known))
+        self._hold_back(slot, min(slot.unfetchable, max(0, available - slot.known)))
         # Which line the peers' share comes from is not told: count it against the batch line
         # first, so interactive requests are never hidden behind batch ones a peer holds (at
         # worst interactive work is over-counted until the next count, and visited sooner).
@@ -284,6 +287,14 @@ class QueueView:
         interactive = max(interactive, self.stored_after(slot, False, last_seq))
         bulk = max(bulk, self.stored_after(slot, True, last_seq))
         self._count(slot, interactive + bulk, bulk=bulk)
+
+    def _hold_back(self, slot: Slot, n: int) -> None:
+        """``n`` of ``slot``'s requests are held back as unfetchable (0: none)."""
+        slot.unfetchable = n
+        if n:
+            self.holding_back.add(slot.name)
+        else:
+            self.holding_back.discard(slot.name)
 
     def needs_head(self, slot: Slot) -> bool:
         """Whether the queue's head was never seen arriving (its age must be read once)."""
@@ -359,7 +370,7 @@ class QueueView:
         self.unregistered_bulk = {name: n for name, n in bulk.items() if name not in self._slots}
         # A model with no messages is absent from the answer: only those thought non-empty, or holding some back, are set to zero.
         self.hidden_by_takes = []
-        for name in set(counts) | self.waiting | {n for n, s in self._slots.items() if s.unfetchable}:
+        for name in set(counts) | self.waiting | self.holding_back:
             slot = self._slots.get(name)
             if slot is not None:
                 peers = max(not_ours.get(name, 0), self.peers_hold(name, now))  # adverts lag: events are newer

@@ -76,6 +76,9 @@ class Residency:
         # Models warm or resident: what the host-budget sums walk (not every registered model).
         self._held: set[str] = {n for n, s in slots.items() if s.tier != "cold"}
         self._host_used: int | None = None
+        # Models that cannot load, and why (``Slot.broken``, set only here): what the report
+        # lists without walking every registered model each heartbeat.
+        self.broken: dict[str, str] = {}
 
     # --- what the scheduler is told ---------------------------------------------------------------
 
@@ -128,8 +131,15 @@ class Residency:
             try:
                 slot.handler.check()
             except HandlerError as exc:
-                slot.broken = exc.reason(slot.name)
+                self._set_broken(slot, exc.reason(slot.name))
                 log.error("%s: its requests will get model_failed until it can load", exc.detail)
+
+    def _set_broken(self, slot: Slot, reason: str | None) -> None:
+        slot.broken = reason
+        if reason is None:
+            self.broken.pop(slot.name, None)
+        else:
+            self.broken[slot.name] = reason
 
     def announce_loading(self, name: str | None) -> None:
         """``name`` is being loaded (a claim won, before the load: peers count our drain), or
@@ -152,9 +162,9 @@ class Residency:
         if slot.broken is not None:
             try:
                 slot.handler.check()  # the file may have appeared since startup
-                slot.broken = None
+                self._set_broken(slot, None)
             except HandlerError as exc:
-                slot.broken = exc.reason(slot.name)
+                self._set_broken(slot, exc.reason(slot.name))
                 await self.on_load_failed(slot, str(exc))
                 return False
         # Wait outside the device lock: the victims' in-flight batches need it to finish.

@@ -33,8 +33,10 @@ def build_report(
     http: str = "",
 ) -> SidecarReport:
     """The worker's status and advert (one report). Per-model maps list only the models with
-    something to say (waiting, on the device, warm or loading): with a thousand registered
-    models the advert every peer decodes every heartbeat stays small."""
+    something to say (waiting, on the device, warm or loading, broken, holding requests back),
+    each read from the set its owner keeps (``Residency``, ``QueueView``): made every heartbeat,
+    the report walks no registered model beyond those, but ``models``, the names' list copied
+    as it is (the advert leaves it out while peers know it: ``ClusterView.advertise``)."""
     drain: dict[str, float] = {}
     active = set(residency.held_names()) | queues.waiting | ({residency.loading} if residency.loading else set())
     for name in active:
@@ -49,13 +51,13 @@ def build_report(
         resident=[n for n in sorted(active) if slots[n].resident],
         warm=[n for n in sorted(active) if slots[n].tier == "warm"],
         loading=residency.loading,
-        broken={s.name: s.broken for s in slots.values() if s.broken},
+        broken=dict(sorted(residency.broken.items())),
         backlog={name: slots[name].backlog for name in sorted(active)},
         in_flight=dict(in_flight),
-        unfetchable={s.name: s.unfetchable for s in slots.values() if s.unfetchable},
+        unfetchable={name: slots[name].unfetchable for name in sorted(queues.holding_back) if slots[name].unfetchable},
         drain_rps=drain,
         load_cost_s={name: residency.load_cost_s(slots[name]) for name in sorted(active)},
-        memory_bytes=sum(costs.memory_bytes(s.name) for s in slots.values() if s.resident),
+        memory_bytes=sum(costs.memory_bytes(name) for name in residency.resident_names()),
         memory_budget_bytes=budget.max_bytes,
         max_resident_models=budget.max_models,
         host_memory_bytes=residency.host_used_bytes(),
