@@ -218,6 +218,25 @@ def test_demo_runs_and_summarises(examples_dir: Path, tmp_path: Path) -> None:
     assert time.monotonic() - started < 180
 
 
+def test_demo_with_requests_unanswered_says_so_and_exits_1(examples_dir: Path, tmp_path: Path) -> None:
+    """docs/cli.md: `demo` exits 1 when some requests go unanswered. One example model's file is
+    broken after it was built: its requests are answered model_failed, the summary counts them as
+    errors, and the exit status says the run was not clean."""
+    import shutil
+
+    broken = tmp_path / "examples"
+    shutil.copytree(examples_dir, broken)
+    victim = next(p for p in sorted(broken.iterdir()) if p.suffix in (".pt2", ".safetensors") and p.stem != "router")
+    victim.write_bytes(b"not a model")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jetbatch", "demo", "--requests", "30", "--quiet", "--dir", str(broken)],
+        capture_output=True, text=True, timeout=180, env=_env(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"errors\s+model_failed=\d+", proc.stdout), proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
 def _descendants(pid: int) -> set[int]:
     """Every live process under ``pid`` (Linux /proc)."""
     found: set[int] = set()
