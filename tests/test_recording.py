@@ -14,7 +14,8 @@ import anyio
 import pytest
 
 from jetbatch import sdk
-from jetbatch.sidecar.recording import FlightRecorder, RecordingError, replay, replay_file
+from jetbatch.sidecar.core import Action, Event, WorkerCore
+from jetbatch.sidecar.recording import FlightRecorder, RecordingError, RingRecorder, replay, replay_file
 from jetbatch.sidecar.simulator import simulate
 from jetbatch.sidecar.simulator.workloads import build_workload
 from tests.helpers import make_config, running_worker, sleep_model
@@ -133,3 +134,106 @@ async def test_a_live_run_under_mixed_traffic_replays_exactly(nats_url: str, pre
     assert result.ok, result.divergence
     assert result.by_action.get("fetch", 0) >= 10 and result.by_action.get("load", 0) >= 3
     assert result.events > result.matched  # batches done, loads and checks were replayed too
+
+
+# --- the ring: the last minutes, replayed from a snapshot of the core --------------------------
+
+
+def _ring_run(tmp_path: Path, window_s: float) -> tuple[RingRecorder, Path]:
+    """A simulated run recorded by a ring whose clock is the count of events it was told (a
+    hundredth of a second each): no real time passes."""
+    ticks = [0.0]
+
+    def clock() -> float:
+        ticks[0] += 0.01
+        return ticks[0]
+
+    ring = RingRecorder(window_s, clock=clock)
+
+    class Attaching:  # what the live worker does at its start (Worker(record=...))
+        def write(self, event: Event, action: Action | None) -> None:
+            ring.write(event, action)
+
+    recorder = Attaching()
+    original = WorkerCore.__init__
+
+    def init(self: WorkerCore, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        if self.recorder is recorder:
+            ring.attach(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WorkerCore, "__init__", init)
+        simulate(_mixed_workload(), "cost-aware", record=recorder)  # type: ignore[arg-type]
+    path = tmp_path / "ring.jsonl"
+    ring.dump(path)
+    return ring, path
+
+
+def test_a_ring_keeps_the_last_windows_and_replays_from_its_snapshot(tmp_path: Path) -> None:
+    _, path = _ring_run(tmp_path, window_s=2.0)
+    lines = path.read_bytes().splitlines()
+    result = replay_file(path)
+    assert result.ok and result.from_snapshot, result.divergence
+    # Between one and two windows of events (200 to 400 ticks), not the whole run.
+    assert 200 <= result.events <= 400
+    # Without the snapshot the same events do not replay: the core's state is what it learnt.
+    without = [lines[0], *lines[2:]]
+    assert not replay(without).ok
+
+
+def test_a_ring_snapshot_that_names_anything_but_a_cores_state_is_refused(tmp_path: Path) -> None:
+    import base64
+    import os
+    import pickle
+
+    _, path = _ring_run(tmp_path, window_s=2.0)
+    lines = path.read_bytes().splitlines()
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("echo owned",))
+
+    evil = base64.b64encode(pickle.dumps({"current": Evil()})).decode()
+    lines[1] = json.dumps({"snapshot": evil}).encode()
+    with pytest.raises(RecordingError, match="not part of a core's state"):
+        replay(lines)
+
+
+def test_the_worker_writes_its_ring_on_sigusr1(nats_url: str, prefix: str, tmp_path: Path) -> None:
+    """`jetbatch worker --ring-minutes M --ring-path P`: SIGUSR1 writes the ring, and it replays."""
+    import os
+    import signal
+    import time
+
+    config = tmp_path / "worker.toml"
+    config.write_text(f'[nats]\nprefix = "{prefix}"\n[models.m1]\nhandler = "identity"\nmax_batch_size = 4\n')
+    ring = tmp_path / "ring.jsonl"
+    env = {**os.environ, "JETBATCH_READY_LINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetbatch", "worker", "--config", str(config), "--nats-url", nats_url, "--http-port", "off",
+         "--ring-minutes", "0.01", "--ring-path", str(ring)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and " ready" in proc.stdout.readline()
+
+        async def traffic() -> None:
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                for i in range(20):
+                    assert await client.infer(f"x{i}".encode(), model="m1", timeout=20) == f"x{i}".encode()
+
+        anyio.run(traffic)
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while not ring.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)  # polled with a deadline: the dump is written by the worker's loop
+        assert ring.exists(), proc.stderr.read() if proc.poll() is not None and proc.stderr else "no ring written"
+        result = replay_file(ring)
+        assert result.ok and result.from_snapshot and result.events > 0, result
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)

@@ -6,7 +6,8 @@ spread evenly over the models through the SDK (open loop), for ``--duration`` s.
 ``--fault-at`` s, one fault:
 
 - ``outage``: the nats-server is SIGKILLed and restarted on the same store ``--down`` s later;
-- ``kill``: the worker is SIGKILLed and restarted at once.
+- ``kill``: the worker is SIGKILLed and restarted at once;
+- ``none``: no fault, the baseline the other two are read against.
 
 Reports p50/p99/max of every request's latency (from its send time to its answer), the requests
 lost (no answer within the call's 120 s timeout), and the bound the issue set: the outage (or
@@ -64,6 +65,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
             async def fault() -> None:
                 nonlocal fault_s
+                if args.fault == "none":
+                    return  # the baseline: the same traffic with no fault
                 await asyncio.sleep(args.fault_at)
                 started = time.monotonic()
                 if args.fault == "outage":
@@ -95,7 +98,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fault", choices=["outage", "kill"], default="outage")
+    parser.add_argument("--fault", choices=["outage", "kill", "none"], default="outage", help="none: the same traffic, no fault (the baseline)")
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--fault-at", type=float, default=8.0)

@@ -20,27 +20,133 @@ core outside ``handle``.
 
 from __future__ import annotations
 
+import base64
 import io
+import math
 import os
-from typing import IO, Iterable, Iterator
+import pickle
+import time
+from typing import IO, Any, Callable, Iterable, Iterator
 
 import msgspec
 
 from .core import Action, Event, Started, WorkerCore
 from .errors import SidecarError
 
-__all__ = ["DEFAULT_MAX_BYTES", "Divergence", "FlightRecorder", "RecordLine", "RecordingError", "ReplayResult", "replay", "replay_file"]
+__all__ = [
+    "DEFAULT_MAX_BYTES", "Divergence", "FlightRecorder", "RecordLine", "Recorders", "RecordingError", "ReplayResult", "RingRecorder", "replay",
+    "replay_file",
+]  # fmt: skip
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 _BUFFER_BYTES = 1024 * 1024
 
 
 class RecordLine(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One recorded step: the event, the action it produced (None: none), or the end marker."""
+    """One recorded step: the event, the action it produced (None: none), the end marker, or
+    (second in a ring's dump) the core's state the events after it start from."""
 
     event: Event | None = None
     action: Action | None = None
     truncated: bool = False
+    snapshot: str | None = None  # base64 of the state (``WorkerCore.export_state``), pickled
+
+
+class RingRecorder:
+    """The last minutes of a core's events, kept in memory and written out on demand
+    (``jetbatch worker --ring-minutes N --ring-path PATH``: on SIGUSR1).
+
+    Every ``window_s`` it takes a snapshot of the core's state (``WorkerCore.export_state``) and
+    starts a new segment; it keeps the segment before as well, so a dump spans between one and
+    two windows. :meth:`dump` writes the core's started line, the older segment's snapshot and
+    the events since it: a recording that replays from the snapshot (:func:`replay`). ``attach``
+    gives it the core (the core writes its started line before it can be attached)."""
+
+    def __init__(self, window_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not window_s > 0:
+            raise ValueError("a ring needs a window longer than 0 s")
+        self.window_s = window_s
+        self._clock = clock
+        self._encoder = msgspec.json.Encoder()
+        self._core: WorkerCore | None = None
+        self._started: bytes | None = None
+        self._segments: list[tuple[bytes, list[bytes]]] = []  # (snapshot line, event lines), oldest first
+        self._next_snapshot = math.inf
+
+    def attach(self, core: WorkerCore) -> None:
+        self._core = core
+        self._snapshot()
+
+    def write(self, event: Event, action: Action | None) -> None:
+        line = self._encoder.encode(RecordLine(event=event, action=action))
+        if isinstance(event, Started):
+            self._started = line
+            return
+        if not self._segments:
+            return  # not attached yet: nothing to start a replay from
+        self._segments[-1][1].append(line)
+        if self._clock() >= self._next_snapshot:
+            self._snapshot()  # after this event: the next segment starts from the state it left
+
+    def _snapshot(self) -> None:
+        assert self._core is not None
+        state = base64.b64encode(pickle.dumps(self._core.export_state(), protocol=pickle.HIGHEST_PROTOCOL)).decode()
+        self._segments = [*self._segments[-1:], (self._encoder.encode(RecordLine(snapshot=state)), [])]
+        self._next_snapshot = self._clock() + self.window_s
+
+    def dump(self, path: str | os.PathLike[str]) -> int:
+        """Write the kept events as a recording at ``path`` (replaced whole); how many events."""
+        if self._started is None or not self._segments:
+            raise RecordingError("nothing recorded yet")
+        snapshot, _ = self._segments[0]
+        events = [line for _, lines in self._segments for line in lines]
+        tmp = f"{os.fspath(path)}.part"
+        with open(tmp, "wb") as f:
+            f.write(self._started + b"\n" + snapshot + b"\n")
+            f.writelines(line + b"\n" for line in events)
+        os.replace(tmp, path)  # a reader never sees half a dump
+        return len(events)
+
+
+class Recorders:
+    """Several recorders of one core (a file and a ring)."""
+
+    def __init__(self, *recorders: Any) -> None:
+        self.recorders = recorders
+
+    def write(self, event: Event, action: Action | None) -> None:
+        for r in self.recorders:
+            r.write(event, action)
+
+    def attach(self, core: WorkerCore) -> None:
+        for r in self.recorders:
+            if hasattr(r, "attach"):
+                r.attach(core)
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """Reads a core's state and nothing else: the classes of jetbatch's policy and core and a few
+    plain containers. A recording is input: a pickle that names any other callable is refused,
+    so a crafted file cannot run code on the operator's machine."""
+
+    _PLAIN = {("builtins", n) for n in ("set", "frozenset", "dict", "list", "tuple", "float", "int", "str", "bool", "object")} | {
+        ("collections", "deque"), ("collections", "OrderedDict"), ("collections", "defaultdict"), ("copyreg", "_reconstructor"),
+    }  # fmt: skip
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._PLAIN or module.startswith(("jetbatch.sidecar.policy", "jetbatch.sidecar.core")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a core's state")
+
+
+def _load_state(text: str) -> dict[str, Any]:
+    try:
+        state = _StateUnpickler(io.BytesIO(base64.b64decode(text, validate=True))).load()
+    except (pickle.UnpicklingError, ValueError, EOFError, AttributeError, ImportError, TypeError) as exc:
+        raise RecordingError(f"the snapshot is not a core's state: {exc}") from None
+    if not isinstance(state, dict):
+        raise RecordingError("the snapshot is not a core's state")
+    return state
 
 
 class FlightRecorder:
@@ -103,6 +209,7 @@ class ReplayResult(msgspec.Struct):
     matched: int = 0
     by_action: dict[str, int] = {}
     truncated: bool = False
+    from_snapshot: bool = False  # a ring's dump: replayed from the core's state at its start
     divergence: Divergence | None = None
 
     @property
@@ -131,6 +238,15 @@ def replay(lines: Iterable[bytes]) -> ReplayResult:
                 core = WorkerCore(record.event)
             except (ValueError, TypeError) as exc:
                 raise RecordingError(f"line {number}: cannot make the recorded core: {exc}") from None
+            continue
+        if record.snapshot is not None:
+            if result.events:
+                raise RecordingError(f"line {number}: a snapshot comes before the events")
+            try:
+                core.import_state(_load_state(record.snapshot))
+            except ValueError as exc:
+                raise RecordingError(f"line {number}: {exc}") from None
+            result.from_snapshot = True
             continue
         if record.event is None or isinstance(record.event, Started):
             raise RecordingError(f"line {number}: expected an event")

@@ -156,6 +156,8 @@ def check_connection_files(config: Any, source: str) -> None:
 
 # A flight recording's size bound, in MiB (the recorder stops there; recording.py).
 record_mib = _number(int, 1, True, 1024 * 1024)
+# How many minutes a ring of the core's events keeps (at least; recording.RingRecorder): a day at most.
+ring_minutes = _number(float, 0.0, False, 24 * 60.0)
 
 
 def add_record(p: argparse.ArgumentParser, what: str) -> None:

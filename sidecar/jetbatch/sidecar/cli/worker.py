@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from ._common import CliError, add_record, print_ready, ready_line, add_sidecar_options, check_connection_files, http_port, open_recorder, run_async, setup_telemetry
+from ._common import CliError, add_record, ring_minutes, writable_file, print_ready, ready_line, add_sidecar_options, check_connection_files, http_port, open_recorder, run_async, setup_telemetry
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("worker", help="run a GPU worker sidecar", description="Serve the models of a config from their JetStream queues.")
     add_sidecar_options(p, config_required=True)
     add_record(p, "the worker")
+    p.add_argument(
+        "--ring-minutes", default=None, type=ring_minutes, metavar="MIN",
+        help="keep the core's last MIN to 2xMIN minutes in memory and write them to --ring-path on SIGUSR1 (`jetbatch replay` checks it)",
+    )  # fmt: skip
+    p.add_argument("--ring-path", default=None, metavar="PATH", help="where SIGUSR1 writes the ring (default: worker-ring.jsonl)")
     p.set_defaults(run=run)
 
 
@@ -35,17 +41,58 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("no NATS server: pass --nats-url, set NATS_URL or nats.url, or use `jetbatch up` for an embedded one")
     port = http_port(args, config.http.worker_port)
     recorder = open_recorder(args)
+    ring, ring_path = None, None
+    if args.ring_minutes is not None:
+        from jetbatch.sidecar.recording import Recorders, RingRecorder
+
+        ring_path = args.ring_path or "worker-ring.jsonl"
+        writable_file(ring_path, "--ring-path")
+        ring = RingRecorder(args.ring_minutes * 60.0)
+    elif args.ring_path is not None:
+        raise CliError("--ring-path: give --ring-minutes too (how much to keep)")
+    record = Recorders(*(r for r in (recorder, ring) if r is not None)) if ring is not None else recorder
     shutdown = setup_telemetry("worker", args, config.worker.id, prometheus=port is not None and config.http.metrics)
     try:
         return run_async(
             # no_echo: the worker hears its peers' take and settle events, never its own (two
             # messages a batch it would only drop); nothing else it publishes comes back to it.
-            serve_sidecar(
-                config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc, record=recorder), http_port=port, no_echo=True,
-                on_ready=lambda w, address: print_ready(ready_line("worker", w.worker_id, address, f"serving {', '.join(config.models)}")),
-            )
+            _with_ring_dumps(
+                serve_sidecar(
+                    config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc, record=record), http_port=port,
+                    no_echo=True,
+                    on_ready=lambda w, address: print_ready(ready_line("worker", w.worker_id, address, f"serving {', '.join(config.models)}")),
+                ),
+                ring, ring_path,
+            )  # fmt: skip
         )
     finally:
         if recorder is not None:
             recorder.close()
         shutdown()
+
+
+async def _with_ring_dumps(serving: Any, ring: Any, path: str | None) -> int:
+    """Run ``serving``; with a ring, write it to ``path`` on each SIGUSR1 (on the event loop, so
+    a dump never sees an event half recorded)."""
+    if ring is None:
+        return int(await serving)
+    import signal
+
+    import anyio
+
+    from ..errors import SidecarError
+
+    async def dump_on_signal() -> None:
+        with anyio.open_signal_receiver(signal.SIGUSR1) as signals:
+            async for _ in signals:
+                try:
+                    n = ring.dump(path)
+                    print(f"jetbatch worker: wrote {n} events of the core's ring to {path}", file=sys.stderr, flush=True)
+                except (OSError, SidecarError) as exc:
+                    print(f"jetbatch worker: could not write the ring to {path}: {exc}", file=sys.stderr, flush=True)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dump_on_signal)
+        code = int(await serving)
+        tg.cancel_scope.cancel()
+    return code

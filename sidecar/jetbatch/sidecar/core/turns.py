@@ -16,6 +16,7 @@ load owes, and the probe counters of refused batches and reaped loads.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable, Mapping, Protocol
 
@@ -44,6 +45,8 @@ __all__ = ["Recorder", "WorkerCore"]
 # How often the last-used times older than RECENT_S are dropped (they only matter to which
 # models a decision looks at): a walk per turn would cost O(models used) on every decision.
 _FORGET_EVERY_S = RECENT_S / 10
+# What is not the core's state: how it was made, its handlers, where it records.
+_NOT_STATE = frozenset({"started", "rules", "_handlers", "recorder"})
 
 
 class Recorder(Protocol):
@@ -104,6 +107,21 @@ class WorkerCore:
         if self.recorder is not None:
             self.recorder.write(event, action)
         return action
+
+    def export_state(self) -> dict[str, Any]:
+        """Everything the core has learnt and decides by (its driver, with the policy's and the
+        estimator's state, and its own fields), as a copy: restored into a fresh core made from
+        the same ``Started`` (:meth:`import_state`), it answers the next events as this one would.
+        A recording that starts mid-run (``recording.RingRecorder``) starts from it."""
+        return copy.deepcopy({k: v for k, v in vars(self).items() if k not in _NOT_STATE})
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        """Take over ``state`` from :meth:`export_state` (of a core made from the same ``Started``)."""
+        unknown = set(state) - (set(vars(self)) - _NOT_STATE)
+        if unknown:
+            raise ValueError(f"not a core's state: {sorted(unknown)}")
+        for key, value in state.items():
+            setattr(self, key, value)
 
     @property
     def wants_arrival_order(self) -> bool:

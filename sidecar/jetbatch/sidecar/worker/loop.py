@@ -96,6 +96,8 @@ class Worker:
         # simulator does with its clock. ``record``: the flight recorder (``--record``).
         self.core = WorkerCore(_started(config, self.worker_id), policy=self.policy, recorder=record)
         self.recorder = record
+        if record is not None and hasattr(record, "attach"):
+            record.attach(self.core)  # a ring snapshots the core's state as it goes
         self.driver = self.core.driver  # read: estimates, demand, the cluster share
         self.costs = self.core.costs
         self.budget = self.core.budget
