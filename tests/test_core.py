@@ -291,3 +291,16 @@ def test_any_run_of_events_is_answered_within_the_rules_and_replays_exactly(even
     result = replay(lines)
     assert result.ok, result.divergence
     assert result.events == len(events)
+
+
+def test_a_load_that_was_not_paid_owes_nothing_to_a_later_one() -> None:
+    """A LoadModel whose load never happened (a claim lost, a look that found nothing) leaves no
+    share behind: the next load of that model, a preload, owes what waits then."""
+    seen: list[int] = []
+    core = _core("a", "b")
+    core.driver.policy.on_loaded = lambda model, now, backlog=0: seen.append(backlog)  # type: ignore[method-assign]
+    action = core.handle(Turn(now=0.0, facts=_facts({"b": 40}, served_rps=10.0)))
+    assert isinstance(action, LoadModel)
+    assert isinstance(core.handle(Turn(now=1.0, facts=_facts({}))), Sleep)  # the load did not happen
+    _load(core, "b", 2.0, 40)  # a load the core did not decide this turn
+    assert seen[-1] == 40

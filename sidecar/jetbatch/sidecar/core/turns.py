@@ -141,6 +141,9 @@ class WorkerCore:
 
     def _turn(self, ev: Turn) -> Action:
         now = ev.now
+        # A load's Loaded comes before the next turn (both executors carry a load out whole); a
+        # share still here belongs to a load that was not paid (a lost claim, a refused look).
+        self._load_share.clear()
         if now >= self._forget_at:
             self._forget_at = now + _FORGET_EVERY_S
             for name in [n for n, at in self.last_used.items() if at < now - RECENT_S]:
