@@ -55,7 +55,7 @@ class Batcher:
         *,
         poll_interval_s: float,
         on_trouble: Callable[[], None] | None = None,
-        on_fetched: Callable[[Slot, int, int | None, bool, int | None, bool], None] | None = None,
+        on_fetched: Callable[[Slot, int, int | None, bool, int | None, bool], None],
         counters: Counters | None = None,
         clock: Callable[[], float] = time.time,
         wakeup: Wakeup | None = None,
@@ -141,7 +141,7 @@ class Batcher:
             # on that line meanwhile) to the end of its wait, 20 ms.
             counted = slot.arrivals
             more = await self._pull(slot, lines[1], n - len(msgs), min(timeout_s, _STORED_WAIT_S), stored_only=True)
-            if not more and lines[1] and self._on_fetched is not None and slot.arrivals == counted:
+            if not more and lines[1] and slot.arrivals == counted:
                 # Nothing to deliver on the batch line: stop counting it until the next count (or
                 # every later fetch would look there). Not when an arrival was counted meanwhile:
                 # it may be one stored on that line after the pull was answered.
@@ -182,11 +182,8 @@ class Batcher:
                 self._counters.sample("ready_fetch", self._clock() - started)
             info = ack_info(msgs[-1])
             pending = None if info is None else info.pending
-            if self._on_fetched is not None:
-                redelivered = info is not None and info.delivered > 1
-                self._on_fetched(slot, len(msgs), pending, bulk, None if info is None else info.stream_seq, redelivered)
-            else:
-                slot.backlog = max(0, slot.backlog - len(msgs)) if pending is None else pending
+            redelivered = info is not None and info.delivered > 1
+            self._on_fetched(slot, len(msgs), pending, bulk, None if info is None else info.stream_seq, redelivered)
         return msgs
 
     async def gather(self, slot: Slot, max_items: int, first: list[Msg] | None = None, *, compute_s: float = 0.0, hold_s: float | None = None) -> list[Msg]:
