@@ -25,7 +25,7 @@ from msgspec import Meta
 import re
 
 from .errors import SidecarError
-from jetbatch.sdk.protocol import DEFAULT_PREFIX, ProtocolError, ReplyPolicy, Subjects, validate_model_name
+from jetbatch.sdk.protocol import DEFAULT_PREFIX, ProtocolError, ReplyPolicy, Subjects, validate_model_name, validate_tenant
 
 __all__ = [
     "ClassifierConfig",
@@ -38,6 +38,7 @@ __all__ = [
     "StreamsConfig",
     "HttpConfig",
     "TelemetryConfig",
+    "TenantsConfig",
     "WorkerConfig",
     "describe_validation_error",
     "load_config",
@@ -312,6 +313,60 @@ def _not_a_name(value: object) -> None:
     raise ProtocolError(f"expected a model name, got {type(value).__name__}")
 
 
+Weight = Annotated[float, Meta(gt=0, le=1e6)]
+DEFAULT_SHARE_OF_SERVICE = 0.75
+DEFAULT_CREDIT_S = 2.0
+DEFAULT_SHARE_WINDOW_S = 10.0
+
+
+class TenantsConfig(_Base):
+    """Fair shares and quotas between tenants (docs/tenancy.md), applied where a tenant's request
+    is admitted: the classifier, which learns the tenant from the subject a request arrived on.
+
+    ``weights``: a tenant's share of service relative to the others sending (``default_weight``
+    for a tenant not named). ``max_rps`` / ``max_waiting``: quotas answered ``Overloaded`` at
+    admission, per tenant (``default_max_rps`` / ``default_max_waiting`` for the others; None: no
+    quota). ``share_of_service``: the part of the measured service rate shared out as fair
+    shares while arrivals outrun it (the rest is headroom for the interactive lines to drain);
+    ``credit_s``: how many seconds of its fair rate a tenant may send at once; ``window_s``: over
+    how long demand and service rates are measured. ``metric_tenants``: tenants named in metrics,
+    the others counted as ``_other`` (a bounded label set)."""
+
+    # Per tenant: checked one by one below, so that an error names the tenant.
+    weights: dict[str, float] = {}
+    default_weight: Weight = 1.0
+    max_rps: dict[str, float] = {}
+    default_max_rps: PositiveFloat | None = None
+    max_waiting: dict[str, int] = {}
+    default_max_waiting: PositiveInt | None = None
+    share_of_service: Annotated[float, Meta(gt=0, le=1)] = DEFAULT_SHARE_OF_SERVICE
+    credit_s: Annotated[float, Meta(ge=0.01, le=3600)] = DEFAULT_CREDIT_S
+    window_s: Annotated[float, Meta(ge=0.1, le=3600)] = DEFAULT_SHARE_WINDOW_S
+    metric_tenants: Annotated[int, Meta(ge=0, le=10_000)] = 32
+
+    def __post_init__(self) -> None:
+        bounds = {"weights": (Weight, float), "max_rps": (PositiveFloat, float), "max_waiting": (PositiveInt, int)}
+        for key, (kind, _) in bounds.items():
+            for name, value in getattr(self, key).items():
+                try:
+                    validate_tenant(name)
+                except ProtocolError as exc:
+                    raise ValueError(f"{key}: {exc}") from None
+                try:
+                    msgspec.convert(value, kind)
+                except msgspec.ValidationError as exc:
+                    raise ValueError(f"{key}.{name}: {exc}") from None
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, self.default_weight)
+
+    def rps_quota(self, tenant: str) -> float | None:
+        return self.max_rps.get(tenant, self.default_max_rps)
+
+    def waiting_quota(self, tenant: str) -> int | None:
+        return self.max_waiting.get(tenant, self.default_max_waiting)
+
+
 class TelemetryConfig(_Base):
     console: bool = False  # print spans to stdout (debugging); exporters otherwise come from OTEL_*
 
@@ -342,6 +397,7 @@ class Config(_Base):
     telemetry: TelemetryConfig = TelemetryConfig()
     http: HttpConfig = HttpConfig()
     replies: RepliesConfig = RepliesConfig()
+    tenants: TenantsConfig = TenantsConfig()
 
     def __post_init__(self) -> None:
         for name in self.models:

@@ -342,6 +342,10 @@ class ClassifierTelemetry:
             "jetbatch.classifier.requests", unit="{request}",
             description="Requests the classifier handled: routed (status ok, by model, direct when the producer named it) or answered with an error (status: the code)",
         )  # fmt: skip
+        self.tenant_requests = meter.create_counter(
+            "jetbatch.classifier.tenant.requests", unit="{request}",
+            description="Requests by tenant and admission: admitted, demoted (beyond the tenant's fair share, to the batch line) or refused (a quota); tenants past tenants.metric_tenants counted as _other",
+        )  # fmt: skip
         self.batch_size = meter.create_histogram(
             "jetbatch.classifier.batch.size", unit="{request}", description="Requests per classifier batch", explicit_bucket_boundaries_advisory=BATCH_SIZE_BUCKETS
         )

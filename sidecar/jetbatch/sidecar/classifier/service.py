@@ -33,6 +33,7 @@ from jetbatch.sdk.errors import BadRequest, JetbatchError, Overloaded, PayloadTo
 from jetbatch.sdk.protocol import (
     ErrorCode,
     Headers,
+    Priority,
     ProtocolError,
     RequestMeta,
     SidecarReport,
@@ -54,6 +55,7 @@ from ..replies import Answer, Replier, client_message, settle
 from ..runtime import retry_startup
 from ..status import serve_status
 from ..streams import classifier_consumer_name, ensure_classifier_streams
+from ..tenancy import NO_TENANT, ServiceFeed, TenantShares
 from ..telemetry import ClassifierTelemetry, link_requests
 from .routers import Item, Route, Router, make_router
 
@@ -112,6 +114,11 @@ class Classifier:
         # The workers' adverts: a request its model's workers cannot reach before its deadline is
         # answered overloaded here instead of queued (docs/reliability.md, "Backpressure").
         self.admission = Admission()
+        # Fair shares and quotas between tenants (tenancy.py, docs/tenancy.md), fed what the
+        # workers served from the same adverts.
+        self.shares = TenantShares(config.tenants)
+        self._service_feed = ServiceFeed(self.shares)
+        self._tenant_labels: set[str] = set()
 
     @property
     def ready(self) -> anyio.Event:
@@ -156,6 +163,7 @@ class Classifier:
         await anyio.to_thread.run_sync(self.router.load)
         status = await serve_status(self.nc, self.subjects, self.report, self.reply_policy, out=self.replier.out)
         adverts = await follow_adverts(self.nc, self.subjects, self.admission)
+        served = await follow_adverts(self.nc, self.subjects, _Clocked(self._service_feed))  # type: ignore[arg-type]  # what follow_adverts calls: on_advert
         self._ready.set()
         # Pipelining: the next batch is fetched and classified while the previous one's
         # republishes wait for their PubAcks (at most two batches in flight).
@@ -177,7 +185,7 @@ class Classifier:
                 # classifier, not after their ack wait.
                 for msg in await psub.close(_IDLE_WAIT_S + self.window.max_delay_s + _OPEN_PAST_S + _STOP_GRACE_S):
                     await settle(msg, "nak")
-                for sub in (status, adverts):
+                for sub in (status, adverts, served):
                     try:
                         await sub.unsubscribe()
                     except TRANSPORT_ERRORS + (ValueError,):
@@ -290,17 +298,45 @@ class Classifier:
                 for i, route in zip(to_classify, decided):
                     routes[i] = route
             for i, route in enumerate(routes):
-                deadline = parsed[i][1].deadline
-                if route is not None and route.model is not None and deadline is not None:
-                    refused = self.admission.refusal(route.model, deadline - now)
+                meta = parsed[i][1]
+                if route is not None and route.model is not None and meta.deadline is not None:
+                    refused = self.admission.refusal(route.model, meta.deadline - now)
                     if refused is not None:
                         routes[i] = Route(None, (ErrorCode.OVERLOADED, refused))
+                        continue
+                if route is not None and route.model is not None:
+                    routes[i], parsed[i] = self._share(route, parsed[i], now)
             failed = await self._forward([(msg, meta, route) for msg, (_, meta), route in zip(msgs, parsed, routes) if route])
             if failed:
                 await self._answer(failed)
         self.stats["batches"] += 1
         self.stats["requests"] += len(msgs)
         self.metrics.batch_size.record(len(msgs))
+
+    def _share(self, route: Route, parsed: tuple[Item, RequestMeta], now: float) -> tuple[Route, tuple[Item, RequestMeta]]:
+        """Its tenant's quotas and fair share (tenancy.py): refused ``Overloaded`` by a quota, or
+        an interactive request beyond the tenant's share sent to the model's batch line."""
+        item, meta = parsed
+        verdict = self.shares.admit(meta.tenant, now, interactive=Priority(meta.priority) is Priority.INTERACTIVE)
+        tenant = self._tenant_label(meta.tenant)
+        if verdict.refused is not None:
+            self.metrics.tenant_requests.add(1, {"jetbatch.tenant": tenant, "jetbatch.admission": "refused"})
+            return Route(None, (ErrorCode.OVERLOADED, verdict.refused)), parsed
+        self.metrics.tenant_requests.add(1, {"jetbatch.tenant": tenant, "jetbatch.admission": "demoted" if verdict.demoted else "admitted"})
+        if verdict.demoted:
+            return route, (item, msgspec.structs.replace(meta, priority=Priority.BATCH))
+        return route, parsed
+
+    def _tenant_label(self, tenant: str | None) -> str:
+        """A tenant as metrics name it: the first ``tenants.metric_tenants`` seen, the others
+        ``_other`` (a bounded label set, as the model label)."""
+        name = tenant or NO_TENANT
+        if name in self._tenant_labels:
+            return name
+        if len(self._tenant_labels) < self.config.tenants.metric_tenants:
+            self._tenant_labels.add(name)
+            return name
+        return OTHER_MODEL_LABEL
 
     async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]]) -> list[tuple[Msg, RequestMeta, Route]]:
         """Republish the routed requests and ack each once JetStream has it; return the others
@@ -353,6 +389,8 @@ class Classifier:
         headers[Headers.MSG_ID] = dedupe_id(meta.tenant, meta.request_id)
         if meta.tenant is not None:
             headers[Headers.TENANT] = meta.tenant
+        if Priority(meta.priority) is Priority.BATCH:
+            headers[Headers.PRIORITY] = Priority.BATCH.value  # its line, also when moved there by its tenant's share
         if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):
             return (ErrorCode.BAD_REQUEST, "request is over the server's max payload once routed")
         return subject, headers
@@ -421,6 +459,16 @@ class Classifier:
             log.warning("republish of %s failed: %s", meta.request_id, exc.message)
             return (ErrorCode.INTERNAL, f"JetStream did not take the republish: {exc.message}")
         return None
+
+
+class _Clocked:
+    """The service feed as ``follow_adverts`` calls it, with the classifier's clock."""
+
+    def __init__(self, feed: ServiceFeed) -> None:
+        self.feed = feed
+
+    def on_advert(self, key: str, data: bytes, deleted: bool) -> None:
+        self.feed.on_advert(key, data, deleted, time.time())
 
 
 def _fallback_id(msg: Msg) -> str:

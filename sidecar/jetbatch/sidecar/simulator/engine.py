@@ -42,6 +42,7 @@ from ..policy import (
     Policy,
     make_policy,
 )
+from ..tenancy import TenantShares
 from .execution import SimExecution
 from .facts import WorkerViews
 from .queues import Queue, Request
@@ -75,8 +76,14 @@ class Simulation:
         # The control plane's spread draws from its own stream: the device noise stays as it was.
         self.control_rng = random.Random(workload.seed + 7919)
         self.queues: dict[str, Queue] = {name: Queue() for name in workload.models}
-        # Classes are told apart only when the workload gives them (else all are interactive).
-        self.classes = bool(workload.interactive)
+        # Classes are told apart only when the workload gives them, or tenants' shares may move a
+        # request to the batch line (else all are interactive).
+        self.classes = bool(workload.interactive) or workload.tenancy is not None
+        # Admission between tenants, by the classifier's rule (tenancy.py); and the line each
+        # arrival joined (its class, or the batch line it was moved to).
+        self.shares = TenantShares(workload.tenancy) if workload.tenancy is not None else None
+        self.urgent_of: list[bool | None] = []
+        self.tenant_waiting: dict[str, int] = {}
         # Callers that cancel send a notice, which wakes the live worker as an arrival does.
         self.cancels = any(m.cancel_after_s is not None for m in workload.models.values())
         self.windows = {name: BatchWindow(m.max_batch_size, m.max_delay_s) for name, m in workload.models.items()}
@@ -129,13 +136,38 @@ class Simulation:
         while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival][0] <= upto + 1e-12:
             at, model = self.arrivals[self.next_arrival]
             deadline = self.w.models[model].deadline_s
-            urgent = self.w.interactive[self.next_arrival] if self.classes else True
+            urgent = self.w.interactive[self.next_arrival] if self.w.interactive else True
             cancel = self.w.models[model].cancel_after_s
-            req = Request(self.next_arrival, model, at, at + deadline if deadline is not None else None, urgent, at + cancel if cancel is not None else math.inf)
+            tenant = self.w.tenants[self.next_arrival] if self.w.tenants else ""
+            req = Request(self.next_arrival, model, at, at + deadline if deadline is not None else None, urgent, at + cancel if cancel is not None else math.inf, tenant)
+            self.next_arrival += 1
+            if not self._admitted(req):
+                self.urgent_of.append(None)  # answered at admission: no line heard of it
+                continue
+            self.urgent_of.append(req.interactive)
             self.queues[model].append(req)
             self.nonempty.add(model)
             self.arrival_log.append(req)
-            self.next_arrival += 1
+
+    def _admitted(self, req: Request) -> bool:
+        """The classifier's admission of a tenant's request (tenancy.py): refused by a quota
+        (answered ``Overloaded``, never queued), or moved to the batch line beyond its fair share."""
+        if req.tenant:
+            self.result.offered_by_tenant[req.tenant] = self.result.offered_by_tenant.get(req.tenant, 0) + 1
+        if self.shares is None:
+            self.tenant_waiting[req.tenant] = self.tenant_waiting.get(req.tenant, 0) + 1
+            return True
+        verdict = self.shares.admit(req.tenant or None, req.arrival, interactive=req.interactive, waiting=self.tenant_waiting.get(req.tenant, 0))
+        if verdict.refused is not None:
+            self.result.refused_by_tenant[req.tenant] = self.result.refused_by_tenant.get(req.tenant, 0) + 1
+            self.served_ids.add(req.id)
+            self.result.served_ids.append(req.id)
+            return False
+        if verdict.demoted:
+            req.interactive = False
+            self.result.demoted_by_tenant[req.tenant] = self.result.demoted_by_tenant.get(req.tenant, 0) + 1
+        self.tenant_waiting[req.tenant] = self.tenant_waiting.get(req.tenant, 0) + 1
+        return True
 
     def next_arrival_at(self) -> float:
         """When the next arrival becomes known to the workers."""
@@ -196,7 +228,7 @@ class Simulation:
             # any it drains deep (worker.quiet).
             interrupted = any(
                 line != (held, False) and line not in worker.quiet
-                for line in ((self.arrivals[i][1], self.classes and not self.w.interactive[i]) for i in range(worker.hold_seen, self.next_arrival))
+                for line in ((self.arrivals[i][1], self.classes and not self.urgent_of[i]) for i in range(worker.hold_seen, self.next_arrival) if self.urgent_of[i] is not None)
             ) or self.views.next_cancel(worker, worker.hold_checked) <= self.t + 1e-12  # fmt: skip
             worker.hold_seen = self.next_arrival
             worker.hold_checked = self.t

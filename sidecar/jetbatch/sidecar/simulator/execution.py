@@ -102,6 +102,12 @@ class SimExecution:
         answered = end + self.sim.control_s("answer_s")  # the caller has it once stored and sent
         answering.append(answered)
         self.sim.consumers[m.name] = start
+        if self.sim.shares is not None:
+            self.sim.shares.served(len(live), self.sim.t)  # the classifier hears it from the adverts
+        if self.sim.w.tenants:
+            by_tenant = self.sim.result.service_s_by_tenant
+            for r in live:
+                by_tenant[r.tenant] = by_tenant.get(r.tenant, 0.0) + duration / len(live)
         for r in live:
             self._served(r, start, answered)
             if m.max_wait_s is not None and start - r.arrival > m.max_wait_s + m.load_cost_s + m.batch_s(m.max_batch_size) + 1e-9:
@@ -114,8 +120,11 @@ class SimExecution:
     def _served(self, r: Request, start: float | None, end: float | None) -> None:
         self.sim.served_ids.add(r.id)
         self.sim.result.served_ids.append(r.id)
+        self.sim.tenant_waiting[r.tenant] -= 1
         if start is None or end is None:
             return
+        if r.tenant:
+            self.sim.result.latency_by_tenant.setdefault(r.tenant, []).append(end - r.arrival)
         self.sim.result.completed += 1
         self.sim.result.waits_s.append(start - r.arrival)
         self.sim.result.latencies_s.append(end - r.arrival)

@@ -19,6 +19,7 @@ class Request:
     deadline: float | None
     interactive: bool = True
     cancel_at: float = math.inf  # when its caller cancels (the SDK's cancel notice), if ever
+    tenant: str = ""
 
     def gone(self, now: float) -> bool:
         return self.cancel_at <= now

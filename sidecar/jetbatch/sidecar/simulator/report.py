@@ -42,6 +42,14 @@ class SimResult:
     idle_unloads: int = 0  # resident models evicted for idleness (models.<m>.idle_unload_s)
     reaped_queues: int = 0  # queues whose callers had all given up, answered without a load
     cancelled: int = 0  # requests not computed because their callers cancelled them
+    # Per tenant, when the workload has tenants (docs/tenancy.md): requests sent, answered
+    # latencies, device seconds of the batches that served them (split evenly within a batch),
+    # refused by a quota, moved to the batch line beyond a fair share.
+    offered_by_tenant: dict[str, int] = field(default_factory=dict)
+    latency_by_tenant: dict[str, list[float]] = field(default_factory=dict)
+    service_s_by_tenant: dict[str, float] = field(default_factory=dict)
+    refused_by_tenant: dict[str, int] = field(default_factory=dict)
+    demoted_by_tenant: dict[str, int] = field(default_factory=dict)
 
     def percentile_ms(self, q: float) -> float:
         return _pct(self.latencies_s, q) * 1000
@@ -86,6 +94,8 @@ class SimResult:
                 c: {"completed": len(v), "p50_ms": _pct(v, 50) * 1000, "p99_ms": _pct(v, 99) * 1000, "max_ms": max(v) * 1000}
                 for c, v in sorted(self.latency_by_class.items())
             }
+        if self.offered_by_tenant:
+            out["by_tenant"] = self.tenant_summary()
         if workload.closed:
             bound = lower_bound(workload)
             out["lower_bound_s"] = bound
@@ -93,6 +103,25 @@ class SimResult:
         else:
             out["offered_rps"] = len(workload.arrivals) / self.offered_s if self.offered_s else 0.0
             out["served_fraction"] = self.served_fraction()
+        return out
+
+
+    def tenant_summary(self) -> dict[str, dict[str, float]]:
+        """Per tenant: sent, answered, p50/p99, share of the device's service seconds, refused by
+        a quota, moved to the batch line."""
+        total_s = sum(self.service_s_by_tenant.values())
+        out: dict[str, dict[str, float]] = {}
+        for t in sorted(self.offered_by_tenant):
+            lat = self.latency_by_tenant.get(t, [])
+            out[t] = {
+                "offered": self.offered_by_tenant[t],
+                "completed": len(lat),
+                "p50_ms": _pct(lat, 50) * 1000 if lat else float("nan"),
+                "p99_ms": _pct(lat, 99) * 1000 if lat else float("nan"),
+                "service_share": self.service_s_by_tenant.get(t, 0.0) / total_s if total_s else 0.0,
+                "refused": self.refused_by_tenant.get(t, 0),
+                "demoted": self.demoted_by_tenant.get(t, 0),
+            }
         return out
 
 

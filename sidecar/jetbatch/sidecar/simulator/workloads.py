@@ -44,6 +44,12 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     # onoff:   as poisson, with on_s and off_s: arrivals only during on periods, at rate / duty
     # trace:   path = "trace.jsonl" (lines {"t": seconds, "model": "m1"}, optionally "priority": "batch")
     interactive_share = 0.2             # poisson/onoff/burst: the share of interactive requests (rest: batch)
+    [tenants.a]                         # poisson/onoff: one arrival stream per tenant (docs/tenancy.md)
+    utilization = 0.35                  # or rate (req/s); [arrivals] gives the rest (kind, mix, duration)
+    weight = 1.0                        # its share of service relative to the others
+    surge = { factor = 10, start_s = 60, duration_s = 60 }   # sends factor x its rate for a while
+    [tenancy]                           # fair shares' options (config [tenants]); enabled = false:
+    enabled = true                      # first come, first served (the comparison)
 
 The keys ``load_s``, ``batch_fixed_s`` and ``batch_item_s`` of earlier releases still work, with a
 deprecation line on stderr.
@@ -65,7 +71,7 @@ from msgspec import Meta
 
 from jetbatch.sdk.protocol import Priority
 
-from ..config import DEFAULT_MAX_DELAY_S, describe_validation_error, read_bounded
+from ..config import DEFAULT_CREDIT_S, DEFAULT_MAX_DELAY_S, DEFAULT_SHARE_OF_SERVICE, DEFAULT_SHARE_WINDOW_S, TenantsConfig, describe_validation_error, read_bounded
 from ..errors import SidecarError
 from ..policy import Budget
 
@@ -207,6 +213,10 @@ class Workload:
     policy_options: dict[str, Any] = field(default_factory=dict)
     horizon_s: float = 0.0  # end of the arrival window (0: the last arrival)
     control: Control = Control()
+    # Per arrival, its tenant (empty: no tenants); and the fair shares' rules (None: first come,
+    # first served between tenants).
+    tenants: tuple[str, ...] = ()
+    tenancy: TenantsConfig | None = None
 
     @property
     def window_s(self) -> float:
@@ -330,6 +340,28 @@ class _ControlSpec(_Spec):
     cv: dict[Literal["claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s"], Annotated[float, Meta(ge=0, le=10)]] = {}
 
 
+class _SurgeSpec(_Spec):
+    factor: Annotated[float, Meta(ge=1, le=1000)]
+    duration_s: _Positive
+    start_s: _NonNeg = 0.0
+
+
+class _TenantSpec(_Spec):
+    utilization: _Positive | None = None
+    rate: _Positive | None = None
+    weight: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
+    surge: _SurgeSpec | None = None
+    max_rps: _Positive | None = None
+    max_waiting: Annotated[int, Meta(ge=1, le=10_000_000)] | None = None
+
+
+class _TenancySpec(_Spec):
+    enabled: bool = True
+    share_of_service: Annotated[float, Meta(gt=0, le=1)] = DEFAULT_SHARE_OF_SERVICE
+    credit_s: Annotated[float, Meta(ge=0.01, le=3600)] = DEFAULT_CREDIT_S
+    window_s: Annotated[float, Meta(ge=0.1, le=3600)] = DEFAULT_SHARE_WINDOW_S
+
+
 class _WorkloadSpec(_Spec):
     models: dict[str, Any]  # each checked by _model, so a message names the model
     budget: _BudgetSpec | None = None
@@ -339,6 +371,8 @@ class _WorkloadSpec(_Spec):
     policy: dict[str, Any] = {}
     arrivals: _ArrivalsSpec = _ArrivalsSpec()
     control: _ControlSpec = _ControlSpec()
+    tenants: dict[str, Any] = {}  # each checked by _convert, so a message names the tenant
+    tenancy: _TenancySpec = _TenancySpec()
 
 
 def _convert(raw: Any, spec: type[Any], where: str, strict: bool = False) -> Any:
@@ -377,8 +411,13 @@ def build_workload(raw: Any, base: Path = Path("."), *, strict: bool = False) ->
     models = {name: _model(name, m, strict) for name, m in spec.models.items()}
     b = spec.budget or _BudgetSpec()
     budget = Budget(max_bytes=b.max_bytes, max_models=b.max_models if b.max_models is not None or b.max_bytes is not None else 1)
+    per_tenant: dict[str, _TenantSpec] = {}
     try:
-        arrivals, closed, horizon, interactive = _arrivals(spec.arrivals, models, base)
+        if spec.tenants:
+            per_tenant = {name: _convert(t, _TenantSpec, f"tenants.{name}", strict) for name, t in spec.tenants.items()}
+            arrivals, closed, horizon, interactive, tenants = _tenant_arrivals(spec.arrivals, per_tenant, models)
+        else:
+            (arrivals, closed, horizon, interactive), tenants = _arrivals(spec.arrivals, models, base), ()
     except (ArithmeticError, ValueError) as exc:
         if isinstance(exc, WorkloadError):
             raise
@@ -406,7 +445,53 @@ def build_workload(raw: Any, base: Path = Path("."), *, strict: bool = False) ->
         policy_options=dict(spec.policy),
         horizon_s=horizon,
         control=Control(**msgspec.structs.asdict(spec.control)),
+        tenants=tenants,
+        tenancy=_tenancy(spec, per_tenant) if per_tenant and spec.tenancy.enabled else None,
     )
+
+
+def _tenancy(spec: _WorkloadSpec, tenants: Mapping[str, _TenantSpec]) -> TenantsConfig:
+    """The fair shares' rules a workload's tenants are admitted by (config ``[tenants]``)."""
+    t = spec.tenancy
+    try:
+        return TenantsConfig(
+            weights={n: ts.weight for n, ts in tenants.items()},
+            max_rps={n: ts.max_rps for n, ts in tenants.items() if ts.max_rps is not None},
+            max_waiting={n: ts.max_waiting for n, ts in tenants.items() if ts.max_waiting is not None},
+            share_of_service=t.share_of_service, credit_s=t.credit_s, window_s=t.window_s,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise WorkloadError(f"tenants: {exc}") from None
+
+
+def _tenant_arrivals(
+    arr: _ArrivalsSpec, tenants: Mapping[str, _TenantSpec], models: dict[str, SimModel]
+) -> tuple[tuple[tuple[float, str], ...], bool, float, tuple[bool, ...], tuple[str, ...]]:
+    """One arrival stream per tenant, drawn as ``[arrivals]`` says with the tenant's own rate (or
+    utilization) and seed, plus its surge; merged in time order, each arrival naming its tenant."""
+    if arr.kind not in ("poisson", "onoff"):
+        raise WorkloadError("tenants: per-tenant streams need arrivals.kind poisson or onoff")
+    merged: list[tuple[float, str, str]] = []
+    for k, (name, ts) in enumerate(sorted(tenants.items())):
+        if (ts.rate is None) == (ts.utilization is None):
+            raise WorkloadError(f"tenants.{name}: give exactly one of rate and utilization")
+        own = msgspec.structs.replace(arr, rate=ts.rate, utilization=ts.utilization or arr.utilization, seed=arr.seed + 7919 * (k + 1))
+        out, _, _ = _generated(own, models)
+        merged.extend((t, m, name) for t, m in out)
+        if ts.surge is not None and ts.surge.factor > 1:
+            surge = ts.surge
+            extra_rate = (own.rate if own.rate is not None else own.utilization * capacity_rps(models, _weights(own, models))) * (surge.factor - 1)
+            extra = msgspec.structs.replace(own, kind="poisson", rate=extra_rate, duration_s=surge.duration_s, seed=own.seed + 104_729)
+            more, _, _ = _generated(extra, models)
+            merged.extend((surge.start_s + t, m, name) for t, m in more if surge.start_s + t < arr.duration_s)
+    if len(merged) > _MAX_ARRIVALS:
+        raise WorkloadError(f"tenants: over {_MAX_ARRIVALS} requests in all")
+    merged.sort()
+    interactive: tuple[bool, ...] = ()
+    if arr.interactive_share is not None:
+        rng = random.Random(arr.seed + 104_729)
+        interactive = tuple(rng.random() < arr.interactive_share for _ in merged)
+    return tuple((t, m) for t, m, _ in merged), False, arr.duration_s, interactive, tuple(n for _, _, n in merged)
 
 
 _MAX_ARRIVALS = 20_000_000  # a workload that would not fit in memory is a typo, not a simulation
@@ -436,19 +521,7 @@ def _generated(arr: _ArrivalsSpec, models: dict[str, SimModel]) -> tuple[tuple[t
         return tuple((0.0, names[k % len(names)]) for k in range(arr.per_model * len(names))), True, 0.0
     if arr.kind in ("poisson", "onoff"):
         rng = random.Random(arr.seed)
-        if arr.mix is not None:
-            unknown = sorted(set(arr.mix) - set(names))
-            if unknown:
-                raise WorkloadError(f"arrivals.mix: unknown model {unknown[0]!r}")
-            weights = [arr.mix.get(n, 0.0) for n in names]
-        elif arr.zipf is not None:
-            weights = [1.0 / (k + 1) ** arr.zipf for k in range(len(names))]
-        else:
-            weights = [1.0] * len(names)
-        total_w = sum(weights)
-        if total_w <= 0:
-            raise WorkloadError("arrivals.mix: at least one weight must be positive")
-        weights = [w / total_w for w in weights]
+        weights = _weights(arr, models)
         if arr.rate is None and not any(w > 0 and m.batch_s(m.max_batch_size) > 0 for w, m in zip(weights, models.values())):
             raise WorkloadError("arrivals.utilization: the models' batches cost nothing, so there is no capacity to take a share of: give a rate")
         rate = arr.rate if arr.rate is not None else arr.utilization * capacity_rps(models, weights)
@@ -477,6 +550,24 @@ def _generated(arr: _ArrivalsSpec, models: dict[str, SimModel]) -> tuple[tuple[t
                 raise WorkloadError(f"arrivals: over {_MAX_ARRIVALS} requests (rate {rate:g}/s, on_s {on_s:g}, off_s {off_s:g})")
         return tuple(out), False, duration
     raise AssertionError(arr.kind)
+
+
+def _weights(arr: _ArrivalsSpec, models: dict[str, SimModel]) -> list[float]:
+    """Each model's share of the arrivals (``mix``, ``zipf`` or even), summing to 1."""
+    names = list(models)
+    if arr.mix is not None:
+        unknown = sorted(set(arr.mix) - set(names))
+        if unknown:
+            raise WorkloadError(f"arrivals.mix: unknown model {unknown[0]!r}")
+        weights = [arr.mix.get(n, 0.0) for n in names]
+    elif arr.zipf is not None:
+        weights = [1.0 / (k + 1) ** arr.zipf for k in range(len(names))]
+    else:
+        weights = [1.0] * len(names)
+    total_w = sum(weights)
+    if total_w <= 0:
+        raise WorkloadError("arrivals.mix: at least one weight must be positive")
+    return [w / total_w for w in weights]
 
 
 def _trace(arr: _ArrivalsSpec, models: dict[str, SimModel], base: Path) -> tuple[tuple[tuple[float, str], ...], bool, float, tuple[bool, ...]]:
