@@ -20,11 +20,9 @@ core outside ``handle``.
 
 from __future__ import annotations
 
-import base64
 import io
 import math
 import os
-import pickle
 import time
 from typing import IO, Any, Callable, Iterable, Iterator
 
@@ -49,7 +47,7 @@ class RecordLine(msgspec.Struct, frozen=True, omit_defaults=True):
     event: Event | None = None
     action: Action | None = None
     truncated: bool = False
-    snapshot: str | None = None  # base64 of the state (``WorkerCore.export_state``), pickled
+    snapshot: dict[str, Any] | None = None  # the core's state as JSON data (``WorkerCore.export_state``)
 
 
 class RingRecorder:
@@ -90,22 +88,26 @@ class RingRecorder:
 
     def _snapshot(self) -> None:
         assert self._core is not None
-        state = base64.b64encode(pickle.dumps(self._core.export_state(), protocol=pickle.HIGHEST_PROTOCOL)).decode()
-        self._segments = [*self._segments[-1:], (self._encoder.encode(RecordLine(snapshot=state)), [])]
+        line = self._encoder.encode(RecordLine(snapshot=self._core.export_state()))
+        self._segments = [*self._segments[-1:], (line, [])]
         self._next_snapshot = self._clock() + self.window_s
 
-    def dump(self, path: str | os.PathLike[str]) -> int:
-        """Write the kept events as a recording at ``path`` (replaced whole); how many events."""
+    def lines(self) -> list[bytes]:
+        """The kept recording, a line each (no newlines): the started line, the snapshot, the
+        events since it. Taken between two events (on the thread that records), so whole."""
         if self._started is None or not self._segments:
             raise RecordingError("nothing recorded yet")
         snapshot, _ = self._segments[0]
-        events = [line for _, lines in self._segments for line in lines]
+        return [self._started, snapshot, *(line for _, lines in self._segments for line in lines)]
+
+    def dump(self, path: str | os.PathLike[str]) -> int:
+        """Write the kept events as a recording at ``path`` (replaced whole); how many events."""
+        lines = self.lines()
         tmp = f"{os.fspath(path)}.part"
         with open(tmp, "wb") as f:
-            f.write(self._started + b"\n" + snapshot + b"\n")
-            f.writelines(line + b"\n" for line in events)
+            f.writelines(line + b"\n" for line in lines)
         os.replace(tmp, path)  # a reader never sees half a dump
-        return len(events)
+        return len(lines) - 2
 
 
 class Recorders:
@@ -122,31 +124,6 @@ class Recorders:
         for r in self.recorders:
             if hasattr(r, "attach"):
                 r.attach(core)
-
-
-class _StateUnpickler(pickle.Unpickler):
-    """Reads a core's state and nothing else: the classes of jetbatch's policy and core and a few
-    plain containers. A recording is input: a pickle that names any other callable is refused,
-    so a crafted file cannot run code on the operator's machine."""
-
-    _PLAIN = {("builtins", n) for n in ("set", "frozenset", "dict", "list", "tuple", "float", "int", "str", "bool", "object")} | {
-        ("collections", "deque"), ("collections", "OrderedDict"), ("collections", "defaultdict"), ("copyreg", "_reconstructor"),
-    }  # fmt: skip
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._PLAIN or module.startswith(("jetbatch.sidecar.policy", "jetbatch.sidecar.core")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a core's state")
-
-
-def _load_state(text: str) -> dict[str, Any]:
-    try:
-        state = _StateUnpickler(io.BytesIO(base64.b64decode(text, validate=True))).load()
-    except (pickle.UnpicklingError, ValueError, EOFError, AttributeError, ImportError, TypeError) as exc:
-        raise RecordingError(f"the snapshot is not a core's state: {exc}") from None
-    if not isinstance(state, dict):
-        raise RecordingError("the snapshot is not a core's state")
-    return state
 
 
 class FlightRecorder:
@@ -243,9 +220,9 @@ def replay(lines: Iterable[bytes]) -> ReplayResult:
             if result.events:
                 raise RecordingError(f"line {number}: a snapshot comes before the events")
             try:
-                core.import_state(_load_state(record.snapshot))
+                core.import_state(record.snapshot)
             except ValueError as exc:
-                raise RecordingError(f"line {number}: {exc}") from None
+                raise RecordingError(f"line {number}: the snapshot is not this core's state: {exc}") from None
             result.from_snapshot = True
             continue
         if record.event is None or isinstance(record.event, Started):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from ..errors import JetbatchError
 
 DEFAULT_PREFIX = "jetbatch"
+# A sidecar's id as the config allows it (config.SidecarId): a subject's tail, never a wildcard.
+_SIDECAR_ID = re.compile(r"[A-Za-z0-9_=/-]{1,128}(\.[A-Za-z0-9_=/-]{1,128}){0,31}")
 
 
 class Headers:
@@ -27,6 +29,12 @@ class Headers:
     MODEL = "Jetbatch-Model"  # on requests to jetbatch.in: the producer's model choice; on replies: the model that served
     TRACEPARENT = "traceparent"
     TRACESTATE = "tracestate"
+    # A worker's ring dump (`jetbatch ring`), one message a part: ``<index>/<parts>`` from 0, the
+    # dump's size in bytes and SHA-256 (hex) on every part; or an error with an empty body.
+    RING_PART = "Jetbatch-Ring-Part"
+    RING_BYTES = "Jetbatch-Ring-Bytes"
+    RING_SHA256 = "Jetbatch-Ring-Sha256"
+    RING_ERROR = "Jetbatch-Ring-Error"
     # Reply headers.
     STATUS = "Jetbatch-Status"  # "ok" or "error"
     ERROR_CODE = "Jetbatch-Error-Code"
@@ -339,6 +347,18 @@ class Subjects:
     def status_subject(self) -> str:
         """Every sidecar answers status requests here (see `jetbatch status`)."""
         return f"{self.prefix}.status"
+
+    def ring(self, worker_id: str) -> str:
+        """Where worker ``worker_id`` (a sidecar id: dot-separated tokens) answers requests for
+        its ring of recent core events (``jetbatch ring``)."""
+        if not _SIDECAR_ID.fullmatch(worker_id):
+            raise ProtocolError(f"{worker_id!r} is not a worker id (dot-separated tokens of letters, digits, -, _, =, /)")
+        return f"{self.prefix}.ring.{worker_id}"
+
+    @property
+    def rings(self) -> str:
+        """Every worker's ring subject (what the worker role may subscribe to)."""
+        return f"{self.prefix}.ring.>"
 
 
 

@@ -13,7 +13,8 @@ code   meaning
 1      the command ran and its outcome is negative (``status``: no sidecar answered; ``probe``:
        the sidecar is not ready or does not answer; ``dlq
        replay``: some letters not replayed; ``demo``/``bench``: some requests unanswered;
-       ``replay``: the recording's decisions diverged)
+       ``replay``: the recording's decisions diverged; ``ring``: the worker did not answer or
+       its dump came incomplete)
 2      a user error, printed as one line: bad arguments, configuration, a missing file or
        binary, no NATS server reachable, a missing extra
 130    interrupted (Ctrl-C)
@@ -36,7 +37,7 @@ __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CliError
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Imported by main() once Ctrl-C ends the process quietly: the SDK and nats take a quarter of a
 # second to import, where an interrupt printed a traceback.
-_SUBCOMMANDS = ("worker", "classifier", "up", "demo", "examples", "status", "probe", "dlq", "bench", "simulate", "replay")
+_SUBCOMMANDS = ("worker", "classifier", "up", "demo", "examples", "status", "probe", "dlq", "bench", "simulate", "replay", "ring")
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,8 @@ def register(sub: Any) -> None:
     add_record(p, "the worker")
     p.add_argument(
         "--ring-minutes", default=None, type=ring_minutes, metavar="MIN",
-        help="keep the core's last MIN to 2xMIN minutes in memory and write them to --ring-path on SIGUSR1 (`jetbatch replay` checks it)",
+        help="keep the core's last MIN to 2xMIN minutes in memory and write them to --ring-path on SIGUSR1, or send them to "
+        "`jetbatch ring --worker ID` over NATS (`jetbatch replay` checks either)",
     )  # fmt: skip
     p.add_argument("--ring-path", default=None, metavar="PATH", help="where SIGUSR1 writes the ring (default: worker-ring.jsonl)")
     p.set_defaults(run=run)
@@ -52,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--ring-path: give --ring-minutes too (how much to keep)")
     record = Recorders(*(r for r in (recorder, ring) if r is not None)) if ring is not None else recorder
     shutdown = setup_telemetry("worker", args, config.worker.id, prometheus=port is not None and config.http.metrics)
+    ready = _Ready()
+
+    def on_ready(w: Any, address: str) -> None:
+        ready.set(w)
+        print_ready(ready_line("worker", w.worker_id, address, f"serving {', '.join(config.models)}"))
     try:
         return run_async(
             # no_echo: the worker hears its peers' take and settle events, never its own (two
@@ -60,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
                 serve_sidecar(
                     config, url, name="jetbatch-worker", make=lambda nc, rnc: Worker(config, nc, reply_nc=rnc, record=record), http_port=port,
                     no_echo=True,
-                    on_ready=lambda w, address: print_ready(ready_line("worker", w.worker_id, address, f"serving {', '.join(config.models)}")),
+                    on_ready=on_ready,
                 ),
-                ring, ring_path,
+                ring, ring_path, ready,
             )  # fmt: skip
         )
     finally:
@@ -71,16 +77,33 @@ def run(args: argparse.Namespace) -> int:
         shutdown()
 
 
-async def _with_ring_dumps(serving: Any, ring: Any, path: str | None) -> int:
-    """Run ``serving``; with a ring, write it to ``path`` on each SIGUSR1 (on the event loop, so
-    a dump never sees an event half recorded)."""
+class _Ready:
+    """The worker once ready (its ring is served on its connection from then): set by a plain
+    callback, awaited by the ring's server."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.event: Any = None  # an anyio.Event, made on the event loop
+
+    def set(self, worker: Any) -> None:
+        self.worker = worker
+        if self.event is not None:
+            self.event.set()
+
+
+async def _with_ring_dumps(serving: Any, ring: Any, path: str | None, ready: _Ready) -> int:
+    """Run ``serving``; with a ring, write it to ``path`` on each SIGUSR1 and send it to each
+    request on the worker's ring subject (``ring_dump.py``) once the worker is ready (``ready``
+    gets it). Both on the event loop, so a dump never sees an event half recorded."""
     if ring is None:
         return int(await serving)
     import signal
 
     import anyio
 
-    from ..errors import SidecarError
+    from ..errors import TRANSPORT_ERRORS, SidecarError
+
+    ready.event = anyio.Event()
 
     async def dump_on_signal() -> None:
         with anyio.open_signal_receiver(signal.SIGUSR1) as signals:
@@ -91,8 +114,20 @@ async def _with_ring_dumps(serving: Any, ring: Any, path: str | None) -> int:
                 except (OSError, SidecarError) as exc:
                     print(f"jetbatch worker: could not write the ring to {path}: {exc}", file=sys.stderr, flush=True)
 
+    async def serve_over_nats() -> None:
+        from ..ring_dump import serve_ring
+
+        if ready.worker is None:
+            await ready.event.wait()
+        w = ready.worker
+        try:
+            await serve_ring(w.nc, w.subjects, w.worker_id, ring, w.config.reply_policy, out=w.replier.out)
+        except (SidecarError, ValueError, *TRANSPORT_ERRORS) as exc:  # an id that is no subject, a subscription refused
+            print(f"jetbatch worker: the ring is not served over NATS: {exc}", file=sys.stderr, flush=True)
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(dump_on_signal)
+        tg.start_soon(serve_over_nats)
         code = int(await serving)
         tg.cancel_scope.cancel()
     return code

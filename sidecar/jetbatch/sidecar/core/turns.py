@@ -37,16 +37,16 @@ from ..policy import (
     make_policy,
     serves_on,
 )
+from ..policy.state import read_state, real, reals
 from .actions import Action, Fetch, Hold, LoadModel, Proceed, Reap, Recount, Sleep, Unload, WaitFree
 from .events import BatchChecked, BatchDone, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Started, Turn, Warmed
+from .state import CoreFields
 
 __all__ = ["Recorder", "WorkerCore"]
 
 # How often the last-used times older than RECENT_S are dropped (they only matter to which
 # models a decision looks at): a walk per turn would cost O(models used) on every decision.
 _FORGET_EVERY_S = RECENT_S / 10
-# What is not the core's state: how it was made, its handlers, where it records.
-_NOT_STATE = frozenset({"started", "rules", "_handlers", "recorder"})
 
 
 class Recorder(Protocol):
@@ -109,19 +109,39 @@ class WorkerCore:
         return action
 
     def export_state(self) -> dict[str, Any]:
-        """Everything the core has learnt and decides by (its driver, with the policy's and the
-        estimator's state, and its own fields), as a copy: restored into a fresh core made from
-        the same ``Started`` (:meth:`import_state`), it answers the next events as this one would.
-        A recording that starts mid-run (``recording.RingRecorder``) starts from it."""
-        return copy.deepcopy({k: v for k, v in vars(self).items() if k not in _NOT_STATE})
+        """Everything the core has learnt and decides by, as JSON data: its own fields, its
+        policy's and its estimator's (``policy/state.py``: a non-finite float is a string).
+        Given to a fresh core made from the same ``Started`` (:meth:`import_state`), it answers
+        the next events as this one would. A recording that starts mid-run
+        (``recording.RingRecorder``) starts from it."""
+        export = getattr(self.driver.policy, "export_state", None)
+        if export is None:
+            raise TypeError(f"policy {self.driver.name!r} cannot export its state")
+        core = {
+            "serving": self.serving, "hold_missed": self.hold_missed, "current": self.current,
+            "last_used": reals(self.last_used), "resident_since": reals(self.resident_since), "idle_wake": real(self.idle_wake),
+            "revisit": self._revisit, "load_share": dict(self._load_share), "refusals": dict(self._refusals), "reaps": dict(self._reaps),
+            "forget_at": real(self._forget_at),
+        }  # fmt: skip
+        return {"core": core, "policy": export(), "costs": self.costs.export_state()}
 
-    def import_state(self, state: dict[str, Any]) -> None:
-        """Take over ``state`` from :meth:`export_state` (of a core made from the same ``Started``)."""
-        unknown = set(state) - (set(vars(self)) - _NOT_STATE)
-        if unknown:
-            raise ValueError(f"not a core's state: {sorted(unknown)}")
-        for key, value in state.items():
-            setattr(self, key, value)
+    def import_state(self, state: object) -> None:
+        """Take over ``state`` from :meth:`export_state` (of a core made from the same
+        ``Started``). A ValueError names what is not a core's state; then nothing changed."""
+        if not isinstance(state, dict) or set(state) != {"core", "policy", "costs"}:
+            raise ValueError("not a core's state: expected the fields core, policy and costs")
+        core = read_state(state["core"], CoreFields, "a core")
+        if not hasattr(self.driver.policy, "import_state"):
+            raise ValueError(f"policy {self.driver.name!r} cannot import a state")
+        # Tried on copies first: a state refused halfway leaves the core's own objects as they were.
+        copy.deepcopy(self.driver.policy).import_state(state["policy"])
+        copy.deepcopy(self.costs).import_state(state["costs"])
+        self.driver.policy.import_state(state["policy"])
+        self.costs.import_state(state["costs"])
+        self.serving, self.hold_missed, self.current = core.serving, core.hold_missed, core.current
+        self.last_used, self.resident_since, self.idle_wake = dict(core.last_used), dict(core.resident_since), core.idle_wake
+        self._revisit, self._load_share, self._refusals, self._reaps = core.revisit, dict(core.load_share), dict(core.refusals), dict(core.reaps)
+        self._forget_at = core.forget_at
 
     @property
     def wants_arrival_order(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from .state import PolicyState, read_state, real, reals
 from .types import Decision, Load, ModelState, SchedulerState, Serve, fits
 
 __all__ = ["PolicyBase", "age", "best", "drain_seconds", "interactive", "interactive_age", "oldest"]
@@ -60,6 +61,31 @@ class PolicyBase:
         self.idle_s = idle_s
         self._last_used: dict[str, float] = {}
         self._demand: dict[str, tuple[float, float]] = {}  # model -> (decayed count, at)
+
+    # state
+    def export_state(self) -> dict[str, Any]:
+        """What this policy has learnt from its events, as JSON data (``policy/state.py``): a
+        policy of the same name and options given it (:meth:`import_state`) decides as this one."""
+        return {
+            "name": self.name,
+            "last_used": reals(self._last_used),
+            "demand": {m: [real(count), real(at)] for m, (count, at) in self._demand.items()},
+        }
+
+    def import_state(self, data: object) -> None:
+        """Take over the state :meth:`export_state` gave (ValueError, and nothing changed, when it
+        is not this policy's)."""
+        self._import(self._read(data))
+
+    def _read(self, data: object) -> PolicyState:
+        state = read_state(data, PolicyState, "a policy")
+        if state.name != self.name:
+            raise ValueError(f"the state of policy {state.name!r}, not of {self.name!r}")
+        return state
+
+    def _import(self, state: PolicyState) -> None:
+        self._last_used = dict(state.last_used)
+        self._demand = dict(state.demand)
 
     # events
     def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:

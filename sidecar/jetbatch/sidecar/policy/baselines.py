@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import PolicyBase, best, oldest
+from .state import PolicyState
 from .types import Decision, Idle, Load, ModelState, SchedulerState, Serve
 
 __all__ = ["Exhaustive", "Fifo", "LongestBacklog", "RoundRobin"]
@@ -93,6 +94,13 @@ class RoundRobin(_LruBaseline):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self._last: str | None = None
+
+    def export_state(self) -> dict[str, Any]:
+        return {**super().export_state(), "last": self._last}
+
+    def _import(self, state: PolicyState) -> None:
+        super()._import(state)
+        self._last = state.last
 
     def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:
         super().on_batch_done(model, size, now, device_s)

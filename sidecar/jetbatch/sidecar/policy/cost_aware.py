@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from .base import PolicyBase, age, best, interactive, interactive_age, oldest
+from .state import PolicyState, real, reals
 from .types import Budget, Decision, Idle, Load, ModelState, SchedulerState, Serve
 
 __all__ = ["CostAware"]
@@ -92,6 +93,24 @@ class CostAware(PolicyBase):
         self._busy = 0.0  # decayed device seconds of batches
         self._busy_at: float | None = None
         self._since: float | None = None  # first event seen: the start of the busy-share window
+
+    # --- state ------------------------------------------------------------------------------
+
+    def export_state(self) -> dict[str, Any]:
+        return {
+            **super().export_state(),
+            "burst_s": reals(self._burst_s),
+            "gate": dict(self._gate),
+            "busy": real(self._busy),
+            "busy_at": None if self._busy_at is None else real(self._busy_at),
+            "since": None if self._since is None else real(self._since),
+        }
+
+    def _import(self, state: PolicyState) -> None:
+        super()._import(state)
+        self._burst_s = dict(state.burst_s)
+        self._gate = dict(state.gate)
+        self._busy, self._busy_at, self._since = state.busy, state.busy_at, state.since
 
     # --- events -----------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ A load's cost depends on the tier the model comes from: *cold* (read and deseria
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
+
+from .state import CostsState, read_state, real, reals
 
 __all__ = ["BatchCost", "CostEstimator", "Tier", "fits_host", "prefetch_choice", "warm_copy_value"]
 
@@ -47,6 +49,29 @@ class CostEstimator:
         self._memory: dict[str, int] = {}
         self._host_memory: dict[str, int] = {}
         self._fastest: dict[str, float] = {}  # the shortest batch seen per model
+
+    def export_state(self) -> dict[str, Any]:
+        """What the estimator has learnt, as JSON data (``policy/state.py``): an estimator given it
+        (:meth:`import_state`) estimates as this one."""
+        return {
+            "load": [[model, tier, real(s)] for (model, tier), s in self._load.items()],
+            "measured": sorted([model, tier] for model, tier in self._measured),
+            "batch": {m: [real(c.batch_cost_s), real(c.item_cost_s)] for m, c in self._batch.items()},
+            "memory": dict(self._memory),
+            "host_memory": dict(self._host_memory),
+            "fastest": reals(self._fastest),
+        }
+
+    def import_state(self, data: object) -> None:
+        """Take over the state :meth:`export_state` gave (ValueError, and nothing changed, when it
+        is not an estimator's)."""
+        state = read_state(data, CostsState, "the cost estimator")
+        self._load = {(model, tier): s for model, tier, s in state.load}
+        self._measured = {(model, tier) for model, tier in state.measured}
+        self._batch = {m: BatchCost(fixed, per_item) for m, (fixed, per_item) in state.batch.items()}
+        self._memory = dict(state.memory)
+        self._host_memory = dict(state.host_memory)
+        self._fastest = dict(state.fastest)
 
     def seed(
         self,
