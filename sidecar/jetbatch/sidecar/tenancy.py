@@ -217,8 +217,13 @@ class TenantShares:
         # The shaped tenants share what the interactive lines may carry with headroom
         # (``share_of_service``), after what the others send: a worker gives the batch line one
         # batch in BATCH_LINE_EVERY while both wait (policy/window.py), so interactive work over
-        # 7/8 of service would grow without bound.
-        pool = max(0.0, self.config.share_of_service * service - sum(d for t, d in demand.items() if t not in over))
+        # 7/8 of service would grow without bound. When the others alone send more than that
+        # (weights 3:1, both saturating), those over their level are shaped too, most over first.
+        budget = self.config.share_of_service * service
+        rest = sorted((t for t in demand if t not in over and demand[t] > _OVER * levels[t]), key=lambda t: demand[t] / weights[t], reverse=True)
+        while rest and sum(d for t, d in demand.items() if t not in over) > budget:
+            over.add(rest.pop(0))
+        pool = max(0.0, budget - sum(d for t, d in demand.items() if t not in over))
         shaped = fair_levels(pool, {t: demand[t] for t in over}, weights)
         self._fair = shaped
         for t in [t for t in self._shares if t not in self._fair]:

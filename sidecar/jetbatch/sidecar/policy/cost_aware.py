@@ -91,6 +91,7 @@ class CostAware(PolicyBase):
         self._burst_s: dict[str, float] = {}  # device seconds served since each model's load
         self._gate: dict[str, int] = {}  # requests still owed from the backlog that justified a load
         self._busy = 0.0  # decayed device seconds of batches
+        self._bulk = 0.0  # of those, spent on batch-class requests (decayed alike)
         self._busy_at: float | None = None
         self._since: float | None = None  # first event seen: the start of the busy-share window
 
@@ -102,6 +103,7 @@ class CostAware(PolicyBase):
             "burst_s": reals(self._burst_s),
             "gate": dict(self._gate),
             "busy": real(self._busy),
+            "bulk": real(self._bulk),
             "busy_at": None if self._busy_at is None else real(self._busy_at),
             "since": None if self._since is None else real(self._since),
         }
@@ -110,7 +112,7 @@ class CostAware(PolicyBase):
         super()._import(state)
         self._burst_s = dict(state.burst_s)
         self._gate = dict(state.gate)
-        self._busy, self._busy_at, self._since = state.busy, state.busy_at, state.since
+        self._busy, self._bulk, self._busy_at, self._since = state.busy, state.bulk, state.busy_at, state.since
 
     # --- events -----------------------------------------------------------------------------
 
@@ -121,11 +123,13 @@ class CostAware(PolicyBase):
         self._burst_s[model] = 0.0
         self._gate[model] = backlog
 
-    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0) -> None:
-        super().on_batch_done(model, size, now, device_s)
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, bulk_s: float = 0.0) -> None:
+        super().on_batch_done(model, size, now, device_s, bulk_s=bulk_s)
         if self._since is None:
             self._since = now - device_s
-        self._busy = self._busy * self._decay(now - (self._busy_at if self._busy_at is not None else now)) + device_s
+        decay = self._decay(now - (self._busy_at if self._busy_at is not None else now))
+        self._busy = self._busy * decay + device_s
+        self._bulk = self._bulk * decay + min(bulk_s, device_s)
         self._busy_at = now
         self._burst_s[model] = self._burst_s.get(model, 0.0) + device_s
         if model in self._gate:
@@ -133,18 +137,20 @@ class CostAware(PolicyBase):
 
     # --- estimates (read-only) --------------------------------------------------------------
 
-    def utilisation(self, now: float) -> float:
-        """The device's busy share over the recent past, as measured from batch times."""
+    def utilisation(self, now: float, *, interactive: bool = False) -> float:
+        """The device's busy share over the recent past, as measured from batch times
+        (``interactive``: its share busy with interactive requests only)."""
         if self._since is None or self._busy_at is None:
             return 0.0
         h = self.demand_half_life_s
         elapsed = max(now - self._since, 1e-9)
         window = (h / _LN2) * (1.0 - 0.5 ** (elapsed / h))  # what a device busy all along would show
-        busy = self._busy * self._decay(now - self._busy_at)
-        return min(self.max_utilisation, busy / window)
+        busy = (self._busy - (self._bulk if interactive else 0.0)) * self._decay(now - self._busy_at)
+        return min(self.max_utilisation, max(busy, 0.0) / window)
 
-    def cycle_s(self, state: SchedulerState, now: float) -> float:
-        """The natural cycle S / (1 − ρ): how long the device takes to come back to a model."""
+    def cycle_s(self, state: SchedulerState, now: float, *, interactive: bool = False) -> float:
+        """The natural cycle S / (1 − ρ): how long the device takes to come back to a model
+        (``interactive``: with ρ of interactive work only, the cycle batch work could give way to)."""
         active = [m for m in state.models.values() if m.backlog > 0 or self.demand(m.name, now) >= 1.0]
         if not active:
             return 0.0
@@ -154,7 +160,7 @@ class CostAware(PolicyBase):
         else:
             # Each cycle reloads all but about (slots - 1) of the models in use.
             switch_s = sum(m.load_cost_s for m in active) * (len(active) - slots + 1) / len(active)
-        return switch_s / (1.0 - self.utilisation(now))
+        return switch_s / (1.0 - self.utilisation(now, interactive=interactive))
 
     def bound_s(self, m: ModelState, cycle_s: float) -> float:
         """How long ``m``'s oldest request may wait before ``m`` comes next."""
@@ -205,19 +211,21 @@ class CostAware(PolicyBase):
             return ((2.0 if interactive(m) > 0 else 1.0) * age(m, now) / self.bound_s(m, cycle), m.resident)
 
         if current is not None and current.resident and current.backlog > 0:
+            # Serving mostly batch work: interactive work waiting long elsewhere goes first, once
+            # the visit paid for its load's device time, even if the backlog that justified the
+            # load is not served yet (a tenant's excess or a backfill in the batch line would
+            # otherwise hold the device as long as it lasts).
+            waited = self._interactive_waiting(state, current, now) if _mostly_bulk(current) and self._paid(current) else []
+            if waited and interactive(current) > 0:
+                # Its own interactive work first, in a batch of its own, then the visit yields.
+                return Serve(current.name, min(interactive(current), current.max_batch_size), "interactive-first")
             if current.name in protected:
+                if waited:
+                    return self._visit(state, self._longest_waiting(waited, now, cycle), now, protected - {current.name}, cycle, "interactive")
                 return Serve(current.name, current.max_batch_size, "burst")
             others = [m for m in overdue if m.name != current.name]
-            if not others and interactive(current) == 0:
-                # Serving batch work only: interactive work waiting long elsewhere goes first.
-                others = [
-                    m for m in waiting
-                    if m.name != current.name and interactive(m) > 0
-                    and interactive_age(m, now) >= self.interactive_bound_share * self.bound_s(m, cycle)
-                ]  # fmt: skip
-                if others:
-                    target = best(others, lambda m: (interactive_age(m, now) / self.bound_s(m, cycle), m.resident))
-                    return self._visit(state, target, now, protected, cycle, "interactive")
+            if not others and waited:
+                return self._visit(state, self._longest_waiting(waited, now, cycle), now, protected, cycle, "interactive")
             if not others:
                 return Serve(current.name, current.max_batch_size, "exhaustive")
             return self._visit(state, best(others, most_overdue), now, protected, cycle, "overdue")
@@ -225,6 +233,24 @@ class CostAware(PolicyBase):
             return self._visit(state, best(overdue, most_overdue), now, protected, cycle, "overdue")
         target = best(waiting, lambda m: (self.score(m, now, cycle), m.resident, -oldest(m, now)))
         return self._visit(state, target, now, protected, cycle, "backlog")
+
+    def _paid(self, m: ModelState) -> bool:
+        """The visit since ``m``'s load held the device as long as the load took (``amortize``)."""
+        return self._burst_s.get(m.name, math.inf) >= self.amortize * m.load_cost_s
+
+    def _interactive_waiting(self, state: SchedulerState, current: ModelState, now: float) -> list[ModelState]:
+        """Other models whose interactive work waited ``interactive_bound_share`` of its bound,
+        measured on the cycle of interactive work alone: batch work that keeps the device busy
+        does not lengthen how long interactive work elsewhere may wait."""
+        cycle_i = self.cycle_s(state, now, interactive=True)
+        return [
+            m for m in state.models.values()
+            if m.name != current.name and interactive(m) > 0
+            and interactive_age(m, now) >= self.interactive_bound_share * self.bound_s(m, cycle_i)
+        ]  # fmt: skip
+
+    def _longest_waiting(self, models: list[ModelState], now: float, cycle: float) -> ModelState:
+        return best(models, lambda m: (interactive_age(m, now) / self.bound_s(m, cycle), m.resident))
 
     def _visit(
         self, state: SchedulerState, target: ModelState, now: float, protected: frozenset[str], cycle: float, reason: str
@@ -238,6 +264,15 @@ class CostAware(PolicyBase):
             keep = best(busy, lambda m: (self.score(m, now, cycle), -oldest(m, now)))
             return Serve(keep.name, keep.max_batch_size, "protect-burst")
         return Load(target.name, evict, reason)
+
+
+def _mostly_bulk(m: ModelState) -> bool:
+    """Whether ``m``'s next batch is mostly batch-class work: no interactive request waits, or
+    fewer than half a batch of them next to batch requests (with one class: never)."""
+    if m.interactive is None:
+        return False
+    urgent = interactive(m)
+    return urgent == 0 or (urgent < m.max_batch_size // 2 and m.backlog > urgent)
 
 
 def _slots(budget: Budget, models: list[ModelState]) -> int:

@@ -106,8 +106,11 @@ class SimExecution:
             self.sim.shares.served(len(live), self.sim.t)  # the classifier hears it from the adverts
         if self.sim.w.tenants:
             by_tenant = self.sim.result.service_s_by_tenant
+            # While requests still arrive, shares are what the tenants contend for.
+            in_window = self.sim.result.window_service_s_by_tenant if start < self.sim.result.offered_s else {}
             for r in live:
                 by_tenant[r.tenant] = by_tenant.get(r.tenant, 0.0) + duration / len(live)
+                in_window[r.tenant] = in_window.get(r.tenant, 0.0) + duration / len(live)
         for r in live:
             self._served(r, start, answered)
             if m.max_wait_s is not None and start - r.arrival > m.max_wait_s + m.load_cost_s + m.batch_s(m.max_batch_size) + 1e-9:
@@ -115,7 +118,8 @@ class SimExecution:
         self.sim.result.batches.append((start, end, m.name, len(live), m.name in worker.fresh))
         worker.fresh.discard(m.name)
         worker.busy_until = end
-        self.sim.wake(worker, end, f"done:batch:{m.name}:{len(live)}/{len(batch)}:{duration}")
+        bulk = sum(1 for r in live if not r.interactive)
+        self.sim.wake(worker, end, f"done:batch:{m.name}:{len(live)}/{len(batch)}/{bulk}:{duration}")
 
     def _served(self, r: Request, start: float | None, end: float | None) -> None:
         self.sim.served_ids.add(r.id)
@@ -193,8 +197,8 @@ class SimExecution:
         _, what, model, arg, duration_text = kind.split(":", 4)
         duration = float(duration_text)
         if what == "batch":
-            computed, _, size = arg.partition("/")
-            worker.core.handle(BatchDone(model, taken=int(size), computed=int(computed), seconds=duration, now=self.sim.t))
+            computed, size, bulk = arg.split("/")
+            worker.core.handle(BatchDone(model, taken=int(size), computed=int(computed), seconds=duration, now=self.sim.t, bulk=int(bulk)))
         else:
             worker.loading = None
             worker.resident.append(model)

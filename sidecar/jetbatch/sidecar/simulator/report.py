@@ -48,6 +48,7 @@ class SimResult:
     offered_by_tenant: dict[str, int] = field(default_factory=dict)
     latency_by_tenant: dict[str, list[float]] = field(default_factory=dict)
     service_s_by_tenant: dict[str, float] = field(default_factory=dict)
+    window_service_s_by_tenant: dict[str, float] = field(default_factory=dict)  # of batches started while arrivals came
     refused_by_tenant: dict[str, int] = field(default_factory=dict)
     demoted_by_tenant: dict[str, int] = field(default_factory=dict)
 
@@ -107,9 +108,11 @@ class SimResult:
 
 
     def tenant_summary(self) -> dict[str, dict[str, float]]:
-        """Per tenant: sent, answered, p50/p99, share of the device's service seconds, refused by
-        a quota, moved to the batch line."""
+        """Per tenant: sent, answered, p50/p99, share of the device's service seconds (over the
+        run, and over the arrival window, while tenants contend), refused by a quota, moved to the
+        batch line."""
         total_s = sum(self.service_s_by_tenant.values())
+        window_s = sum(self.window_service_s_by_tenant.values())
         out: dict[str, dict[str, float]] = {}
         for t in sorted(self.offered_by_tenant):
             lat = self.latency_by_tenant.get(t, [])
@@ -119,6 +122,7 @@ class SimResult:
                 "p50_ms": _pct(lat, 50) * 1000 if lat else float("nan"),
                 "p99_ms": _pct(lat, 99) * 1000 if lat else float("nan"),
                 "service_share": self.service_s_by_tenant.get(t, 0.0) / total_s if total_s else 0.0,
+                "window_service_share": self.window_service_s_by_tenant.get(t, 0.0) / window_s if window_s else 0.0,
                 "refused": self.refused_by_tenant.get(t, 0),
                 "demoted": self.demoted_by_tenant.get(t, 0),
             }
