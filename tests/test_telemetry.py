@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 import anyio
+import msgspec
 import nats
 import pytest
 from hypothesis import given, settings
@@ -28,7 +29,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from jetbatch import sdk
 from jetbatch.sdk.protocol import Headers, Subjects
 from jetbatch.sidecar.classifier.service import OTHER_MODEL_LABEL
-from jetbatch.sidecar.config import StreamsConfig
+from jetbatch.sidecar.config import ClassifierConfig, StreamsConfig, TenantsConfig
 from jetbatch.sidecar.otel import PrivateIdGenerator
 from jetbatch.sidecar.streams import ensure_streams
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
@@ -451,3 +452,27 @@ def test_the_backlog_gauge_bounds_the_models_it_names() -> None:
     named = gauges._unregistered("w", exclude={"u0": 1})
     assert len(named) == MAX_UNREGISTERED_BACKLOG_SERIES + 1 and "u0" not in named
     assert named["_other"] == sum(range(2, 11)) and sum(named.values()) == sum(queues.unregistered.values()) - 1
+
+
+async def test_requests_and_device_seconds_are_counted_by_tenant_with_a_bounded_label_set(otel: Otel, nats_url: str, prefix: str) -> None:
+    """Through the classifier, each tenant's requests are counted at admission and answered, and
+    the device seconds that served them; past ``tenants.metric_tenants`` names, ``_other``."""
+    _, reader, _ = otel
+    config = make_config(prefix, {"m1": sleep_model(max_batch_size=8, options={"load_cost_s": 0.0, "batch_cost_s": 0.01, "item_cost_s": 0.0})})
+    config = msgspec.structs.replace(
+        config,
+        classifier=ClassifierConfig(router="rules", default_model="m1", max_delay_ms=5),
+        tenants=TenantsConfig(metric_tenants=1),
+    )
+    # Unique tenant names per run: the metrics are process-wide and cumulative.
+    first, second = f"t{uuid.uuid4().hex[:8]}", f"u{uuid.uuid4().hex[:8]}"
+    other_before = _total(reader, "jetbatch.tenant.requests", jetbatch__tenant="_other", jetbatch__status="ok")
+    async with running_worker(config, nats_url), running_classifier(config, nats_url):
+        for tenant in (first, second):
+            async with sdk.Client.connect(nats_url, prefix=prefix, tenant=tenant) as client:
+                await asyncio.gather(*(client.infer(b"x", timeout=20) for _ in range(3)))
+    assert _total(reader, "jetbatch.tenant.requests", jetbatch__tenant=first, jetbatch__status="ok") == 3
+    assert _total(reader, "jetbatch.tenant.requests", jetbatch__tenant="_other", jetbatch__status="ok") - other_before == 3
+    assert _total(reader, "jetbatch.tenant.requests", jetbatch__tenant=second) == 0  # never named: one label allowed
+    assert _total(reader, "jetbatch.tenant.service.duration", jetbatch__tenant=first) >= 0.01  # at least one 10 ms batch
+    assert _total(reader, "jetbatch.classifier.tenant.requests", jetbatch__tenant=first, jetbatch__admission="admitted") == 3

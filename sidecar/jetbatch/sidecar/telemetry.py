@@ -204,12 +204,31 @@ def _weak(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | None]:
 _GAUGES = _Gauges()
 
 
+class TenantLabels:
+    """The ``jetbatch.tenant`` label of a request: its tenant (``_`` for none) while fewer than
+    ``limit`` tenants were named, then ``_other``: a bounded label set, whatever names arrive."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._named: set[str] = set()
+
+    def __call__(self, tenant: str | None) -> str:
+        name = tenant or "_"
+        if name in self._named:
+            return name
+        if len(self._named) < self.limit:
+            self._named.add(name)
+            return name
+        return "_other"
+
+
 class WorkerTelemetry:
     """Spans and metrics of one worker. Cheap no-ops unless an OpenTelemetry SDK is installed."""
 
-    def __init__(self, worker_id: str, subjects_prefix: str) -> None:
+    def __init__(self, worker_id: str, subjects_prefix: str, *, metric_tenants: int = 32) -> None:
         self.worker_id = worker_id
         self.prefix = subjects_prefix
+        self.tenant_label = TenantLabels(metric_tenants)
         self.tracer = trace.get_tracer(_INSTRUMENTATION)
         meter = metrics.get_meter(_INSTRUMENTATION)
         # Explicit bucket advice: the SDK's default boundaries (0, 5, 10, ... 10000) suit
@@ -230,9 +249,33 @@ class WorkerTelemetry:
             "jetbatch.infer.duration", unit="s", description="Batch compute time", explicit_bucket_boundaries_advisory=COMPUTE_BUCKETS_S
         )
         self.requests = meter.create_counter("jetbatch.requests", unit="{request}", description="Requests answered, by model and status")
+        self.tenant_requests = meter.create_counter(
+            "jetbatch.tenant.requests", unit="{request}", description="Requests answered, by tenant (bounded: tenants.metric_tenants, then _other) and status"
+        )
+        self.tenant_service = meter.create_counter(
+            "jetbatch.tenant.service.duration", unit="s", description="Device seconds of the batches that served each tenant's requests (split evenly within a batch)"
+        )
         self.loads = meter.create_counter("jetbatch.model.loads", unit="{load}", description="Model loads")
         self.evictions = meter.create_counter("jetbatch.model.evictions", unit="{eviction}", description="Model evictions")
         self.switches = meter.create_counter("jetbatch.scheduler.switches", unit="{switch}", description="Model switches, by reason")
+
+    def tenants_answered(self, answered: list[tuple[str | None, str]]) -> None:
+        """Count a batch's answers by (tenant, status): one update per pair, not per request."""
+        counts: dict[tuple[str, str], int] = {}
+        for tenant, status in answered:
+            key = (self.tenant_label(tenant), status)
+            counts[key] = counts.get(key, 0) + 1
+        for (tenant, status), n in counts.items():
+            self.tenant_requests.add(n, {"jetbatch.tenant": tenant, "jetbatch.status": status})
+
+    def tenants_computed(self, tenants: list[str | None], seconds: float) -> None:
+        """A batch's device ``seconds``, split evenly between its computed requests' tenants."""
+        share: dict[str, float] = {}
+        for tenant in tenants:
+            label = self.tenant_label(tenant)
+            share[label] = share.get(label, 0.0) + seconds / len(tenants)
+        for label, s in share.items():
+            self.tenant_service.add(s, {"jetbatch.tenant": label})
 
     def register_gauges(self, report: Callable[[], Any], reports_queues: Callable[[], bool] = lambda: True, queues: Any = None) -> None:
         """Observe this worker's ``report()`` (a StatusReport: backlog, resident models, memory and
@@ -336,7 +379,8 @@ class WorkerTelemetry:
 class ClassifierTelemetry:
     """The classifier's metrics (its spans are made where it routes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, metric_tenants: int = 32) -> None:
+        self.tenant_label = TenantLabels(metric_tenants)
         meter = metrics.get_meter(_INSTRUMENTATION)
         self.requests = meter.create_counter(
             "jetbatch.classifier.requests", unit="{request}",

@@ -55,7 +55,7 @@ from ..replies import Answer, Replier, client_message, settle
 from ..runtime import retry_startup
 from ..status import serve_status
 from ..streams import classifier_consumer_name, ensure_classifier_streams
-from ..tenancy import NO_TENANT, ServiceFeed, TenantShares
+from ..tenancy import ServiceFeed, TenantShares
 from ..telemetry import ClassifierTelemetry, link_requests
 from .routers import Item, Route, Router, make_router
 
@@ -110,7 +110,7 @@ class Classifier:
         self._ready = anyio.Event()
         self._started_at = time.time()
         self._tracer = trace.get_tracer(_tracer_name)
-        self.metrics = ClassifierTelemetry()
+        self.metrics = ClassifierTelemetry(metric_tenants=config.tenants.metric_tenants)
         # The workers' adverts: a request its model's workers cannot reach before its deadline is
         # answered overloaded here instead of queued (docs/reliability.md, "Backpressure").
         self.admission = Admission()
@@ -118,7 +118,6 @@ class Classifier:
         # workers served from the same adverts.
         self.shares = TenantShares(config.tenants)
         self._service_feed = ServiceFeed(self.shares)
-        self._tenant_labels: set[str] = set()
 
     @property
     def ready(self) -> anyio.Event:
@@ -318,7 +317,7 @@ class Classifier:
         an interactive request beyond the tenant's share sent to the model's batch line."""
         item, meta = parsed
         verdict = self.shares.admit(meta.tenant, now, interactive=Priority(meta.priority) is Priority.INTERACTIVE)
-        tenant = self._tenant_label(meta.tenant)
+        tenant = self.metrics.tenant_label(meta.tenant)
         if verdict.refused is not None:
             self.metrics.tenant_requests.add(1, {"jetbatch.tenant": tenant, "jetbatch.admission": "refused"})
             return Route(None, (ErrorCode.OVERLOADED, verdict.refused)), parsed
@@ -326,17 +325,6 @@ class Classifier:
         if verdict.demoted:
             return route, (item, msgspec.structs.replace(meta, priority=Priority.BATCH))
         return route, parsed
-
-    def _tenant_label(self, tenant: str | None) -> str:
-        """A tenant as metrics name it: the first ``tenants.metric_tenants`` seen, the others
-        ``_other`` (a bounded label set, as the model label)."""
-        name = tenant or NO_TENANT
-        if name in self._tenant_labels:
-            return name
-        if len(self._tenant_labels) < self.config.tenants.metric_tenants:
-            self._tenant_labels.add(name)
-            return name
-        return OTHER_MODEL_LABEL
 
     async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]]) -> list[tuple[Msg, RequestMeta, Route]]:
         """Republish the routed requests and ack each once JetStream has it; return the others

@@ -107,10 +107,13 @@ class SimExecution:
         if self.sim.w.tenants:
             by_tenant = self.sim.result.service_s_by_tenant
             # While requests still arrive, shares are what the tenants contend for.
-            in_window = self.sim.result.window_service_s_by_tenant if start < self.sim.result.offered_s else {}
+            in_window = start < self.sim.result.offered_s
+            window_s, window_n = self.sim.result.window_service_s_by_tenant, self.sim.result.window_completed_by_tenant
             for r in live:
                 by_tenant[r.tenant] = by_tenant.get(r.tenant, 0.0) + duration / len(live)
-                in_window[r.tenant] = in_window.get(r.tenant, 0.0) + duration / len(live)
+                if in_window:
+                    window_s[r.tenant] = window_s.get(r.tenant, 0.0) + duration / len(live)
+                    window_n[r.tenant] = window_n.get(r.tenant, 0) + 1
         for r in live:
             self._served(r, start, answered)
             if m.max_wait_s is not None and start - r.arrival > m.max_wait_s + m.load_cost_s + m.batch_s(m.max_batch_size) + 1e-9:

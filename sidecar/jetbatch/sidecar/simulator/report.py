@@ -49,6 +49,7 @@ class SimResult:
     latency_by_tenant: dict[str, list[float]] = field(default_factory=dict)
     service_s_by_tenant: dict[str, float] = field(default_factory=dict)
     window_service_s_by_tenant: dict[str, float] = field(default_factory=dict)  # of batches started while arrivals came
+    window_completed_by_tenant: dict[str, int] = field(default_factory=dict)  # requests in those batches
     refused_by_tenant: dict[str, int] = field(default_factory=dict)
     demoted_by_tenant: dict[str, int] = field(default_factory=dict)
 
@@ -123,6 +124,7 @@ class SimResult:
                 "p99_ms": _pct(lat, 99) * 1000 if lat else float("nan"),
                 "service_share": self.service_s_by_tenant.get(t, 0.0) / total_s if total_s else 0.0,
                 "window_service_share": self.window_service_s_by_tenant.get(t, 0.0) / window_s if window_s else 0.0,
+                "window_completed": self.window_completed_by_tenant.get(t, 0),
                 "refused": self.refused_by_tenant.get(t, 0),
                 "demoted": self.demoted_by_tenant.get(t, 0),
             }

@@ -105,7 +105,7 @@ class Worker:
         # Counters; what the control plane's steps cost here is added by worker/counters.py (the
         # scale bench tells the simulator this deployment's costs from them: Control.measured).
         self.stats = Counters("batches", "requests", "loads", "loads_cold", "loads_warm", "load_us", "evictions", "decisions", "decision_us", "models_shown")
-        self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix)
+        self.telemetry = WorkerTelemetry(self.worker_id, self.subjects.prefix, metric_tenants=config.tenants.metric_tenants)
         self._stopping = anyio.Event()
         self._ready = anyio.Event()
         self.state = LoopState(started_at=time.time())
