@@ -47,6 +47,21 @@ def test_arrivals_count_and_the_oldest_is_the_head() -> None:
     assert s.backlog == 0 and s.oldest_enqueued_at is None and view.waiting == set()
 
 
+def test_each_tenants_waiting_requests_are_counted_until_fetched() -> None:
+    """What the advert tells the classifier's tenant quotas (tenancy.py, tenant_backlog)."""
+    view, slots = _view("m1", "m2")
+    view.arrived(slots["m1"], 10.0, None, key=("a", "r1"), seq=1)
+    view.arrived(slots["m1"], 10.1, None, key=("b", "r2"), seq=2)
+    view.arrived(slots["m2"], 10.2, None, key=("a", "r3"), seq=1)
+    view.arrived(slots["m2"], 10.3, None, seq=2)  # no key (a malformed header): not a tenant's
+    assert view.tenant_waiting == {"a": 2, "b": 1}
+    view.fetched(slots["m1"], 1, pending=1, last_seq=1)
+    assert view.tenant_waiting == {"a": 1, "b": 1}
+    view.fetched(slots["m2"], 2, pending=0, last_seq=2)
+    view.fetched(slots["m1"], 1, pending=0, last_seq=2)
+    assert view.tenant_waiting == {}
+
+
 def test_an_arrival_stored_after_the_delivery_a_fetch_counts_from_stays_counted() -> None:
     """The consumer's count on a delivery is as of that delivery. A request stored just after it,
     whose arrival event was counted before the fetch's answer was read, is still waiting: the

@@ -367,6 +367,32 @@ def test_a_visit_serving_only_batch_work_yields_to_interactive_work_waiting_long
     assert isinstance(stays, sched.Serve) and stays.model == "a"  # its own interactive work first
 
 
+@pytest.mark.parametrize("excess", [True, False])
+def test_a_visit_held_by_a_tenants_excess_yields_to_interactive_work_only_when_it_is_excess(excess: bool) -> None:
+    """A load justified by a deep batch line protects its visit until that backlog is served. When
+    the device is busy with a tenant's excess (requests moved to the batch line beyond its share,
+    docs/tenancy.md), interactive work waiting elsewhere past its bound on the cycle without the
+    excess goes first once the visit paid for its load; a deployment's own batch class keeps the
+    visit as before."""
+    policy = sched.make_policy("cost-aware", interactive_bound_share=0.25)
+    policy.on_loaded("a", 0.0, backlog=5000)  # the share the load owes: 5 000 batch-line requests
+    for k in range(200):  # 20 s of full batches of it
+        policy.on_batch_done("a", 16, 0.1 * (k + 1), 0.1, excess_s=0.1 if excess else 0.0)
+    current = dataclasses.replace(ms("a", 1800, resident=True, oldest=0.0, max_wait_s=2.0), interactive=0)
+    waiting = dataclasses.replace(ms("b", 3, oldest=10.0, max_wait_s=2.0), interactive=3, interactive_enqueued_at=10.0)
+    decision = policy.decide(state([current, waiting], "a", max_models=1), now=20.0)
+    if excess:
+        assert isinstance(decision, sched.Load) and (decision.model, decision.reason) == ("b", "interactive")
+    else:
+        assert isinstance(decision, sched.Serve) and (decision.model, decision.reason) == ("a", "burst")
+    # The visit's own interactive requests go first, in a batch of their own.
+    with_own = dataclasses.replace(current, interactive=2, interactive_enqueued_at=19.9)
+    first = policy.decide(state([with_own, waiting], "a", max_models=1), now=20.0)
+    assert isinstance(first, sched.Serve) and first.model == "a"
+    if excess:
+        assert (first.reason, first.max_items) == ("interactive-first", 2)
+
+
 class _Watched(sched.CostAware):
     """Cost-aware, checking on every decision that no unpaid load with waiting requests is evicted."""
 

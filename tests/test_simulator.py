@@ -330,9 +330,9 @@ def test_refused_requests_count_as_demand_in_the_simulator_as_they_do_live() -> 
     told: list[int] = []
     original = policy.on_batch_done
 
-    def spy(model: str, size: int, now: float, device_s: float = 0.0, *, bulk_s: float = 0.0) -> None:
+    def spy(model: str, size: int, now: float, device_s: float = 0.0, *, excess_s: float = 0.0) -> None:
         told.append(size)
-        original(model, size, now, device_s, bulk_s=bulk_s)
+        original(model, size, now, device_s, excess_s=excess_s)
 
     policy.on_batch_done = spy  # type: ignore[method-assign]
     raw = {"models": {"a": {"load_cost_s": 0.0, "batch_cost_s": 0.5, "item_cost_s": 0.0, "deadline_s": 0.3}},

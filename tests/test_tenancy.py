@@ -195,6 +195,22 @@ def test_the_service_feed_counts_what_each_worker_served_since_its_last_advert()
     assert shares._service.value * shares.config.window_s == pytest.approx(110, rel=0.2)
 
 
+def test_the_feed_tells_a_tenants_waiting_requests_from_live_adverts_and_admissions_since() -> None:
+    feed = ServiceFeed(TenantShares(TenantsConfig()))
+    advert = lambda waiting, valid_s=3.0: msgspec.json.encode(  # noqa: E731
+        {"role": "worker", "stats": {"requests": 0}, "tenant_backlog": waiting, "valid_s": valid_s}
+    )
+    feed.on_advert("w1", advert({"a": 40, "b": 2}), False, 100.0)
+    feed.on_advert("w2", advert({"a": 55}), False, 100.5)  # counts the same queues: the most counts
+    feed.admitted("a")
+    assert feed.waiting("a", 101.0) == 56 and feed.waiting("b", 101.0) == 2 and feed.waiting("c", 101.0) == 0
+    feed.on_advert("w1", advert({"a": 10}), False, 102.0)  # a fresh advert counts what was admitted
+    assert feed.waiting("a", 103.0) == 55
+    assert feed.waiting("a", 104.0) == 10  # w2's advert is past its valid_s: a dead worker counts nothing
+    feed.on_advert("w1", b"", True, 104.0)
+    assert feed.waiting("a", 104.0) == 0
+
+
 # --- the simulator ------------------------------------------------------------------------------
 
 _MODELS = {f"m{k}": {"load_cost_s": 0.5, "batch_cost_s": 0.02, "item_cost_s": 0.002, "max_batch_size": 16} for k in range(4)}

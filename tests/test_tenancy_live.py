@@ -63,6 +63,24 @@ async def test_a_rate_quota_is_overloaded_at_admission_and_names_the_limit(nats_
                 t.cancel()
 
 
+async def test_a_waiting_quota_counts_what_was_admitted_until_a_worker_advert_counts_it(nats_url: str, prefix: str) -> None:
+    cfg = config(prefix, {"max_waiting": {"a": 3}})
+    await prepare(cfg, nats_url)  # no worker, no advert: the classifier counts its own admissions
+    async with running_classifier(cfg, nats_url):
+        async with sdk.Client.connect(nats_url, prefix=prefix, tenant="a") as a:
+            sent = [asyncio.ensure_future(a.infer({"n": i}, timeout=20)) for i in range(6)]
+            js = a.nats.jetstream()
+
+            async def settled() -> bool:
+                return sum(1 for t in sent if t.done()) == 3 and sum((await _lines(js, cfg)).values()) == 3
+
+            await wait_until(settled, timeout_s=15, what="three stored and three refused")
+            refusals = [t.exception() for t in sent if t.done()]
+            assert all(isinstance(e, sdk.Overloaded) and "its quota is 3" in str(e) for e in refusals)
+            for t in sent:
+                t.cancel()
+
+
 async def test_a_tenant_over_its_share_lands_on_the_batch_line_and_the_other_keeps_its_own(nats_url: str, prefix: str) -> None:
     cfg = config(prefix, {"credit_s": 0.01})
     await prepare(cfg, nats_url)

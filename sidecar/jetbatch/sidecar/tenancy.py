@@ -242,22 +242,42 @@ class _Served(msgspec.Struct, frozen=True):
 
     role: str = ""
     stats: dict[str, int] = {}
+    tenant_backlog: dict[str, int] = {}
+    valid_s: float = 0.0
 
 
 _served_decoder = msgspec.json.Decoder(_Served)
 _CLAIM_PREFIX = "claim."  # keys of the workers' bucket that are load claims, not adverts
 _MAX_WORKERS = 10_000
+_MAX_TENANT_COUNTS = 64  # tenants an advert may name (the worker sends the most waiting)
+_DEFAULT_VALID_S = 5.0  # an advert that says nothing of how long it holds
 
 
 class ServiceFeed:
-    """What the workers served, from their adverts (each carries its running count of requests
-    served, ``stats.requests``): the classifier's :meth:`TenantShares.served`. The first advert
-    of a worker sets its baseline; a count that went down is a restarted worker, counted from 0.
-    Unreadable adverts are ignored."""
+    """What the workers served and what waits, from their adverts: each carries its running count
+    of requests served (``stats.requests``), fed to :meth:`TenantShares.served`, and how many
+    requests each tenant has waiting (``tenant_backlog``), which :meth:`waiting` answers for a
+    ``max_waiting`` quota. The first advert of a worker sets its baseline; a count that went down
+    is a restarted worker, counted from 0. Unreadable adverts are ignored."""
 
     def __init__(self, shares: TenantShares) -> None:
         self.shares = shares
         self._last: dict[str, int] = {}
+        # Per worker: when its advert came, how long it holds, each tenant's waiting requests.
+        self._waiting: dict[str, tuple[float, float, dict[str, int]]] = {}
+        self._admitted: dict[str, int] = {}  # per tenant, admitted since the last advert
+
+    def waiting(self, tenant: str | None, now: float) -> int:
+        """The requests of ``tenant`` waiting: the most any live advert counts (workers count the
+        same queues) and what was admitted since the last advert."""
+        name = tenant or ""
+        counted = max((w.get(name, 0) for at, valid_s, w in self._waiting.values() if now - at <= valid_s), default=0)
+        return counted + self._admitted.get(name, 0)
+
+    def admitted(self, tenant: str | None) -> None:
+        """A request of ``tenant`` was admitted: it waits until an advert counts it."""
+        name = tenant or ""
+        self._admitted[name] = self._admitted.get(name, 0) + 1
 
     def on_advert(self, key: str, data: bytes, deleted: bool, now: float | None = None) -> None:
         """One message of the adverts bucket (as ``jetbatch.sdk.admission.follow_adverts`` hands
@@ -266,6 +286,7 @@ class ServiceFeed:
             return
         if deleted or not data:
             self._last.pop(key, None)
+            self._waiting.pop(key, None)
             return
         try:
             advert = _served_decoder.decode(data)
@@ -278,5 +299,9 @@ class ServiceFeed:
         if before is None and len(self._last) >= _MAX_WORKERS:
             return
         self._last[key] = count
+        if now is not None:
+            valid_s = advert.valid_s if 0 < advert.valid_s < 3600 else _DEFAULT_VALID_S
+            self._waiting[key] = (now, valid_s, {t: n for t, n in list(advert.tenant_backlog.items())[:_MAX_TENANT_COUNTS] if n > 0})
+            self._admitted.clear()  # a fresh advert counts what was admitted before it
         if before is not None and now is not None:
             self.shares.served(count - before if count >= before else count, now)

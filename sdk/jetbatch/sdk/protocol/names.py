@@ -52,6 +52,9 @@ class Headers:
     # Set by the classifier from the ingress subject a request arrived on (<prefix>.in.<tenant>),
     # which the server's permissions tie to the producer's identity; a producer's own value is dropped.
     TENANT = "Jetbatch-Tenant"
+    # Set by the classifier on a request it moved to the batch line beyond its tenant's fair share
+    # (docs/tenancy.md): "1". The worker counts the device time such excess takes apart.
+    EXCESS = "Jetbatch-Excess"
     # Dead-letter headers.
     DLQ_REASON = "Jetbatch-Dlq-Reason"
     DLQ_STAGE = "Jetbatch-Dlq-Stage"

@@ -22,6 +22,7 @@ class SidecarReport(msgspec.Struct, frozen=True, kw_only=True):
     loading: str | None = None  # being loaded now (counts as served for peers)
     broken: dict[str, str] = {}  # models that cannot load, and why
     backlog: dict[str, int] = {}  # requests waiting per model, as this sidecar sees them
+    tenant_backlog: dict[str, int] = {}  # of those it knows one by one, per tenant ("" for none; the most waiting first, at most 64)
     in_flight: dict[str, int] = {}  # messages held unacked per model
     unfetchable: dict[str, int] = {}  # delivered-but-unacked messages found unfetchable
     drain_rps: dict[str, float] = {}  # requests/s it can drain per resident model

@@ -256,6 +256,7 @@ class Classifier:
         now = time.time()
         parsed = [self._parse(m) for m in msgs]
         routes: list[Route | None] = [None] * len(msgs)
+        excess: set[int] = set()  # indices moved to the batch line beyond their tenant's share
         to_classify: list[int] = []
         for i, (item, meta) in enumerate(parsed):
             if meta.problem is not None:
@@ -304,29 +305,33 @@ class Classifier:
                         routes[i] = Route(None, (ErrorCode.OVERLOADED, refused))
                         continue
                 if route is not None and route.model is not None:
-                    routes[i], parsed[i] = self._share(route, parsed[i], now)
-            failed = await self._forward([(msg, meta, route) for msg, (_, meta), route in zip(msgs, parsed, routes) if route])
+                    routes[i], parsed[i], moved = self._share(route, parsed[i], now)
+                    if moved:
+                        excess.add(i)
+            failed = await self._forward([(msg, meta, route) for msg, (_, meta), route in zip(msgs, parsed, routes) if route], excess={id(msgs[i]) for i in excess})
             if failed:
                 await self._answer(failed)
         self.stats["batches"] += 1
         self.stats["requests"] += len(msgs)
         self.metrics.batch_size.record(len(msgs))
 
-    def _share(self, route: Route, parsed: tuple[Item, RequestMeta], now: float) -> tuple[Route, tuple[Item, RequestMeta]]:
+    def _share(self, route: Route, parsed: tuple[Item, RequestMeta], now: float) -> tuple[Route, tuple[Item, RequestMeta], bool]:
         """Its tenant's quotas and fair share (tenancy.py): refused ``Overloaded`` by a quota, or
         an interactive request beyond the tenant's share sent to the model's batch line."""
         item, meta = parsed
-        verdict = self.shares.admit(meta.tenant, now, interactive=Priority(meta.priority) is Priority.INTERACTIVE)
+        waiting = self._service_feed.waiting(meta.tenant, now) if meta.tenant and self.config.tenants.waiting_quota(meta.tenant) else None
+        verdict = self.shares.admit(meta.tenant, now, interactive=Priority(meta.priority) is Priority.INTERACTIVE, waiting=waiting)
         tenant = self.metrics.tenant_label(meta.tenant)
         if verdict.refused is not None:
             self.metrics.tenant_requests.add(1, {"jetbatch.tenant": tenant, "jetbatch.admission": "refused"})
-            return Route(None, (ErrorCode.OVERLOADED, verdict.refused)), parsed
+            return Route(None, (ErrorCode.OVERLOADED, verdict.refused)), parsed, False
         self.metrics.tenant_requests.add(1, {"jetbatch.tenant": tenant, "jetbatch.admission": "demoted" if verdict.demoted else "admitted"})
+        self._service_feed.admitted(meta.tenant)
         if verdict.demoted:
-            return route, (item, msgspec.structs.replace(meta, priority=Priority.BATCH))
-        return route, parsed
+            return route, (item, msgspec.structs.replace(meta, priority=Priority.BATCH)), True
+        return route, parsed, False
 
-    async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]]) -> list[tuple[Msg, RequestMeta, Route]]:
+    async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]], excess: set[int] = frozenset()) -> list[tuple[Msg, RequestMeta, Route]]:
         """Republish the routed requests and ack each once JetStream has it; return the others
         with their errors. The whole batch goes out back to back with its PubAcks awaited together
         (one round trip a batch); a request that first attempt did not place takes the careful
@@ -335,7 +340,7 @@ class Classifier:
         sent: list[tuple[Msg, RequestMeta, Route, str, dict[str, str], asyncio.Future[Any] | None]] = []
         pending = AckGroup()  # one wake-up once every PubAck of the batch came
         for msg, meta, route in routed:
-            prepared = self._prepare(msg, meta, route)
+            prepared = self._prepare(msg, meta, route, excess=id(msg) in excess)
             if isinstance(prepared, tuple) and isinstance(prepared[0], ErrorCode):
                 failed.append((msg, meta, Route(route.model, prepared)))
                 continue
@@ -360,7 +365,7 @@ class Classifier:
                 failed.append((msg, meta, Route(route.model, error)))
         return failed
 
-    def _prepare(self, msg: Msg, meta: RequestMeta, route: Route) -> tuple[str, dict[str, str]] | tuple[ErrorCode, str]:
+    def _prepare(self, msg: Msg, meta: RequestMeta, route: Route, *, excess: bool = False) -> tuple[str, dict[str, str]] | tuple[ErrorCode, str]:
         """The subject and headers a routed request is republished with, or why it cannot be."""
         if route.error is not None or route.model is None:
             return route.error or (ErrorCode.INTERNAL, "router returned neither a model nor an error")
@@ -373,12 +378,14 @@ class Classifier:
         # word, from the subject the request arrived on, never the producer's; no Nats-* header of
         # the producer's steers the republish (Nats-Expected-*, Nats-Rollup, ...); and the request
         # id the classifier parsed (a fallback one when the producer sent none) is the dedupe key.
-        headers = {k: v for k, v in forwardable_headers(msg.headers).items() if k != Headers.TENANT}
+        headers = {k: v for k, v in forwardable_headers(msg.headers).items() if k not in (Headers.TENANT, Headers.EXCESS)}
         headers[Headers.MSG_ID] = dedupe_id(meta.tenant, meta.request_id)
         if meta.tenant is not None:
             headers[Headers.TENANT] = meta.tenant
         if Priority(meta.priority) is Priority.BATCH:
             headers[Headers.PRIORITY] = Priority.BATCH.value  # its line, also when moved there by its tenant's share
+        if excess:
+            headers[Headers.EXCESS] = "1"
         if message_bytes(headers, msg.data) > (self.nc.max_payload or 1 << 20):
             return (ErrorCode.BAD_REQUEST, "request is over the server's max payload once routed")
         return subject, headers

@@ -91,14 +91,14 @@ class BatchChecked(msgspec.Struct, tag="checked", frozen=True, forbid_unknown_fi
 
 class BatchDone(msgspec.Struct, tag="batch_done", frozen=True, forbid_unknown_fields=True):
     """A batch of ``taken`` requests ended at ``now``; ``computed`` of them ran for ``seconds``,
-    ``bulk`` of those from the batch line."""
+    ``excess`` of those moved to the batch line beyond their tenant's fair share (docs/tenancy.md)."""
 
     model: str
     taken: int
     computed: int
     seconds: float
     now: float
-    bulk: int = 0
+    excess: int = 0
 
 
 class LoadDue(msgspec.Struct, tag="load_due", frozen=True, forbid_unknown_fields=True):

@@ -257,7 +257,7 @@ class WorkerCore:
         return None
 
     def _batch_done(self, ev: BatchDone) -> None:
-        self.driver.batch_done(ev.model, taken=ev.taken, computed=ev.computed, seconds=ev.seconds, now=ev.now, bulk=ev.bulk)
+        self.driver.batch_done(ev.model, taken=ev.taken, computed=ev.computed, seconds=ev.seconds, now=ev.now, excess=ev.excess)
         self.last_used[ev.model] = ev.now
         return None
 

@@ -88,7 +88,7 @@ class PolicyBase:
         self._demand = dict(state.demand)
 
     # events
-    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, bulk_s: float = 0.0) -> None:
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, excess_s: float = 0.0) -> None:
         self._last_used[model] = now
         count, at = self._demand.get(model, (0.0, now))
         self._demand[model] = (count * self._decay(now - at) + size, now)

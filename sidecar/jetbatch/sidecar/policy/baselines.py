@@ -102,8 +102,8 @@ class RoundRobin(_LruBaseline):
         super()._import(state)
         self._last = state.last
 
-    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, bulk_s: float = 0.0) -> None:
-        super().on_batch_done(model, size, now, device_s, bulk_s=bulk_s)
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, excess_s: float = 0.0) -> None:
+        super().on_batch_done(model, size, now, device_s, excess_s=excess_s)
         self._last = model
 
     def decide(self, state: SchedulerState, now: float) -> Decision:

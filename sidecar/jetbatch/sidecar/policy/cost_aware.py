@@ -91,7 +91,7 @@ class CostAware(PolicyBase):
         self._burst_s: dict[str, float] = {}  # device seconds served since each model's load
         self._gate: dict[str, int] = {}  # requests still owed from the backlog that justified a load
         self._busy = 0.0  # decayed device seconds of batches
-        self._bulk = 0.0  # of those, spent on batch-class requests (decayed alike)
+        self._excess = 0.0  # of those, spent on tenants' excess (decayed alike)
         self._busy_at: float | None = None
         self._since: float | None = None  # first event seen: the start of the busy-share window
 
@@ -103,7 +103,7 @@ class CostAware(PolicyBase):
             "burst_s": reals(self._burst_s),
             "gate": dict(self._gate),
             "busy": real(self._busy),
-            "bulk": real(self._bulk),
+            "excess": real(self._excess),
             "busy_at": None if self._busy_at is None else real(self._busy_at),
             "since": None if self._since is None else real(self._since),
         }
@@ -112,7 +112,7 @@ class CostAware(PolicyBase):
         super()._import(state)
         self._burst_s = dict(state.burst_s)
         self._gate = dict(state.gate)
-        self._busy, self._bulk, self._busy_at, self._since = state.busy, state.bulk, state.busy_at, state.since
+        self._busy, self._excess, self._busy_at, self._since = state.busy, state.excess, state.busy_at, state.since
 
     # --- events -----------------------------------------------------------------------------
 
@@ -123,13 +123,13 @@ class CostAware(PolicyBase):
         self._burst_s[model] = 0.0
         self._gate[model] = backlog
 
-    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, bulk_s: float = 0.0) -> None:
-        super().on_batch_done(model, size, now, device_s, bulk_s=bulk_s)
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, excess_s: float = 0.0) -> None:
+        super().on_batch_done(model, size, now, device_s, excess_s=excess_s)
         if self._since is None:
             self._since = now - device_s
         decay = self._decay(now - (self._busy_at if self._busy_at is not None else now))
         self._busy = self._busy * decay + device_s
-        self._bulk = self._bulk * decay + min(bulk_s, device_s)
+        self._excess = self._excess * decay + min(excess_s, device_s)
         self._busy_at = now
         self._burst_s[model] = self._burst_s.get(model, 0.0) + device_s
         if model in self._gate:
@@ -137,20 +137,20 @@ class CostAware(PolicyBase):
 
     # --- estimates (read-only) --------------------------------------------------------------
 
-    def utilisation(self, now: float, *, interactive: bool = False) -> float:
+    def utilisation(self, now: float, *, excess: bool | None = None) -> float:
         """The device's busy share over the recent past, as measured from batch times
-        (``interactive``: its share busy with interactive requests only)."""
+        (``excess`` False: without the tenants' excess; True: the excess's share alone)."""
         if self._since is None or self._busy_at is None:
             return 0.0
         h = self.demand_half_life_s
         elapsed = max(now - self._since, 1e-9)
         window = (h / _LN2) * (1.0 - 0.5 ** (elapsed / h))  # what a device busy all along would show
-        busy = (self._busy - (self._bulk if interactive else 0.0)) * self._decay(now - self._busy_at)
+        busy = {None: self._busy, False: self._busy - self._excess, True: self._excess}[excess] * self._decay(now - self._busy_at)
         return min(self.max_utilisation, max(busy, 0.0) / window)
 
-    def cycle_s(self, state: SchedulerState, now: float, *, interactive: bool = False) -> float:
+    def cycle_s(self, state: SchedulerState, now: float, *, without_excess: bool = False) -> float:
         """The natural cycle S / (1 − ρ): how long the device takes to come back to a model
-        (``interactive``: with ρ of interactive work only, the cycle batch work could give way to)."""
+        (``without_excess``: with ρ less the tenants' excess, which gives way to everything)."""
         active = [m for m in state.models.values() if m.backlog > 0 or self.demand(m.name, now) >= 1.0]
         if not active:
             return 0.0
@@ -160,7 +160,7 @@ class CostAware(PolicyBase):
         else:
             # Each cycle reloads all but about (slots - 1) of the models in use.
             switch_s = sum(m.load_cost_s for m in active) * (len(active) - slots + 1) / len(active)
-        return switch_s / (1.0 - self.utilisation(now, interactive=interactive))
+        return switch_s / (1.0 - self.utilisation(now, excess=False if without_excess else None))
 
     def bound_s(self, m: ModelState, cycle_s: float) -> float:
         """How long ``m``'s oldest request may wait before ``m`` comes next."""
@@ -211,11 +211,15 @@ class CostAware(PolicyBase):
             return ((2.0 if interactive(m) > 0 else 1.0) * age(m, now) / self.bound_s(m, cycle), m.resident)
 
         if current is not None and current.resident and current.backlog > 0:
-            # Serving mostly batch work: interactive work waiting long elsewhere goes first, once
-            # the visit paid for its load's device time, even if the backlog that justified the
-            # load is not served yet (a tenant's excess or a backfill in the batch line would
-            # otherwise hold the device as long as it lasts).
-            waited = self._interactive_waiting(state, current, now) if _mostly_bulk(current) and self._paid(current) else []
+            waited: list[ModelState] = []
+            if self.utilisation(now, excess=True) >= EXCESS_SHARE and _mostly_bulk(current) and self._paid(current):
+                # A tenant's excess keeps the device busy (docs/tenancy.md): with it, every cycle
+                # and bound grows toward the utilisation cap, and a visit is protected until the
+                # backlog that justified its load is served, so the excess in the batch line would
+                # hold the device as long as it lasts. Interactive work waiting elsewhere past its
+                # bound on the cycle without the excess goes first, once the visit paid for its
+                # load's device time. Without tenants' excess (none moved) nothing changes.
+                waited = self._interactive_waiting(state, current, now)
             if waited and interactive(current) > 0:
                 # Its own interactive work first, in a batch of its own, then the visit yields.
                 return Serve(current.name, min(interactive(current), current.max_batch_size), "interactive-first")
@@ -224,6 +228,13 @@ class CostAware(PolicyBase):
                     return self._visit(state, self._longest_waiting(waited, now, cycle), now, protected - {current.name}, cycle, "interactive")
                 return Serve(current.name, current.max_batch_size, "burst")
             others = [m for m in overdue if m.name != current.name]
+            if not others and not waited and interactive(current) == 0:
+                # Serving batch work only: interactive work waiting long elsewhere goes first.
+                waited = [
+                    m for m in waiting
+                    if m.name != current.name and interactive(m) > 0
+                    and interactive_age(m, now) >= self.interactive_bound_share * self.bound_s(m, cycle)
+                ]  # fmt: skip
             if not others and waited:
                 return self._visit(state, self._longest_waiting(waited, now, cycle), now, protected, cycle, "interactive")
             if not others:
@@ -240,9 +251,9 @@ class CostAware(PolicyBase):
 
     def _interactive_waiting(self, state: SchedulerState, current: ModelState, now: float) -> list[ModelState]:
         """Other models whose interactive work waited ``interactive_bound_share`` of its bound,
-        measured on the cycle of interactive work alone: batch work that keeps the device busy
-        does not lengthen how long interactive work elsewhere may wait."""
-        cycle_i = self.cycle_s(state, now, interactive=True)
+        measured on the cycle without the tenants' excess: the excess keeping the device busy does
+        not lengthen how long interactive work elsewhere may wait."""
+        cycle_i = self.cycle_s(state, now, without_excess=True)
         return [
             m for m in state.models.values()
             if m.name != current.name and interactive(m) > 0
@@ -264,6 +275,10 @@ class CostAware(PolicyBase):
             keep = best(busy, lambda m: (self.score(m, now, cycle), -oldest(m, now)))
             return Serve(keep.name, keep.max_batch_size, "protect-burst")
         return Load(target.name, evict, reason)
+
+
+# The device's share busy with tenants' excess from which the excess stops protecting a visit.
+EXCESS_SHARE = 0.01
 
 
 def _mostly_bulk(m: ModelState) -> bool:

@@ -157,13 +157,13 @@ class Driver:
     def has_demand(self) -> bool:
         return callable(getattr(self.policy, "demand", None))
 
-    def batch_done(self, model: str, *, taken: int, computed: int, seconds: float, now: float, bulk: int = 0) -> None:
-        """A batch of ``taken`` requests ended; ``computed`` of them ran for ``seconds``, ``bulk``
-        of those of the batch class (their share of the seconds is batch work's)."""
+    def batch_done(self, model: str, *, taken: int, computed: int, seconds: float, now: float, excess: int = 0) -> None:
+        """A batch of ``taken`` requests ended; ``computed`` of them ran for ``seconds``,
+        ``excess`` of those a tenant's excess (their share of the seconds is the excess's)."""
         if computed > 0:
             self.costs.observe_batch(model, computed, seconds)
-        bulk_s = seconds * min(bulk, computed) / computed if computed > 0 else 0.0
-        self.policy.on_batch_done(model, taken, now, seconds, bulk_s=bulk_s)
+        excess_s = seconds * min(excess, computed) / computed if computed > 0 else 0.0
+        self.policy.on_batch_done(model, taken, now, seconds, excess_s=excess_s)
 
     def loaded(
         self, model: str, *, tier: Tier, seconds: float, now: float, share: int, memory_bytes: int = 0, host_bytes: int = 0

@@ -52,7 +52,7 @@ class PolicyState(_State):
     ``last_used``: when each model last served or loaded; ``demand``: each model's decayed count
     and when it was taken. Cost-aware only: ``burst_s``, device seconds since each model's load;
     ``gate``, requests still owed from a load's backlog; ``busy``/``busy_at``, decayed device
-    seconds and when, ``bulk`` of them for batch-class requests; ``since``, its first event. Round-robin only: ``last``, the model served last."""
+    seconds and when, ``excess`` of them for a tenant's excess; ``since``, its first event. Round-robin only: ``last``, the model served last."""
 
     name: str
     last_used: dict[str, float] = {}
@@ -60,7 +60,7 @@ class PolicyState(_State):
     burst_s: dict[str, float] = {}
     gate: dict[str, int] = {}
     busy: float = 0.0
-    bulk: float = 0.0
+    excess: float = 0.0
     busy_at: float | None = None
     since: float | None = None
     last: str | None = None

@@ -97,9 +97,10 @@ class Policy(Protocol):
 
     def decide(self, state: SchedulerState, now: float) -> Decision: ...
 
-    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, bulk_s: float = 0.0) -> None:
+    def on_batch_done(self, model: str, size: int, now: float, device_s: float = 0.0, *, excess_s: float = 0.0) -> None:
         """A batch of ``size`` requests of ``model`` finished; it held the device ``device_s``,
-        ``bulk_s`` of them for requests of the batch class."""
+        ``excess_s`` of them for a tenant's excess (requests moved to the batch line beyond the
+        tenant's fair share, docs/tenancy.md)."""
 
     def on_loaded(self, model: str, now: float, backlog: int = 0) -> None:
         """``model`` became resident with ``backlog`` requests waiting for it."""

@@ -164,7 +164,7 @@ class Simulation:
             self.result.served_ids.append(req.id)
             return False
         if verdict.demoted:
-            req.interactive = False
+            req.interactive, req.excess = False, True
             self.result.demoted_by_tenant[req.tenant] = self.result.demoted_by_tenant.get(req.tenant, 0) + 1
         self.tenant_waiting[req.tenant] = self.tenant_waiting.get(req.tenant, 0) + 1
         return True

@@ -121,8 +121,8 @@ class SimExecution:
         self.sim.result.batches.append((start, end, m.name, len(live), m.name in worker.fresh))
         worker.fresh.discard(m.name)
         worker.busy_until = end
-        bulk = sum(1 for r in live if not r.interactive)
-        self.sim.wake(worker, end, f"done:batch:{m.name}:{len(live)}/{len(batch)}/{bulk}:{duration}")
+        excess = sum(1 for r in live if r.excess)
+        self.sim.wake(worker, end, f"done:batch:{m.name}:{len(live)}/{len(batch)}/{excess}:{duration}")
 
     def _served(self, r: Request, start: float | None, end: float | None) -> None:
         self.sim.served_ids.add(r.id)
@@ -200,8 +200,8 @@ class SimExecution:
         _, what, model, arg, duration_text = kind.split(":", 4)
         duration = float(duration_text)
         if what == "batch":
-            computed, size, bulk = arg.split("/")
-            worker.core.handle(BatchDone(model, taken=int(size), computed=int(computed), seconds=duration, now=self.sim.t, bulk=int(bulk)))
+            computed, size, excess = arg.split("/")
+            worker.core.handle(BatchDone(model, taken=int(size), computed=int(computed), seconds=duration, now=self.sim.t, excess=int(excess)))
         else:
             worker.loading = None
             worker.resident.append(model)

@@ -20,6 +20,7 @@ class Request:
     interactive: bool = True
     cancel_at: float = math.inf  # when its caller cancels (the SDK's cancel notice), if ever
     tenant: str = ""
+    excess: bool = False  # moved to the batch line beyond its tenant's fair share
 
     def gone(self, now: float) -> bool:
         return self.cancel_at <= now

@@ -21,7 +21,7 @@ import anyio
 from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import (
-    ErrorCode, Priority, Headers, ReplyPolicy, batch_header_of, new_request_id,
+    ErrorCode, Headers, ReplyPolicy, batch_header_of, new_request_id,
     parse_request_headers, validate_tenant,
 )  # fmt: skip
 
@@ -157,7 +157,7 @@ class BatchRunner:
             suspects = [r for r in suspects if r not in gone]
             self._counters.add("cancelled", len(gone))
         compute_s = 0.0
-        computed = bulk = 0
+        computed = excess = 0
         with self.telemetry.batch_span(
             slot.name,
             [r.msg.headers for r in requests],
@@ -206,7 +206,7 @@ class BatchRunner:
                     await self._predict_isolating(slot, good, extra)
                 compute_s = self.timer() - started
                 computed = len(good)
-                bulk = sum(1 for r in good if r.meta.priority is Priority.BATCH)
+                excess = sum(1 for r in good if (r.msg.headers or {}).get(Headers.EXCESS) == "1")
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
                 self.telemetry.tenants_computed([r.meta.tenant for r in good], compute_s)
             if suspects:
@@ -218,7 +218,7 @@ class BatchRunner:
             turn.release()
             self._record_errors(span, requests)
         # What ran teaches the estimator; every request taken counts as demand (policy/driver.py).
-        self.core.handle(BatchDone(slot.name, taken=len(requests), computed=computed, seconds=compute_s, now=self._clock(), bulk=bulk))
+        self.core.handle(BatchDone(slot.name, taken=len(requests), computed=computed, seconds=compute_s, now=self._clock(), excess=excess))
         self._counters.add("batches")
         self._counters.add("requests", len(requests))
         if self.on_batch is not None:

@@ -64,6 +64,9 @@ class QueueView:
         self._slots = slots
         # Known waiting requests by (tenant, request id): where a cancel notice finds its queue.
         self._where: dict[tuple[str, str], str] = {}
+        # Of those, how many each tenant has waiting ("" for none): what the advert tells the
+        # classifier's tenant quotas (tenancy.py).
+        self.tenant_waiting: dict[str, int] = {}
         # Lines (model, bulk) whose known arrivals are not all in increasing sequence (a forged or
         # unsequenced event among them): how many were counted since the last out of order (once
         # that one has left the line, taken or beyond what is kept, it is in order again).
@@ -100,6 +103,7 @@ class QueueView:
         known.append((enqueued_at, deadline, key, seq))
         if key is not None:
             self._where[key] = slot.name
+            self.tenant_waiting[key[0]] = self.tenant_waiting.get(key[0], 0) + 1
         if len(known) > MAX_KNOWN_TIMES:
             dropped = self._drop_oldest(slot, known)
             slot.unknown_head_at = dropped if slot.unknown_head_at is None else min(slot.unknown_head_at, dropped)
@@ -131,6 +135,11 @@ class QueueView:
         at, _, key, _ = known.popleft()
         if key is not None:
             self._where.pop(key, None)
+            left = self.tenant_waiting.get(key[0], 0) - 1
+            if left > 0:
+                self.tenant_waiting[key[0]] = left
+            else:
+                self.tenant_waiting.pop(key[0], None)
             slot.cancelled_keys.discard(key)
         return float(at)
 

@@ -4,6 +4,7 @@ they read no other module's private state."""
 
 from __future__ import annotations
 
+import heapq
 import time
 from typing import Collection, Mapping
 
@@ -15,7 +16,10 @@ from .queues import QueueView
 from .residency import Residency
 from .slots import Slot
 
-__all__ = ["build_report", "queue_facts"]
+__all__ = ["TENANT_BACKLOG_MAX", "build_report", "queue_facts"]
+
+# Tenants an advert names with their waiting requests (the most waiting first): a bounded advert.
+TENANT_BACKLOG_MAX = 64
 
 
 def build_report(
@@ -53,6 +57,7 @@ def build_report(
         loading=residency.loading,
         broken=dict(sorted(residency.broken.items())),
         backlog={name: slots[name].backlog for name in sorted(active)},
+        tenant_backlog=dict(heapq.nlargest(TENANT_BACKLOG_MAX, queues.tenant_waiting.items(), key=lambda kv: kv[1])),
         in_flight=dict(in_flight),
         unfetchable={name: slots[name].unfetchable for name in sorted(queues.holding_back) if slots[name].unfetchable},
         drain_rps=drain,
