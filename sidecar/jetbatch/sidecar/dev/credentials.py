@@ -66,7 +66,8 @@ def role_permissions(subjects: Subjects) -> dict[str, Permissions | None]:
     return {
         "worker": Permissions(
             publish=("$JS.API.>", "$JS.ACK.>", f"{p}.dlq.>", "$KV.>", f"{p}.taken.>", *answers),
-            subscribe=(f"{inbox_prefix('worker')}.>", *listen, f"{p}.arrived.>", f"{p}.taken.>", f"{p}.cancel", f"{p}.cancel.*"),
+            # The adverts too: the worker refuses at arrival what its model's workers cannot reach in time.
+            subscribe=(f"{inbox_prefix('worker')}.>", *listen, f"{p}.arrived.>", f"{p}.taken.>", f"{p}.cancel", f"{p}.cancel.*", subjects.adverts),
         ),
         "classifier": Permissions(
             publish=("$JS.API.>", "$JS.ACK.>", f"{p}.model.>", f"{p}.dlq.>", *answers),
