@@ -82,9 +82,9 @@ def test_the_worker_refuses_an_arrival_its_queue_cannot_reach_in_time_and_screen
         deadline_ms = int((time.time() + remaining_s) * 1000)
         return {"Nats-Msg-Id": f"r{i}", "Jetbatch-Reply-Key": "k1", "Jetbatch-Deadline": str(deadline_ms), **extra}
 
-    # 1 s left, less its own batch (2 at 10/s: 0.2 s), 0.8 of that: 0.64 s of wait, 6 ahead at 10/s.
+    # 1 s left, less its own batch (2 at 10/s: 0.2 s), 0.7 of that: 0.56 s of wait, 5 ahead at 10/s.
     verdicts = [late.refusal("m1", headers(i, 1.0)) for i in range(10)]
-    assert [v is None for v in verdicts] == [True] * 7 + [False] * 3
+    assert [v is None for v in verdicts] == [True] * 6 + [False] * 4
     refused = verdicts[-1]
     assert refused is not None and refused.error is not None and refused.error.value == "overloaded"
     assert refused.meta.request_id == "r9" and refused.meta.reply_key == "k1"

@@ -105,6 +105,8 @@ class ArrivalFeed:
         sub = self._subs.get(line)
         if sub is None:
             return line in self._quiet
+        if not bulk:
+            await self.late.follow(name)  # before the unsubscribe: no arrival goes unscreened between
         try:
             await sub.unsubscribe()
         except TRANSPORT_ERRORS + (ValueError,) as exc:
@@ -113,8 +115,6 @@ class ArrivalFeed:
         del self._subs[line]
         self._quiet.add(line)
         self._counters.add("arrivals_quiet")
-        if not bulk:
-            await self.late.follow(name)
         return True
 
     async def listen(self, name: str, *, bulk: bool = False) -> bool:
@@ -125,14 +125,14 @@ class ArrivalFeed:
         line = (name, bulk)
         if line not in self._quiet:
             return True
-        if not bulk:
-            await self.late.unfollow(name)
         try:
             self._subs[line] = await self._subscribe(name, bulk)
         except TRANSPORT_ERRORS + (ValueError,) as exc:
             log.debug("arrivals of %s: subscribe failed: %r", line, exc)
             return False
         self._quiet.discard(line)
+        if not bulk:
+            await self.late.unfollow(name)  # after the subscribe: the screen skips what both heard
         return True
 
     async def stop(self) -> None:
