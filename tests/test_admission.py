@@ -5,6 +5,8 @@ Overloaded or DeadlineExceeded) before its own timeout, at the default settings
 from __future__ import annotations
 
 import collections
+import contextlib
+import time
 
 import anyio
 import msgspec
@@ -12,7 +14,9 @@ import pytest
 
 from jetbatch import sdk
 from jetbatch.sdk.admission import Admission, ModelLoad, wait_estimate_s
-from jetbatch.sdk.protocol import SidecarReport
+from jetbatch.sdk.protocol import SidecarReport, Subjects
+from jetbatch.sidecar.worker.counters import Counters
+from jetbatch.sidecar.worker.late_arrivals import LateArrivals
 from tests.helpers import make_config, running_classifier, running_worker, sleep_model, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,6 +71,33 @@ def test_a_fresh_advert_replaces_the_local_count_and_silent_ones_are_forgotten()
     assert adm.refusal("m1", 1.0, now=20.0) is None  # its worker went silent: no view
 
 
+def test_the_worker_refuses_an_arrival_its_queue_cannot_reach_in_time_and_screens_only_what_it_can_answer() -> None:
+    """The worker's screen (worker/late_arrivals.py) counts every arrival it lets wait ahead of
+    the next, leaves its own batch's time out of the wait allowed, and leaves unscreened what it
+    could not answer (no reply key) or what has no deadline."""
+    late = LateArrivals(None, Subjects("t"), Counters(), batch_size=lambda name: 2)
+    late.admission.on_advert("w1", _advert("w1", backlog={"m1": 0}, drain_rps={"m1": 10.0}), False)
+
+    def headers(i: int, remaining_s: float, **extra: str) -> dict[str, str]:
+        deadline_ms = int((time.time() + remaining_s) * 1000)
+        return {"Nats-Msg-Id": f"r{i}", "Jetbatch-Reply-Key": "k1", "Jetbatch-Deadline": str(deadline_ms), **extra}
+
+    # 1 s left, less its own batch (2 at 10/s: 0.2 s), 0.7 of that: 0.56 s of wait, 5 ahead at 10/s.
+    verdicts = [late.refusal("m1", headers(i, 1.0)) for i in range(10)]
+    assert [v is None for v in verdicts] == [True] * 6 + [False] * 4
+    refused = verdicts[-1]
+    assert refused is not None and refused.error is not None and refused.error.value == "overloaded"
+    assert refused.meta.request_id == "r9" and refused.meta.reply_key == "k1"
+    # A fresh advert from a worker that counts its line by its last fetch (none of these seen
+    # yet) does not make the screen forget what it admitted.
+    late.admission.on_advert("w1", _advert("w1", backlog={"m1": 0}, drain_rps={"m1": 10.0}), False)
+    assert late.refusal("m1", headers(10, 1.0)) is not None
+    assert late.refusal("m1", {"Nats-Msg-Id": "x", "Jetbatch-Deadline": headers(0, 1.0)["Jetbatch-Deadline"]}) is None  # no reply key
+    assert late.refusal("m1", {"Nats-Msg-Id": "y", "Jetbatch-Reply-Key": "k1"}) is None  # no deadline
+    assert late.refusal("m1", headers(11, 30.0)) is None  # a long deadline waits
+    assert late.refusal("m2", headers(12, 0.1)) is None  # no advert of m2: nothing to go by
+
+
 async def _outcomes(client: sdk.Client, model: str | None, n: int, rate: float, timeout_s: float) -> collections.Counter[str]:
     """``n`` calls sent at ``rate`` per second (open loop), each counted by how it ended."""
     counts: collections.Counter[str] = collections.Counter()
@@ -112,5 +143,43 @@ async def test_the_classifier_refuses_what_the_models_workers_cannot_reach_in_ti
             await wait_until(lambda: classifier.admission.known("m1"), timeout_s=10, what="the classifier's view of m1")
             counts = await _outcomes(client, None, n=600, rate=200.0, timeout_s=1.5)
     assert counts["RequestTimeout"] == 0, counts
+    assert counts["Overloaded"] > 0 and counts["ok"] > 0, counts
+    assert set(counts) <= {"ok", "Overloaded", "DeadlineExceeded"}, counts
+
+
+async def _outcomes_of_many(clients: list[sdk.Client], model: str, n: int, rate: float, timeout_s: float) -> collections.Counter[str]:
+    """``n`` calls at ``rate`` per second spread over independent ``clients`` (open loop)."""
+    counts: collections.Counter[str] = collections.Counter()
+
+    async def one(i: int) -> None:
+        try:
+            await clients[i % len(clients)].infer(f"r{i}".encode(), model=model, timeout=timeout_s)
+            counts["ok"] += 1
+        except sdk.JetbatchError as exc:
+            counts[type(exc).__name__] += 1
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+            await anyio.sleep(1 / rate)
+    return counts
+
+
+@pytest.mark.anyio
+async def test_eight_independent_clients_at_ten_times_capacity_never_time_out(nats_url: str, prefix: str) -> None:
+    """Each client counts only its own requests between two adverts, so eight of them together
+    queued past what the worker reaches in time (224 of 8000 timed out in the overload bench);
+    the worker, which sees every arrival, refuses the excess at arrival."""
+    config = make_config(prefix, {"m1": SLOW})
+    async with running_worker(config, nats_url) as worker, contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(sdk.Client.connect(nats_url, prefix=prefix)) for _ in range(8)]
+        await clients[0].infer(b"warm", model="m1", timeout=10)
+        for c in clients:
+            await wait_until(lambda c=c: _view_has_drain(c, "m1"), timeout_s=10, what="an advert of m1's drain rate")
+        await wait_until(lambda: worker.arrivals.late.admission.known("m1"), timeout_s=10, what="the worker's view of m1")
+        counts = await _outcomes_of_many(clients, "m1", n=800, rate=200.0, timeout_s=1.0)
+        refused = worker.stats["arrivals_refused"]
+    assert counts["RequestTimeout"] == 0, counts
+    assert refused > 0, "the worker refused none: the clients' own admission did all"
     assert counts["Overloaded"] > 0 and counts["ok"] > 0, counts
     assert set(counts) <= {"ok", "Overloaded", "DeadlineExceeded"}, counts

@@ -94,8 +94,9 @@ def _server_config(tmp: Path) -> str:
         # The classifier reads the workers' adverts (admission: docs/reliability.md, "Backpressure").
         f"    {user('classifier', js_api + [f'{PREFIX}.model.>', f'{PREFIX}.dlq.>'], ['_INBOX.classifier.>', f'{PREFIX}.status', '$SRV.>', '$KV.SEC_WORKERS.>'])}\n"
         # The worker also listens to the models stream's republished arrivals (headers only),
-        # tells its peers what it fetched and settled (jetbatch.taken.>), and hears cancels.
-        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>', f'{PREFIX}.taken.>'], ['_INBOX.worker.>', f'{PREFIX}.status', '$SRV.>', f'{PREFIX}.arrived.>', f'{PREFIX}.taken.>', f'{PREFIX}.cancel', f'{PREFIX}.cancel.*'])}\n"
+        # tells its peers what it fetched and settled (jetbatch.taken.>), hears cancels, and reads
+        # the adverts (its refusals at arrival).
+        f"    {user('worker', js_api + [f'{PREFIX}.dlq.>', '$KV.>', f'{PREFIX}.taken.>'], ['_INBOX.worker.>', f'{PREFIX}.status', '$SRV.>', f'{PREFIX}.arrived.>', f'{PREFIX}.taken.>', f'{PREFIX}.cancel', f'{PREFIX}.cancel.*', '$KV.SEC_WORKERS.>'])}\n"
         # An operator: asks `jetbatch status` and `nats micro`, reads only its own inbox.
         f"    {user('operator', [f'{PREFIX}.status', '$SRV.>'], ['_INBOX.operator.>'])}\n"
         f"    {replies('classifier-replies')}\n"

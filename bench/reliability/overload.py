@@ -3,7 +3,8 @@ one slow model (a sleep handler: ``--batch`` requests per ``--batch-cost-s``) fo
 ``--duration-s``, each caller waiting ``--timeout-s``. Counted: how each call ended (an answer,
 ``Overloaded``, ``DeadlineExceeded``, ``RequestTimeout``, ...), the latency of each outcome, and
 memory: this process's RSS (the worker and the callers), the server's, and the model queue's
-depth, sampled each second.
+depth, sampled each second (RSS reported at the start, middle and end of the run, then its
+peak), and how many requests the worker refused at arrival (``refused_by_worker``).
 
 ``--admission off`` is the SDK without admission (every request sent, as before); ``--route
 classifier`` sends through the classifier (no model named), which applies the same rule;
@@ -49,7 +50,7 @@ async def _run(url: str, server_pid: int | None, cfg: Any, args: argparse.Namesp
     model = "m1" if args.route == "direct" else None
     latencies: dict[str, list[float]] = collections.defaultdict(list)
     samples: list[dict[str, float]] = []
-    async with harness.in_process(cfg, url, classifier=args.route == "classifier"), contextlib.AsyncExitStack() as stack:
+    async with harness.in_process(cfg, url, classifier=args.route == "classifier") as worker, contextlib.AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(sdk.Client.connect(url, prefix=cfg.subjects.prefix, admission=args.admission == "on"))
             for _ in range(args.clients)
@@ -99,9 +100,16 @@ async def _run(url: str, server_pid: int | None, cfg: Any, args: argparse.Namesp
         "p50_ms": {k: _pct(v, 0.5) for k, v in sorted(latencies.items())},
         "p99_ms": {k: _pct(v, 0.99) for k, v in sorted(latencies.items())},
         "max_queued": max((s["queued"] for s in samples), default=0),
-        "rss_mb": [samples[0]["rss_mb"], max(s["rss_mb"] for s in samples), samples[-1]["rss_mb"]] if samples else [],
-        "server_rss_mb": [samples[0]["server_rss_mb"], max(s["server_rss_mb"] for s in samples), samples[-1]["server_rss_mb"]] if samples else [],
+        # Start, middle and end of the run, then the peak: flat memory is the first three alike.
+        "rss_mb": _start_middle_end_peak(samples, "rss_mb"), "server_rss_mb": _start_middle_end_peak(samples, "server_rss_mb"),
+        "refused_by_worker": {k: v for k, v in worker.stats.items() if k.startswith("arrivals_refus")},
     }  # fmt: skip
+
+
+def _start_middle_end_peak(samples: list[dict[str, float]], key: str) -> list[float]:
+    if not samples:
+        return []
+    return [samples[0][key], samples[len(samples) // 2][key], samples[-1][key], max(s[key] for s in samples)]
 
 
 def main() -> None:

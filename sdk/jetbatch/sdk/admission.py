@@ -125,6 +125,11 @@ class Admission:
         load = self._loads.get(model)
         return load is not None and load.drain_rps > 0
 
+    def drain_rps(self, model: str) -> float:
+        """The requests/s the adverts say ``model``'s workers drain together (0: not known)."""
+        load = self._loads.get(model)
+        return 0.0 if load is None else load.drain_rps
+
     def refusal(self, model: str, remaining_s: float, now: float | None = None) -> str | None:
         """Why a request for ``model`` with ``remaining_s`` left is refused, or None to admit it
         (then counted as sent). A model no advert speaks of, or with none drain, is admitted:

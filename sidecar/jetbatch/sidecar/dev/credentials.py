@@ -66,11 +66,14 @@ def role_permissions(subjects: Subjects) -> dict[str, Permissions | None]:
     return {
         "worker": Permissions(
             publish=("$JS.API.>", "$JS.ACK.>", f"{p}.dlq.>", "$KV.>", f"{p}.taken.>", *answers),
-            subscribe=(f"{inbox_prefix('worker')}.>", *listen, f"{p}.arrived.>", f"{p}.taken.>", f"{p}.cancel", f"{p}.cancel.*", subjects.rings),
+            # The adverts too: the worker refuses at arrival what its model's workers cannot reach in time.
+            subscribe=(f"{inbox_prefix('worker')}.>", *listen, f"{p}.arrived.>", f"{p}.taken.>", f"{p}.cancel", f"{p}.cancel.*", subjects.rings, subjects.adverts),
         ),
         "classifier": Permissions(
             publish=("$JS.API.>", "$JS.ACK.>", f"{p}.model.>", f"{p}.dlq.>", *answers),
-            subscribe=(f"{inbox_prefix('classifier')}.>", *listen),
+            # The adverts: admission (a queue its workers cannot reach in time) and the tenants'
+            # shares (what the workers served, what each tenant has waiting; tenancy.py).
+            subscribe=(f"{inbox_prefix('classifier')}.>", *listen, subjects.adverts),
         ),
         # A producer with no tenant: requests (classified or to a model), its cancel notices, the
         # stream-name lookup behind StreamNotFound and a direct get of the answers with no tenant;

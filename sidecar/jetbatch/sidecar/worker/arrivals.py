@@ -14,6 +14,7 @@ from jetbatch.sdk.protocol import Priority, ProtocolError, Subjects, deadline_fr
 
 from ..errors import TRANSPORT_ERRORS
 from .counters import Counters
+from .late_arrivals import LateArrivals
 from .queues import MAX_PEER_HELD, QueueView
 from .slots import Slot, ack_info
 from .stream_facts import parse_stream_sequence, parse_stream_timestamp, request_key
@@ -71,6 +72,8 @@ class ArrivalFeed:
         self._taken_sub: Any = None
         self.seen = 0
         self._counters = Counters() if counters is None else counters
+        # Refusals at arrival (late_arrivals.py); it screens a quiet interactive line itself.
+        self.late = LateArrivals(nc, subjects, self._counters, lambda name: self._slots[name].config.max_batch_size)
 
     async def start(self) -> None:
         """Subscribe (once: a retried startup calls it again)."""
@@ -80,6 +83,7 @@ class ArrivalFeed:
                     self._subs[(name, bulk)] = await self._subscribe(name, bulk)
         if self._taken_sub is None:
             self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
+        await self.late.start()
 
     async def _subscribe(self, name: str, bulk: bool) -> Any:
         subject = self._subjects.arrived(name, Priority.BATCH if bulk else Priority.INTERACTIVE)
@@ -101,6 +105,8 @@ class ArrivalFeed:
         sub = self._subs.get(line)
         if sub is None:
             return line in self._quiet
+        if not bulk:
+            await self.late.follow(name)  # before the unsubscribe: no arrival goes unscreened between
         try:
             await sub.unsubscribe()
         except TRANSPORT_ERRORS + (ValueError,) as exc:
@@ -125,6 +131,8 @@ class ArrivalFeed:
             log.debug("arrivals of %s: subscribe failed: %r", line, exc)
             return False
         self._quiet.discard(line)
+        if not bulk:
+            await self.late.unfollow(name)  # after the subscribe: the screen skips what both heard
         return True
 
     async def stop(self) -> None:
@@ -135,11 +143,23 @@ class ArrivalFeed:
                 except TRANSPORT_ERRORS + (ValueError,):
                     pass
         self._taken_sub = None
+        await self.late.stop()
         self._subs.clear()
         self._quiet.clear()
 
     async def _on_msg(self, msg: Msg) -> None:
-        self.note(msg.subject, msg.headers)
+        if not self._refused(msg.subject, msg.headers):
+            self.note(msg.subject, msg.headers)
+
+    def _refused(self, subject: str, headers: Mapping[str, str] | None) -> bool:
+        """Whether an interactive arrival is refused at once because its model's workers cannot
+        reach it before its deadline (worker/late_arrivals.py): answered and deleted from the
+        stream, it is not counted (a failed delete leaves it to the next count)."""
+        queue = self._subjects.queue_from_arrival(subject)
+        slot = self._slots.get(queue[0]) if queue is not None else None
+        if slot is None or queue is None or slot.doubted or queue[1] is Priority.BATCH:
+            return False
+        return self.late.screen(slot.name, headers)
 
     def note(self, subject: str, headers: Mapping[str, str] | None, now: float | None = None) -> None:
         """Count one republished arrival (the subscription's callback, callable from tests)."""
