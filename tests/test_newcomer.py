@@ -263,6 +263,9 @@ def _bert_logits(directory: Path, text: str) -> torch.Tensor:
 # docs/cli.md's exit codes: where each (command, code) the page documents is driven as a
 # subprocess. Most are in the files that test the command; this file runs the rest.
 ELSEWHERE = {
+    ("ring", 0): "test_ring_dump.py::test_jetbatch_ring_fetches_a_running_workers_ring_and_it_replays",
+    ("ring", 1): "test_ring_dump.py::test_a_worker_that_is_not_there_is_one_line_and_exit_1",
+    ("ring", 2): "test_ring_dump.py::test_a_worker_id_that_is_no_subject_is_a_usage_error",
     ("worker", 0): "test_faults.py::test_sigterm_drains_in_flight_and_exits_0",
     ("worker", 2): "test_config_cli.py::test_cli_bad_config_is_one_line_and_exit_2",
     (

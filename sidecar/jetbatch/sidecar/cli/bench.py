@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import tempfile
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,4 +101,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"plot written to {args.plot}")
     if interrupted:
         return EXIT_INTERRUPTED
+    if not summary["sent"]:
+        # Nothing measured is no success (a loaded machine left a 0.5 s run no time to send).
+        print("jetbatch bench: no request was sent within the duration", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK if summary["answered"] == summary["sent"] else EXIT_FAILED
