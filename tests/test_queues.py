@@ -19,6 +19,7 @@ from jetbatch.sdk.protocol import Headers, Subjects
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams, model_consumer_name
 from jetbatch.sidecar.worker.arrivals import ArrivalFeed
+from jetbatch.sidecar.worker.counters import Counters
 from jetbatch.sidecar.worker.counting import count_queues
 from jetbatch.sidecar.worker.queues import QueueView
 from jetbatch.sidecar.worker.stream_facts import LineStored, line_stored, missed_by, parse_stream_timestamp
@@ -575,6 +576,24 @@ def test_a_departed_peers_takes_are_forgotten_though_its_successor_keeps_its_id_
     view.forget_peers(["w1"])
     view.reconcile(s, 5, now, mine=0, not_ours=view.peers_hold("m1", now))
     assert s.backlog == 5
+
+
+def test_a_worker_with_no_peer_in_view_ignores_take_events() -> None:
+    """Forged at full speed on an open server, ``+100000`` under a made-up id hid a lone worker's
+    requests until each check of its consumers (issue 52). A peer sends takes only once it has
+    advertised, so a worker that hears no peer counts none, until one is in view."""
+    view, slots = _view("m1")
+    for at in (10.0, 11.0):
+        view.arrived(slots["m1"], at, None)
+    heard = False
+    counters = Counters()
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me", counters=counters, audience=lambda: heard)
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "evil"}, b"+100000", now=11.5)
+    assert slots["m1"].backlog == 2 and view.peers_hold("m1", 11.5) == 0
+    assert counters.snapshot()["takes_unheard"] == 1
+    heard = True
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"+1", now=11.6)
+    assert slots["m1"].backlog == 1 and view.peers_hold("m1", 11.6) == 1
 
 
 @pytest.mark.parametrize(

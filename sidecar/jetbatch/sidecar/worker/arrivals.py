@@ -44,7 +44,9 @@ class ArrivalFeed:
     worker that knows it is alone sends none (two messages a batch the raw loop does not send);
     one that starts beside it misses its takes until it has read the newcomer's advert
     (its first advert goes out after its start-up), an over-count its next count corrects, as for
-    any lost event."""
+    any lost event. The same rule holds for the events heard: a worker with no peer in view
+    ignores every take event (``takes_unheard``), so a forged one cannot hide a lone worker's
+    requests; with peers in view, the check of the consumers bounds what one hides."""
 
     def __init__(
         self,
@@ -213,6 +215,12 @@ class ArrivalFeed:
             return
         n = int(data[1:])
         if not 0 < n <= MAX_PEER_HELD:
+            return
+        if not self._audience():
+            # No peer in view (coordination on): no worker we know sent it, and a peer's takes
+            # start once it has advertised (as ours do), so it is forged or early. Counted, it hid
+            # a lone worker's requests until a check of its consumers, once per flood message.
+            self._counters.add("takes_unheard")
             return
         now = time.time() if now is None else now
         if data[:1] == b"+":
