@@ -54,13 +54,22 @@ def forged(target: str, subjects: Subjects, peers: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+async def stats(url: str, prefix: str, timeout_s: float = 30.0) -> dict[str, int]:
+    """The worker's counters, once it answers (a flood may have cut its connection: it reconnects)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = await harness.worker_stats(url, prefix)
+        if "loads" in seen or time.monotonic() > deadline:
+            return seen
+
+
 async def run(url: str, prefix: str, seconds: float, rate: float, target: str, peers: int) -> dict[str, Any]:
     subjects = Subjects(prefix)
     phases: dict[str, Any] = {}
     async with sdk.Client.connect(url, prefix=prefix) as client:
         await client.infer(b"warm", model="real", timeout=30)
         for name in ("quiet", "flood"):
-            before = await harness.worker_stats(url, prefix)
+            before = await stats(url, prefix)
             flooder = None
             if name == "flood":
                 event = forged(target, subjects, peers)
@@ -69,7 +78,7 @@ async def run(url: str, prefix: str, seconds: float, rate: float, target: str, p
             if flooder is not None:
                 out, _ = await flooder.communicate()
                 seen["sent"] = int(out or 0)
-            after = await harness.worker_stats(url, prefix)
+            after = await stats(url, prefix)
             seen["worker"] = {k: after.get(k, 0) - before.get(k, 0) for k in KEEP}
             phases[name] = seen
     q, f = phases["quiet"]["p99_ms"], phases["flood"]["p99_ms"]
