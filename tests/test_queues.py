@@ -681,6 +681,37 @@ async def test_a_worker_nobody_hears_sends_no_take_events(nats_url: str, prefix:
         await sub.unsubscribe()
 
 
+@pytest.mark.anyio
+async def test_a_worker_subscribes_to_take_events_only_while_a_peer_is_in_view(nats_url: str, prefix: str) -> None:
+    """A forged take flood at full speed, read on the data connection, had nats-server cut it as a
+    slow consumer (bench.reliability.forged_events): a worker alone, which ignores takes anyway,
+    is not subscribed, so the server drops them before they reach it."""
+    async with _streams(nats_url, prefix, ["m1"]) as (nc, _js, subjects):
+        heard = False
+        view, slots = _view("m1")
+        view.arrived(slots["m1"], time.time(), None)
+        view.arrived(slots["m1"], time.time(), None)
+        feed = ArrivalFeed(nc, subjects, slots, view, on_arrival=lambda: None, worker_id="w-me", audience=lambda: heard)
+        await feed.start()
+        assert not feed.listening_to_takes
+        sent = nc.stats["out_msgs"]
+        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+        await nc.flush()
+        received = nc.stats["in_msgs"]
+        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+        await nc.flush()  # the PONG after it: had it been delivered, it would be in by now
+        assert nc.stats["in_msgs"] == received and nc.stats["out_msgs"] == sent + 2
+        heard = True  # a peer's advert read
+        await feed.follow_takes()
+        assert feed.listening_to_takes
+        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+        await wait_until(lambda: slots["m1"].backlog == 1, timeout_s=10, what="the peer's take counted")
+        heard = False  # the peer left the view
+        await feed.follow_takes()
+        assert not feed.listening_to_takes
+        await feed.stop()
+
+
 def test_a_forged_hour_with_an_offset_reads_as_the_full_parse_does() -> None:
     """``T00-00:01`` is an hour with a UTC offset to ``fromisoformat``: the per-minute shortcut
     read it as minute ``00-00`` plus a second (found by the property above)."""
