@@ -126,3 +126,46 @@ async def test_a_tenant_flooding_its_cancel_subject_never_cuts_the_data_connecti
             worker.stop()
     finally:
         await nc.close()
+
+
+async def test_the_control_connection_lets_the_event_loop_turn_every_few_dozen_messages(nats_url: str) -> None:
+    """However much budget is left, the read loop yields after ``_SLICE_MSGS`` messages: a full
+    budget read at once (1 000 notices at a flood's start, a socket's worth at a higher bound)
+    stalled every other task of the worker, the data path's included, for 10-15 ms."""
+    from jetbatch.sidecar.config import NatsConfig
+    from jetbatch.sidecar.worker.control import _SLICE_MSGS, ControlConnection
+    from jetbatch.sidecar.worker.counters import Counters
+
+    main = await connect_nats(nats_url)
+    control = ControlConnection(main, NatsConfig(), read_per_s=1e9, counters=Counters(), what="probe", name="probe")
+    sender = await connect_nats(nats_url)
+    subject = f"probe.{uuid.uuid4().hex[:8]}"
+    total = 20_000
+    handled = 0
+    all_in = anyio.Event()
+
+    async def cb(msg: object) -> None:
+        nonlocal handled
+        handled += 1
+        if handled == total:
+            all_in.set()
+
+    try:
+        await control.open()
+        await control.subscribe(subject, cb, pending_msgs=total)
+        await control.nc.flush()
+        for i in range(total):
+            await sender.publish(subject, b"%d" % i)
+        await sender.flush()
+        # A probe that takes a turn of the loop each time it runs: what was handled in between.
+        most = 0
+        with anyio.fail_after(30):
+            while not all_in.is_set():
+                before = handled
+                await anyio.lowlevel.checkpoint()
+                most = max(most, handled - before)
+        assert most <= 2 * _SLICE_MSGS, most
+    finally:
+        await control.close()
+        await sender.close()
+        await main.close()

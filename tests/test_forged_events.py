@@ -108,3 +108,7 @@ async def test_forged_take_events_cannot_hide_real_requests(nats_url: str, prefi
                 await nc.close()
         # The bound: a count (idle_refresh_s, 1 s) and a check of the consumer, well under the timeout.
         assert len(took) == 5 and max(took) < 4.0, took
+        # A lone worker does not even subscribe to take events (no peer in view sends one): none
+        # reached it, none hid a request.
+        assert not worker.arrivals.listening_to_takes
+        assert worker.stats["takes_unheard"] == 0 and worker.stats["takes_refuted"] == 0, worker.stats.snapshot()

@@ -19,6 +19,7 @@ from jetbatch.sdk.protocol import Headers, Subjects
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams, model_consumer_name
 from jetbatch.sidecar.worker.arrivals import ArrivalFeed
+from jetbatch.sidecar.worker.counters import Counters
 from jetbatch.sidecar.worker.counting import count_queues
 from jetbatch.sidecar.worker.queues import QueueView
 from jetbatch.sidecar.worker.stream_facts import LineStored, line_stored, missed_by, parse_stream_timestamp
@@ -592,6 +593,24 @@ def test_a_departed_peers_takes_are_forgotten_though_its_successor_keeps_its_id_
     assert s.backlog == 5
 
 
+def test_a_worker_with_no_peer_in_view_ignores_take_events() -> None:
+    """Forged at full speed on an open server, ``+100000`` under a made-up id hid a lone worker's
+    requests until each check of its consumers (issue 52). A peer sends takes only once it has
+    advertised, so a worker that hears no peer counts none, until one is in view."""
+    view, slots = _view("m1")
+    for at in (10.0, 11.0):
+        view.arrived(slots["m1"], at, None)
+    heard = False
+    counters = Counters()
+    feed = ArrivalFeed(None, Subjects("p"), slots, view, on_arrival=lambda: None, worker_id="me", counters=counters, audience=lambda: heard)
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "evil"}, b"+100000", now=11.5)
+    assert slots["m1"].backlog == 2 and view.peers_hold("m1", 11.5) == 0
+    assert counters.snapshot()["takes_unheard"] == 1
+    heard = True
+    feed.note_taken("p.taken.m1", {"Jetbatch-Worker": "peer"}, b"+1", now=11.6)
+    assert slots["m1"].backlog == 1 and view.peers_hold("m1", 11.6) == 1
+
+
 @pytest.mark.parametrize(
     ("subject", "headers", "data"),
     [
@@ -675,6 +694,37 @@ async def test_a_worker_nobody_hears_sends_no_take_events(nats_url: str, prefix:
         first = await sub.next_msg(timeout=10)  # one connection: the server keeps its order
         assert first.data == b"+3"
         await sub.unsubscribe()
+
+
+@pytest.mark.anyio
+async def test_a_worker_subscribes_to_take_events_only_while_a_peer_is_in_view(nats_url: str, prefix: str) -> None:
+    """A forged take flood at full speed, read on the data connection, had nats-server cut it as a
+    slow consumer (bench.reliability.forged_events): a worker alone, which ignores takes anyway,
+    is not subscribed, so the server drops them before they reach it."""
+    async with _streams(nats_url, prefix, ["m1"]) as (nc, _js, subjects):
+        heard = False
+        view, slots = _view("m1")
+        view.arrived(slots["m1"], time.time(), None)
+        view.arrived(slots["m1"], time.time(), None)
+        feed = ArrivalFeed(nc, subjects, slots, view, on_arrival=lambda: None, worker_id="w-me", audience=lambda: heard)
+        await feed.start()
+        assert not feed.listening_to_takes
+        sent = nc.stats["out_msgs"]
+        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+        await nc.flush()
+        received = nc.stats["in_msgs"]
+        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+        await nc.flush()  # the PONG after it: had it been delivered, it would be in by now
+        assert nc.stats["in_msgs"] == received and nc.stats["out_msgs"] == sent + 2
+        heard = True  # a peer's advert read
+        await feed.follow_takes()
+        assert feed.listening_to_takes
+        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+        await wait_until(lambda: slots["m1"].backlog == 1, timeout_s=10, what="the peer's take counted")
+        heard = False  # the peer left the view
+        await feed.follow_takes()
+        assert not feed.listening_to_takes
+        await feed.stop()
 
 
 def test_a_forged_hour_with_an_offset_reads_as_the_full_parse_does() -> None:

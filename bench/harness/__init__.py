@@ -12,6 +12,8 @@
 - :mod:`.load`: :func:`gather`, ``n`` calls at a concurrency timed as one burst; :func:`replay`,
   a trace's arrivals sent open-loop, each at its time.
 - :mod:`.measure`: a process's CPU and memory, the workers' status counters.
+- :mod:`.flooding`: :func:`start_flooder`, a raw client publishing one subject at full speed (a
+  process of its own); :func:`open_loop`, a victim's calls at a fixed rate, their p99 and errors.
 - :mod:`.simulated`: the simulator workloads scenarios share, and the live config of the same.
 - :mod:`.raw`: the raw JetStream loop jetbatch is measured against; :mod:`.rounds`: raw and
   jetbatch rounds as deployed, each process's CPU a request; :mod:`.pprof`: nats-server's CPU
@@ -26,6 +28,7 @@ Scenarios live in groups by what they measure (``scheduler``, ``overhead``, ``sc
 from __future__ import annotations
 
 from .configs import config, fresh_prefix, write_config
+from .flooding import open_loop, slow_consumer_cuts, start_flooder
 from .load import Gathered, Replayed, gather, replay
 from .measure import cpu_s, cpu_split, rss_kib, worker_stats
 from .records import emit
@@ -34,5 +37,7 @@ from .sidecars import classifier_in_process, cli_processes, in_process, processe
 
 __all__ = [
     "Gathered", "Replayed", "classifier_in_process", "cli_processes", "cluster", "config", "cpu_s", "cpu_split", "emit",
-    "fresh_prefix", "gather", "in_process", "processes", "replay", "rss_kib", "server", "worker_stats", "write_config",
+    "fresh_prefix", "gather", "in_process", "open_loop", "processes", "replay", "rss_kib", "server", "slow_consumer_cuts",
+    "start_flooder",
+    "worker_stats", "write_config",
 ]  # fmt: skip

@@ -1,136 +1,88 @@
-"""One tenant floods its cancel subject; what the other tenant's requests see (issue 52, finding 1).
+"""One tenant floods a subject it may publish to; what the other tenant's requests see (issue 52,
+finding 1).
 
-A worker process (as deployed: ``jetbatch worker``, default settings, a sleep model of 5 ms a
-batch of up to 8) serves tenant B's requests, sent at ``--rate`` a second, open loop, for
-``--seconds``: once quiet, then while a raw client publishes to ``<prefix>.cancel.a`` as fast as
-its socket takes them. Side by side: B's p50, p99, max and errors in each phase, the worker's
-notice counters, and the slow-consumer cuts nats-server logged, by connection name (the worker's
-data connection is ``jetbatch-worker``; its cancel notices' own, ``jetbatch-worker-control``).
+A worker and a classifier process (as deployed, default settings, a sleep model of 5 ms a batch
+of up to 8) serve tenant B's requests, sent at ``--rate`` a second, open loop. For each target
+(``--targets``: tenant A's cancel subject, its ingress, a model queue, the stream-name lookup, a
+direct get, or a subject nobody reads as a control), ``--seconds`` quiet, then ``--seconds``
+while a raw client publishes to it as fast as its socket takes them. Side by side: B's p50, p99,
+max and errors in each phase, the CPU seconds the worker, the classifier and nats-server spent
+in it, the worker's notice counters, and the slow-consumer cuts nats-server logged, by connection
+name (the worker's data connection is ``jetbatch-worker``; its cancel notices', ``jetbatch-worker-control``).
 
-    python -m bench.cancel_flood [--seconds 10] [--rate 100] [--json FILE]
+    python -m bench.reliability.cancel_flood [--seconds 10] [--rate 100] [--targets cancel,ingress,...] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import re
-import sys
+import os
 import tempfile
-import time
 from typing import Any
 
 from jetbatch import sdk
 from jetbatch.sdk.connection import connect_nats
 from jetbatch.sdk.protocol import Subjects
-from jetbatch.sidecar.percentiles import percentile
 from jetbatch.sidecar.status import collect_status
 
 from bench import harness
 
-# A raw client publishing 8-byte notices in chunks of 10 000 until its time is up; prints the count.
-FLOODER = r"""
-import socket, sys, time
-host, port, subject, seconds = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), float(sys.argv[4])
-s = socket.create_connection((host, port))
-s.makefile("rb").readline()
-s.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\n')
-chunk = b"".join(b"PUB %s 8\r\n%08d\r\n" % (subject, i) for i in range(10_000))
-sent, end = 0, time.monotonic() + seconds
-while time.monotonic() < end:
-    s.sendall(chunk)
-    sent += 10_000
-print(sent)
-"""
-
 SECTIONS = {
+    # A classifier reads the ingress (a flood of it is junk it dead-letters); B names its model.
+    "classifier": {"router": "rules", "default_model": "m1"},
     "models": {
         "m1": {"handler": "sleep", "max_batch_size": 8, "max_delay_ms": 5, "options": {"load_cost_s": 0.0, "batch_cost_s": 0.005, "item_cost_s": 0.0}},
     },
 }
 
 
-async def load(client: sdk.Client, rate: float, seconds: float) -> dict[str, Any]:
-    """B's requests, ``rate`` a second for ``seconds`` (open loop), each with a 5 s timeout."""
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-
-    async def one() -> None:
-        started = time.perf_counter()
-        try:
-            await client.infer(b"b", model="m1", timeout=5.0)
-            latencies.append(time.perf_counter() - started)
-        except sdk.JetbatchError as exc:
-            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-
-    tasks = []
-    started = time.monotonic()
-    for i in range(int(rate * seconds)):
-        await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
-        tasks.append(asyncio.create_task(one()))
-    await asyncio.gather(*tasks)
-    latencies.sort()
-    ms = lambda q: (
-        round(1000 * percentile(latencies, q / 100), 1) if latencies else None
-    )
-    return {
-        "answered": len(latencies),
-        "errors": errors,
-        "p50_ms": ms(50),
-        "p99_ms": ms(99),
-        "max_ms": round(1000 * latencies[-1], 1) if latencies else None,
-    }
+# What tenant A's flood may target: its cancel subject, its ingress (junk the classifier reads and
+# dead-letters), a model queue its permissions may allow (``app``: ``model.>``; junk for a model
+# no one registered), the stream-name lookup, a direct get of its own answers; and, as a control,
+# a subject nobody reads (what the flood costs the host and the server alone).
+TARGETS = {
+    "cancel": "{prefix}.cancel.a",
+    "ingress": "{prefix}.in.a",
+    "model": "{prefix}.model.junk",
+    "stream-names": "$JS.API.STREAM.NAMES",
+    "direct-get": "$JS.API.DIRECT.GET.{streams}_RESULTS.{prefix}.result.a.x",
+    "nobody": "{prefix}.nobody",
+}
 
 
-def slow_consumer_cuts(log: list[str]) -> dict[str, int]:
-    """Slow-consumer lines of the server's log, by the client's connection name."""
-    cuts: dict[str, int] = {}
-    for line in log:
-        if "Slow Consumer" in line:
-            name = re.search(r'"[^"]*:([^":]+)"', line)
-            key = name.group(1) if name else "?"
-            cuts[key] = cuts.get(key, 0) + 1
-    return cuts
+async def run(url: str, prefix: str, seconds: float, rate: float, target: str, pids: dict[str, int]) -> dict[str, Any]:
+    """A quiet phase then one with ``target`` flooded (``seconds`` each, side by side): B's
+    latencies and errors, and the CPU seconds each process (``pids``) spent in each phase."""
+    streams = Subjects(prefix).results_stream.removesuffix("_RESULTS")
+    subject = TARGETS[target].format(prefix=prefix, streams=streams)
 
+    async def phase(flood: bool) -> dict[str, Any]:
+        flooder = await harness.start_flooder(url, subject, seconds) if flood else None
+        cpu = {name: harness.cpu_s(pid) for name, pid in pids.items()}
+        seen = await harness.open_loop(lambda: client.infer(b"b", model="m1", timeout=5.0), rate, seconds)
+        seen["cpu_s"] = {name: round(harness.cpu_s(pid) - cpu[name], 2) for name, pid in pids.items()}
+        if flooder is not None:
+            out, _ = await flooder.communicate()
+            seen["sent"] = int(out or 0)
+        return seen
 
-async def run(url: str, prefix: str, seconds: float, rate: float) -> dict[str, Any]:
     async with sdk.Client.connect(url, prefix=prefix) as client:
         await client.infer(b"warm", model="m1", timeout=30)
-        quiet = await load(client, rate, seconds)
-        host, port = url.removeprefix("nats://").rsplit(":", 1)
-        flooder = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            FLOODER,
-            host,
-            port,
-            f"{prefix}.cancel.a",
-            str(seconds),
-            stdout=asyncio.subprocess.PIPE,
-        )
-        flooded = await load(client, rate, seconds)
-        out, _ = await flooder.communicate()
+        quiet = await phase(False)
+        flooded = await phase(True)
     nc = await connect_nats(url)
     try:
-        reports = [
-            r
-            for r in await collect_status(nc, Subjects(prefix), wait_s=1.0)
-            if r.role == "worker"
-        ]
+        reports = [r for r in await collect_status(nc, Subjects(prefix), wait_s=1.0) if r.role == "worker"]
     finally:
         await nc.close()
     stats = reports[0].stats if reports else {}
-    keep = (
-        "cancels_heard",
-        "cancels_dropped",
-        "cancels_connection_cuts",
-        "unreadable_messages",
-    )
+    keep = ("cancels_heard", "cancels_dropped", "cancels_connection_cuts", "unreadable_messages")
+    q, f = quiet["p99_ms"], flooded["p99_ms"]
     return {
-        "quiet": quiet,
-        "flood": {**flooded, "notices_sent": int(out or 0)},
+        "subject": subject, "quiet": quiet, "flood": flooded, "p99_flood_over_quiet": round(f / q, 2) if q and f else None,
         "worker": {k: stats.get(k) for k in keep},
-    }
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -142,24 +94,28 @@ def main() -> None:
         "--rate", type=float, default=100.0, help="tenant B's requests a second"
     )
     parser.add_argument(
+        "--targets", default="cancel", help=f"comma-separated, each on a fresh server and deployment, quiet then flooded: {', '.join(TARGETS)}"
+    )
+    parser.add_argument(
         "--json",
         default=None,
         help="append the run's record to this file (one JSON object per line)",
     )
     args = parser.parse_args()
-    config = harness.config(SECTIONS, tag="cf")
-    prefix = config.nats.prefix
-    with tempfile.TemporaryDirectory() as tmp, harness.server() as server:
-        cfg = harness.write_config(config, tmp, "cancel_flood")
-        with harness.processes(cfg, server.url):
-            record = asyncio.run(run(server.url, prefix, args.seconds, args.rate))
-        record["slow_consumer_cuts"] = slow_consumer_cuts(server.log)
-    quiet, flood = record["quiet"]["p99_ms"], record["flood"]["p99_ms"]
-    record["p99_flood_over_quiet"] = (
-        round(flood / quiet, 2) if quiet and flood else None
-    )
-    harness.emit({"seconds": args.seconds, "rate": args.rate, **record}, args.json)
-
+    targets = args.targets.split(",")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        parser.error(f"unknown targets {unknown}; known: {', '.join(TARGETS)}")
+    for target in targets:
+        config = harness.config(SECTIONS, tag="cf")
+        with tempfile.TemporaryDirectory() as tmp, harness.server() as server:
+            cfg = harness.write_config(config, tmp, "cancel_flood")
+            with harness.processes(cfg, server.url) as dep:
+                pids = {"worker": dep.procs["worker0"].pid, "classifier": dep.procs["classifier0"].pid, "server": server.pid}
+                record = asyncio.run(run(server.url, config.nats.prefix, args.seconds, args.rate, target, pids))
+            record["slow_consumer_cuts"] = harness.slow_consumer_cuts(server.log)
+        record = {"target": target, "seconds": args.seconds, "rate": args.rate, "load": round(os.getloadavg()[0], 2), **record}
+        harness.emit(record, args.json)
 
 if __name__ == "__main__":
     main()

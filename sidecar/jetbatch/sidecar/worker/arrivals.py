@@ -45,7 +45,9 @@ class ArrivalFeed:
     worker that knows it is alone sends none (two messages a batch the raw loop does not send);
     one that starts beside it misses its takes until it has read the newcomer's advert
     (its first advert goes out after its start-up), an over-count its next count corrects, as for
-    any lost event."""
+    any lost event. The same rule holds for the events heard: a worker with no peer in view
+    ignores every take event (``takes_unheard``), so a forged one cannot hide a lone worker's
+    requests; with peers in view, the check of the consumers bounds what one hides."""
 
     def __init__(
         self,
@@ -81,9 +83,31 @@ class ArrivalFeed:
             for bulk in (False, True):
                 if (name, bulk) not in self._subs and (name, bulk) not in self._quiet:
                     self._subs[(name, bulk)] = await self._subscribe(name, bulk)
-        if self._taken_sub is None:
-            self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
+        await self.follow_takes()
         await self.late.start()
+
+    @property
+    def listening_to_takes(self) -> bool:
+        """Whether this worker subscribes to its peers' take events now (:meth:`follow_takes`)."""
+        return self._taken_sub is not None
+
+    async def follow_takes(self) -> None:
+        """Subscribe to the take events while a peer is in view (``audience``), and only then:
+        a worker alone ignores them (:meth:`note_taken`), and a flood of forged ones at full speed
+        on an open server, read on the data connection, had nats-server cut it as a slow consumer.
+        A peer's takes sent before this worker subscribed are missed, an over-count its next
+        count corrects, as for any lost event."""
+        if self._nc is None:
+            return
+        wanted = self._audience()
+        try:
+            if wanted and self._taken_sub is None:
+                self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
+            elif not wanted and self._taken_sub is not None:
+                sub, self._taken_sub = self._taken_sub, None
+                await sub.unsubscribe()
+        except TRANSPORT_ERRORS + (ValueError,) as exc:
+            log.debug("take events: (un)subscribe failed: %r", exc)
 
     async def _subscribe(self, name: str, bulk: bool) -> Any:
         subject = self._subjects.arrived(name, Priority.BATCH if bulk else Priority.INTERACTIVE)
@@ -233,6 +257,12 @@ class ArrivalFeed:
             return
         n = int(data[1:])
         if not 0 < n <= MAX_PEER_HELD:
+            return
+        if not self._audience():
+            # No peer in view (coordination on): no worker we know sent it, and a peer's takes
+            # start once it has advertised (as ours do), so it is forged or early. Counted, it hid
+            # a lone worker's requests until a check of its consumers, once per flood message.
+            self._counters.add("takes_unheard")
             return
         now = time.time() if now is None else now
         if data[:1] == b"+":

@@ -150,6 +150,7 @@ class Lines:
         them (``policy/interest.py``): not the interactive line of the model whose batches it
         serves (they fill from held pulls), nor a deep line (each fetch counts it). ``leaving``:
         the worker is about to load, or to idle, and drains nothing meanwhile."""
+        await self.arrivals.follow_takes()  # the peers' take events, while a peer is in view
         current = None if leaving else self.core.current
         serving = None if leaving else self.core.serving
         for name, bulk in self.arrivals.quiet_lines:
