@@ -96,6 +96,9 @@ def test_the_worker_refuses_an_arrival_its_queue_cannot_reach_in_time_and_screen
     assert late.refusal("m1", {"Nats-Msg-Id": "y", "Jetbatch-Reply-Key": "k1"}) is None  # no deadline
     assert late.refusal("m1", headers(11, 30.0)) is None  # a long deadline waits
     assert late.refusal("m2", headers(12, 0.1)) is None  # no advert of m2: nothing to go by
+    # Its own batch alone (0.2 s) outlasts the 0.1 s left: no queue makes it late, so it is no
+    # overload; the deadline check before compute answers it deadline_exceeded.
+    assert late.refusal("m1", headers(13, 0.1)) is None
 
 
 async def _outcomes(client: sdk.Client, model: str | None, n: int, rate: float, timeout_s: float) -> collections.Counter[str]:

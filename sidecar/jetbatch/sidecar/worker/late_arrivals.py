@@ -163,6 +163,10 @@ class LateArrivals:
             return None  # nobody drains it yet: a load will come (the adverts' rule, too)
         # Its own batch ends one batch time after it starts: the wait ahead gets what is left.
         budget_s = remaining_s - self._batch_size(model) / drain
+        if budget_s <= 0:
+            # Its own batch alone would not end in time: no queue makes it late. The deadline
+            # check before compute answers it deadline_exceeded, as it did before this screen.
+            return None
         clock = time.monotonic() if mono is None else mono
         # What this screen admitted itself, drained at the advertised rate since: a fresh advert
         # does not forget it (the adverts' rule does), since a worker serving the model counts
