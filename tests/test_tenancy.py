@@ -169,6 +169,20 @@ def test_a_waiting_quota_refuses_at_the_limit_and_a_default_applies_to_the_other
     assert shares.refused == {"a": 1, "b": 1}
 
 
+def test_any_number_of_tenant_names_keeps_the_tables_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an open server anyone may publish to ``<prefix>.in.<anything>``: new names every
+    request must not grow the shares' tables without bound."""
+    import jetbatch.sidecar.tenancy as tenancy
+
+    monkeypatch.setattr(tenancy, "_MAX_TENANTS", 50)
+    shares = TenantShares(TenantsConfig(default_max_rps=1.0))
+    for k in range(2000):
+        shares.admit(f"t{k}", k * 0.001)
+        shares.admit(f"t{k}", k * 0.001 + 0.0001)  # over its burst of 1: refused, counted
+    assert len(shares._demand) <= 50 and len(shares._quotas) <= 50
+    assert len(shares.refused) <= 51 and shares.refused.get("_other", 0) > 0
+
+
 def test_the_config_refuses_a_tenant_name_no_subject_could_carry() -> None:
     with pytest.raises(ConfigError, match="tenants"):
         parse_config('[tenants]\nweights = { "a.b" = 2.0 }\n')

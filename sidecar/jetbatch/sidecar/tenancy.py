@@ -174,7 +174,7 @@ class TenantShares:
             bucket = self._shares[name] = _Bucket(cap, now)
         if bucket.take(fair, cap, now):
             return ADMIT
-        self.demoted[name] = self.demoted.get(name, 0) + 1
+        _count(self.demoted, name)
         return DEMOTE
 
     def fair_rps(self) -> dict[str, float]:
@@ -186,7 +186,7 @@ class TenantShares:
         return {t: r.now(now, self.config.window_s) for t, r in self._demand.items()}
 
     def _refuse(self, name: str, reason: str) -> Verdict:
-        self.refused[name] = self.refused.get(name, 0) + 1
+        _count(self.refused, name)
         return Verdict(refused=reason)
 
     def _recompute(self, now: float) -> None:
@@ -197,6 +197,7 @@ class TenantShares:
         for t in [t for t, d in demand.items() if d * tau < 0.5]:
             del demand[t], self._demand[t]
             self._shares.pop(t, None)
+            self._quotas.pop(t, None)  # refilled to its burst after a second anyway
         service = self._service.now(now, tau)
         self.saturated = len(demand) >= 2 and sum(demand.values()) > _SATURATED * service > 0
         if not self.saturated:
@@ -235,6 +236,13 @@ class TenantShares:
         del self._demand[quietest]
         self._shares.pop(quietest, None)
         self._quotas.pop(quietest, None)
+
+
+def _count(counts: dict[str, int], name: str) -> None:
+    """One more for ``name``, the table bounded as the tenants are (past it, ``_other``)."""
+    if name not in counts and len(counts) >= _MAX_TENANTS:
+        name = "_other"
+    counts[name] = counts.get(name, 0) + 1
 
 
 class _Served(msgspec.Struct, frozen=True):
