@@ -33,13 +33,15 @@ quiet line saved); the screen costs a header parse and a dict lookup each.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from jetbatch.sdk.admission import Admission, follow_adverts
 from jetbatch.sdk.protocol import (
@@ -66,7 +68,8 @@ log = logging.getLogger("jetbatch.worker")
 # (0.5), its own batch already taken off: the rest covers a drain slower than advertised and the
 # answer's way back. At 0.8, 8 callers at 10x capacity still had 3 of 24 000 answered 5-25 ms late.
 WORKER_ADMIT_FRACTION = 0.7
-# Refusals whose answer and delete are under way at once; beyond, an arrival is left to its fetch.
+# Refusals whose answer and delete are under way at once, and as many waiting to start; beyond,
+# an arrival is left to its fetch (settled then, as before this screen).
 MAX_REFUSING = 256
 _REFUSE_TIMEOUT_S = 2.0
 _REFUSED_SEQS_KEPT = 1024
@@ -89,12 +92,18 @@ class LateArrivals:
         self._screened: dict[str, int] = {}  # model -> the last stream sequence screened
         self._refused_seqs: OrderedDict[int, None] = OrderedDict()  # the latest deleted ones, oldest first
         self._free_at: dict[str, float] = {}  # model -> when what this screen admitted is drained (monotonic)
-        self._refusing: set[asyncio.Task[None]] = set()  # answers stored, then their requests deleted
-        self._refusing_kept: set[asyncio.Task[None]] = set()  # answers sent, their requests left queued
+        # Refusals to carry out (the answer, its reply key, the sequence to delete or None to
+        # leave the request queued), by :meth:`run` in the worker's task group; opened by
+        # :meth:`start`, closed by :meth:`stop`.
+        self._to_refuse: MemoryObjectSendStream[tuple[Answer, str, int | None]] | None = None
+        self._refusals: MemoryObjectReceiveStream[tuple[Answer, str, int | None]] | None = None
+        self._running = False  # run took the receiving end (it closes it)
 
     async def start(self) -> None:
         """Follow the adverts (once). A worker not allowed to subscribe there gets a permissions
         error from the server, no view, and refuses nothing."""
+        if self._to_refuse is None:
+            self._to_refuse, self._refusals = anyio.create_memory_object_stream[tuple[Answer, str, int | None]](MAX_REFUSING)
         if self._sub is None and self._nc is not None:
             try:
                 self._sub = await follow_adverts(self._nc, self._subjects, self.admission)
@@ -110,8 +119,37 @@ class LateArrivals:
                     pass
         self._sub = None
         self._follows.clear()
-        for task in [*self._refusing, *self._refusing_kept]:
-            task.cancel()
+        if self._to_refuse is not None:
+            self._to_refuse.close()  # run's loop ends with what was sent before
+            self._to_refuse = None
+        if self._refusals is not None and not self._running:
+            self._refusals.close()  # nobody runs the refusals (a feed used without its worker)
+        self._refusals = None
+
+    async def run(self) -> None:
+        """Carry out the refusals :meth:`screen` decided, at most :data:`MAX_REFUSING` at once,
+        until cancelled (the worker's task group, as it stops: a refusal cut short leaves its
+        request queued, settled when fetched)."""
+        # A semaphore, not a capacity limiter: this loop takes a slot and the refusal's own task
+        # gives it back.
+        refusals, limiter = self._refusals, anyio.Semaphore(MAX_REFUSING)
+        if refusals is None:
+            return  # never started
+        self._running = True
+        async with anyio.create_task_group() as tg, refusals:
+            async for answer, reply_key, seq in refusals:
+                await limiter.acquire()
+                tg.start_soon(self._carry_out, answer, reply_key, seq, limiter)
+
+    async def _carry_out(self, answer: Answer, reply_key: str, seq: int | None, limiter: anyio.Semaphore) -> None:
+        try:
+            with anyio.move_on_after(2 * _REFUSE_TIMEOUT_S):
+                if seq is None:
+                    await self._answer(answer, reply_key)
+                else:
+                    await self._refuse(answer, reply_key, seq)
+        finally:
+            limiter.release()
 
     async def follow(self, model: str) -> None:
         """Screen ``model``'s interactive arrivals on a subscription of our own (its line is quiet:
@@ -186,10 +224,10 @@ class LateArrivals:
 
     def screen(self, model: str, headers: Mapping[str, str] | None) -> bool:
         """Whether an arrival of ``model`` is refused: its answer is stored and the request
-        deleted from the stream in the background (:meth:`_refuse`; then it is not to be
-        counted). With :data:`MAX_REFUSING` refusals under way, the answer alone goes out
-        (core NATS, stored all the same) and the request stays queued, settled when fetched:
-        its caller still hears in time. Returns whether it leaves the queue."""
+        deleted from the stream by :meth:`run` (then it is not to be counted). An arrival
+        without a sequence gets the answer alone (core NATS, stored all the same) and stays
+        queued. With :data:`MAX_REFUSING` refusals waiting, it is left to its fetch. Returns
+        whether it leaves the queue."""
         headers = headers or {}
         seq = parse_stream_sequence(headers.get("Nats-Sequence"))
         if seq is not None:
@@ -201,19 +239,19 @@ class LateArrivals:
         answer = self.refusal(model, headers) if self._nc is not None else None
         if answer is None or answer.meta.reply_key is None:
             return False
-        self._counters.add("arrivals_refused")
-        if seq is not None and len(self._refusing) < MAX_REFUSING:
-            self._refused_seqs[seq] = None
-            while len(self._refused_seqs) > _REFUSED_SEQS_KEPT:
-                self._refused_seqs.popitem(last=False)
-        if seq is None or len(self._refusing) >= MAX_REFUSING:
-            task = asyncio.ensure_future(self._answer(answer, answer.meta.reply_key))
-            self._refusing_kept.add(task)
-            task.add_done_callback(self._refusing_kept.discard)
+        if self._to_refuse is None:
+            return False  # not started, or stopped: left to its fetch
+        try:
+            self._to_refuse.send_nowait((answer, answer.meta.reply_key, seq))
+        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._counters.add("arrivals_refusals_skipped")
             return False
-        task = asyncio.ensure_future(self._refuse(answer, answer.meta.reply_key, seq))
-        self._refusing.add(task)
-        task.add_done_callback(self._refusing.discard)
+        self._counters.add("arrivals_refused")
+        if seq is None:
+            return False
+        self._refused_seqs[seq] = None
+        while len(self._refused_seqs) > _REFUSED_SEQS_KEPT:
+            self._refused_seqs.popitem(last=False)
         return True
 
     async def _answer(self, answer: Answer, reply_key: str) -> None:
@@ -233,7 +271,7 @@ class LateArrivals:
             if not json.loads(reply.data or b"{}").get("success"):
                 # Already acked (a fetch took it first), or refused: its fetch settles it.
                 self._counters.add("arrivals_refused_not_deleted")
-        except asyncio.CancelledError:
+        except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:  # noqa: BLE001 - any failure leaves the request to its fetch, as before
             self._counters.add("arrivals_refusals_failed")

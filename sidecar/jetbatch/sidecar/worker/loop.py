@@ -289,6 +289,7 @@ class Worker:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat_loop)
+                tg.start_soon(self.arrivals.late.run)  # the refusals the arrival screen decides
                 if self.peers.cluster is not None:
                     tg.start_soon(self.peers.advertise_forever)
                     tg.start_soon(self.peers.cluster.watch)
