@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import AbstractSet, Any
 
 import anyio
 import anyio.lowlevel
@@ -331,7 +331,7 @@ class Classifier:
             return route, (item, msgspec.structs.replace(meta, priority=Priority.BATCH)), True
         return route, parsed, False
 
-    async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]], excess: set[int] = frozenset()) -> list[tuple[Msg, RequestMeta, Route]]:
+    async def _forward(self, routed: list[tuple[Msg, RequestMeta, Route]], excess: AbstractSet[int] = frozenset()) -> list[tuple[Msg, RequestMeta, Route]]:
         """Republish the routed requests and ack each once JetStream has it; return the others
         with their errors. The whole batch goes out back to back with its PubAcks awaited together
         (one round trip a batch); a request that first attempt did not place takes the careful
