@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import anyio
 import msgspec
 
+from jetbatch import sdk
 from jetbatch.sdk.connection import connect_nats
 from jetbatch.sdk.protocol import Subjects
 from jetbatch.sidecar.classifier import Classifier
@@ -16,6 +20,33 @@ from jetbatch.sidecar.config import Config, parse_config
 from jetbatch.sidecar.status import StatusReport, collect_status
 from jetbatch.sidecar.transport import connect, connect_replies
 from jetbatch.sidecar.worker import BatchReport, Worker
+
+
+@contextlib.contextmanager
+def ring_worker_process(nats_url: str, prefix: str, config_text: str, tmp_path: Any, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A real `jetbatch worker --ring-minutes 0.01` (``args`` added) on ``config_text``, ready and
+    fed 20 requests of model ``m1``, so its ring holds events; terminated on the way out."""
+    config = tmp_path / "worker.toml"
+    config.write_text(config_text)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jetbatch", "worker", "--config", str(config), "--nats-url", nats_url, "--http-port", "off",
+         "--ring-minutes", "0.01", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "JETBATCH_READY_LINE": "1"}, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and " ready" in proc.stdout.readline()
+
+        async def traffic() -> None:
+            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
+                for i in range(20):
+                    assert await client.infer(f"x{i}".encode(), model="m1", timeout=20) == f"x{i}".encode()
+
+        anyio.run(traffic)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.communicate(timeout=60)
 
 
 def make_config(prefix: str, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> Config:

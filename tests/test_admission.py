@@ -103,20 +103,7 @@ def test_the_worker_refuses_an_arrival_its_queue_cannot_reach_in_time_and_screen
 
 async def _outcomes(client: sdk.Client, model: str | None, n: int, rate: float, timeout_s: float) -> collections.Counter[str]:
     """``n`` calls sent at ``rate`` per second (open loop), each counted by how it ended."""
-    counts: collections.Counter[str] = collections.Counter()
-
-    async def one(i: int) -> None:
-        try:
-            await client.infer(f"r{i}".encode(), model=model, timeout=timeout_s)
-            counts["ok"] += 1
-        except sdk.JetbatchError as exc:
-            counts[type(exc).__name__] += 1
-
-    async with anyio.create_task_group() as tg:
-        for i in range(n):
-            tg.start_soon(one, i)
-            await anyio.sleep(1 / rate)
-    return counts
+    return await _outcomes_of_many([client], model, n=n, rate=rate, timeout_s=timeout_s)
 
 
 async def _view_has_drain(client: sdk.Client, model: str) -> bool:
@@ -150,7 +137,7 @@ async def test_the_classifier_refuses_what_the_models_workers_cannot_reach_in_ti
     assert set(counts) <= {"ok", "Overloaded", "DeadlineExceeded"}, counts
 
 
-async def _outcomes_of_many(clients: list[sdk.Client], model: str, n: int, rate: float, timeout_s: float) -> collections.Counter[str]:
+async def _outcomes_of_many(clients: list[sdk.Client], model: str | None, n: int, rate: float, timeout_s: float) -> collections.Counter[str]:
     """``n`` calls at ``rate`` per second spread over independent ``clients`` (open loop)."""
     counts: collections.Counter[str] = collections.Counter()
 

@@ -21,7 +21,7 @@ from jetbatch.sidecar.policy import POLICIES
 from jetbatch.sidecar.recording import FlightRecorder, RecordLine, RecordingError, RingRecorder, replay, replay_file
 from jetbatch.sidecar.simulator import simulate
 from jetbatch.sidecar.simulator.workloads import build_workload
-from tests.helpers import make_config, running_worker, sleep_model
+from tests.helpers import make_config, ring_worker_process, running_worker, sleep_model
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -245,28 +245,12 @@ def test_a_ring_snapshot_that_is_not_a_cores_state_is_a_one_line_error(tmp_path:
 
 def test_the_worker_writes_its_ring_on_sigusr1(nats_url: str, prefix: str, tmp_path: Path) -> None:
     """`jetbatch worker --ring-minutes M --ring-path P`: SIGUSR1 writes the ring, and it replays."""
-    import os
     import signal
     import time
 
-    config = tmp_path / "worker.toml"
-    config.write_text(f'[nats]\nprefix = "{prefix}"\n[models.m1]\nhandler = "identity"\nmax_batch_size = 4\n')
     ring = tmp_path / "ring.jsonl"
-    env = {**os.environ, "JETBATCH_READY_LINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jetbatch", "worker", "--config", str(config), "--nats-url", nats_url, "--http-port", "off",
-         "--ring-minutes", "0.01", "--ring-path", str(ring)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None and " ready" in proc.stdout.readline()
-
-        async def traffic() -> None:
-            async with sdk.Client.connect(nats_url, prefix=prefix) as client:
-                for i in range(20):
-                    assert await client.infer(f"x{i}".encode(), model="m1", timeout=20) == f"x{i}".encode()
-
-        anyio.run(traffic)
+    text = f'[nats]\nprefix = "{prefix}"\n[models.m1]\nhandler = "identity"\nmax_batch_size = 4\n'
+    with ring_worker_process(nats_url, prefix, text, tmp_path, "--ring-path", str(ring)) as proc:
         proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + 30
         while not ring.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -276,7 +260,3 @@ def test_the_worker_writes_its_ring_on_sigusr1(nats_url: str, prefix: str, tmp_p
         assert result.ok and result.from_snapshot and result.events > 0, result
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=10)

@@ -27,10 +27,11 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from jetbatch.sdk.protocol import Headers, ProtocolError, ReplyPolicy, Subjects
+from jetbatch.sdk.protocol import Headers, ReplyPolicy, Subjects
 
 from .errors import TRANSPORT_ERRORS, SidecarError
 from .recording import RingRecorder
+from .status import allowed_reply
 
 __all__ = ["MAX_REQUEST_BYTES", "PENDING_REQUESTS", "RingRequest", "RingTransferError", "fetch_ring", "serve_ring"]
 
@@ -81,12 +82,8 @@ async def serve_ring(nc: NATS, subjects: Subjects, worker_id: str, ring: RingRec
     out = out or nc
 
     async def on_request(msg: Msg) -> None:
-        if not msg.reply:
+        if allowed_reply(msg, policy) is None:
             return
-        try:
-            policy.check(msg.reply)
-        except ProtocolError:
-            return  # nobody legitimate waits there
         try:
             await _answer(out, msg.reply, msg.data, ring)
         except TRANSPORT_ERRORS as exc:

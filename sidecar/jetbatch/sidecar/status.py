@@ -22,7 +22,7 @@ from jetbatch.sdk.protocol import ProtocolError, ReplyPolicy, SidecarReport, Sub
 from .errors import TRANSPORT_ERRORS
 from .cluster import CLAIM_PREFIX
 
-__all__ = ["StatusReport", "StatusService", "cluster_view", "collect_status", "serve_status"]
+__all__ = ["StatusReport", "StatusService", "allowed_reply", "cluster_view", "collect_status", "serve_status"]
 
 
 
@@ -64,12 +64,8 @@ async def serve_status(
     micro = MicroService(nc, subjects, first.role, report, policy, first.version or __version__, out=out)
 
     async def on_request(msg: Msg) -> None:
-        if not msg.reply:
+        if allowed_reply(msg, policy) is None:
             return
-        try:
-            policy.check(msg.reply)
-        except ProtocolError:
-            return  # nobody legitimate waits there
         started = time.perf_counter()
         await out.publish(msg.reply, _encoder.encode(report()))
         micro.note_status_request(time.perf_counter() - started)
@@ -77,6 +73,19 @@ async def serve_status(
     sub = await nc.subscribe(subjects.status_subject, cb=on_request)
     await micro.start()
     return StatusService(sub, micro)
+
+
+def allowed_reply(msg: Msg, policy: ReplyPolicy) -> str | None:
+    """Where a request to a sidecar's own subject (status, ring) may be answered: its reply
+    subject when the reply policy allows it (an inbox), else None: nobody legitimate waits there,
+    and the request gets no answer."""
+    if not msg.reply:
+        return None
+    try:
+        policy.check(msg.reply)
+    except ProtocolError:
+        return None
+    return msg.reply
 
 
 async def collect_status(nc: NATS, subjects: Subjects, *, wait_s: float = 0.5) -> list[StatusReport]:
