@@ -1,6 +1,7 @@
-"""A flood of cancel notices costs only the flooder (worker/control.py, docs/security.md): a
-tenant may publish to its own cancel subject as fast as it likes, and another tenant's requests
-are still answered, on a data connection nats-server never cuts."""
+"""A flood of cancel notices or forged coordination events costs only the flooder
+(worker/control.py, docs/security.md): a tenant may publish to its own cancel subject as fast as
+it likes, anyone may forge arrival and take events on an open server, and the other requests are
+still answered, on a data connection nats-server never cuts."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from jetbatch import sdk
 from jetbatch.sdk import failures
 from jetbatch.sdk.connection import connect_nats
+from jetbatch.sdk.protocol import Subjects
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats
 from jetbatch.sidecar.transport import connect
 from jetbatch.sidecar.worker import Worker
@@ -169,3 +171,47 @@ async def test_the_control_connection_lets_the_event_loop_turn_every_few_dozen_m
         await control.close()
         await sender.close()
         await main.close()
+
+
+async def test_forged_arrival_events_at_full_speed_never_cut_the_data_connection(small_buffer_server: EmbeddedNats) -> None:
+    """Arrival events (and take events, on the same connection) are read on a connection of their
+    own (worker/arrivals.py): read on the data connection, a flood of forged ones had nats-server
+    cut it as a slow consumer, and every request waited for the reconnect."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    url = small_buffer_server.url
+    config = make_config(prefix, {"m1": sleep_model(), "ghost": sleep_model()}, worker={"max_resident_models": 1})
+    errors: list[Exception] = []
+
+    async def record(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = await connect(config.nats, url)
+    nc._error_cb = record  # the worker's data connection: every error nats-py reports on it
+    worker = Worker(config, nc)
+    subjects = Subjects(prefix)
+    subject = subjects.arrived("ghost")
+    try:
+        async with anyio.create_task_group() as tg, sdk.Client.connect(url, prefix=prefix) as client:
+            tg.start_soon(worker.run)
+            with anyio.fail_after(20):
+                await worker.ready.wait()
+            await client.infer(b"warm", model="m1", timeout=10)
+            loads = worker.stats["loads"]
+            host, port = url.removeprefix("nats://").rsplit(":", 1)
+            with anyio.fail_after(60):
+                flooder = await anyio.open_process([sys.executable, "-c", FLOODER, host, port, subject, str(FLOOD_MSGS)], stdout=None, stderr=None)
+                for i in range(40):
+                    assert await client.infer(f"r{i}".encode(), model="m1", timeout=5) == f"r{i}".encode()
+                await flooder.wait()
+                await flooder.aclose()
+                assert flooder.returncode == 0
+            assert nc.stats["reconnects"] == 0 and not errors, errors
+            # The events' own connection took the cut, and came back.
+            await wait_until(lambda: worker.stats["events_connection_cuts"] >= 1, timeout_s=15, what="the events' connection cut")
+            assert worker.stats["loads"] == loads and not worker.slots["ghost"].resident
+            # Arrivals are heard again once the flood is over: a request is answered without
+            # waiting for a periodic count.
+            assert await client.infer(b"after", model="m1", timeout=10) == b"after"
+            worker.stop()
+    finally:
+        await nc.close()

@@ -182,6 +182,36 @@ def test_the_feed_reads_the_stream_sequence_of_an_arrival_and_nothing_forged() -
     assert [entry[3] for entry in slots["m1"].known_times] == [41, None, None, None, None, None, None]
 
 
+def test_an_arrival_event_that_lands_after_a_count_holding_its_request_is_not_counted_again() -> None:
+    """Events are read on a connection of their own, so one may land after the answer of a count
+    (whole, of its line, or a fetch's) that already holds its request: counted again, each such
+    event over-counted the line by one until the next count. A stream made again starts its
+    sequences over, and the next whole count says so."""
+    view, slots = _view("m1")
+    subjects = Subjects("p")
+    feed = ArrivalFeed(None, subjects, slots, view, on_arrival=lambda: None)
+    s = slots["m1"]
+    view.counted({"p.model.m1": 2}, 20, 1.0, subjects=subjects, mine={}, not_ours={}, mine_bulk={})
+    assert s.backlog == 2
+    for seq in ("19", "20"):  # stored before the count's last sequence: in it
+        feed.note(subjects.arrived("m1"), {"Nats-Sequence": seq}, now=1.1)
+    assert s.backlog == 2
+    feed.note(subjects.arrived("m1"), {"Nats-Sequence": "21"}, now=1.1)  # stored after it
+    feed.note(subjects.arrived("m1"), {}, now=1.1)  # no sequence: a hint, counted as before
+    assert s.backlog == 4
+    # A fetch of the batch line says what its consumer held when it delivered sequence 30.
+    view.fetched(s, 1, 0, bulk=True, last_seq=30)
+    feed.note(subjects.arrived("m1", "batch"), {"Nats-Sequence": "30"}, now=1.2)
+    assert s.bulk == 0
+    feed.note(subjects.arrived("m1"), {"Nats-Sequence": "30"}, now=1.2)  # the other line: not in that count
+    assert s.interactive == 5
+    # The stream was made again: a whole count at sequence 3 replaces what the counts held.
+    view.counted({}, 3, 2.0, subjects=subjects, mine={}, not_ours={}, mine_bulk={})
+    before = s.backlog
+    feed.note(subjects.arrived("m1"), {"Nats-Sequence": "4"}, now=2.1)
+    assert s.backlog == before + 1
+
+
 def _delivery(delivered: int, seq: int, *, stored_s: float = 5.0, headers: dict[str, str] | None = None) -> Msg:
     """A delivery of the models stream: its ack subject says how often it was delivered, its
     stream sequence, and when it was stored."""

@@ -12,20 +12,30 @@ from nats.aio.msg import Msg
 
 from jetbatch.sdk.protocol import Priority, ProtocolError, Subjects, deadline_from_headers
 
+from ..config import NatsConfig
 from ..errors import TRANSPORT_ERRORS
+from .control import ControlConnection
 from .counters import Counters
 from .late_arrivals import LateArrivals
 from .queues import MAX_PEER_HELD, QueueView
 from .slots import Slot, ack_info
 from .stream_facts import parse_stream_sequence, parse_stream_timestamp, request_key
 
-__all__ = ["WORKER_HEADER", "ArrivalFeed"]
+__all__ = ["EVENTS_READ_PER_S", "WORKER_HEADER", "ArrivalFeed"]
 
 log = logging.getLogger("jetbatch.worker")
 
 _MAX_TAKE_CHARS = 8
 _MAX_PEER_ID_CHARS = 128
 WORKER_HEADER = "Jetbatch-Worker"
+# Events a second the worker reads (arrivals and takes together): ten times what a worker that
+# serves a thousand requests a second hears. Beyond, they wait at the server, which cuts the
+# events' connection alone; each cut costs a count (``on_lost``).
+EVENTS_READ_PER_S = 20_000.0
+# Events waiting for their callback; beyond, nats-py drops them (counted: ``events_dropped``).
+_PENDING_EVENTS = 65_536
+# How long a re-listened line waits for the server to confirm its subscription before the count.
+_FLUSH_TIMEOUT_S = 1.0
 
 
 class ArrivalFeed:
@@ -47,7 +57,15 @@ class ArrivalFeed:
     (its first advert goes out after its start-up), an over-count its next count corrects, as for
     any lost event. The same rule holds for the events heard: a worker with no peer in view
     ignores every take event (``takes_unheard``), so a forged one cannot hide a lone worker's
-    requests; with peers in view, the check of the consumers bounds what one hides."""
+    requests; with peers in view, the check of the consumers bounds what one hides.
+
+    Both are read on a connection of their own (``worker/control.py``), never the one that carries
+    the pulls and acks: on a server where anyone may publish them, a flood of forged events at
+    full speed had nats-server cut the data connection as a slow consumer. The connection is
+    read at most :data:`EVENTS_READ_PER_S` events a second; what a flood drops is corrected by
+    the next count, asked at once after a cut (``on_lost``). An event may therefore land after a
+    count that holds its request: one stored at a sequence a count since includes is not counted
+    again (``QueueView.already_counted``)."""
 
     def __init__(
         self,
@@ -60,8 +78,15 @@ class ArrivalFeed:
         counters: Counters | None = None,
         cancelled: Callable[[str | None, str], bool] = lambda tenant, request_id: False,
         audience: Callable[[], bool] = lambda: True,
+        nats: NatsConfig | None = None,
+        on_lost: Callable[[], None] = lambda: None,
     ) -> None:
-        self._nc = nc
+        self._nc = nc  # where the take events are published, and where the events' connection goes
+        # ``nc`` only tells where to connect: the events never share its connection.
+        self._events = None if nc is None else ControlConnection(
+            nc, nats or NatsConfig(), read_per_s=EVENTS_READ_PER_S, counters=counters if counters is not None else Counters(),
+            what="events", name="jetbatch-worker-events", on_reconnected=on_lost,
+        )  # fmt: skip
         self._audience = audience
         self._subjects = subjects
         self._slots = slots
@@ -75,16 +100,29 @@ class ArrivalFeed:
         self.seen = 0
         self._counters = Counters() if counters is None else counters
         # Refusals at arrival (late_arrivals.py); it screens a quiet interactive line itself.
-        self.late = LateArrivals(nc, subjects, self._counters, lambda name: self._slots[name].config.max_batch_size)
+        self.late = LateArrivals(
+            nc, subjects, self._counters, lambda name: self._slots[name].config.max_batch_size, listen=lambda: self.connection,
+        )  # fmt: skip
+
+    @property
+    def connection(self) -> Any:
+        """The connection the events are read on (None before :meth:`start`, and without ``nc``)."""
+        return None if self._events is None else self._events.nc
 
     async def start(self) -> None:
-        """Subscribe (once: a retried startup calls it again)."""
+        """Connect and subscribe (once: a retried startup calls it again). The server has every
+        subscription when this returns: a count asked next sees what the events miss."""
+        if self._events is None:
+            return
+        await self._events.open()
         for name in self._slots:
             for bulk in (False, True):
                 if (name, bulk) not in self._subs and (name, bulk) not in self._quiet:
                     self._subs[(name, bulk)] = await self._subscribe(name, bulk)
         await self.follow_takes()
         await self.late.start()
+        assert self._events.nc is not None
+        await self._events.nc.flush(timeout=_FLUSH_TIMEOUT_S)
 
     @property
     def listening_to_takes(self) -> bool:
@@ -97,12 +135,13 @@ class ArrivalFeed:
         on an open server, read on the data connection, had nats-server cut it as a slow consumer.
         A peer's takes sent before this worker subscribed are missed, an over-count its next
         count corrects, as for any lost event."""
-        if self._nc is None:
+        events = self.connection
+        if events is None:
             return
         wanted = self._audience()
         try:
             if wanted and self._taken_sub is None:
-                self._taken_sub = await self._nc.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=1_000_000)
+                self._taken_sub = await events.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=_PENDING_EVENTS)
             elif not wanted and self._taken_sub is not None:
                 sub, self._taken_sub = self._taken_sub, None
                 await sub.unsubscribe()
@@ -111,7 +150,8 @@ class ArrivalFeed:
 
     async def _subscribe(self, name: str, bulk: bool) -> Any:
         subject = self._subjects.arrived(name, Priority.BATCH if bulk else Priority.INTERACTIVE)
-        return await self._nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=1_000_000)
+        assert self._events is not None and self._events.nc is not None, "start() first"
+        return await self._events.nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=_PENDING_EVENTS)
 
     @property
     def quiet_lines(self) -> frozenset[tuple[str, bool]]:
@@ -170,6 +210,8 @@ class ArrivalFeed:
         await self.late.stop()
         self._subs.clear()
         self._quiet.clear()
+        if self._events is not None:
+            await self._events.close()
 
     async def _on_msg(self, msg: Msg) -> None:
         if not self._refused(msg.subject, msg.headers):
@@ -196,8 +238,13 @@ class ArrivalFeed:
             return
         now = time.time() if now is None else now
         headers = headers or {}
+        bulk = queue[1] is Priority.BATCH
+        seq = parse_stream_sequence(headers.get("Nats-Sequence"))
+        if self._view.already_counted(slot.name, bulk, seq):
+            self._counters.add("arrivals_counted_already")
+            return
         at = parse_stream_timestamp(headers.get("Nats-Time-Stamp"))
-        self._arrived(slot, at, headers, queue[1] is Priority.BATCH, parse_stream_sequence(headers.get("Nats-Sequence")), now)
+        self._arrived(slot, at, headers, bulk, seq, now)
         self.seen += 1
         if at is not None and 0 <= now - at < 60:  # a forged or far-off timestamp measures nothing
             self._counters.sample("arrival_delay", now - at)

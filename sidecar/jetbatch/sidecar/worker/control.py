@@ -111,7 +111,8 @@ class ControlConnection:
     credentials of ``nats``) and read at most ``read_per_s`` messages a second (a message of
     more than 4 KiB counts once more per 4 KiB). Counts, into ``counters``: ``<what>_dropped``
     for each message its subscriptions' pending limit dropped, ``<what>_connection_cuts`` for each
-    time it was cut and reconnected (the server dropped what it held for it)."""
+    time it was cut and reconnected (the server dropped what it held for it), after which it calls
+    ``on_reconnected``."""
 
     def __init__(
         self,
@@ -122,8 +123,10 @@ class ControlConnection:
         counters: Counters,
         what: str,
         name: str,
+        on_reconnected: Callable[[], None] = lambda: None,
     ) -> None:
         self._main = nc
+        self._reconnected = on_reconnected
         self._nats = nats
         self._read = RateBound(read_per_s, read_per_s * _PAUSE_S * 10)
         self._counters = counters
@@ -168,6 +171,7 @@ class ControlConnection:
 
     async def _on_reconnected(self) -> None:
         self._counters.add(f"{self._what}_connection_cuts")
+        self._reconnected()
 
 
 def _bound_reads(nc: NATS, bound: RateBound) -> None:

@@ -73,6 +73,8 @@ WORKER_ADMIT_FRACTION = 0.7
 MAX_REFUSING = 256
 _REFUSE_TIMEOUT_S = 2.0
 _REFUSED_SEQS_KEPT = 1024
+# Arrivals of a quiet line waiting for the screen; beyond, nats-py drops them (unscreened).
+_PENDING_SCREENED = 65_536
 _POLICY = ReplyPolicy()
 
 
@@ -80,9 +82,11 @@ class LateArrivals:
     """The adverts' view of each model's queue, fed every arrival this worker counts."""
 
     def __init__(
-        self, nc: Any, subjects: Subjects, counters: Counters, batch_size: Callable[[str], int], fraction: float = WORKER_ADMIT_FRACTION
+        self, nc: Any, subjects: Subjects, counters: Counters, batch_size: Callable[[str], int], fraction: float = WORKER_ADMIT_FRACTION,
+        *, listen: Callable[[], Any] = lambda: None,
     ) -> None:
         self._nc = nc
+        self._listen = listen  # the connection arrival events are read on (the feed's own), once open
         self._subjects = subjects
         self._counters = counters
         self._batch_size = batch_size  # a served model's max_batch_size: a request's own batch takes one
@@ -154,7 +158,8 @@ class LateArrivals:
     async def follow(self, model: str) -> None:
         """Screen ``model``'s interactive arrivals on a subscription of our own (its line is quiet:
         the feed does not hear them). Best effort: refused, the line goes unscreened, as before."""
-        if model in self._follows or self._nc is None:
+        events = self._listen()
+        if model in self._follows or self._nc is None or events is None:
             return
 
         async def on_arrival(msg: Any) -> None:
@@ -162,7 +167,7 @@ class LateArrivals:
 
         try:
             subject = self._subjects.arrived(model, Priority.INTERACTIVE)
-            self._follows[model] = await self._nc.subscribe(subject, cb=on_arrival, pending_msgs_limit=1_000_000)
+            self._follows[model] = await events.subscribe(subject, cb=on_arrival, pending_msgs_limit=_PENDING_SCREENED)
         except TRANSPORT_ERRORS + (ValueError,) as exc:
             log.debug("arrivals of %s not screened: %r", model, exc)
 

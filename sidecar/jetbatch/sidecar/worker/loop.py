@@ -121,7 +121,7 @@ class Worker:
         self.cancellations = Cancellations(nc, self.subjects, on_cancel=self._on_cancel, counters=self.stats, nats=config.nats)
         self.arrivals = ArrivalFeed(
             nc, self.subjects, self.slots, self.queues, on_arrival=lambda: self.executor.wake_up(), worker_id=self.worker_id, counters=self.stats,
-            cancelled=self.cancellations.cancelled, audience=lambda: self.peers.heard(),
+            cancelled=self.cancellations.cancelled, audience=lambda: self.peers.heard(), nats=config.nats, on_lost=self._note_trouble,
         )  # fmt: skip
 
         self.pullers = Pullers(
@@ -271,8 +271,10 @@ class Worker:
         try:
             await self._run()
         finally:
-            # The cancel notices' own connection is closed on every way out, a failed start too.
+            # The events' and the cancel notices' own connections are closed on every way out, a
+            # failed start too.
             with anyio.CancelScope(shield=True):
+                await self.arrivals.stop()
                 await self.cancellations.stop()
 
     async def _run(self) -> None:
@@ -327,7 +329,7 @@ class Worker:
             costs=self.costs, budget=self.budget, in_flight=self.state.in_flight.by_model(self.subjects.model_from_subject),
             stats={
                 **self.stats.snapshot(), **self.pullers.counts(),
-                "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc, self.cancellations.connection),
+                "unreadable_messages": unreadable_messages(self.nc, self.replier.reply_nc, self.cancellations.connection, self.arrivals.connection),
                 # Adverts under this worker's id that it did not put: another live worker shares it.
                 "duplicate_id_adverts": self.peers.cluster.duplicate_adverts if self.peers.cluster is not None else 0,
             },
