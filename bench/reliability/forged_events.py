@@ -9,7 +9,9 @@ a 5 s timeout: ``--seconds`` quiet, then ``--seconds`` while a raw client floods
 - ``takes``: take events of ``real`` claiming a peer took 100 000 of its requests (the most a
   take may say), under ``--peers`` made-up worker ids, each message another;
 - ``arrivals``: arrival events of ``ghost`` with a timestamp 5 s old and sequences far past the
-  stream's (the most urgent-looking queue there is).
+  stream's (the most urgent-looking queue there is);
+- ``nobody``: the arrivals' messages on a subject nobody reads, the control: what the flood costs
+  the host and nats-server alone (the flooder runs on the worker's host).
 
 Side by side: ``real``'s p50, p99, max and errors in each phase, the loads the worker made in each
 (``ghost`` must get none), and the worker's counters of checked and refuted events.
@@ -49,7 +51,7 @@ def forged(target: str, subjects: Subjects, peers: int) -> dict[str, Any]:
         return {"subject": subjects.taken("real"), "data": "+100000", "headers": {"Jetbatch-Worker": peer}}
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S.000000000Z", time.gmtime(time.time() - 5))
     return {
-        "subject": subjects.arrived("ghost"), "data": "",
+        "subject": subjects.arrived("ghost") if target == "arrivals" else f"{subjects.prefix}.nobody", "data": "",
         "headers": {"Nats-Time-Stamp": stamp, "Nats-Sequence": "100000000000{i}"},
     }  # fmt: skip
 
@@ -89,13 +91,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=100.0, help="requests a second to the real model")
-    parser.add_argument("--targets", default="takes,arrivals", help="comma-separated: takes, arrivals (each on a fresh server)")
+    parser.add_argument("--targets", default="takes,arrivals", help="comma-separated: takes, arrivals, nobody (each on a fresh server)")
     parser.add_argument("--peers", type=int, default=1, help="made-up worker ids of the forged takes (1, or one a message)")
     parser.add_argument("--json", default=None, help="append each target's record to this file (one JSON object per line)")
     args = parser.parse_args()
     targets = args.targets.split(",")
-    if any(t not in ("takes", "arrivals") for t in targets):
-        parser.error(f"targets are takes and arrivals, got {args.targets}")
+    if any(t not in ("takes", "arrivals", "nobody") for t in targets):
+        parser.error(f"targets are takes, arrivals and nobody, got {args.targets}")
     for target in targets:
         config = harness.config(SECTIONS, tag="fe")
         with tempfile.TemporaryDirectory() as tmp, harness.server() as server:
