@@ -191,10 +191,11 @@ class SimExecution:
         self.sim.wake(worker, ready, f"done:load:{decision.model}:{tier}:{duration}")
 
     def _load_overhead_s(self) -> float:
-        """The control plane's part of a load: the consumer check, the claims and their release,
-        and the advert after it (and before it, with peers): key-value round trips."""
-        adverts = 2 if len(self.sim.workers) > 1 else 1  # before the load only when peers listen
-        return self.sim.w.control.load_overhead_s + self.sim.control_s("claim_s") + sum(self.sim.control_s("advert_s") for _ in range(adverts))
+        """The control plane's part of a load that the load waits for: the consumer check, the
+        claims, and with peers an advert (key-value round trips). The advert after the load and
+        the claims' release run beside its first batch, live, and hold nothing."""
+        advert_s = self.sim.control_s("advert_s") if len(self.sim.workers) > 1 else 0.0  # before the load only when peers listen
+        return self.sim.w.control.load_overhead_s + self.sim.control_s("claim_s") + advert_s
 
     def finish(self, worker: SimWorker, kind: str) -> None:
         _, what, model, arg, duration_text = kind.split(":", 4)

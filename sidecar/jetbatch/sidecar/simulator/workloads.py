@@ -16,13 +16,13 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     decision_s = 0.00025                # CPU seconds of one decision, plus
     decision_per_model_s = 0.0000075    # ... per model the policy looks at (policy/visible.py)
     arrival_delay_s = 0.0005            # from a request's store to the worker knowing of it
-    load_overhead_s = 0.003             # per load: the consumer check, adverts and claims
+    load_overhead_s = 0.003             # per load: the consumer check
     batch_overhead_s = 0.001            # per batch, before compute: the fetch and the thread hop
     answer_s = 0.0013                   # per batch, after compute: store the answers, reply (off the device)
     consumer_create_s = 0.002           # a model's first load (consumers on demand): make its consumer
     consumer_idle_s = 600.0             # ... again after this long unused (streams.consumer_idle_s)
-    claim_s = 0.002                     # per load: claim the models it touches, release them
-    advert_s = 0.002                    # per advert of a load (after it; before it too with peers)
+    claim_s = 0.002                     # per load: claim the models it touches (the release is off the path)
+    advert_s = 0.002                    # per load with peers: the advert before it
     cv = { consumer_create_s = 1.0 }    # spread of a round trip (lognormal, mean kept): claim_s,
                                         # advert_s, consumer_create_s, answer_s, batch_overhead_s
     [models.m1]
@@ -138,9 +138,10 @@ class Control:
     # consumer is a Raft group (bench/scale/consumers.py). 0 for "eager" consumers.
     consumer_create_s: float = 0.002
     consumer_idle_s: float = 600.0  # the server removes a consumer nobody pulled from this long
-    # A load claims its models and releases them, and advertises after it (and before it, with
-    # peers): key-value round trips, about 1 ms each on one server, 4-20 ms on the loaded 3-node
-    # test cluster (bench/scale/control_plane.py).
+    # A load claims its models (and with peers advertises) before it: key-value round trips,
+    # about 1 ms each on one server, 4-20 ms on the loaded 3-node test cluster
+    # (bench/scale/control_plane.py). The advert after it and the release run beside its first
+    # batch: the simulator does not charge them.
     claim_s: float = 0.002
     advert_s: float = 0.002
     # A worker that stops serving a model's batches counts that model's interactive line (a

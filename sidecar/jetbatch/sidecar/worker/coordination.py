@@ -58,7 +58,7 @@ class Coordinator:
         self._report = report
         self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
         self._live: dict[str, float] = {}  # the peers in view at the last departed() call, and when each started
-        self._claim_s = 0.0  # how long the claim of the load under way took
+        self._settling: anyio.Event | None = None  # set once the last load's advert and release are done
         self._names = list(slots or ())  # the registered models, as adverts name them (hashed once: cluster.py)
 
     @property
@@ -238,6 +238,10 @@ class Coordinator:
         ``for_backlog`` False: a load the config asks for (pin, preload), made whatever waits."""
         if self.cluster is None:
             return []
+        if self._settling is not None:
+            # The last load's release first: a claim of a model it still holds would be refused
+            # as a peer's (its keys are ours until deleted).
+            await self._settling.wait()
         # Claimed even with no peer in view: a peer that started a moment ago is not in it yet
         # (the failover bench saw two workers load the same first model at startup).
         held = self.cluster.held_by_peers()
@@ -252,15 +256,13 @@ class Coordinator:
         touched = [slot.name, *evict]
         started = time.perf_counter()
         claimed = await self.cluster.claim(touched)
-        self._claim_s = time.perf_counter() - started  # sampled with its release (worker/counters.py)
+        self._counters.sample("claim", time.perf_counter() - started)
         if claimed is False:
             log.info("another worker is changing the placement of %s now: standing back", " or ".join(sorted(touched)))
             self.stand_back(slot.name)
-            self._counters.sample("claim", self._claim_s)
             return None
         if claimed is None and slot.name in held:
             self.stand_back(slot.name)
-            self._counters.sample("claim", self._claim_s)
             return None  # no claim could be had: never take a peer's model without one
         if claimed and for_backlog and self.share(slot) == 0:
             # A peer that loaded it just before our claim has said so by now: its advert precedes
@@ -283,11 +285,25 @@ class Coordinator:
         await self.advertise()
         await self.release(claimed)
 
+    def loaded_soon(self, tg: anyio.abc.TaskGroup, claimed: list[str]) -> None:
+        """:meth:`loaded` in ``tg``, beside the loaded model's first batch: two key-value round
+        trips (3-4 ms) that no request waits for. The next claim waits for it."""
+        if self.cluster is None:
+            return
+        settling = self._settling = anyio.Event()
+
+        async def settle() -> None:
+            try:
+                await self.loaded(claimed)
+            finally:
+                settling.set()
+
+        tg.start_soon(settle)
+
     async def release(self, models: list[str]) -> None:
         if self.cluster is None:
             return
         started = time.perf_counter()
         await self.cluster.release(models)
-        self._counters.sample("claim", self._claim_s + time.perf_counter() - started)  # a claim's cost includes its release
-        self._claim_s = 0.0
+        self._counters.sample("release", time.perf_counter() - started)
 

@@ -12,7 +12,8 @@ __all__ = ["STEPS", "Counters", "add_sample"]
 
 # step -> what it times
 STEPS = {
-    "claim": "a placement change's key-value claims and their release",
+    "claim": "a placement change's key-value claims, before its load",
+    "release": "giving a placement change's claims back, after its load (beside its first batch)",
     "advert": "one advert put in the workers' bucket",
     "consumer_create": "making a model's consumer (on demand, at its first load)",
     "answer": "storing and sending one batch's answers",

@@ -175,7 +175,7 @@ class Executor:
     async def _do_load(self, tg: anyio.abc.TaskGroup, action: LoadModel) -> None:
         await self.lines.follow_arrivals(leaving=True)  # a load holds the worker for its whole time
         await self.lines.hand_back_leftovers(action.evict)
-        await self.loads.load(self.slots[action.model], tuple(action.evict), reason=action.reason)
+        await self.loads.load(self.slots[action.model], tuple(action.evict), reason=action.reason, tg=tg)
         # And what a victim's pull requests still open at the hand-back (a window's stays open
         # past its close) delivered during the load: back now, not at the next refresh's
         # hand-back of models not on the device.

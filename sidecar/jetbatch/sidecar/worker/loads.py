@@ -32,6 +32,9 @@ __all__ = ["Loads"]
 
 log = logging.getLogger("jetbatch.worker")
 
+# How long a load cut short (the worker stopping) still tries to advertise and give its claim back.
+_SETTLE_ON_FAILURE_S = 2.0
+
 
 class Loads:
     """Carries out loads and what stands in for them."""
@@ -79,7 +82,12 @@ class Loads:
             if not slot.resident and slot.broken is None:
                 log.warning("not preloading %s: peers held its claim for %.0f s", slot.name, self.config.worker.startup_timeout_s)
 
-    async def load(self, slot: Slot, evict: tuple[str, ...], *, reason: str, for_backlog: bool = True) -> None:
+    async def load(
+        self, slot: Slot, evict: tuple[str, ...], *, reason: str, for_backlog: bool = True, tg: anyio.abc.TaskGroup | None = None
+    ) -> None:
+        """Load ``slot`` evicting ``evict`` under the peers' claims. ``tg``: where the advert and
+        the claim's release after the load run, beside the model's first batch (without it,
+        before this returns)."""
         if for_backlog and not slot.resident and not await self.lines.look(slot):
             return  # what the events said waits, the stream does not store
         if for_backlog and not slot.resident:
@@ -106,19 +114,26 @@ class Loads:
         if claimed is None:
             return
         try:
-            async with anyio.create_task_group() as tg:
+            async with anyio.create_task_group() as loading:
                 # The model's consumer is made while the model loads: on a replicated stream it is
                 # a Raft group, tens of milliseconds that need not add to the load.
-                tg.start_soon(self._consumer, slot)
+                loading.start_soon(self._consumer, slot)
                 loaded = await self.residency.load(slot, evict, reason=reason)
             if loaded:
                 # An empty fetch from before this load says nothing of the queue now: the first
                 # one after it is fetched again, not held back as a second in a row.
                 self.lines.fetched_some(slot)
-        finally:
+        except BaseException:
             self.residency.announce_loading(None)
-            # Resident now: peers count our drain at once, before the claim is given back.
+            with anyio.move_on_after(_SETTLE_ON_FAILURE_S, shield=True):
+                await self.peers.loaded(claimed)
+            raise
+        self.residency.announce_loading(None)
+        # Resident now: peers count our drain at once, before the claim is given back.
+        if tg is None:
             await self.peers.loaded(claimed)
+        else:
+            self.peers.loaded_soon(tg, claimed)
 
     async def reap(self, slot: Slot, horizon_s: float = 0.0) -> None:
         """One batch of an abandoned queue answered and acked, with no load and no compute:
