@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import anyio
+import pytest
+
 from jetbatch.sidecar.worker.counters import Counters
 from jetbatch.sidecar.worker.state import InFlight, LoopState
 
@@ -131,3 +134,53 @@ def test_a_queue_is_left_only_to_a_peer_that_serves_its_model() -> None:
     assert peers.deferred(now=100.5) == {"m1": 102.0}  # one load time from the queue's head
     view.live = {peer: advert(["m2"])}
     assert peers.deferred(now=100.5) == {}
+
+
+@pytest.mark.anyio
+async def test_a_claim_waits_for_the_last_loads_release_that_runs_beside_its_batch() -> None:
+    """A load's advert and release run in the worker's task group beside its first batch
+    (``Coordinator.loaded_soon``); a claim made meanwhile would find our own claim keys and
+    stand back as if a peer held them, so the next claim waits for the release."""
+    from jetbatch.sidecar.worker.coordination import Coordinator
+
+    released = anyio.Event()
+    order: list[str] = []
+
+    class View:
+        def peers(self, now: float | None = None) -> dict[str, SimpleNamespace]:
+            return {}
+
+        def held_by_peers(self) -> set[str]:
+            return set()
+
+        async def advertise(self, advert: object, *, names: object = None) -> None:
+            order.append("advert")
+
+        async def release(self, models: list[str]) -> None:
+            await released.wait()
+            order.append(f"release {models}")
+
+        async def claim(self, models: list[str]) -> bool:
+            order.append(f"claim {models}")
+            return True
+
+    residency = SimpleNamespace(announce_loading=lambda name: None)
+    peers = Coordinator(
+        View(), worker_id="w0", slots={}, queues=None, residency=residency, driver=None, budget=None, counters=Counters(),  # type: ignore[arg-type]
+        heartbeat_s=1.0, report=lambda: None,  # type: ignore[arg-type,return-value]
+    )  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        peers.loaded_soon(tg, ["m1"])
+        with anyio.fail_after(5):
+            claiming = anyio.Event()
+
+            async def claim() -> None:
+                await peers.claim_load(SimpleNamespace(name="m2"), ("m1",), for_backlog=False)  # type: ignore[arg-type]
+                claiming.set()
+
+            tg.start_soon(claim)
+            await anyio.wait_all_tasks_blocked()
+            assert order == ["advert"] and not claiming.is_set()  # the release holds the next claim
+            released.set()
+            await claiming.wait()
+    assert order == ["advert", "release ['m1']", "claim ['m2', 'm1']"]
