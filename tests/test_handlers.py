@@ -5,6 +5,8 @@ file missing at startup."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import logging
 import warnings
 from pathlib import Path
@@ -483,3 +485,30 @@ def test_a_model_refused_at_load_keeps_torchs_whole_message_on_one_bounded_line(
     message = str(info.value)
     assert message.startswith("model m: cannot be served: Trying to run with exported input tree spec: the useful part xxx")
     assert "\n" not in message and len(message) <= 1100
+
+
+def test_a_worker_of_sleeps_and_identities_never_imports_torch_nor_do_the_classifiers_modules() -> None:
+    """``import torch`` costs seconds and about 500 MiB: a worker whose handlers do not use it
+    (``Handler.uses_torch``) never imports it, nor does a classifier without a torch router; a
+    function handler, a module format or a named device does (the device is checked then)."""
+    from jetbatch.sidecar.handlers import models_use_torch
+
+    script = (
+        "import sys\n"
+        "from jetbatch.sidecar.worker import Worker\n"
+        "from jetbatch.sidecar.classifier import Classifier\n"
+        "from tests.helpers import make_config, sleep_model\n"
+        "config = make_config('p', {'m1': sleep_model(), 'm2': {'handler': 'identity'}})\n"
+        "class Conn:\n"
+        "    def jetstream(self, **kw): return None\n"
+        "worker = Worker(config, Conn())\n"
+        "assert worker.device == 'cpu', worker.device\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sleep, function = ModelConfig(handler="sleep"), ModelConfig(handler="function", function="json:dumps")
+    assert not models_use_torch({"a": sleep, "b": ModelConfig(handler="identity")}, "auto")
+    assert models_use_torch({"a": sleep, "b": function}, "auto")
+    assert models_use_torch({"a": sleep}, "cuda:0")  # a named device is checked, so torch is needed
+    assert models_use_torch({"a": ModelConfig(handler="tests.fault_handlers:NoSuchHandler")}, "cpu")  # unknown: its error comes elsewhere

@@ -59,7 +59,7 @@ async def _work_done(url: str, prefix: str, registered: int, monkeypatch: pytest
     """A worker registering ``registered`` models, five of them waiting, one holding requests
     back: the slots read (and names walked) by a count, a turn, and a report."""
     made = loop._make_slots
-    monkeypatch.setattr(loop, "_make_slots", lambda config, device: CountingSlots(made(config, device)))
+    monkeypatch.setattr(loop, "_make_slots", lambda config, handlers, device: CountingSlots(made(config, handlers, device)))
     config = make_config(prefix, {f"m{i:05d}": sleep_model() for i in range(registered)})
     nc = await nats.connect(url)
     try:

@@ -12,8 +12,6 @@ from jetbatch.sdk.protocol import ContentType, ErrorCode, ProtocolError, decode_
 
 from ..config import ClassifierConfig, ConfigError
 from ..handlers import HandlerError, import_object, read_module
-from ..handlers.exported import export_input_spec
-from ..handlers.structure import tensor_from_list
 from ..replies import client_message
 
 __all__ = ["CallableRouter", "Item", "Route", "Router", "RulesRouter", "TorchRouter", "check_router_config", "make_router"]
@@ -103,6 +101,8 @@ class TorchRouter(Router):
             if hasattr(self.module, "eval"):
                 self.module.eval()
         if self.input_shape is None and self.cfg.handler == "export":  # only a program declares it
+            from ..handlers.exported import export_input_spec  # torch: only the torch router imports it
+
             spec = export_input_spec(self.module)
             if spec is not None and spec.shape is not None:
                 self.input_shape = spec.shape
@@ -204,6 +204,8 @@ class TorchRouter(Router):
     def _tensor(self, item: Item) -> Any:
         """The request's input as a float32 tensor of the configured shape; ProtocolError if not."""
         import torch
+
+        from ..handlers.structure import tensor_from_list
 
         value = item.payload()
         if isinstance(value, list):

@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jetbatch.sidecar.config import load_config
-    from jetbatch.sidecar.handlers import HandlerError, check_model_configs, resolve_device
+    from jetbatch.sidecar.handlers import HandlerError, check_model_configs, models_use_torch, resolve_device
     from jetbatch.sidecar.runtime import serve_sidecar
     from jetbatch.sidecar.worker import Worker
 
@@ -32,11 +32,12 @@ def run(args: argparse.Namespace) -> int:
     if not config.models:
         raise CliError(f"{args.config}: no [models.<name>] section: a worker needs a model to serve")
     check_connection_files(config, args.config)
-    try:
-        resolve_device(config.worker.device)
-    except HandlerError as exc:
-        raise CliError(f"{args.config}: worker.device: {exc}") from None
     check_model_configs(config.models, args.config)  # a bad handler or module_class names its file and key now
+    if models_use_torch(config.models, config.worker.device):  # else torch is never imported
+        try:
+            resolve_device(config.worker.device)
+        except HandlerError as exc:
+            raise CliError(f"{args.config}: worker.device: {exc}") from None
     url = args.nats_url or config.nats.url
     if not url:
         raise CliError("no NATS server: pass --nats-url, set NATS_URL or nats.url, or use `jetbatch up` for an embedded one")

@@ -14,16 +14,17 @@ Built in (the ``handler`` key of ``[models.<name>]``):
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..config import ConfigError, ModelConfig
-from .base import BadInput, Handler, HandlerError, import_object, resolve_device, tensor_bytes
-from .modules import InputSpec, ModuleHandler, StateDictHandler, TorchScriptHandler
-from .exported import ExportHandler
-from .huggingface import TransformersHandler
+from .base import BadInput, Handler, HandlerError, import_object, resolve_device, tensor_bytes, uses_torch
 from .simple import FunctionHandler, IdentityHandler, SleepHandler
+
+if TYPE_CHECKING:
+    from .exported import ExportHandler
+    from .huggingface import TransformersHandler
+    from .modules import InputSpec, ModuleHandler, StateDictHandler, TorchScriptHandler
 
 __all__ = [
     "BUILTIN_HANDLERS",
@@ -39,29 +40,60 @@ __all__ = [
     "StateDictHandler",
     "TorchScriptHandler",
     "TransformersHandler",
+    "builtin_handler",
     "check_model_configs",
+    "models_use_torch",
     "create_handler",
     "import_object",
     "read_module",
     "resolve_device",
     "tensor_bytes",
+    "uses_torch",
 ]
 
-BUILTIN_HANDLERS: dict[str, type[Handler]] = {
-    "export": ExportHandler,
-    "state_dict": StateDictHandler,
-    "function": FunctionHandler,
-    "torchscript": TorchScriptHandler,
-    "identity": IdentityHandler,
-    "sleep": SleepHandler,
-    "transformers": TransformersHandler,
+# The handlers built on torch, imported when first named (``import torch`` costs seconds and about
+# 500 MiB: a worker of sleeps or identities never pays it).
+_TORCH_HANDLERS = {
+    "ExportHandler": ".exported",
+    "InputSpec": ".modules",
+    "ModuleHandler": ".modules",
+    "StateDictHandler": ".modules",
+    "TorchScriptHandler": ".modules",
+    "TransformersHandler": ".huggingface",
 }
+
+
+def __getattr__(name: str) -> Any:
+    module = _TORCH_HANDLERS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
+
+
+# ``handler`` name -> the module and class of a built-in handler, imported when a model names it.
+BUILTIN_HANDLERS: dict[str, tuple[str, str]] = {
+    "export": (".exported", "ExportHandler"),
+    "state_dict": (".modules", "StateDictHandler"),
+    "function": (".simple", "FunctionHandler"),
+    "torchscript": (".modules", "TorchScriptHandler"),
+    "identity": (".simple", "IdentityHandler"),
+    "sleep": (".simple", "SleepHandler"),
+    "transformers": (".huggingface", "TransformersHandler"),
+}
+
+
+def builtin_handler(name: str) -> type[Handler] | None:
+    """The class of the built-in handler ``name`` (None: not a built-in one)."""
+    where = BUILTIN_HANDLERS.get(name)
+    if where is None:
+        return None
+    return getattr(importlib.import_module(where[0], __name__), where[1])  # type: ignore[no-any-return]
 
 
 def create_handler(name: str, config: ModelConfig) -> Handler:
     """Instantiate the handler a model's config names; :class:`HandlerError` explains failures."""
     spec = config.handler
-    cls: Any = BUILTIN_HANDLERS.get(spec)
+    cls: Any = builtin_handler(spec)
     if cls is None:
         cls = import_object(spec, what=f"model {name}: handler", builtins=BUILTIN_HANDLERS, key="handler")
         if not (isinstance(cls, type) and issubclass(cls, Handler)):
@@ -72,6 +104,23 @@ def create_handler(name: str, config: ModelConfig) -> Handler:
         raise
     except Exception as exc:
         raise HandlerError(f"model {name}: handler {spec!r} failed to initialise: {exc}", key="handler") from exc
+
+
+def models_use_torch(models: Mapping[str, ModelConfig], device: str) -> bool:
+    """Whether a worker serving ``models`` on ``device`` needs torch (:func:`uses_torch`), read from
+    the handlers' classes (a custom one is imported; none is made)."""
+    if device not in ("auto", "cpu"):
+        return True
+    for name, mcfg in models.items():
+        cls = builtin_handler(mcfg.handler)
+        if cls is None:
+            try:
+                cls = import_object(mcfg.handler, what=f"model {name}: handler", key="handler")
+            except HandlerError:
+                return True  # reported by check_model_configs
+        if getattr(cls, "uses_torch", True):
+            return True
+    return False
 
 
 def check_model_configs(models: Mapping[str, ModelConfig], source: str) -> None:
@@ -93,8 +142,11 @@ def check_model_configs(models: Mapping[str, ModelConfig], source: str) -> None:
 def read_module(fmt: str, path: str, *, module_class: str | None = None, module_kwargs: dict[str, Any] | None = None) -> Any:
     """Read a module in one of the built-in formats onto the CPU (the classifier's router uses it)."""
     config = ModelConfig(handler=fmt, path=path, module_class=module_class, module_kwargs=module_kwargs or {})
-    classes: dict[str, type[ModuleHandler]] = {"export": ExportHandler, "state_dict": StateDictHandler, "torchscript": TorchScriptHandler}
-    handler = classes[fmt]("router", config)
+    import torch
+
+    cls = builtin_handler(fmt)
+    assert cls is not None and issubclass(cls, Handler), fmt
+    handler = cls("router", config)
     handler.check()
     handler.read_weights()
     handler.load(torch.device("cpu"))

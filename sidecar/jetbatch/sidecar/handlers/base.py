@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
-
-from jetbatch.sdk.protocol import ContentType, ProtocolError, decode_payload, encode_payload
+from jetbatch.sdk.protocol import ContentType, ProtocolError, Tensor, decode_payload, encode_payload
 
 from ..config import ModelConfig
 from ..errors import SidecarError
-from .structure import to_torch
 
-__all__ = ["BadInput", "Handler", "HandlerError", "import_object", "resolve_device", "tensor_bytes"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BadInput", "Handler", "HandlerError", "import_object", "resolve_device", "tensor_bytes", "to_torch", "uses_torch"]
 
 
 class HandlerError(SidecarError):
@@ -48,7 +49,11 @@ class BadInput(SidecarError, ValueError):
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto``: the first CUDA device when available, else CPU."""
+    """``auto``: the first CUDA device when available, else CPU. Imports torch (seconds, and about
+    500 MiB of the process): a worker whose handlers do not use it never calls this
+    (:func:`uses_torch`)."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -58,6 +63,24 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise HandlerError(f"device {name!r} requested but CUDA is not available")
     return device
+
+
+def uses_torch(handlers: Iterable["Handler"], device: str) -> bool:
+    """Whether a worker with these handlers needs torch: one of them uses it, or the device is
+    named (``cuda:0``: checked as configured, whatever the handlers)."""
+    return device not in ("auto", "cpu") or any(h.uses_torch for h in handlers)
+
+
+def to_torch(value: Any) -> Any:
+    """Wire tensors (one, a tuple, a mapping) as torch tensors (zero-copy views); other values as
+    they are. Torch is imported by the first wire tensor (``Tensor.to_torch``), not before."""
+    if isinstance(value, Tensor):
+        return value.to_torch()
+    if isinstance(value, tuple) and value and all(isinstance(v, Tensor) for v in value):
+        return tuple(v.to_torch() for v in value)
+    if isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
+        return {k: v.to_torch() for k, v in value.items()}
+    return value
 
 
 def tensor_bytes(module: Any) -> int:
@@ -89,15 +112,23 @@ class Handler(ABC):
     # bench.overhead.thread_hop``) would cost more than. Otherwise in a worker thread, so that a slow
     # batch never stops the loop.
     inline = False
+    # Whether the handler needs torch (a device, tensors). A worker whose handlers all say no never
+    # imports it: half a gigabyte and seconds of start-up for a worker of functions or sleeps.
+    uses_torch = True
 
     def __init__(self, name: str, config: ModelConfig) -> None:
         self.name = name
         self.config = config
         self.options = dict(config.options)
-        self.device = torch.device("cpu")
+        self.device: Any = "cpu"
         # The device the worker will load onto; set before any tier move so the host copy can be
         # pinned for fast host-to-device copies when it is CUDA.
-        self.target_device = torch.device("cpu")
+        self.target_device: Any = "cpu"
+        if self.uses_torch:
+            import torch
+
+            self.device = torch.device("cpu")
+            self.target_device = torch.device("cpu")
 
     def check(self) -> None:
         """Raise :class:`HandlerError` if the model cannot possibly load (a missing or unreadable

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import ModelConfig
 from .base import Handler, HandlerError, import_object
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FunctionHandler", "IdentityHandler", "SleepHandler"]
 
@@ -23,6 +24,7 @@ class IdentityHandler(Handler):
     """Returns each input as its output."""
 
     inline = True  # a list copy: far cheaper than a thread's round trip
+    uses_torch = False
 
     def load(self, device: torch.device) -> None:
         self.device = device
@@ -41,6 +43,8 @@ class SleepHandler(Handler):
     work for one release, with a warning). ``fail_on``: a payload (bytes or str) that makes the batch raise, for poison tests.
     ``warm_load_cost_s``: the load time when the model is warm (default: a tenth of a cold load).
     """
+
+    uses_torch = False
 
     def __init__(self, name: str, config: ModelConfig) -> None:
         super().__init__(name, config)

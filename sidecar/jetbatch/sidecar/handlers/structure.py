@@ -22,18 +22,7 @@ import torch
 
 from jetbatch.sdk.protocol import Tensor
 
-__all__ = ["Batch", "batch_inputs", "call", "describe", "split_output", "tensor_from_list", "to_torch"]
-
-
-def to_torch(value: Any) -> Any:
-    """Wire tensors (one, a tuple, a mapping) as torch tensors (zero-copy views); other values as they are."""
-    if isinstance(value, Tensor):
-        return value.to_torch()
-    if isinstance(value, tuple) and value and all(isinstance(v, Tensor) for v in value):
-        return tuple(v.to_torch() for v in value)
-    if isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
-        return {k: v.to_torch() for k, v in value.items()}
-    return value
+__all__ = ["Batch", "batch_inputs", "call", "describe", "split_output", "tensor_from_list"]
 
 
 def tensor_from_list(value: list[Any]) -> torch.Tensor:

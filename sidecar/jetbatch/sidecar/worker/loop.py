@@ -30,8 +30,7 @@ from ..cluster import ClusterView
 from ..config import Config, ConfigError
 from ..core import ModelRules, Started, WorkerCore
 from ..errors import TRANSPORT_ERRORS
-from ..handlers import create_handler, resolve_device
-from ..handlers.modules import warm_start
+from ..handlers import Handler, create_handler, resolve_device, uses_torch
 from ..policy import BatchWindow, make_policy
 from ..recording import FlightRecorder
 from ..replies import Replier, settle
@@ -86,7 +85,9 @@ class Worker:
         self.js = nc.jetstream()
         self.subjects: Subjects = config.subjects
         self.worker_id = config.worker.id or f"{socket.gethostname()}-{os.getpid()}"
-        self.device = resolve_device(config.worker.device)
+        handlers = {name: create_handler(name, mcfg) for name, mcfg in config.models.items()}
+        # A worker whose handlers need no torch (sleeps, identities) never imports it.
+        self.device: Any = resolve_device(config.worker.device) if uses_torch(handlers.values(), config.worker.device) else "cpu"
         try:
             self.policy = make_policy(config.worker.policy, **config.worker.policy_options)
         except (ValueError, TypeError) as exc:
@@ -101,7 +102,7 @@ class Worker:
         self.driver = self.core.driver  # read: estimates, demand, the cluster share
         self.costs = self.core.costs
         self.budget = self.core.budget
-        self.slots = _make_slots(config, self.device)
+        self.slots = _make_slots(config, handlers, self.device)
         # Counters; what the control plane's steps cost here is added by worker/counters.py (the
         # scale bench tells the simulator this deployment's costs from them: Control.measured).
         self.stats = Counters("batches", "requests", "loads", "loads_cold", "loads_warm", "load_us", "evictions", "decisions", "decision_us", "models_shown")
@@ -246,6 +247,10 @@ class Worker:
         await self.lines.refresh(time.time())
 
     async def _warm_start(self) -> None:
+        if not uses_torch((s.handler for s in self.slots.values()), self.config.worker.device):
+            return  # nothing to set up: torch is not imported
+        from ..handlers.modules import warm_start
+
         started = time.perf_counter()
         formats = {slot.config.handler for slot in self.slots.values()}
         try:
@@ -361,12 +366,12 @@ def _seconds(value: float) -> str:
     return f"in about {value:.2g} s" if value < 10 else f"in about {value:.0f} s"
 
 
-def _make_slots(config: Config, device: Any) -> dict[str, Slot]:
+def _make_slots(config: Config, handlers: dict[str, Handler], device: Any) -> dict[str, Slot]:
     """One slot per configured model: its handler (aimed at ``device``), batch window and limit
     of concurrent batches."""
     slots: dict[str, Slot] = {}
     for name, mcfg in config.models.items():
-        handler = create_handler(name, mcfg)
+        handler = handlers[name]
         handler.target_device = device
         slots[name] = Slot(
             name=name,
