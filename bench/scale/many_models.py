@@ -7,7 +7,8 @@ nats-server or `--cluster` (3 nodes, streams with 3 replicas),
 `--duration` s. The same arrivals are fed to the simulator (with the control plane's measured
 costs, ``Workload.control``) and, with ``--ideal``, to the simulator with a free control plane.
 Before the traffic, the idle CPU of the worker and of nats-server is read from /proc over
-`--idle-s` seconds, and the time from the worker's start to its readiness.
+`--idle-s` seconds, and the time from the worker's start to its readiness; after it, the
+resident memory of each worker (now and its peak) and server.
 
     python -m bench.scale.many_models --models 200 --rate 40 --duration 60 [--json out.json] [--trace-out trace.json]
     python -m bench.scale.many_models --models 1000 --rate 20 --workers 4 --cluster
@@ -101,6 +102,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "answered": len(latencies), "timed_out": timed_out, "failed": failed,
         }  # fmt: skip
         stats = asyncio.run(worker_stats(dep.url, prefix))
+        # Memory after the traffic: now and the peak, per worker and per server (MiB).
+        record["rss_mib"] = {
+            "workers": [round(harness.rss_kib(p) / 1024, 1) for p in workers],
+            "workers_peak": [round(harness.rss_kib(p, "VmHWM") / 1024, 1) for p in workers],
+            "nats_servers": [round(harness.rss_kib(p) / 1024, 1) for p in servers],
+        }  # fmt: skip
     decisions = max(stats.get("decisions", 0), 1)
     record["live"]["loads"] = stats.get("loads")
     record["live"]["batch_mean"] = stats.get("requests", 0) / max(stats.get("batches", 0), 1)
