@@ -30,7 +30,7 @@ import msgspec
 
 from .config import TenantsConfig
 
-__all__ = ["NO_TENANT", "ServiceFeed", "TenantShares", "Verdict", "fair_levels", "fair_rates"]
+__all__ = ["NO_TENANT", "ServiceFeed", "TenantShares", "Verdict", "fair_levels", "fair_rates", "shaped_rates"]
 
 NO_TENANT = "_"  # the share of requests that name no tenant (the untenanted ingress)
 # How much faster than service arrivals must run (over ``window_s``) before shares apply: an
@@ -115,6 +115,32 @@ def fair_levels(pool: float, demand: Mapping[str, float], weight: Mapping[str, f
         left -= min(demand[tenant], out[tenant])
         weights -= weight[tenant]
     return out
+
+
+def shaped_rates(pool: float, batch_line: float, demand: Mapping[str, float], weight: Mapping[str, float]) -> dict[str, float]:
+    """The token rates of the shaped tenants: ``pool`` req/s of interactive service between them,
+    ``batch_line`` more carrying their excess first come, first served, so each tenant's part of
+    that line is its part of all the excess. Rates are chosen so that what each gets in all, its
+    tokens plus its part of the line, is its weighted max-min level of ``pool + batch_line``.
+
+    With ``x`` a tenant's excess (demand less rate), ``X`` all of it (the demand less ``pool``)
+    and ``L`` the line, a tenant gets ``d - x + L x / X``; setting that to its level ``g`` gives
+    ``x = (d - g) X / (X - L)``. One shaped tenant gets ``pool`` (its level is all there is).
+    Splitting ``pool`` by weight alone left a 3:1 split at 0.66 of service, not 0.75: the line
+    carried more of the lighter tenant's larger excess."""
+    total = sum(demand.values())
+    excess, line = total - pool, max(0.0, batch_line)
+    levels = fair_levels(pool + line, demand, weight)
+    if excess <= line + 1e-9:
+        return fair_levels(pool, demand, weight)  # all of it fits: nothing to correct for
+    scale = excess / (excess - line)
+    rates = {t: min(d, max(0.0, d - max(0.0, d - levels[t]) * scale)) for t, d in demand.items()}
+    # A tenant whose excess alone outweighs its level is held at no tokens: the others' rates,
+    # then over the pool, are scaled back into it (the line then favours them a little).
+    spent = sum(rates.values())
+    if spent > pool > 0:
+        rates = {t: r * pool / spent for t, r in rates.items()}
+    return rates
 
 
 class TenantShares:
@@ -225,8 +251,7 @@ class TenantShares:
         while rest and sum(d for t, d in demand.items() if t not in over) > budget:
             over.add(rest.pop(0))
         pool = max(0.0, budget - sum(d for t, d in demand.items() if t not in over))
-        shaped = fair_levels(pool, {t: demand[t] for t in over}, weights)
-        self._fair = shaped
+        self._fair = shaped_rates(pool, service - budget, {t: demand[t] for t in over}, weights)
         for t in [t for t in self._shares if t not in self._fair]:
             del self._shares[t]
 
