@@ -8,6 +8,7 @@ change (for example a retention change, which JetStream forbids).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any, Iterable
 
@@ -251,6 +252,8 @@ async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_su
                 if exc.err_code == 10058:  # created concurrently by another sidecar: compare again
                     continue
                 raise StreamSetupError(f"cannot create stream {wanted.name}: {exc.description}") from exc
+            except failures.TOO_LARGE as exc:
+                raise _too_large(wanted) from exc
         current = info.config
         subjects = list(wanted.subjects or [])
         if merge_subjects:
@@ -267,6 +270,8 @@ async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_su
         updated = StreamConfig.from_response({**current.as_dict(), **wanted.as_dict(), "subjects": subjects})
         try:
             await js.update_stream(updated)
+        except failures.TOO_LARGE as exc:
+            raise _too_large(updated) from exc
         except failures.API_ERRORS as exc:
             if _attempt < _SETUP_ATTEMPTS - 1:
                 # Several sidecars starting together on a cluster update the same stream: read it
@@ -281,6 +286,17 @@ async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_su
         if not merge_subjects:
             return
     raise StreamSetupError(f"stream {wanted.name} kept changing while it was being set up")
+
+
+def _too_large(config: StreamConfig) -> StreamSetupError:
+    """The server refused a stream's configuration as over its ``max_payload``: the models stream
+    lists two subjects a registered model (docs/scaleout.md)."""
+    size = len(json.dumps(config.as_dict()))
+    return StreamSetupError(
+        f"stream {config.name}: its configuration ({len(config.subjects or [])} subjects, {size} bytes) is over the "
+        "nats-server's max_payload; raise max_payload in the server's configuration (jetbatch's own server uses 8 MiB), "
+        "or register fewer models or shorter names on this prefix"
+    )
 
 
 def _norm(value: object) -> object:
