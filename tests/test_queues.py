@@ -15,12 +15,13 @@ from nats.aio.msg import Msg
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jetbatch.sdk import failures
 from jetbatch.sdk.protocol import Headers, Subjects
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.streams import ensure_model_consumer, ensure_streams, model_consumer_name
 from jetbatch.sidecar.worker.arrivals import ArrivalFeed
 from jetbatch.sidecar.worker.counters import Counters
-from jetbatch.sidecar.worker.counting import count_queues
+from jetbatch.sidecar.worker.counting import StreamCounts, count_queues
 from jetbatch.sidecar.worker.queues import QueueView
 from jetbatch.sidecar.worker.stream_facts import LineStored, line_stored, missed_by, parse_stream_timestamp
 from jetbatch.sidecar.worker.slots import Slot
@@ -526,6 +527,28 @@ async def test_a_batch_acked_while_the_count_is_on_its_way_is_not_subtracted_twi
 
         assert await count_queues(view, AckedDuringTheCount(), subjects, now=time.time(), mine=lambda: dict(held), not_ours={})
         assert slots["m1"].backlog == 1
+
+
+@pytest.mark.anyio
+async def test_stream_counts_read_what_the_stream_info_says_without_its_configuration(nats_url: str, prefix: str) -> None:
+    """``StreamCounts`` asks the stream-info API itself and reads only the stored counts (the
+    configuration lists two subjects a registered model); what it reads is what nats-py's
+    ``stream_info`` reads, and an API error is nats-py's exception for it."""
+    async with _streams(nats_url, prefix, ["m1", "m2"]) as (nc, js, subjects):
+        await _published(js, subjects.model("m1"), 3)
+        await _published(js, subjects.model("m2", "batch"), 2)
+        counts = StreamCounts(nc)
+        for subject_filter in (subjects.models_wildcard, subjects.model("m1"), subjects.model("m2")):
+            ours = await counts.stream_info(subjects.models_stream, subjects_filter=subject_filter)
+            theirs = await js.stream_info(subjects.models_stream, subjects_filter=subject_filter)
+            assert ours.state is not None and ours.state.last_seq == theirs.state.last_seq
+            assert (ours.state.subjects or {}) == (theirs.state.subjects or {})
+        assert line_stored(await counts.stream_info(subjects.models_stream, subjects_filter=subjects.model("m1")), subjects.model("m1")).messages == 3
+        with pytest.raises(failures.NOT_FOUND):
+            await counts.stream_info(f"{subjects.models_stream}_NONE")
+        view, slots = _view("m1", "m2")
+        assert await count_queues(view, js, subjects, now=time.time(), mine={}, not_ours={}, counts=counts)
+        assert (slots["m1"].backlog, slots["m2"].backlog, slots["m2"].bulk) == (3, 2, 2)
 
 
 @pytest.mark.anyio

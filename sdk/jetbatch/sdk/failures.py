@@ -17,7 +17,7 @@ import nats.js.errors
 __all__ = [
     "ALREADY_ACKED", "API_ERRORS", "BAD_HEADER", "BAD_REQUEST", "CLOSED", "CONFLICT", "DROPPED", "KEY_MISSING",
     "NOT_FOUND", "NO_SERVERS", "NO_STREAM", "SLOW", "TIMEOUTS", "TOO_LARGE", "TRANSPORT_ERRORS", "UNAVAILABLE",
-    "UNREADABLE_REPLY",
+    "UNREADABLE_REPLY", "api_error",
 ]  # fmt: skip
 
 Errors = tuple[type[BaseException], ...]
@@ -58,3 +58,13 @@ NO_SERVERS: Errors = (nats.errors.NoServersError, OSError)
 ALREADY_ACKED: Errors = (nats.errors.MsgAlreadyAckdError,)
 # A message a subscription's pending limit dropped (reported to the error callback, not raised).
 DROPPED: Errors = (nats.errors.SlowConsumerError,)
+
+
+def api_error(code: int, err_code: int, description: str) -> BaseException:
+    """The exception nats-py raises for a JetStream API answer's ``error`` (404 a
+    ``NOT_FOUND``, 503 ``UNAVAILABLE``, ...), for an answer read without nats-py's parser."""
+    try:
+        nats.js.errors.APIError.from_error({"code": code, "err_code": err_code, "description": description})
+    except nats.js.errors.APIError as exc:
+        return exc
+    return nats.js.errors.APIError(code=code, err_code=err_code, description=description)  # pragma: no cover: from_error always raises

@@ -18,7 +18,7 @@ from ..errors import TRANSPORT_ERRORS
 from ..policy import listens
 from ..streams import model_consumer_name
 from .coordination import Coordinator
-from .counting import count_queues
+from .counting import StreamCounts, count_queues
 from .counters import Counters
 from .orphan_answers import OrphanAnswers
 from .pullers import Pullers
@@ -46,9 +46,11 @@ class Lines:
     def __init__(
         self, config: Config, js: Any, *, slots: dict[str, Slot], core: WorkerCore, queues: QueueView, arrivals: ArrivalFeed, pullers: Pullers,
         peers: Coordinator, state: LoopState, stats: Counters, orphans: OrphanAnswers, note_trouble: Callable[[], None],
+        counts: StreamCounts | None = None,
     ) -> None:
         self.config = config
         self.js = js
+        self.counts: Any = js if counts is None else counts  # stream infos for counts (counting.StreamCounts)
         self.subjects: Subjects = config.subjects
         self.slots = slots
         self.core = core
@@ -69,7 +71,7 @@ class Lines:
         ok = await count_queues(
             self.queues, self.js, self.subjects, now, not_ours=not_ours,
             mine=lambda: self.state.in_flight.by_model(self.subjects.model_from_subject),
-            mine_bulk=lambda: self.state.in_flight.by_model(self._bulk_model),
+            mine_bulk=lambda: self.state.in_flight.by_model(self._bulk_model), counts=self.counts,
         )  # fmt: skip
         await self.hand_back_leftovers()
         if ok and (self.queues.unregistered or self.orphans.watched) and self.peers.knows_peers(now):
@@ -110,7 +112,7 @@ class Lines:
         try:
             for priority in (Priority.INTERACTIVE, Priority.BATCH):
                 subject = self.subjects.model(slot.name, priority)
-                stored += line_stored(await self.js.stream_info(self.subjects.models_stream, subjects_filter=subject), subject).messages
+                stored += line_stored(await self.counts.stream_info(self.subjects.models_stream, subjects_filter=subject), subject).messages
                 if unheld(stored, mine, advertised):
                     return True
         except TRANSPORT_ERRORS as exc:
@@ -192,7 +194,7 @@ class Lines:
         try:
             # The stream first: acks between the two answers then over-count (an empty fetch),
             # never under-count.
-            stored = line_stored(await self.js.stream_info(self.subjects.models_stream, subjects_filter=subject), subject)
+            stored = line_stored(await self.counts.stream_info(self.subjects.models_stream, subjects_filter=subject), subject)
             info = await self.js.consumer_info(self.subjects.models_stream, name)
         except TRANSPORT_ERRORS as exc:
             log.debug("count of line %s failed: %r", name, exc)

@@ -45,6 +45,7 @@ from .coordination import Coordinator
 from .counters import Counters
 from .execution import BatchRunner
 from .executor import Executor
+from .counting import StreamCounts
 from .lines import Lines
 from .loads import Loads
 from .orphan_answers import OrphanAnswers
@@ -182,7 +183,8 @@ class Worker:
         self.orphans = OrphanAnswers(self.js, self.subjects, config.streams, queues=self.queues, runner=self.runner, grace_s=config.worker.orphan_grace_s)
         parts = dict(slots=self.slots, core=self.core, queues=self.queues, peers=self.peers, state=self.state, stats=self.stats)
         self.lines = Lines(
-            config, self.js, arrivals=self.arrivals, pullers=self.pullers, orphans=self.orphans, note_trouble=self._note_trouble, **parts,  # type: ignore[arg-type]
+            config, self.js, arrivals=self.arrivals, pullers=self.pullers, orphans=self.orphans, note_trouble=self._note_trouble,
+            counts=StreamCounts(nc), **parts,  # type: ignore[arg-type]
         )  # fmt: skip
         self.loads = Loads(
             config, worker_id=self.worker_id, residency=self.residency, batcher=self.batcher, arrivals=self.arrivals, runner=self.runner,
