@@ -65,7 +65,7 @@ class ArrivalFeed:
     read at most :data:`EVENTS_READ_PER_S` events a second; what a flood drops is corrected by
     the next count, asked at once after a cut (``on_lost``). An event may therefore land after a
     count that holds its request: one stored at a sequence a count since includes is not counted
-    again (``QueueView.already_counted``)."""
+    again (``stream_facts.CountedThrough``)."""
 
     def __init__(
         self,
@@ -240,7 +240,7 @@ class ArrivalFeed:
         headers = headers or {}
         bulk = queue[1] is Priority.BATCH
         seq = parse_stream_sequence(headers.get("Nats-Sequence"))
-        if self._view.already_counted(slot.name, bulk, seq):
+        if self._view.count_seqs.covers(slot.name, bulk, seq):
             self._counters.add("arrivals_counted_already")
             return
         at = parse_stream_timestamp(headers.get("Nats-Time-Stamp"))

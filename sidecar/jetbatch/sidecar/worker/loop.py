@@ -183,8 +183,7 @@ class Worker:
         self.orphans = OrphanAnswers(self.js, self.subjects, config.streams, queues=self.queues, runner=self.runner, grace_s=config.worker.orphan_grace_s)
         parts = dict(slots=self.slots, core=self.core, queues=self.queues, peers=self.peers, state=self.state, stats=self.stats)
         self.lines = Lines(
-            config, self.js, arrivals=self.arrivals, pullers=self.pullers, orphans=self.orphans, note_trouble=self._note_trouble,
-            counts=StreamCounts(nc), **parts,  # type: ignore[arg-type]
+            config, self.js, arrivals=self.arrivals, pullers=self.pullers, orphans=self.orphans, note_trouble=self._note_trouble, counts=StreamCounts(nc), **parts,  # type: ignore[arg-type]
         )  # fmt: skip
         self.loads = Loads(
             config, worker_id=self.worker_id, residency=self.residency, batcher=self.batcher, arrivals=self.arrivals, runner=self.runner,
@@ -252,7 +251,6 @@ class Worker:
         if not uses_torch((s.handler for s in self.slots.values()), self.config.worker.device):
             return  # nothing to set up: torch is not imported
         from ..handlers.modules import warm_start
-
         started = time.perf_counter()
         formats = {slot.config.handler for slot in self.slots.values()}
         try:
@@ -278,8 +276,7 @@ class Worker:
         try:
             await self._run()
         finally:
-            # The events' and the cancel notices' own connections are closed on every way out, a
-            # failed start too.
+            # The events' and cancel notices' own connections are closed on every way out.
             with anyio.CancelScope(shield=True):
                 await self.arrivals.stop()
                 await self.cancellations.stop()

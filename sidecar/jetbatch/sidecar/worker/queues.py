@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from jetbatch.sdk.protocol import Priority, Subjects
 
 from .slots import Slot
-from .stream_facts import LineStored, stored_after, unheld
+from .stream_facts import CountedThrough, LineStored, stored_after, unheld
 from .takes import MAX_PEER_HELD, MAX_PEERS_A_MODEL, PeerTakes
 
 __all__ = ["MAX_PEERS_A_MODEL", "MAX_PEER_HELD", "RECHECK_S", "QueueView"]
@@ -80,11 +80,9 @@ class QueueView:
         # Requests stored for models no worker here registers, per model, at the last count (orphans.py).
         self.unregistered: dict[str, int] = {}
         self.unregistered_bulk: dict[str, int] = {}  # of those, in the batch line
-        # The stream sequence every count so far includes: the last whole count's, and a line's
-        # own (its count or fetch) since. Arrival events are read on a connection of their own
-        # (worker/arrivals.py), so one may land after a count that already holds its request.
-        self._counted_seq = 0
-        self._line_counted_seq: dict[tuple[str, bool], int] = {}
+        # Arrival events are read on a connection of their own (worker/arrivals.py): one may land
+        # after a count that already holds its request.
+        self.count_seqs = CountedThrough()
 
     # --- the counting rules (pure: no I/O, time passed in) ------------------------------------
 
@@ -115,16 +113,6 @@ class QueueView:
         if slot.backlog == 1 or slot.oldest_enqueued_at is None:
             self._set_head(slot)
         self.waiting.add(slot.name)
-
-    def already_counted(self, name: str, bulk: bool, seq: int | None) -> bool:
-        """Whether the request stored at ``seq`` on that line is in a count taken since (its
-        arrival event came late: counted again, it over-counted the line by one)."""
-        return seq is not None and seq <= max(self._counted_seq, self._line_counted_seq.get((name, bulk), 0))
-
-    def _line_counted_through(self, name: str, bulk: bool, seq: int | None) -> None:
-        if seq is not None and seq > self._counted_seq:
-            line = (name, bulk)
-            self._line_counted_seq[line] = max(seq, self._line_counted_seq.get(line, 0))
 
     def stored_after(self, slot: Slot, bulk: bool, seq: int | None) -> int:
         known = slot.known_bulk if bulk else slot.known_times
@@ -185,7 +173,7 @@ class QueueView:
             if redelivered:
                 left = max(left, line - n)
             else:
-                self._line_counted_through(slot.name, bulk, last_seq)
+                self.count_seqs.line(slot.name, bulk, last_seq)
         self._count_line(slot, left, bulk=bulk)
 
     def peer_took(self, slot: Slot, peer: str, n: int, now: float) -> None:
@@ -282,7 +270,7 @@ class QueueView:
         if stored is not None:
             after = self.stored_after(slot, bulk, stored.last_seq)
             waiting = max(waiting, max(0, stored.messages - unacked) + missed + after)
-            self._line_counted_through(slot.name, bulk, stored.last_seq)
+            self.count_seqs.line(slot.name, bulk, stored.last_seq)
         self._count_line(slot, waiting, bulk=bulk)
 
     def reconcile(
@@ -393,10 +381,7 @@ class QueueView:
                 counts[queue[0]] = counts.get(queue[0], 0) + int(n)
                 if queue[1] is Priority.BATCH:
                     bulk[queue[0]] = int(n)
-        if last_seq is not None:
-            # Replaced, never raised only: a stream made again starts its sequences over.
-            self._counted_seq = last_seq
-            self._line_counted_seq.clear()
+        self.count_seqs.whole(last_seq)
         self.unregistered = {name: n for name, n in counts.items() if name not in self._slots}
         self.unregistered_bulk = {name: n for name, n in bulk.items() if name not in self._slots}
         # A model with no messages is absent from the answer: only those thought non-empty, or holding some back, are set to zero.

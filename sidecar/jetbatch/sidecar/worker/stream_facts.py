@@ -15,7 +15,7 @@ from jetbatch.sdk.protocol import Headers, request_id_of
 from .slots import ack_info
 
 __all__ = [
-    "EmptyFetch", "LineStored", "empty_fetch", "line_stored", "missed_by", "parse_stream_sequence", "parse_stream_timestamp", "request_key",
+    "CountedThrough", "EmptyFetch", "LineStored", "empty_fetch", "line_stored", "missed_by", "parse_stream_sequence", "parse_stream_timestamp", "request_key",
     "stored_after", "unheld",
 ]  # fmt: skip
 
@@ -149,6 +149,30 @@ def unheld(stored: int, mine: int, advertised: int) -> int:
     not hide. Arrival and take events play no part (anyone who may publish on their subjects
     can forge them); adverts lag a heartbeat, so this may over-count, never under-count."""
     return max(0, stored - mine - advertised)
+
+
+class CountedThrough:
+    """The stream sequence the counts so far cover: the last whole count's (replaced, never only
+    raised: a stream made again starts its sequences over), and each line's own since (its count,
+    or what its consumer said at a fetch). A request stored at or before it is in a count."""
+
+    def __init__(self) -> None:
+        self._whole = 0
+        self._lines: dict[tuple[str, bool], int] = {}
+
+    def whole(self, seq: int | None) -> None:
+        if seq is not None:
+            self._whole = seq
+            self._lines.clear()
+
+    def line(self, name: str, bulk: bool, seq: int | None) -> None:
+        if seq is not None and seq > self._whole:
+            self._lines[(name, bulk)] = max(seq, self._lines.get((name, bulk), 0))
+
+    def covers(self, name: str, bulk: bool, seq: int | None) -> bool:
+        """Whether the request stored at ``seq`` on that line is in a count taken since (its
+        arrival event came late: counted again, it over-counted the line by one)."""
+        return seq is not None and seq <= max(self._whole, self._lines.get((name, bulk), 0))
 
 
 class LineStored(NamedTuple):
