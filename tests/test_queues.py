@@ -761,23 +761,27 @@ async def test_a_worker_subscribes_to_take_events_only_while_a_peer_is_in_view(n
         view.arrived(slots["m1"], time.time(), None)
         feed = ArrivalFeed(nc, subjects, slots, view, on_arrival=lambda: None, worker_id="w-me", audience=lambda: heard)
         await feed.start()
-        assert not feed.listening_to_takes
-        sent = nc.stats["out_msgs"]
-        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
-        await nc.flush()
-        received = nc.stats["in_msgs"]
-        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
-        await nc.flush()  # the PONG after it: had it been delivered, it would be in by now
-        assert nc.stats["in_msgs"] == received and nc.stats["out_msgs"] == sent + 2
-        heard = True  # a peer's advert read
-        await feed.follow_takes()
-        assert feed.listening_to_takes
-        await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
-        await wait_until(lambda: slots["m1"].backlog == 1, timeout_s=10, what="the peer's take counted")
-        heard = False  # the peer left the view
-        await feed.follow_takes()
-        assert not feed.listening_to_takes
-        await feed.stop()
+        try:
+            assert not feed.listening_to_takes
+            events = feed.connection  # where the events are read (not the data connection)
+            await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+            await nc.flush()
+            await events.flush()
+            received = events.stats["in_msgs"]
+            await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+            await nc.flush()
+            await events.flush()  # the PONG after it: had it been delivered, it would be in by now
+            assert events.stats["in_msgs"] == received
+            heard = True  # a peer's advert read
+            await feed.follow_takes()
+            assert feed.listening_to_takes
+            await nc.publish(subjects.taken("m1"), b"+1", headers={"Jetbatch-Worker": "w-peer"})
+            await wait_until(lambda: slots["m1"].backlog == 1, timeout_s=10, what="the peer's take counted")
+            heard = False  # the peer left the view
+            await feed.follow_takes()
+            assert not feed.listening_to_takes
+        finally:
+            await feed.stop()
 
 
 def test_a_forged_hour_with_an_offset_reads_as_the_full_parse_does() -> None:

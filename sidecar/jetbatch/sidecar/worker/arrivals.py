@@ -142,6 +142,7 @@ class ArrivalFeed:
         try:
             if wanted and self._taken_sub is None:
                 self._taken_sub = await events.subscribe(self._subjects.taken_wildcard, cb=self._on_taken, pending_msgs_limit=_PENDING_EVENTS)
+                await events.flush(timeout=_FLUSH_TIMEOUT_S)  # the peers' next takes are heard
             elif not wanted and self._taken_sub is not None:
                 sub, self._taken_sub = self._taken_sub, None
                 await sub.unsubscribe()
