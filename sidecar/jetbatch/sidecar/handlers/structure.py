@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from jetbatch.sdk.protocol import Tensor
 
 __all__ = ["Batch", "batch_inputs", "call", "describe", "split_output", "tensor_from_list"]
 

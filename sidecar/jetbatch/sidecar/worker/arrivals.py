@@ -184,17 +184,31 @@ class ArrivalFeed:
 
     async def listen(self, name: str, *, bulk: bool = False) -> bool:
         """Listen to the arrivals of one of ``name``'s lines again (False when the connection
-        refused: try again later). The subscription goes out before anything the caller sends
-        next on the connection, so a fetch or count sent after this sees every arrival the
-        events miss."""
+        refused: try again later). The server holds the subscription when this returns (a flush
+        of the events' connection), so a fetch or count sent next on the data connection sees
+        every arrival the events miss."""
         line = (name, bulk)
         if line not in self._quiet:
             return True
+        events = self.connection
+        if events is None:
+            return False  # not started
         try:
-            self._subs[line] = await self._subscribe(name, bulk)
+            sub = await self._subscribe(name, bulk)
         except TRANSPORT_ERRORS + (ValueError,) as exc:
             log.debug("arrivals of %s: subscribe failed: %r", line, exc)
             return False
+        try:
+            await events.flush(timeout=_FLUSH_TIMEOUT_S)
+        except TRANSPORT_ERRORS + (ValueError,) as exc:
+            # Not confirmed in time (a flood ahead of the answer): quiet still, tried again later.
+            log.debug("arrivals of %s: subscription not confirmed: %r", line, exc)
+            try:
+                await sub.unsubscribe()
+            except TRANSPORT_ERRORS + (ValueError,):
+                pass
+            return False
+        self._subs[line] = sub
         self._quiet.discard(line)
         if not bulk:
             await self.late.unfollow(name)  # after the subscribe: the screen skips what both heard
