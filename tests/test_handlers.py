@@ -489,8 +489,9 @@ def test_a_model_refused_at_load_keeps_torchs_whole_message_on_one_bounded_line(
 
 def test_a_worker_of_sleeps_and_identities_never_imports_torch_nor_do_the_classifiers_modules() -> None:
     """``import torch`` costs seconds and about 500 MiB: a worker whose handlers do not use it
-    (``Handler.uses_torch``) never imports it, nor does a classifier without a torch router; a
-    function handler, a module format or a named device does (the device is checked then)."""
+    (``Handler.uses_torch``) never imports it, nor does importing the classifier (only its torch
+    router does); a function handler, a module format or a named device does (the device is
+    checked then)."""
     from jetbatch.sidecar.handlers import models_use_torch
 
     script = (
