@@ -15,7 +15,8 @@ Built in (the ``handler`` key of ``[models.<name>]``):
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError, ModelConfig
 from .base import BadInput, Handler, HandlerError, import_object, resolve_device, tensor_bytes, uses_torch
@@ -70,24 +71,37 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module, __name__), name)
 
 
-# ``handler`` name -> the module and class of a built-in handler, imported when a model names it.
-BUILTIN_HANDLERS: dict[str, tuple[str, str]] = {
-    "export": (".exported", "ExportHandler"),
-    "state_dict": (".modules", "StateDictHandler"),
-    "function": (".simple", "FunctionHandler"),
-    "torchscript": (".modules", "TorchScriptHandler"),
-    "identity": (".simple", "IdentityHandler"),
-    "sleep": (".simple", "SleepHandler"),
-    "transformers": (".huggingface", "TransformersHandler"),
-}
+class _BuiltinHandlers(Mapping[str, "type[Handler]"]):
+    """``handler`` name -> the class of a built-in handler, a torch-based one imported when it is
+    first looked up (iterating gives the names and imports nothing)."""
+
+    _WHERE = {
+        "export": (".exported", "ExportHandler"),
+        "state_dict": (".modules", "StateDictHandler"),
+        "function": (".simple", "FunctionHandler"),
+        "torchscript": (".modules", "TorchScriptHandler"),
+        "identity": (".simple", "IdentityHandler"),
+        "sleep": (".simple", "SleepHandler"),
+        "transformers": (".huggingface", "TransformersHandler"),
+    }
+
+    def __getitem__(self, name: str) -> type[Handler]:
+        module, cls = self._WHERE[name]
+        return getattr(importlib.import_module(module, __name__), cls)  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._WHERE)
+
+    def __len__(self) -> int:
+        return len(self._WHERE)
+
+
+BUILTIN_HANDLERS: Mapping[str, type[Handler]] = _BuiltinHandlers()
 
 
 def builtin_handler(name: str) -> type[Handler] | None:
     """The class of the built-in handler ``name`` (None: not a built-in one)."""
-    where = BUILTIN_HANDLERS.get(name)
-    if where is None:
-        return None
-    return getattr(importlib.import_module(where[0], __name__), where[1])  # type: ignore[no-any-return]
+    return BUILTIN_HANDLERS.get(name)
 
 
 def create_handler(name: str, config: ModelConfig) -> Handler:
