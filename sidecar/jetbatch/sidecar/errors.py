@@ -12,7 +12,7 @@ from jetbatch.sdk import failures
 from jetbatch.sdk.errors import JetbatchError
 from jetbatch.sdk.failures import TRANSPORT_ERRORS
 
-__all__ = ["TRANSPORT_ERRORS", "JetbatchError", "Pulled", "SidecarError", "pull"]
+__all__ = ["TRANSPORT_ERRORS", "JetbatchError", "Pulled", "SidecarError", "pull", "unsubscribe_all"]
 
 # TRANSPORT_ERRORS (re-exported): what a call to NATS or JetStream raises when the server, the
 # connection or an election is in the way. Every NATS exception group lives in jetbatch.sdk.failures.
@@ -65,3 +65,15 @@ async def pull(
         return Pulled(closed=True)
     except TRANSPORT_ERRORS + (SidecarError,) as exc:  # SidecarError: pulling.PullError, a status
         return Pulled(trouble=exc)
+
+
+async def unsubscribe_all(*subs: Any) -> None:
+    """Unsubscribe each of ``subs`` (None is skipped) whatever the connection answers: on a stop, or
+    a subscription given up, a closed or cut connection has nothing left to take back."""
+    for sub in subs:
+        if sub is None:
+            continue
+        try:
+            await sub.unsubscribe()
+        except TRANSPORT_ERRORS + (ValueError,):
+            pass

@@ -47,7 +47,7 @@ from jetbatch.sdk.protocol import (
 )
 from jetbatch.sdk.publishing import AckGroup, PubAcks, publish_with_retries
 
-from ..errors import TRANSPORT_ERRORS, pull
+from ..errors import TRANSPORT_ERRORS, pull, unsubscribe_all
 from ..config import Config, ConfigError
 from ..policy import BatchWindow
 from ..pulling import Puller
@@ -184,11 +184,7 @@ class Classifier:
                 # classifier, not after their ack wait.
                 for msg in await psub.close(_IDLE_WAIT_S + self.window.max_delay_s + _OPEN_PAST_S + _STOP_GRACE_S):
                     await settle(msg, "nak")
-                for sub in (status, adverts, served):
-                    try:
-                        await sub.unsubscribe()
-                    except TRANSPORT_ERRORS + (ValueError,):
-                        pass
+                await unsubscribe_all(status, adverts, served)
 
     async def _handle_and_release(self, msgs: list[Msg], limiter: anyio.Semaphore) -> None:
         try:

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from jetbatch.sdk.protocol import Priority, ProtocolError, Subjects, deadline_from_headers
 
 from ..config import NatsConfig
-from ..errors import TRANSPORT_ERRORS
+from ..errors import TRANSPORT_ERRORS, unsubscribe_all
 from .control import ControlConnection
 from .counters import Counters
 from .late_arrivals import LateArrivals
@@ -203,10 +203,7 @@ class ArrivalFeed:
         except TRANSPORT_ERRORS + (ValueError,) as exc:
             # Not confirmed in time (a flood ahead of the answer): quiet still, tried again later.
             log.debug("arrivals of %s: subscription not confirmed: %r", line, exc)
-            try:
-                await sub.unsubscribe()
-            except TRANSPORT_ERRORS + (ValueError,):
-                pass
+            await unsubscribe_all(sub)
             return False
         self._subs[line] = sub
         self._quiet.discard(line)
@@ -215,12 +212,7 @@ class ArrivalFeed:
         return True
 
     async def stop(self) -> None:
-        for sub in (self._taken_sub, *self._subs.values()):
-            if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except TRANSPORT_ERRORS + (ValueError,):
-                    pass
+        await unsubscribe_all(self._taken_sub, *self._subs.values())
         self._taken_sub = None
         await self.late.stop()
         self._subs.clear()

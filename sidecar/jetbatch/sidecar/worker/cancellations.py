@@ -37,7 +37,7 @@ from jetbatch.sdk.protocol import Subjects
 from nats.aio.msg import Msg
 
 from ..config import NatsConfig
-from ..errors import TRANSPORT_ERRORS
+from ..errors import unsubscribe_all
 from .control import ControlConnection, RatesByKey
 from .counters import Counters
 
@@ -105,11 +105,7 @@ class Cancellations:
                 self._subs.append(await self._control.subscribe(subject, self._on_msg, pending_msgs=_PENDING_MSGS))
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except TRANSPORT_ERRORS + (ValueError,):
-                pass
+        await unsubscribe_all(*self._subs)
         self._subs = []
         if self._control is not None:
             await self._control.close()

@@ -55,7 +55,7 @@ from jetbatch.sdk.protocol import (
     validate_tenant,
 )
 
-from ..errors import TRANSPORT_ERRORS
+from ..errors import TRANSPORT_ERRORS, unsubscribe_all
 from ..replies import Answer
 from .counters import Counters
 from .stream_facts import parse_stream_sequence
@@ -115,12 +115,7 @@ class LateArrivals:
                 log.warning("adverts not followed (no refusals at arrival): %r", exc)
 
     async def stop(self) -> None:
-        for sub in (self._sub, *self._follows.values()):
-            if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except TRANSPORT_ERRORS + (ValueError,):
-                    pass
+        await unsubscribe_all(self._sub, *self._follows.values())
         self._sub = None
         self._follows.clear()
         if self._to_refuse is not None:
