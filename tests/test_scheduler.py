@@ -25,7 +25,7 @@ def state(models: list[sched.ModelState], current: str | None = None, **budget: 
 def ms(name: str, backlog: int, *, resident: bool = False, oldest: float | None = 0.0, load: float = 0.5, **kw: float) -> sched.ModelState:
     return sched.ModelState(
         name=name, backlog=backlog, oldest_enqueued_at=oldest if backlog else None, resident=resident,
-        load_cost_s=load, batch_cost=sched.BatchCost(0.005, 0.0001), memory_bytes=int(kw.get("memory_bytes", 1)),
+        load_cost_s=load, batch_cost=sched.BatchCost(kw.get("batch_s", 0.005), 0.0001), memory_bytes=int(kw.get("memory_bytes", 1)),
         max_batch_size=int(kw.get("max_batch_size", 16)), max_wait_s=kw.get("max_wait_s", 2.0),
     )  # fmt: skip
 
@@ -87,6 +87,42 @@ def test_a_visit_continues_against_a_longer_queue_elsewhere() -> None:
     policy.on_loaded("a", 0.0)
     d = policy.decide(state([ms("a", 40, resident=True, oldest=9.9), ms("b", 480, oldest=9.9)], "a", max_models=1), now=10.0)
     assert isinstance(d, sched.Serve) and d.model == "a"
+
+
+def test_a_visit_of_partial_batches_yields_to_a_backlog_served_faster_elsewhere() -> None:
+    """Batches with a large fixed cost (50 ms): a paid-for visit whose queue no longer fills a
+    batch leaves for a backlog that, with its load and the way back, is served at more requests
+    per second; against a short backlog, or while its own batches are full, it goes on."""
+    policy = sched.make_policy("cost-aware", amortize=0.0)
+    policy.on_loaded("a", 0.0)
+
+    def decide(a: int, b: int) -> sched.Decision:
+        models = [ms("a", a, resident=True, oldest=9.9, batch_s=0.05), ms("b", b, oldest=9.0, batch_s=0.05)]
+        return policy.decide(state(models, "a", max_models=1), now=10.0)
+
+    # 4 requests in 50.4 ms (79 a second) against 200 in 0.5 + 0.5 + 13 × 50 ms + 20 ms (120 a second).
+    d = decide(4, 200)
+    assert isinstance(d, sched.Load) and d.model == "b" and d.evict == ("a",) and d.reason == "batch-efficiency"
+    # 40 waiting: 40 in 1.15 s (35 a second) is slower than the partial batch.
+    assert decide(4, 40) == sched.Serve("a", 16, "exhaustive")
+    # A full batch (310 a second) is never left for this.
+    assert decide(16, 200) == sched.Serve("a", 16, "exhaustive")
+
+
+def test_batches_with_a_large_fixed_cost_do_not_camp_on_one_model() -> None:
+    """200 req/s over three models, 50 ms batches, 0.5 s loads: each batch lasts long enough for
+    a few more of the same model's requests to arrive, so that queue rarely empties. Exhaustive
+    service camps on it at a few requests a batch while the other queues grow; the cost-aware
+    policy moves on once the partial batches serve fewer requests a second than a switch would."""
+    spec = {"load_cost_s": 0.5, "batch_cost_s": 0.05, "item_cost_s": 0.0002, "max_batch_size": 16, "max_delay_s": 0.005}
+    workload = build_workload({
+        "models": dict.fromkeys(("m1", "m2", "m3"), spec), "budget": {"max_models": 1},
+        "arrivals": {"kind": "poisson", "rate": 200, "duration_s": 60, "seed": 1},
+    })  # fmt: skip
+    exhaustive, cost_aware = (simulate(workload, p).summary(workload) for p in ("exhaustive", "cost-aware"))
+    assert exhaustive["mean_batch"] < 12 and cost_aware["mean_batch"] > 15
+    assert cost_aware["p99_ms"] < 0.4 * exhaustive["p99_ms"]
+    assert cost_aware["completed"] == exhaustive["completed"] == len(workload.arrivals)
 
 
 def test_next_model_follows_the_square_root_rule() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import PolicyBase, age, best, interactive, interactive_age, oldest
+from .base import PolicyBase, age, best, drain_seconds, interactive, interactive_age, oldest
 from .state import PolicyState, real, reals
 from .types import Budget, Decision, Idle, Load, ModelState, SchedulerState, Serve
 
@@ -30,7 +30,12 @@ class CostAware(PolicyBase):
       never cut short before it has served the requests waiting at the load (gated service) and
       ``amortize`` × the load cost of device time; after that, it yields only to a model that has
       waited past its wait bound (below), which is what keeps a model under overload from
-      starving the others.
+      starving the others. Once paid for, a visit also ends when its queue no longer fills a
+      batch and another model's backlog, its load and the current model's reload included,
+      would be served at more requests per device second than that partial batch: where a
+      batch's fixed cost is large, arrivals during each batch keep a queue from ever emptying,
+      and exhaustive service camps on a model at a few requests a batch while the others' queues
+      grow (200 req/s over 3 models with 50 ms batches: p99 15 s against 3.8 s).
     - **Which model next.** The waiting model with the most waiting relieved per second of
       switch, ``backlog × age / (switch cost + batch cost)`` (the switch cost is zero for a
       resident model), times an ageing factor ``1 + age / bound`` and a deadline factor (up to 2×
@@ -238,12 +243,33 @@ class CostAware(PolicyBase):
             if not others and waited:
                 return self._visit(state, self._longest_waiting(waited, now, cycle), now, protected, cycle, "interactive")
             if not others:
+                faster = self._served_faster_elsewhere(state, current)
+                if faster:
+                    target = best(faster, lambda m: (self.score(m, now, cycle), m.resident))
+                    return self._visit(state, target, now, protected, cycle, "batch-efficiency")
                 return Serve(current.name, current.max_batch_size, "exhaustive")
             return self._visit(state, best(others, most_overdue), now, protected, cycle, "overdue")
         if overdue:
             return self._visit(state, best(overdue, most_overdue), now, protected, cycle, "overdue")
         target = best(waiting, lambda m: (self.score(m, now, cycle), m.resident, -oldest(m, now)))
         return self._visit(state, target, now, protected, cycle, "backlog")
+
+    def _served_faster_elsewhere(self, state: SchedulerState, current: ModelState) -> list[ModelState]:
+        """The other waiting models whose whole backlog, with its load and the current model's
+        reload, is served at more requests per device second than ``current``'s next batch, when
+        that batch is partial (see the class docstring's visits)."""
+        n = min(current.backlog, current.max_batch_size)
+        if n >= current.max_batch_size:
+            return []
+        staying = n / max(current.batch_cost.seconds(n), 1e-9)
+        faster = []
+        for m in state.models.values():
+            if m.name == current.name or m.backlog <= 0:
+                continue
+            switch_s = 0.0 if m.resident else m.load_cost_s + current.load_cost_s
+            if m.backlog / max(switch_s + drain_seconds(m, m.backlog), 1e-9) > staying:
+                faster.append(m)
+        return faster
 
     def _paid(self, m: ModelState) -> bool:
         """The visit since ``m``'s load held the device as long as the load took (``amortize``)."""
