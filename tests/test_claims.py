@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -14,6 +15,7 @@ import pytest
 from jetbatch.sdk.protocol import SidecarReport, Subjects
 from jetbatch.sidecar import cluster
 from jetbatch.sidecar.cluster import ClusterView
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -98,6 +100,40 @@ async def test_expired_adverts_are_forgotten_and_a_flood_of_them_is_bounded(nats
     finally:
         await view.stop()
         await nc.close()
+
+
+async def test_the_workers_bucket_lost_with_a_server_restart_is_made_again(tmp_path: Path) -> None:
+    """The workers' bucket is memory state: a nats-server restart loses it. Found with the
+    recovery benchmark (an 8 s outage): from then on every advert and every load claim of the
+    worker waited out a 1 s timeout and failed, so each load cost a second more and no peer heard
+    it again. The view opens the bucket again once its own advert goes unheard for a TTL, and
+    keeps watching it."""
+    with EmbeddedNats(store_dir=tmp_path / "store") as server:
+        nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+        view = ClusterView(nc.jetstream(), Subjects("p"), "me", heartbeat_s=0.1, peer_timeout_s=0.3)
+        await view.start()
+
+        async def advertised() -> bool:
+            await view.advertise(SidecarReport(role="worker", id="me"))
+            return view.view_fresh()
+
+        async def claimed() -> bool:
+            fresh = await advertised()  # the worker's heartbeat, which notices the loss
+            ok = await view.claim(["m1"])
+            await view.release(["m1"])
+            return fresh and ok is True
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(view.watch)
+                await wait_until(advertised, what="our own advert heard")
+                await anyio.to_thread.run_sync(server.restart)
+                await wait_until(lambda: nc.is_connected, what="reconnected")
+                await wait_until(claimed, timeout_s=10, what="claims taken and our own advert heard again")
+                tg.cancel_scope.cancel()
+        finally:
+            await view.stop()
+            await nc.close()
 
 
 async def test_a_second_live_worker_under_one_id_is_refused_or_reported(nats_url: str, prefix: str) -> None:

@@ -74,6 +74,9 @@ class ClusterView:
         self._refused = 0  # adverts of new peers refused at MAX_PEERS
         self._kv: object | None = None
         self._watcher: object | None = None
+        self._started_at = math.inf  # when start() opened the bucket
+        self._reopened_at = -math.inf  # when reopen_if_lost() last opened it again
+        self._retired: list[object] = []  # watchers replaced, stopped by the watch loop between reads
         self._own_started_at = 0.0  # our adverts' process start: another under our id has another
         self._duplicate_logged_at = -math.inf
         self.duplicate_adverts = 0  # adverts under our id that we did not put (another live worker's)
@@ -96,6 +99,12 @@ class ClusterView:
     async def start(self) -> None:
         """Open the bucket and watch it. Raises :class:`DuplicateWorkerId` when another live
         worker advertises under this id (:meth:`_check_id_free`)."""
+        await self._open()
+        self._started_at = time.time()
+        await self._check_id_free()
+        self._watcher = await self._kv.watchall()  # type: ignore[attr-defined]
+
+    async def _open(self) -> None:
         self._kv = await ensure_key_value(
             self.js,
             self.subjects.kv_bucket,
@@ -104,8 +113,29 @@ class ClusterView:
             storage=StorageType.MEMORY,  # soft state, re-advertised every heartbeat
             replicas=self.replicas,
         )
-        await self._check_id_free()
-        self._watcher = await self._kv.watchall()  # type: ignore[attr-defined]
+
+    async def reopen_if_lost(self, now: float | None = None) -> None:
+        """Open the bucket again, and watch it afresh, when our own advert has not come back
+        for a TTL (at most once a TTL). It is memory state: a nats-server restart loses it, and
+        from then on every advert and every load claim waited out its timeout (1 s a load) and
+        failed, and no peer heard this worker again. A bucket that is gone is made again (a peer
+        may have made it first)."""
+        now = time.time() if now is None else now
+        heard_s = now - max(self._own_seen_at, self._started_at)
+        if self._watcher is None or heard_s <= self.ttl_s or now - self._reopened_at <= self.ttl_s:
+            return
+        self._reopened_at = now
+        try:
+            await self._open()
+            watcher = await self._kv.watchall()  # type: ignore[attr-defined]
+        except TRANSPORT_ERRORS + failures.API_ERRORS as exc:
+            log.debug("workers' bucket not reopened: %r", exc)
+            return
+        # The watch loop may be waiting on the old watcher: stopped there, between two reads (a
+        # watcher stopped under a waiting read cancels it, which ended the loop).
+        self._retired.append(self._watcher)
+        self._watcher, self._initial = watcher, True
+        log.info("workers' bucket reopened: this worker's own advert went unheard for %.1f s", heard_s)
 
     async def _check_id_free(self) -> None:
         """An advert under our id before we put one is either a dead process's (a restart under
@@ -138,6 +168,8 @@ class ClusterView:
         """Keep the view of the peers current; run it in the worker's task group."""
         assert self._watcher is not None, "start() first"
         while True:
+            while self._retired:
+                await _stop_watcher(self._retired.pop())
             try:
                 entry = await self._watcher.updates(timeout=self.heartbeat_s * 5)  # type: ignore[attr-defined]
             except failures.TIMEOUTS:
@@ -215,6 +247,7 @@ class ClusterView:
         except TRANSPORT_ERRORS as exc:
             log.debug("advert failed: %r", exc)
             self.note_trouble()
+        await self.reopen_if_lost(now)
 
     def _note_duplicate(self, now: float) -> None:
         """An advert under our id that we did not put: a second live worker shares the id (two
@@ -299,11 +332,9 @@ class ClusterView:
             pass
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            try:
-                await self._watcher.stop()  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001
-                pass
+        for watcher in (*self._retired, self._watcher):
+            await _stop_watcher(watcher)
+        self._retired.clear()
 
     def note_trouble(self, now: float | None = None) -> None:
         """JetStream just failed us (a fetch, a put): peers silent now are likely in the same
@@ -397,3 +428,11 @@ def _put_at(created: object, now: float) -> float:
     two agree; never later than ``now`` (a server clock ahead of ours)."""
     timestamp = getattr(created, "timestamp", None)
     return min(float(timestamp()), now) if callable(timestamp) else now
+
+
+async def _stop_watcher(watcher: object | None) -> None:
+    if watcher is not None:
+        try:
+            await watcher.stop()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - a watcher whose bucket or connection is gone
+            pass
