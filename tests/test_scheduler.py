@@ -82,6 +82,22 @@ def test_overdue_model_comes_next_once_the_visit_is_paid_for() -> None:
     assert isinstance(d, sched.Serve) and d.model == "a" and d.reason == "exhaustive"
 
 
+def test_a_visit_yields_only_to_a_model_more_overdue_than_itself() -> None:
+    """After an outage every queue is past its bound at once. Yielding to any overdue model left
+    the oldest queue for younger ones (live: the worker went back to the model it had just left
+    before the third had a turn); the visit now yields only to a model further past its bound."""
+    policy = sched.make_policy("cost-aware", amortize=0.0)
+    policy.on_loaded("a", 0.0)
+
+    def decide(a_oldest: float) -> sched.Decision:
+        models = [ms("a", 500, resident=True, oldest=a_oldest), ms("b", 500, oldest=6.0), ms("c", 500, oldest=7.0)]
+        return policy.decide(state(models, "a", max_models=1), now=10.0)
+
+    assert decide(5.0) == sched.Serve("a", 16, "exhaustive")  # a waited longest: it goes on
+    d = decide(6.5)  # b waited longer than a: b next
+    assert isinstance(d, sched.Load) and d.model == "b" and d.reason == "overdue"
+
+
 def test_a_visit_continues_against_a_longer_queue_elsewhere() -> None:
     policy = sched.make_policy("cost-aware", amortize=0.0)
     policy.on_loaded("a", 0.0)

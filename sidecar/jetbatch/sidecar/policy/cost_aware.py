@@ -29,8 +29,8 @@ class CostAware(PolicyBase):
       strong baseline on a closed burst and under open load). A visit that began with a load is
       never cut short before it has served the requests waiting at the load (gated service) and
       ``amortize`` × the load cost of device time; after that, it yields only to a model that has
-      waited past its wait bound (below), which is what keeps a model under overload from
-      starving the others. Once paid for, a visit also ends when its queue no longer fills a
+      waited past its wait bound (below) longer than its own queue has, which is what keeps a
+      model under overload from starving the others. Once paid for, a visit also ends when its queue no longer fills a
       batch and another model's backlog, its load and the current model's reload included,
       would be served at more requests per device second than that partial batch: where a
       batch's fixed cost is large, arrivals during each batch keep a queue from ever emptying,
@@ -232,7 +232,10 @@ class CostAware(PolicyBase):
                 if waited:
                     return self._visit(state, self._longest_waiting(waited, now, cycle), now, protected - {current.name}, cycle, "interactive")
                 return Serve(current.name, current.max_batch_size, "burst")
-            others = [m for m in overdue if m.name != current.name]
+            # Only a model more overdue than this one ends its visit: after an outage every queue
+            # is past its bound, and leaving the oldest for a younger one went round in circles.
+            mine = most_overdue(current)[0]
+            others = [m for m in overdue if m.name != current.name and most_overdue(m)[0] > mine]
             if not others and not waited and interactive(current) == 0:
                 # Serving batch work only: interactive work waiting long elsewhere goes first.
                 waited = [
