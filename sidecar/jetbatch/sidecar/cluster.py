@@ -20,14 +20,13 @@ from typing import Collection, Iterable, Mapping
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.api import StorageType
 
 from jetbatch.sdk import failures
 from jetbatch.sdk.protocol import SidecarReport, Subjects
 
 from .errors import TRANSPORT_ERRORS, SidecarError
 from .registered import KnownSets, Shipping, models_digest
-from .streams import ensure_key_value
+from .workers_bucket import WorkersBucket
 
 __all__ = ["CLAIM_PREFIX", "ClusterView", "DuplicateWorkerId"]
 
@@ -39,7 +38,6 @@ log = logging.getLogger("jetbatch.cluster")
 # Adverts kept at most: far beyond any fleet, a bound on what a bucket flooded with keys (anyone
 # who may write to it) costs the view's memory and every decision's scan of it.
 MAX_PEERS = 4096
-
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SidecarReport)
@@ -72,11 +70,8 @@ class ClusterView:
         self._trouble_at = -1e18  # when we last saw JetStream fail (a fetch, a put, a stream info)
         self._forgot_at = -math.inf  # when adverts unheard past the timeout were last forgotten
         self._refused = 0  # adverts of new peers refused at MAX_PEERS
-        self._kv: object | None = None
-        self._watcher: object | None = None
-        self._started_at = math.inf  # when start() opened the bucket
-        self._reopened_at = -math.inf  # when reopen_if_lost() last opened it again
-        self._retired: list[object] = []  # watchers replaced, stopped by the watch loop between reads
+        self._bucket = WorkersBucket(self.js, self.subjects.kv_bucket, ttl_s=self.ttl_s, replicas=self.replicas)
+        self._opened_at = math.inf  # when the bucket was last opened (start, reopen_if_lost)
         self._own_started_at = 0.0  # our adverts' process start: another under our id has another
         self._duplicate_logged_at = -math.inf
         self.duplicate_adverts = 0  # adverts under our id that we did not put (another live worker's)
@@ -99,43 +94,22 @@ class ClusterView:
     async def start(self) -> None:
         """Open the bucket and watch it. Raises :class:`DuplicateWorkerId` when another live
         worker advertises under this id (:meth:`_check_id_free`)."""
-        await self._open()
-        self._started_at = time.time()
+        await self._bucket.open()
+        self._opened_at = time.time()
         await self._check_id_free()
-        self._watcher = await self._kv.watchall()  # type: ignore[attr-defined]
-
-    async def _open(self) -> None:
-        self._kv = await ensure_key_value(
-            self.js,
-            self.subjects.kv_bucket,
-            description="jetbatch workers: residency and drain rates",
-            ttl_s=self.ttl_s,
-            storage=StorageType.MEMORY,  # soft state, re-advertised every heartbeat
-            replicas=self.replicas,
-        )
+        await self._bucket.watch()
 
     async def reopen_if_lost(self, now: float | None = None) -> None:
-        """Open the bucket again, and watch it afresh, when our own advert has not come back
-        for a TTL (at most once a TTL). It is memory state: a nats-server restart loses it, and
-        from then on every advert and every load claim waited out its timeout (1 s a load) and
-        failed, and no peer heard this worker again. A bucket that is gone is made again (a peer
-        may have made it first)."""
+        """Open the bucket again once our own advert has gone unheard for a TTL since it was last
+        opened: a nats-server restart loses it, and every claim then waited out 1 s in vain."""
         now = time.time() if now is None else now
-        heard_s = now - max(self._own_seen_at, self._started_at)
-        if self._watcher is None or heard_s <= self.ttl_s or now - self._reopened_at <= self.ttl_s:
+        heard_s = now - max(self._own_seen_at, self._opened_at)
+        if not self._bucket.watching or heard_s <= self.ttl_s:
             return
-        self._reopened_at = now
-        try:
-            await self._open()
-            watcher = await self._kv.watchall()  # type: ignore[attr-defined]
-        except TRANSPORT_ERRORS + failures.API_ERRORS as exc:
-            log.debug("workers' bucket not reopened: %r", exc)
-            return
-        # The watch loop may be waiting on the old watcher: stopped there, between two reads (a
-        # watcher stopped under a waiting read cancels it, which ended the loop).
-        self._retired.append(self._watcher)
-        self._watcher, self._initial = watcher, True
-        log.info("workers' bucket reopened: this worker's own advert went unheard for %.1f s", heard_s)
+        self._opened_at = now
+        if await self._bucket.reopen():
+            self._initial = True  # the new watcher reads the bucket's contents first
+            log.info("workers' bucket reopened: our own advert unheard for %.1f s", heard_s)
 
     async def _check_id_free(self) -> None:
         """An advert under our id before we put one is either a dead process's (a restart under
@@ -143,7 +117,7 @@ class ClusterView:
         heartbeat: watched for one and a half, and refused if it does. Costs nothing when the key
         is absent (a new id, or an old one already expired)."""
         try:
-            first = await self._kv.get(self.worker_id)  # type: ignore[attr-defined]
+            first = await self._bucket.kv.get(self.worker_id)
         except failures.NOT_FOUND:
             return
         except TRANSPORT_ERRORS as exc:
@@ -153,7 +127,7 @@ class ClusterView:
         while time.monotonic() < deadline:
             await asyncio.sleep(min(0.1, self.heartbeat_s / 4))
             try:
-                entry = await self._kv.get(self.worker_id)  # type: ignore[attr-defined]
+                entry = await self._bucket.kv.get(self.worker_id)
             except failures.NOT_FOUND:
                 return  # expired or withdrawn: its process is gone
             except TRANSPORT_ERRORS:
@@ -166,12 +140,10 @@ class ClusterView:
 
     async def watch(self) -> None:
         """Keep the view of the peers current; run it in the worker's task group."""
-        assert self._watcher is not None, "start() first"
+        assert self._bucket.watching, "start() first"
         while True:
-            while self._retired:
-                await _stop_watcher(self._retired.pop())
             try:
-                entry = await self._watcher.updates(timeout=self.heartbeat_s * 5)  # type: ignore[attr-defined]
+                entry = await self._bucket.update(self.heartbeat_s * 5)
             except failures.TIMEOUTS:
                 continue
             except asyncio.CancelledError:
@@ -229,7 +201,7 @@ class ClusterView:
     async def advertise(self, advert: SidecarReport, *, names: list[str] | None = None) -> None:
         """Put ``advert``, naming the registered models (``names``, a list the caller keeps: hashed
         once; by default its ``models``) only when a peer may not know them (registered.py)."""
-        if self._kv is None:
+        if self._bucket.kv is None:
             return
         names = advert.models if names is None else names
         if self._digest is None or self._digest[0] is not names:
@@ -240,7 +212,7 @@ class ClusterView:
         data = _encoder.encode(advert)
         self._own_started_at = advert.started_at
         try:
-            revision = await self._kv.put(self.worker_id, data)  # type: ignore[attr-defined]
+            revision = await self._bucket.kv.put(self.worker_id, data)
             self._shipping.sent(digest, now, full)
             if self._first_revision is None:
                 self._first_revision = revision
@@ -273,17 +245,17 @@ class ClusterView:
         m1) both need m1 and m2: one stands back. True: all claimed; False: another worker holds
         one; None: the bucket did not answer (the caller decides what is safe without it). A
         claim expires with the bucket's TTL if its holder dies."""
-        if self._kv is None:
+        if self._bucket.kv is None:
             return True
         taken: list[str] = []
         for model in sorted(set(models)):
             try:
-                await self._kv.create(self._claim_key(model), self.worker_id.encode())  # type: ignore[attr-defined]
+                await self._bucket.kv.create(self._claim_key(model), self.worker_id.encode())
                 taken.append(model)
                 continue
             except failures.CONFLICT:
                 try:
-                    entry = await self._kv.get(self._claim_key(model))  # type: ignore[attr-defined]
+                    entry = await self._bucket.kv.get(self._claim_key(model))
                     mine = entry.value == self.worker_id.encode()
                 except TRANSPORT_ERRORS:
                     mine = False
@@ -300,11 +272,11 @@ class ClusterView:
         return True
 
     async def release(self, models: Iterable[str]) -> None:
-        if self._kv is None:
+        if self._bucket.kv is None:
             return
         for model in models:
             try:
-                await self._kv.delete(self._claim_key(model))  # type: ignore[attr-defined]
+                await self._bucket.kv.delete(self._claim_key(model))
             except TRANSPORT_ERRORS:
                 pass  # the TTL clears it
 
@@ -324,17 +296,15 @@ class ClusterView:
 
     async def withdraw(self) -> None:
         """Remove this worker's advert (graceful stop) so peers react at once."""
-        if self._kv is None:
+        if self._bucket.kv is None:
             return
         try:
-            await self._kv.delete(self.worker_id)  # type: ignore[attr-defined]
+            await self._bucket.kv.delete(self.worker_id)
         except TRANSPORT_ERRORS:
             pass
 
     async def stop(self) -> None:
-        for watcher in (*self._retired, self._watcher):
-            await _stop_watcher(watcher)
-        self._retired.clear()
+        await self._bucket.stop()
 
     def note_trouble(self, now: float | None = None) -> None:
         """JetStream just failed us (a fetch, a put): peers silent now are likely in the same
@@ -428,11 +398,3 @@ def _put_at(created: object, now: float) -> float:
     two agree; never later than ``now`` (a server clock ahead of ours)."""
     timestamp = getattr(created, "timestamp", None)
     return min(float(timestamp()), now) if callable(timestamp) else now
-
-
-async def _stop_watcher(watcher: object | None) -> None:
-    if watcher is not None:
-        try:
-            await watcher.stop()  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - a watcher whose bucket or connection is gone
-            pass
