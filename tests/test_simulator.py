@@ -299,6 +299,29 @@ def test_control_costs_measured_by_live_workers_replace_the_defaults() -> None:
     assert c.arrival_delay_s == pytest.approx(0.0015) and "arrival_delay_s" not in c.cv
     assert c.decision_s == pytest.approx(0.0005 - Control().decision_per_model_s * 10)
     assert c.answer_s == Control().answer_s and c.consumer_create_s == Control().consumer_create_s  # no sample: the default
+    assert c.compute_excess_s == 0.0
+    add_sample(stats, "compute_excess", 0.003)
+    assert Control.measured(stats).compute_excess_s == pytest.approx(0.003)
+
+
+def test_a_measured_compute_excess_lengthens_every_simulated_batch() -> None:
+    """What a live forward pass took beyond its model's cost (the thread hop) is paid by each
+    simulated batch, and the estimator learns the longer batches as the live one does."""
+    from dataclasses import replace
+
+    from jetbatch.sidecar.simulator.workloads import Control
+
+    raw = {
+        "models": {"a": {"load_cost_s": 0.01, "batch_cost_s": 0.002, "item_cost_s": 0.0, "max_batch_size": 1}},
+        "budget": {"max_models": 1},
+        "arrivals": {"kind": "poisson", "rate": 20, "duration_s": 10, "seed": 3},
+    }
+    base = build_workload(raw)
+    plain = simulate(base, "cost-aware")
+    slower = simulate(replace(base, control=replace(base.control, compute_excess_s=0.003)), "cost-aware")
+    assert [round(end - start, 6) for start, end, *_ in plain.batches] == [0.002] * len(plain.batches)
+    assert [round(end - start, 6) for start, end, *_ in slower.batches] == [0.005] * len(slower.batches)
+    assert build_workload({**raw, "control": {"compute_excess_s": 0.003}}).control.compute_excess_s == 0.003
 
 
 def test_a_spread_of_the_control_costs_keeps_their_mean_and_widens_the_tail() -> None:

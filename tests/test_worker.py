@@ -17,9 +17,11 @@ pytestmark = pytest.mark.anyio
 
 async def test_request_gets_reply_with_batch_metadata(nats_url: str, prefix: str) -> None:
     config = make_config(prefix, {"m1": sleep_model()})
-    async with running_worker(config, nats_url):
+    async with running_worker(config, nats_url) as worker:
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             result = await client.infer_result({"x": [1, 2, 3]}, model="m1", timeout=10)
+        # The forward pass's time beyond the model's configured cost, for the simulator's twin.
+        assert worker.stats["compute_excess_n"] == 1
     assert result.output == {"x": [1, 2, 3]}
     assert result.batch.model == "m1"
     assert result.batch.batch_size == 1

@@ -97,7 +97,7 @@ class SimExecution:
             self.sim.wake(worker, self.sim.t)
             return
         self.maybe_prefetch(worker, decision.model)
-        duration = self.sim.noisy(m.batch_s(len(live)))
+        duration = self.sim.noisy(m.batch_s(len(live))) + self.sim.control_s("compute_excess_s")
         end = start + duration
         answered = end + self.sim.control_s("answer_s")  # the caller has it once stored and sent
         answering.append(answered)

@@ -147,6 +147,10 @@ class Control:
     # A worker that stops serving a model's batches counts that model's interactive line (a
     # stream-info and a consumer-info round trip, policy/interest.py) before it decides again.
     count_line_s: float = 0.001
+    # A forward pass's time beyond its model's batch cost: the hop to the compute thread and
+    # back, and the interpreter lock that thread waits for while the event loop runs. About 3 ms
+    # a batch on the busy 2-core VM at 200 models; 0 by default, so the cost model alone decides.
+    compute_excess_s: float = 0.0
     # The spread of the round trips above (coefficient of variation; each draw lognormal with
     # the mean kept), by field name: a mean alone hid the tail of a loaded cluster, where making
     # a consumer takes 10 to 200 ms (the simulator's p99 was 0.7x the live worker's).
@@ -188,12 +192,13 @@ MEASURED_STEPS = {
     "ready_fetch": "batch_overhead_s",
     "arrival_delay": "arrival_delay_s",
     "count_line": "count_line_s",
+    "compute_excess": "compute_excess_s",
 }
 # The costs drawn with a spread (arrivals keep a fixed delay: they are admitted in time order).
-SPREAD_FIELDS = frozenset({"claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s"})
+SPREAD_FIELDS = frozenset({"claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s", "compute_excess_s"})
 
 
-IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0, 0.0, 0.0, count_line_s=0.0)
+IDEAL_CONTROL = Control(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 600.0, 0.0, 0.0, count_line_s=0.0, compute_excess_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -338,7 +343,10 @@ class _ControlSpec(_Spec):
     claim_s: Annotated[float, Meta(ge=0, le=60)] = Control.claim_s
     advert_s: Annotated[float, Meta(ge=0, le=60)] = Control.advert_s
     count_line_s: Annotated[float, Meta(ge=0, le=60)] = Control.count_line_s
-    cv: dict[Literal["claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s"], Annotated[float, Meta(ge=0, le=10)]] = {}
+    compute_excess_s: Annotated[float, Meta(ge=0, le=60)] = Control.compute_excess_s
+    cv: dict[
+        Literal["claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s", "compute_excess_s"], Annotated[float, Meta(ge=0, le=10)]
+    ] = {}
 
 
 class _SurgeSpec(_Spec):

@@ -19,6 +19,7 @@ STEPS = {
     "answer": "storing and sending one batch's answers",
     "ready_fetch": "a fetch of requests stored before it began (its round trip)",
     "arrival_delay": "from a request's store to its arrival event at the worker",
+    "compute_excess": "a forward pass's time beyond its model's configured batch cost (the thread hop, the interpreter lock)",
 }
 
 

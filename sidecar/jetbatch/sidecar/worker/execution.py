@@ -206,6 +206,8 @@ class BatchRunner:
                     await self._predict_isolating(slot, good, extra)
                 compute_s = self.timer() - started
                 computed = len(good)
+                rules = self.core.rules[slot.name]
+                self._counters.sample("compute_excess", compute_s - rules.batch_cost_s - rules.item_cost_s * computed)
                 excess = sum(1 for r in good if (r.msg.headers or {}).get(Headers.EXCESS) == "1")
                 self.telemetry.infer_duration.record(compute_s, {"jetbatch.model": slot.name})
                 self.telemetry.tenants_computed([r.meta.tenant for r in good], compute_s)
