@@ -29,9 +29,10 @@ from jetbatch.sidecar.core import (
     Turn,
     Unload,
     WaitFree,
+    WaitRoom,
     WorkerCore,
 )
-from jetbatch.sidecar.policy import PROBE_AFTER_REFUSALS, QueueFacts, Tier
+from jetbatch.sidecar.policy import ANSWERING_BATCHES, PROBE_AFTER_REFUSALS, QueueFacts, Tier, pipeline_has_room
 
 
 def _core(*names: str, policy: str = "cost-aware", max_models: int | None = 1, idle_unload_s: float | None = None, pin: tuple[str, ...] = ()) -> WorkerCore:
@@ -77,10 +78,34 @@ def test_a_load_decided_while_its_victim_computes_waits_and_is_decided_again() -
     core = _core("a", "b")
     _load(core, "a", 0.0, 0)
     facts = _facts({"b": 8}, resident=("a",), at=0.0)
-    assert core.handle(Turn(now=1.0, facts=facts, computing=["a"], busy=["a"])) == WaitFree(["a"])
+    assert core.handle(Turn(now=1.0, facts=facts, computing={"a": 1}, in_flight={"a": 1})) == WaitFree(["a"])
     # Decided once more, the victim still busy: the load goes ahead (no second wait).
-    action = core.handle(Turn(now=1.1, facts=facts, computing=["a"]))
+    action = core.handle(Turn(now=1.1, facts=facts, computing={"a": 1}, in_flight={"a": 1}))
     assert isinstance(action, LoadModel) and action.model == "b" and action.evict == ["a"]
+
+
+def test_arrivals_during_compute_are_gathered_within_the_pipeline_bound() -> None:
+    """The next batch is gathered while one computes and earlier answers are stored, a bounded
+    number of them (``policy.pipeline_has_room``, written once, in the core): past the bound the
+    core asks to wait for one of them and decides again; a model allowed two forward passes at
+    once may have one more under way."""
+    core = _core("a")
+    _load(core, "a", 0.0, 8)
+    facts = _facts({"a": 8}, resident=("a",))
+    assert isinstance(core.handle(Turn(now=1.0, facts=facts, in_flight={"a": 1}, computing={"a": 1})), Fetch)
+    full = 1 + ANSWERING_BATCHES + 1
+    assert core.handle(Turn(now=1.0, facts=facts, in_flight={"a": 2}, computing={"a": 2})) == WaitRoom("a")
+    assert core.handle(Turn(now=1.0, facts=facts, in_flight={"a": full}, computing={"a": 0})) == WaitRoom("a")
+    assert isinstance(core.handle(Turn(now=1.0, facts=facts, in_flight={"a": full - 1}, computing={"a": 1})), Fetch)
+    # A served model about to idle holds its next batch only with room for it.
+    core.handle(Fetched("a", 4))
+    assert core.serving == "a"
+    idle = _facts({}, resident=("a",))
+    assert core.handle(Turn(now=2.0, facts=idle, in_flight={"a": 2}, computing={"a": 2})) == WaitRoom("a")
+    assert isinstance(core.handle(Turn(now=2.0, facts=idle, in_flight={"a": 1}, computing={"a": 1})), Hold)
+    two = WorkerCore(Started(policy="cost-aware", options={}, models={"a": ModelRules(4, 0.5, 0.01, 0.001, max_concurrent_batches=2)}))
+    _load(two, "a", 0.0, 8)
+    assert isinstance(two.handle(Turn(now=1.0, facts=facts, in_flight={"a": 2}, computing={"a": 2})), Fetch)
 
 
 def test_about_to_idle_while_serving_the_core_holds_then_recounts_after_an_empty_hold() -> None:
@@ -124,7 +149,7 @@ def test_idle_models_are_unloaded_at_their_limit_unless_busy_or_pinned() -> None
     sleep = core.handle(Turn(now=1.0, facts=_facts({}, resident=("a", "p"))))
     assert isinstance(sleep, Sleep) and sleep.until is not None and sleep.until <= 5.0  # wakes for the unload at the latest
     assert core.idle_wake == 5.0
-    assert isinstance(core.handle(Turn(now=6.0, facts=_facts({}, resident=("a", "p")), busy=["a"])), Sleep)
+    assert isinstance(core.handle(Turn(now=6.0, facts=_facts({}, resident=("a", "p")), in_flight={"a": 1})), Sleep)
     assert core.handle(Turn(now=6.0, facts=_facts({}, resident=("a", "p")))) == Unload(["a"])
     core.handle(Evicted("a", 6.0))
     # A batch counts as use: the limit runs from its end.
@@ -241,8 +266,9 @@ def _events(draw: st.DrawFn) -> list[Event]:
                     reload_fits_host=draw(st.booleans()), max_batch_size=4, pinned=name == "c" and tier == "resident",
                     served_rps=draw(st.sampled_from([0.0, 5.0])),
                 ))  # fmt: skip
-            computing = draw(st.lists(st.sampled_from(_NAMES), max_size=2, unique=True))
-            out.append(Turn(now=t, facts=facts, computing=computing, busy=computing))
+            computing = {n: draw(st.integers(1, 2)) for n in draw(st.lists(st.sampled_from(_NAMES), max_size=2, unique=True))}
+            answering = {n: draw(st.integers(0, 2)) for n in computing}
+            out.append(Turn(now=t, facts=facts, computing=computing, in_flight={n: k + answering[n] for n, k in computing.items()}))
         elif kind == "fetched":
             out.append(Fetched(model, draw(st.integers(0, 4)), held=draw(st.booleans())))
         elif kind == "done":
@@ -263,8 +289,9 @@ def _events(draw: st.DrawFn) -> list[Event]:
 @given(events=_events(), policy=st.sampled_from(["cost-aware", "exhaustive", "fifo", "round-robin", "longest-backlog"]))
 def test_any_run_of_events_is_answered_within_the_rules_and_replays_exactly(events: list[Event], policy: str) -> None:
     """Whatever a run's events, the core never raises, a turn always answers one action that
-    respects the models' rules (a batch within its model's max size, no pinned model evicted, a
-    wait only for a model that computes), and a recording of the run replays action for action."""
+    respects the models' rules (a batch within its model's max size and pipeline bound, no pinned
+    model evicted, a wait only for a model that computes), and a recording of the run replays
+    action for action."""
     lines: list[bytes] = []
 
     class Lines:
@@ -278,8 +305,11 @@ def test_any_run_of_events_is_answered_within_the_rules_and_replays_exactly(even
         action = core.handle(event)
         if isinstance(event, Turn):
             assert action is not None
-            if isinstance(action, Fetch):
+            if isinstance(action, (Fetch, Hold)):
                 assert 1 <= action.max_items <= 4
+                assert pipeline_has_room(event.in_flight.get(action.model, 0), event.computing.get(action.model, 0), 1)
+            if isinstance(action, WaitRoom):
+                assert not pipeline_has_room(event.in_flight.get(action.model, 0), event.computing.get(action.model, 0), 1)
             if isinstance(action, LoadModel):
                 assert "c" not in action.evict or not any(f.name == "c" and f.pinned for f in event.facts)
             if isinstance(action, WaitFree):

@@ -8,7 +8,7 @@ from typing import Union
 
 import msgspec
 
-__all__ = ["Action", "Fetch", "Hold", "LoadModel", "Proceed", "Reap", "Recount", "Sleep", "Unload", "WaitFree"]
+__all__ = ["Action", "Fetch", "Hold", "LoadModel", "Proceed", "Reap", "Recount", "Sleep", "Unload", "WaitFree", "WaitRoom"]
 
 
 class Unload(msgspec.Struct, tag="unload", frozen=True, forbid_unknown_fields=True):
@@ -39,6 +39,13 @@ class WaitFree(msgspec.Struct, tag="wait_free", frozen=True, forbid_unknown_fiel
     batch still computes is decided once more with what arrived meanwhile counted)."""
 
     models: list[str]
+
+
+class WaitRoom(msgspec.Struct, tag="wait_room", frozen=True, forbid_unknown_fields=True):
+    """Wait until one of ``model``'s batches computes or is settled, then turn again: the model
+    has as many batches under way as its pipeline bound allows (``policy.pipeline_has_room``)."""
+
+    model: str
 
 
 class Fetch(msgspec.Struct, tag="fetch", frozen=True, forbid_unknown_fields=True):
@@ -80,4 +87,4 @@ class Proceed(msgspec.Struct, tag="proceed", frozen=True, forbid_unknown_fields=
     """Go on with the load."""
 
 
-Action = Union[Unload, Hold, Recount, WaitFree, Fetch, LoadModel, Sleep, Reap, Proceed]
+Action = Union[Unload, Hold, Recount, WaitFree, WaitRoom, Fetch, LoadModel, Sleep, Reap, Proceed]

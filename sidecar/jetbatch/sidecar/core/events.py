@@ -57,17 +57,19 @@ class Started(msgspec.Struct, tag="started", frozen=True, forbid_unknown_fields=
 
 class Turn(msgspec.Struct, tag="turn", frozen=True, forbid_unknown_fields=True):
     """The worker is free to act: what it knows of the queues it shows the policy
-    (``policy.visible_models``), and which models it cannot move right now.
+    (``policy.visible_models``), and each model's batches under way.
 
-    ``busy``: models with batches held unacked (never unloaded for idleness);
-    ``computing``: models whose forward pass runs now (a load that evicts one waits for it);
+    ``in_flight``: per model, its batches gathered and not yet answered and settled (a model with
+    any is never unloaded for idleness; the pipeline bound, ``policy.pipeline_has_room``, reads
+    them); ``computing``: of those, the ones that still need the model (a load that evicts it
+    waits for them);
     ``defer_until``: when the first queue left to a peer's first take becomes ours too;
     ``arrival_order``: the waiting requests' models in arrival order (only ``fifo`` reads it)."""
 
     now: float
     facts: list[QueueFacts]
-    busy: list[str] = []
-    computing: list[str] = []
+    in_flight: dict[str, int] = {}
+    computing: dict[str, int] = {}
     defer_until: float | None = None
     arrival_order: list[str] | None = None
 

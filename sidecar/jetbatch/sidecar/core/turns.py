@@ -35,10 +35,11 @@ from ..policy import (
     Serve,
     hold_s,
     make_policy,
+    pipeline_has_room,
     serves_on,
 )
 from ..policy.state import read_state, real, reals
-from .actions import Action, Fetch, Hold, LoadModel, Proceed, Reap, Recount, Sleep, Unload, WaitFree
+from .actions import Action, Fetch, Hold, LoadModel, Proceed, Reap, Recount, Sleep, Unload, WaitFree, WaitRoom
 from .events import BatchChecked, BatchDone, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Started, Turn, Warmed
 from .state import CoreFields
 
@@ -170,7 +171,7 @@ class WorkerCore:
                 del self.last_used[name]
         order = tuple(ev.arrival_order) if ev.arrival_order is not None else None
         state = self.driver.state(ev.facts, now, current=self.current, budget=self.budget, arrival_order=order)
-        idle = self._idle_unloads(state, now, busy=ev.busy)
+        idle = self._idle_unloads(state, now, busy=[n for n, k in ev.in_flight.items() if k > 0])
         if idle:
             return Unload(idle)
         decision = self.driver.decide(state, now)
@@ -180,6 +181,8 @@ class WorkerCore:
             if held_s > 0 and self.serving is not None:
                 # Rather than idle, hold the served model's next batch open on a pull: its first
                 # request opens the window with no arrival event and no decision between.
+                if not self._has_room(ev, self.serving):
+                    return WaitRoom(self.serving)
                 return Hold(self.serving, self.rules[self.serving].max_batch_size, held_s)
             if self.serving is not None:
                 return self._recount()
@@ -192,10 +195,14 @@ class WorkerCore:
             # what the last fetch left. Count it and decide again on that count.
             return self._recount()
         if isinstance(decision, Serve) and resident:
+            if not self._has_room(ev, decision.model):
+                # The next batch is gathered while earlier ones compute and store their answers,
+                # a bounded number of them: decided again once one of them moves on.
+                return WaitRoom(decision.model)
             limit = max(1, min(decision.max_items, self.rules[decision.model].max_batch_size))
             return Fetch(decision.model, limit, decision.reason, decision.before)
         if isinstance(decision, Load):
-            computing = [n for n in decision.evict if n in ev.computing]
+            computing = [n for n in decision.evict if ev.computing.get(n, 0) > 0]
             if computing and not revisit:
                 # Decided while a victim still computes (the next batch was gathered early):
                 # what arrives meanwhile would wait a whole cycle. Decide again once it is free.
@@ -205,6 +212,9 @@ class WorkerCore:
         # A policy that serves a model not on the device gets the load it implies, with no
         # eviction (the core does not guess what to give up).
         return self._load(decision.model, [], "serve-non-resident", chosen)
+
+    def _has_room(self, ev: Turn, model: str) -> bool:
+        return pipeline_has_room(ev.in_flight.get(model, 0), ev.computing.get(model, 0), self.rules[model].max_concurrent_batches)
 
     def _recount(self) -> Recount:
         served, self.serving = self.serving, None

@@ -35,6 +35,7 @@ from ..core import (
     Started,
     Unload,
     WaitFree,
+    WaitRoom,
     WorkerCore,
 )
 from ..policy import (
@@ -68,7 +69,7 @@ class Simulation:
         self.execution = SimExecution(self)  # batches, loads and the warm tier, carried out
         # Each action of the core, carried out here (the same actions the live worker carries out).
         self._execute: dict[type, Callable[[SimWorker, Any, float], None]] = {
-            Unload: self._unload, Hold: self._hold, Recount: self._recount, WaitFree: self._wait_free,
+            Unload: self._unload, Hold: self._hold, Recount: self._recount, WaitFree: self._wait_free, WaitRoom: self._wait_room,
             Fetch: self._fetch, LoadModel: self._load, Sleep: self._sleep,
         }  # fmt: skip
         self.max_events = max_events
@@ -266,6 +267,10 @@ class Simulation:
 
     def _wait_free(self, worker: SimWorker, action: WaitFree, cost_s: float) -> None:
         self.wake(worker, max(self.t, worker.busy_until))  # nothing computes at a simulated turn
+
+    def _wait_room(self, worker: SimWorker, action: WaitRoom, cost_s: float) -> None:
+        # Only answers being stored fill a pipeline here: the first of them to be stored.
+        self.wake(worker, max(self.t, min(worker.answering.get(action.model) or [self.t])))
 
     def _fetch(self, worker: SimWorker, action: Fetch, cost_s: float) -> None:
         self.execution.serve(worker, action, cost_s)

@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ..core import BatchChecked, BatchDone, Evicted, Fetch, Fetched, LoadDue, Loaded, LoadModel, Reap
-from ..policy import Tier, batch_line_first, cannot_finish, fits_host, listens, pipeline_has_room, prefetch_choice, warm_copy_value
+from ..policy import Tier, batch_line_first, cannot_finish, fits_host, listens, prefetch_choice, warm_copy_value
 
 from .workers import SimWorker
 
@@ -34,14 +34,9 @@ class SimExecution:
         if not q:
             self.sim.wake(worker, max(self.sim.next_arrival_at(), self.sim.t + 1e-6) if self.sim.next_arrival_at() < math.inf else self.sim.t + 1e-3)
             return
-        # As live: a batch computes while earlier ones' answers are stored, a bounded number of
-        # them (the device is free here, so none is computing).
+        # As live: a batch computes while earlier ones' answers are stored, as many as the core's
+        # turn allowed (its pipeline bound; the device is free here, so none is computing).
         answering = worker.answering[decision.model] = [t for t in worker.answering.get(decision.model, ()) if t > self.sim.t]
-        # The live worker's bound (policy.pipeline_has_room) with the model's own share of the device;
-        # a simulated turn comes only when nothing computes.
-        if not pipeline_has_room(len(answering), 0, worker.core.rules[decision.model].max_concurrent_batches):
-            self.sim.wake(worker, min(answering))
-            return
         window = self.sim.windows[decision.model]
         limit = max(1, min(decision.max_items, m.max_batch_size))
         # As live: the window opens at the first request the batch takes (its line's head) and

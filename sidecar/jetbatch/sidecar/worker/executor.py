@@ -19,7 +19,7 @@ import anyio.lowlevel
 from nats.aio.msg import Msg
 
 from ..config import Config
-from ..core import Fetch, Fetched, Hold, LoadModel, Recount, Sleep, Turn, Unload, WaitFree, WorkerCore
+from ..core import Fetch, Fetched, Hold, LoadModel, Recount, Sleep, Turn, Unload, WaitFree, WaitRoom, WorkerCore
 from ..policy import visible_models
 from ..pulling import Puller
 from ..replies import settle
@@ -83,7 +83,7 @@ class Executor:
 
     async def serve_loop(self, tg: anyio.abc.TaskGroup) -> None:
         execute: dict[type, Callable[[anyio.abc.TaskGroup, Any], Awaitable[None]]] = {
-            Unload: self._do_unload, Hold: self._do_hold, Recount: self._do_recount, WaitFree: self._do_wait_free,
+            Unload: self._do_unload, Hold: self._do_hold, Recount: self._do_recount, WaitFree: self._do_wait_free, WaitRoom: self._do_wait_room,
             Fetch: self._do_fetch, LoadModel: self._do_load, Sleep: self._do_sleep,
         }  # fmt: skip
         while not self._stopping.is_set():
@@ -114,7 +114,7 @@ class Executor:
 
     def turn(self, now: float) -> Turn:
         """What the core is told at a turn: the facts of the models a decision looks at
-        (``policy.visible_models``), and which resident models are busy or computing."""
+        (``policy.visible_models``), and the batches under way of the models on the device."""
         names = visible_models(
             self.slots, now,
             waiting=self.queues.waiting,
@@ -129,7 +129,7 @@ class Executor:
         on_device = [self.slots[n] for n in self.residency.resident_names()]
         return Turn(
             now=now, facts=facts,
-            busy=[s.name for s in on_device if s.in_flight], computing=[s.name for s in on_device if s.computing],
+            in_flight={s.name: s.in_flight for s in on_device if s.in_flight}, computing={s.name: s.computing for s in on_device if s.computing},
             defer_until=defer_until if math.isfinite(defer_until) else None,
             arrival_order=self._arrival_order() if self.core.wants_arrival_order else None,
         )  # fmt: skip
@@ -163,6 +163,10 @@ class Executor:
     async def _do_wait_free(self, tg: anyio.abc.TaskGroup, action: WaitFree) -> None:
         for name in action.models:
             await self.slots[name].wait_model_free()
+
+    async def _do_wait_room(self, tg: anyio.abc.TaskGroup, action: WaitRoom) -> None:
+        # Nothing yielded since the turn read the counts, so the next change is one it did not see.
+        await self.slots[action.model].wait_batch_moves()
 
     async def _do_fetch(self, tg: anyio.abc.TaskGroup, action: Fetch) -> None:
         slot = self.slots[action.model]
@@ -198,9 +202,8 @@ class Executor:
         self._wake = anyio.Event()
 
     async def serve(self, tg: anyio.abc.TaskGroup, slot: Slot, decision: Fetch, *, hold_s: float | None = None) -> None:
-        # Pipelining: gather the next batch while the previous one computes, and compute while
-        # earlier answers are stored (a bounded number: policy/window.py).
-        await slot.wait_pipeline_room()
+        # Pipelining: the next batch is gathered while the previous one computes, and computes
+        # while earlier answers are stored; how many, the core's turn bounds (``WaitRoom``).
         max_items = decision.max_items  # within the model's max batch size (the core's rule)
         if decision.before is not None:
             msgs = await self.batcher.gather_before(slot, max_items, decision.before)

@@ -16,7 +16,7 @@ from jetbatch.sdk.protocol import RequestMeta
 
 from ..config import ModelConfig
 from ..handlers import Handler
-from ..policy import BatchWindow, Tier, pipeline_has_room
+from ..policy import BatchWindow, Tier
 from ..replies import Answer
 from ..telemetry import LoadRecord
 
@@ -168,11 +168,10 @@ class Slot:
         while self.in_flight > n:
             await self.batch_ended.wait()
 
-    async def wait_pipeline_room(self) -> None:
-        """Until this model's next batch may be gathered (``policy.pipeline_has_room``): the
-        batches before it compute and store their answers by themselves, so no timer."""
-        while not pipeline_has_room(self.in_flight, self.computing, self.config.max_concurrent_batches):
-            await self.batch_ended.wait()
+    async def wait_batch_moves(self) -> None:
+        """Until one of this model's batches computes or is settled (the core bounds how many
+        are under way: ``WaitRoom``). Batches move on by themselves, so no timer."""
+        await self.batch_ended.wait()
 
     async def wait_model_free(self) -> None:
         """Until no batch may still run the model (before it is evicted)."""
