@@ -141,9 +141,23 @@ def _counted(slot: Any, n: int = 1) -> None:
     slot.arrivals += n
 
 
+_SLOTS: dict[str, Any] = {}
+
+
 def _slot(queue: Any, max_delay_s: float) -> Any:
     config = SimpleNamespace(max_concurrent_batches=1)
-    return SimpleNamespace(psub=queue, window=BatchWindow(64, max_delay_s), in_flight=0, computing=0, config=config, backlog=0, arrivals=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0)
+    slot = SimpleNamespace(
+        name=f"fake{len(_SLOTS)}", psub=queue, window=BatchWindow(64, max_delay_s), computing=0, config=config,
+        backlog=0, arrivals=0, bulk=0, bulk_psub=None, interactive=0, interactive_run=0,
+    )  # fmt: skip
+    _SLOTS[slot.name] = slot
+    return slot
+
+
+def _computing(model: str) -> int:
+    """The forward passes under way of a fake slot here (the worker's core counts them live)."""
+    slot = _SLOTS.get(model)
+    return slot.computing if slot is not None else 0
 
 
 def _frees_device_at(slot: Any, wait: int) -> Callable[[int], float | None]:
@@ -179,7 +193,7 @@ async def test_a_lone_request_closes_its_batch_at_max_delay_with_no_pull_held_op
     clock = FakeClock()
     queue = Queue(clock)
     wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     slot = _slot(queue, max_delay_s=0.002)
     queue.queued = 1
     stored_at = clock()
@@ -197,7 +211,7 @@ async def test_a_window_closed_on_its_timer_learns_how_late_its_batch_started_an
     clock = FakeClock()
     queue = Queue(clock)
     wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     slot = _slot(queue, max_delay_s=0.002)
     started_after_due = []
     for _ in range(3):
@@ -220,7 +234,7 @@ async def test_a_batch_that_did_not_close_on_its_timer_teaches_the_lead_nothing(
     queue = Queue(clock)
     slot = _slot(queue, max_delay_s=0.002)
     wakeup = FakeWakeup(clock, _frees_device_at(slot, 2))
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     queue.queued = 64
     assert len(await batcher.gather(slot, 64)) == 64
     clock.now += 0.005
@@ -252,7 +266,7 @@ async def test_an_arrival_during_the_window_joins_the_batch_with_one_fetch_of_wh
         return 0.004
 
     wakeup = FakeWakeup(clock, arrival)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     queue.queued = 1
     opened = clock()
     msgs = await batcher.gather(slot, 64)
@@ -283,7 +297,7 @@ async def test_a_count_ahead_of_the_queue_costs_one_fetch_until_the_next_arrival
         return None
 
     wakeup = FakeWakeup(clock, arrival)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     slot.backlog = 0
     queue.queued = 1
     opened = clock()
@@ -319,7 +333,7 @@ async def test_an_arrival_counted_while_a_fetch_came_back_empty_is_fetched_in_th
             return 0.001
         return None
 
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock, phantom), on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock, phantom), on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     queue.queued = 1
     msgs = await batcher.gather(slot, 64)
     assert len(msgs) == 2 and queue.queued == 0
@@ -343,7 +357,7 @@ async def test_only_an_arrival_for_the_model_in_its_window_wakes_the_window() ->
         return None
 
     wakeup = FakeWakeup(clock, arrivals)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     queue.queued = 1
     await batcher.gather(slot, 64)
     batcher.arrived()  # no window open: nobody to wake
@@ -356,7 +370,7 @@ async def test_a_busy_device_keeps_the_batch_filling_past_its_window() -> None:
     slot = _slot(queue, max_delay_s=0.002)
     slot.computing = 1  # the batch before still computes
     wakeup = FakeWakeup(clock, _frees_device_at(slot, 3))
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     queue.queued = 1
     opened = clock()
     await batcher.gather(slot, 64)
@@ -372,7 +386,7 @@ async def test_a_deadline_closes_the_window_early_enough_to_compute_in_time() ->
     clock = FakeClock()
     due = clock() + 0.05
     queue = Queue(clock, headers={Headers.DEADLINE: str(int(due * 1000))})
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock), on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=FakeWakeup(clock), on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     slot = _slot(queue, max_delay_s=0.2)
     queue.queued = 1
     msgs = await batcher.gather(slot, 64, compute_s=0.01)
@@ -411,7 +425,7 @@ async def test_a_closed_window_still_fills_the_batch_from_the_queued_backlog() -
     queue = ShortQueue(queued=40, per_fetch=5, enqueued_at=time.time() - 10)
     slot = _slot(queue, max_delay_s=0.005)  # type: ignore[arg-type]
     slot.window = BatchWindow(16, 0.005)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, on_fetched=_count_fetch)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, on_fetched=_count_fetch, computing=_computing)
     sizes = [len(await batcher.gather(slot, 16)) for _ in range(3)]
     assert sizes == [16, 16, 8]
     assert queue.queued == 0 and slot.backlog == 0
@@ -436,7 +450,7 @@ async def test_a_closed_window_stops_topping_up_once_a_peer_takes_what_the_count
 
     queue = PeerWins()
     slot = _slot(queue, max_delay_s=0.005)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, on_fetched=_count_fetch)
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, on_fetched=_count_fetch, computing=_computing)
     msgs = await batcher.gather(slot, 16)
     assert len(msgs) == 1
     assert queue.fetches == 2
@@ -483,7 +497,7 @@ async def test_the_first_fetch_returns_at_the_first_arrival_and_the_window_runs_
     clock = FakeClock()
     queue = Queue(clock)
     wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     slot = _slot(queue, max_delay_s=0.002)
     _counted(slot)  # ahead of the queue: nothing is stored
     queue.arrives_in = 0.005
@@ -500,7 +514,7 @@ async def test_a_batch_from_one_line_is_topped_up_from_the_other_with_what_is_st
     clock = FakeClock()
     interactive, batch_line = Queue(clock), Queue(clock)
     wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     slot = _slot(interactive, max_delay_s=0.002)
     slot.bulk_psub = batch_line
     slot.bulk = 1
@@ -543,7 +557,7 @@ def _held(max_delay_s: float, *, filled: bool = True) -> tuple[FakeClock, HeldQu
     clock = FakeClock()
     queue = HeldQueue(clock)
     wakeup = FakeWakeup(clock)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: filled, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, filled=lambda slot: filled, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     return clock, queue, wakeup, batcher, _slot(queue, max_delay_s)
 
 
@@ -660,7 +674,7 @@ async def test_a_request_delivered_after_its_fetch_gave_up_joins_the_open_window
         return None
 
     wakeup = FakeWakeup(clock, script)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     start = clock()
     first = [_delivered(round(start * 1e9), 0), _delivered(round(start * 1e9), 0)]
     msgs = await batcher.gather(slot, 3, first)
@@ -679,7 +693,7 @@ async def test_a_late_delivery_to_another_models_puller_leaves_the_window_waitin
         return 0.001 if wakeup.woken > woken else None
 
     wakeup = FakeWakeup(clock, script)
-    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch)  # type: ignore[arg-type]
+    batcher = Batcher(anyio.Event(), poll_interval_s=0.25, clock=clock, wakeup=wakeup, on_fetched=_count_fetch, computing=_computing)  # type: ignore[arg-type]
     start = clock()
     msgs = await batcher.gather(slot, 3, [_delivered(round(start * 1e9), 0)])
     assert len(msgs) == 1 and clock() - start == pytest.approx(0.05, abs=1e-6)  # its whole window

@@ -13,6 +13,7 @@ import pytest
 from jetbatch.sidecar.core import (
     BatchChecked,
     BatchDone,
+    Computed,
     Evicted,
     Fetch,
     Fetched,
@@ -24,6 +25,7 @@ from jetbatch.sidecar.core import (
     Proceed,
     Reap,
     Recount,
+    Settled,
     Sleep,
     Started,
     Turn,
@@ -64,7 +66,9 @@ def test_an_interleaved_burst_is_served_one_load_per_model() -> None:
     fetch = core.handle(Turn(now=0.5, facts=_facts({first: 3, other: 3}, resident=(first,))))
     assert isinstance(fetch, Fetch) and (fetch.model, fetch.max_items) == (first, 4)
     core.handle(Fetched(first, 3))
+    core.handle(Computed(first))
     core.handle(BatchDone(first, taken=3, computed=3, seconds=0.013, now=0.52))
+    core.handle(Settled(first))
     # first's batch filled its queue: it is served from held pulls, so before the switch the core
     # asks for a count of its line (a held pull leaves the count low).
     assert core.handle(Turn(now=0.52, facts=_facts({other: 3}, resident=(first,)))) == Recount(first)
@@ -77,10 +81,11 @@ def test_a_load_decided_while_its_victim_computes_waits_and_is_decided_again() -
     leave what arrives meanwhile a whole cycle. The core asks to wait, then decides again."""
     core = _core("a", "b")
     _load(core, "a", 0.0, 0)
+    core.handle(Fetched("a", 1))  # a batch of a under way: it computes
     facts = _facts({"b": 8}, resident=("a",), at=0.0)
-    assert core.handle(Turn(now=1.0, facts=facts, computing={"a": 1}, in_flight={"a": 1})) == WaitFree(["a"])
+    assert core.handle(Turn(now=1.0, facts=facts)) == WaitFree(["a"])
     # Decided once more, the victim still busy: the load goes ahead (no second wait).
-    action = core.handle(Turn(now=1.1, facts=facts, computing={"a": 1}, in_flight={"a": 1}))
+    action = core.handle(Turn(now=1.1, facts=facts))
     assert isinstance(action, LoadModel) and action.model == "b" and action.evict == ["a"]
 
 
@@ -90,22 +95,42 @@ def test_arrivals_during_compute_are_gathered_within_the_pipeline_bound() -> Non
     core asks to wait for one of them and decides again; a model allowed two forward passes at
     once may have one more under way."""
     core = _core("a")
-    _load(core, "a", 0.0, 8)
-    facts = _facts({"a": 8}, resident=("a",))
-    assert isinstance(core.handle(Turn(now=1.0, facts=facts, in_flight={"a": 1}, computing={"a": 1})), Fetch)
-    full = 1 + ANSWERING_BATCHES + 1
-    assert core.handle(Turn(now=1.0, facts=facts, in_flight={"a": 2}, computing={"a": 2})) == WaitRoom("a")
-    assert core.handle(Turn(now=1.0, facts=facts, in_flight={"a": full}, computing={"a": 0})) == WaitRoom("a")
-    assert isinstance(core.handle(Turn(now=1.0, facts=facts, in_flight={"a": full - 1}, computing={"a": 1})), Fetch)
+    _load(core, "a", 0.0, 16)
+    facts = _facts({"a": 16}, resident=("a",))
+    assert isinstance(core.handle(Turn(now=1.0, facts=facts)), Fetch)
+    core.handle(Fetched("a", 4))  # computing
+    assert isinstance(core.handle(Turn(now=1.0, facts=facts)), Fetch)
+    core.handle(Fetched("a", 4))  # gathered while the first computes: it waits for the device
+    assert (core.in_flight("a"), core.computing("a")) == (2, 2)
+    assert core.handle(Turn(now=1.0, facts=facts)) == WaitRoom("a")
+    for _ in range(2):  # both computed: their answers are being stored
+        core.handle(Computed("a"))
+    while core.in_flight("a") <= 1 + ANSWERING_BATCHES:
+        assert isinstance(core.handle(Turn(now=1.0, facts=facts)), Fetch)
+        core.handle(Fetched("a", 4))
+        core.handle(Computed("a"))
+    assert (core.in_flight("a"), core.computing("a")) == (2 + ANSWERING_BATCHES, 0)
+    assert core.handle(Turn(now=1.0, facts=facts)) == WaitRoom("a")  # too many answers being stored
+    core.handle(Settled("a"))
+    assert isinstance(core.handle(Turn(now=1.0, facts=facts)), Fetch)
     # A served model about to idle holds its next batch only with room for it.
-    core.handle(Fetched("a", 4))
     assert core.serving == "a"
     idle = _facts({}, resident=("a",))
-    assert core.handle(Turn(now=2.0, facts=idle, in_flight={"a": 2}, computing={"a": 2})) == WaitRoom("a")
-    assert isinstance(core.handle(Turn(now=2.0, facts=idle, in_flight={"a": 1}, computing={"a": 1})), Hold)
+    core.handle(Fetched("a", 4))
+    assert core.handle(Turn(now=2.0, facts=idle)) == WaitRoom("a")
+    core.handle(Computed("a"))
+    core.handle(Settled("a"))
+    assert isinstance(core.handle(Turn(now=2.0, facts=idle)), Hold)
+    # Forged or replayed ends of batches never count below zero.
+    for _ in range(10):
+        core.handle(Computed("a"))
+        core.handle(Settled("a"))
+    assert (core.in_flight("a"), core.computing("a")) == (0, 0)
     two = WorkerCore(Started(policy="cost-aware", options={}, models={"a": ModelRules(4, 0.5, 0.01, 0.001, max_concurrent_batches=2)}))
-    _load(two, "a", 0.0, 8)
-    assert isinstance(two.handle(Turn(now=1.0, facts=facts, in_flight={"a": 2}, computing={"a": 2})), Fetch)
+    _load(two, "a", 0.0, 16)
+    two.handle(Fetched("a", 4))
+    two.handle(Fetched("a", 4))
+    assert isinstance(two.handle(Turn(now=1.0, facts=facts)), Fetch)
 
 
 def test_about_to_idle_while_serving_the_core_holds_then_recounts_after_an_empty_hold() -> None:
@@ -149,7 +174,10 @@ def test_idle_models_are_unloaded_at_their_limit_unless_busy_or_pinned() -> None
     sleep = core.handle(Turn(now=1.0, facts=_facts({}, resident=("a", "p"))))
     assert isinstance(sleep, Sleep) and sleep.until is not None and sleep.until <= 5.0  # wakes for the unload at the latest
     assert core.idle_wake == 5.0
-    assert isinstance(core.handle(Turn(now=6.0, facts=_facts({}, resident=("a", "p")), in_flight={"a": 1})), Sleep)
+    core.handle(Fetched("a", 1))  # its batch, held unacked: not unloaded
+    core.handle(Computed("a"))
+    assert isinstance(core.handle(Turn(now=6.0, facts=_facts({}, resident=("a", "p")))), Sleep)
+    core.handle(Settled("a"))
     assert core.handle(Turn(now=6.0, facts=_facts({}, resident=("a", "p")))) == Unload(["a"])
     core.handle(Evicted("a", 6.0))
     # A batch counts as use: the limit runs from its end.
@@ -254,7 +282,7 @@ def _events(draw: st.DrawFn) -> list[Event]:
     t = 0.0
     for _ in range(draw(st.integers(1, 40))):
         t += draw(st.floats(0.0, 5.0))
-        kind = draw(st.sampled_from(["turn", "turn", "fetched", "done", "due", "loaded", "evicted", "checked"]))
+        kind = draw(st.sampled_from(["turn", "turn", "fetched", "computed", "settled", "done", "due", "loaded", "evicted", "checked"]))
         model = draw(st.sampled_from(_NAMES))
         if kind == "turn":
             facts = []
@@ -266,11 +294,13 @@ def _events(draw: st.DrawFn) -> list[Event]:
                     reload_fits_host=draw(st.booleans()), max_batch_size=4, pinned=name == "c" and tier == "resident",
                     served_rps=draw(st.sampled_from([0.0, 5.0])),
                 ))  # fmt: skip
-            computing = {n: draw(st.integers(1, 2)) for n in draw(st.lists(st.sampled_from(_NAMES), max_size=2, unique=True))}
-            answering = {n: draw(st.integers(0, 2)) for n in computing}
-            out.append(Turn(now=t, facts=facts, computing=computing, in_flight={n: k + answering[n] for n, k in computing.items()}))
+            out.append(Turn(now=t, facts=facts))
         elif kind == "fetched":
             out.append(Fetched(model, draw(st.integers(0, 4)), held=draw(st.booleans())))
+        elif kind == "computed":
+            out.append(Computed(model))
+        elif kind == "settled":
+            out.append(Settled(model))
         elif kind == "done":
             out.append(BatchDone(model, taken=3, computed=draw(st.integers(0, 3)), seconds=draw(st.floats(0, 0.1)), now=t))
         elif kind == "due":
@@ -302,18 +332,19 @@ def test_any_run_of_events_is_answered_within_the_rules_and_replays_exactly(even
     core.recorder = Lines()
     lines.append(msgspec.json.encode(RecordLine(event=core.started)))
     for event in events:
+        in_flight = {n: (core.in_flight(n), core.computing(n)) for n in _NAMES}
         action = core.handle(event)
         if isinstance(event, Turn):
             assert action is not None
             if isinstance(action, (Fetch, Hold)):
                 assert 1 <= action.max_items <= 4
-                assert pipeline_has_room(event.in_flight.get(action.model, 0), event.computing.get(action.model, 0), 1)
+                assert pipeline_has_room(*in_flight[action.model], 1)
             if isinstance(action, WaitRoom):
-                assert not pipeline_has_room(event.in_flight.get(action.model, 0), event.computing.get(action.model, 0), 1)
+                assert not pipeline_has_room(*in_flight[action.model], 1)
             if isinstance(action, LoadModel):
                 assert "c" not in action.evict or not any(f.name == "c" and f.pinned for f in event.facts)
             if isinstance(action, WaitFree):
-                assert set(action.models) <= set(event.computing)
+                assert all(in_flight[n][1] > 0 for n in action.models)
         elif isinstance(event, LoadDue):
             assert isinstance(action, (Reap, Proceed))
         else:

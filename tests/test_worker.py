@@ -324,9 +324,8 @@ async def test_the_next_batch_computes_while_the_answers_before_it_are_stored(na
             await wait_until(lambda: entered == [b"first"], what="the first batch's answers held at the store")
             assert await client.infer(b"second", model="m1", timeout=10) == b"second"
             assert not first.done()
-            slot = worker.slots["m1"]
-            await wait_until(lambda: slot.in_flight == 1, what="the second batch settled")
-            assert slot.computing == 0  # the first still holds its request, not the model
+            await wait_until(lambda: worker.core.in_flight("m1") == 1, what="the second batch settled")
+            assert worker.core.computing("m1") == 0  # the first still holds its request, not the model
             info = await client.nats.jetstream().consumer_info(worker.subjects.models_stream, model_consumer_name("m1"))
             assert info.num_ack_pending == 1  # unacked until its answer is stored
             release.set()

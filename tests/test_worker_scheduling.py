@@ -548,7 +548,7 @@ async def test_a_deadline_that_passes_while_the_batch_before_computes_is_not_com
             hold = await _occupy(worker, client)
             with pytest.raises(sdk.RequestTimeout):
                 await client.infer(b"b2", model="busy", timeout=0.4, request_id="late-b2")
-            assert worker.slots["busy"].in_flight == 2  # b2 gathered behind b1, not refused at once
+            assert worker.core.in_flight("busy") == 2  # b2 gathered behind b1, not refused at once
             assert await hold == b"b1"
             await wait_until(lambda: len(reports) == 2, what="b2's batch")
             with pytest.raises(sdk.DeadlineExceeded):

@@ -1,6 +1,6 @@
 """The worker core: one worker's state and every rule it decides by, with no I/O and no clock.
 
-- :mod:`.events`: what the core is told (a turn's facts, batches fetched and done, loads, evictions).
+- :mod:`.events`: what the core is told (a turn's facts, batches fetched, computed, settled and done, loads, evictions).
 - :mod:`.actions`: what it asks its executor to do (fetch, hold, load, unload, recount, wait, sleep...).
 - :mod:`.turns`: :class:`WorkerCore`, the rules.
 
@@ -9,13 +9,14 @@ executors (docs/architecture.md); ``sidecar/recording.py`` records a core and re
 """
 
 from .actions import Action, Fetch, Hold, LoadModel, Proceed, Reap, Recount, Sleep, Unload, WaitFree, WaitRoom
-from .events import BatchChecked, BatchDone, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Started, Turn, Warmed
+from .events import BatchChecked, BatchDone, Computed, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Settled, Started, Turn, Warmed
 from .turns import Recorder, WorkerCore
 
 __all__ = [
     "Action",
     "BatchChecked",
     "BatchDone",
+    "Computed",
     "Event",
     "Evicted",
     "Fetch",
@@ -29,6 +30,7 @@ __all__ = [
     "Reap",
     "Recorder",
     "Recount",
+    "Settled",
     "Sleep",
     "Started",
     "Turn",

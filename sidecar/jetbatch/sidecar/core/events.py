@@ -17,12 +17,14 @@ from ..policy import QueueFacts, Tier
 __all__ = [
     "BatchChecked",
     "BatchDone",
+    "Computed",
     "Event",
     "Evicted",
     "Fetched",
     "LoadDue",
     "Loaded",
     "ModelRules",
+    "Settled",
     "Started",
     "Turn",
     "Warmed",
@@ -57,19 +59,14 @@ class Started(msgspec.Struct, tag="started", frozen=True, forbid_unknown_fields=
 
 class Turn(msgspec.Struct, tag="turn", frozen=True, forbid_unknown_fields=True):
     """The worker is free to act: what it knows of the queues it shows the policy
-    (``policy.visible_models``), and each model's batches under way.
+    (``policy.visible_models``). Its batches under way the core counts itself (``Fetched``,
+    ``Computed``, ``Settled``).
 
-    ``in_flight``: per model, its batches gathered and not yet answered and settled (a model with
-    any is never unloaded for idleness; the pipeline bound, ``policy.pipeline_has_room``, reads
-    them); ``computing``: of those, the ones that still need the model (a load that evicts it
-    waits for them);
     ``defer_until``: when the first queue left to a peer's first take becomes ours too;
     ``arrival_order``: the waiting requests' models in arrival order (only ``fifo`` reads it)."""
 
     now: float
     facts: list[QueueFacts]
-    in_flight: dict[str, int] = {}
-    computing: dict[str, int] = {}
     defer_until: float | None = None
     arrival_order: list[str] | None = None
 
@@ -81,6 +78,20 @@ class Fetched(msgspec.Struct, tag="fetched", frozen=True, forbid_unknown_fields=
     model: str
     n: int
     held: bool = False
+
+
+class Computed(msgspec.Struct, tag="computed", frozen=True, forbid_unknown_fields=True):
+    """One of ``model``'s batches needs the model no more: its last forward pass ended, or it
+    ran none (a load that evicts the model waits for this)."""
+
+    model: str
+
+
+class Settled(msgspec.Struct, tag="settled", frozen=True, forbid_unknown_fields=True):
+    """One of ``model``'s batches is over: its answers stored and its requests settled (it leaves
+    the model's pipeline; a model with none under way may be unloaded for idleness)."""
+
+    model: str
 
 
 class BatchChecked(msgspec.Struct, tag="checked", frozen=True, forbid_unknown_fields=True):
@@ -142,4 +153,4 @@ class Warmed(msgspec.Struct, tag="warmed", frozen=True, forbid_unknown_fields=Tr
     host_bytes: int
 
 
-Event = Union[Started, Turn, Fetched, BatchChecked, BatchDone, LoadDue, Loaded, Evicted, Warmed]
+Event = Union[Started, Turn, Fetched, Computed, Settled, BatchChecked, BatchDone, LoadDue, Loaded, Evicted, Warmed]

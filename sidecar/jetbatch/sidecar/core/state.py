@@ -27,3 +27,5 @@ class CoreFields(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     refusals: dict[str, int] = {}
     reaps: dict[str, int] = {}
     forget_at: float = float("-inf")
+    in_flight: dict[str, int] = {}
+    computing: dict[str, int] = {}

@@ -11,7 +11,8 @@ next: each asks :meth:`WorkerCore.handle`. Everything handed to ``handle`` can b
 What the core owns and only it writes: the driver (policy and cost estimator), the model whose
 batches the worker serves from held pulls and whether its last hold came back empty, the model
 last served or loaded, when each model was last used and became resident, the backlog share each
-load owes, and the probe counters of refused batches and reaped loads.
+load owes, each model's batches under way (in flight, and of those computing), and the probe
+counters of refused batches and reaped loads.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..policy import (
 )
 from ..policy.state import read_state, real, reals
 from .actions import Action, Fetch, Hold, LoadModel, Proceed, Reap, Recount, Sleep, Unload, WaitFree, WaitRoom
-from .events import BatchChecked, BatchDone, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Started, Turn, Warmed
+from .events import BatchChecked, BatchDone, Computed, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Settled, Started, Turn, Warmed
 from .state import CoreFields
 
 __all__ = ["Recorder", "WorkerCore"]
@@ -82,9 +83,15 @@ class WorkerCore:
         self._refusals: dict[str, int] = {}  # batches in a row refused whole on a prediction
         self._reaps: dict[str, int] = {}  # loads in a row not paid because the estimates said nobody would wait
         self._forget_at = -math.inf
+        # model -> batches gathered and not yet settled, and of those the ones that may still run
+        # the model (only models with some are keys).
+        self._in_flight: dict[str, int] = {}
+        self._computing: dict[str, int] = {}
         self._handlers: dict[type, Callable[[Any], Action | None]] = {
             Turn: self._turn,
             Fetched: self._fetched,
+            Computed: self._computed,
+            Settled: self._settled,
             BatchChecked: self._checked,
             BatchDone: self._batch_done,
             LoadDue: self._load_due,
@@ -122,7 +129,7 @@ class WorkerCore:
             "serving": self.serving, "hold_missed": self.hold_missed, "current": self.current,
             "last_used": reals(self.last_used), "resident_since": reals(self.resident_since), "idle_wake": real(self.idle_wake),
             "revisit": self._revisit, "load_share": dict(self._load_share), "refusals": dict(self._refusals), "reaps": dict(self._reaps),
-            "forget_at": real(self._forget_at),
+            "forget_at": real(self._forget_at), "in_flight": dict(self._in_flight), "computing": dict(self._computing),
         }  # fmt: skip
         return {"core": core, "policy": export(), "costs": self.costs.export_state()}
 
@@ -143,6 +150,15 @@ class WorkerCore:
         self.last_used, self.resident_since, self.idle_wake = dict(core.last_used), dict(core.resident_since), core.idle_wake
         self._revisit, self._load_share, self._refusals, self._reaps = core.revisit, dict(core.load_share), dict(core.refusals), dict(core.reaps)
         self._forget_at = core.forget_at
+        self._in_flight, self._computing = dict(core.in_flight), dict(core.computing)
+
+    def in_flight(self, model: str) -> int:
+        """``model``'s batches gathered and not yet settled."""
+        return self._in_flight.get(model, 0)
+
+    def computing(self, model: str) -> int:
+        """Of ``model``'s batches in flight, those that may still run the model."""
+        return self._computing.get(model, 0)
 
     @property
     def wants_arrival_order(self) -> bool:
@@ -171,7 +187,7 @@ class WorkerCore:
                 del self.last_used[name]
         order = tuple(ev.arrival_order) if ev.arrival_order is not None else None
         state = self.driver.state(ev.facts, now, current=self.current, budget=self.budget, arrival_order=order)
-        idle = self._idle_unloads(state, now, busy=[n for n, k in ev.in_flight.items() if k > 0])
+        idle = self._idle_unloads(state, now, busy=self._in_flight)
         if idle:
             return Unload(idle)
         decision = self.driver.decide(state, now)
@@ -181,7 +197,7 @@ class WorkerCore:
             if held_s > 0 and self.serving is not None:
                 # Rather than idle, hold the served model's next batch open on a pull: its first
                 # request opens the window with no arrival event and no decision between.
-                if not self._has_room(ev, self.serving):
+                if not self._has_room(self.serving):
                     return WaitRoom(self.serving)
                 return Hold(self.serving, self.rules[self.serving].max_batch_size, held_s)
             if self.serving is not None:
@@ -195,14 +211,14 @@ class WorkerCore:
             # what the last fetch left. Count it and decide again on that count.
             return self._recount()
         if isinstance(decision, Serve) and resident:
-            if not self._has_room(ev, decision.model):
+            if not self._has_room(decision.model):
                 # The next batch is gathered while earlier ones compute and store their answers,
                 # a bounded number of them: decided again once one of them moves on.
                 return WaitRoom(decision.model)
             limit = max(1, min(decision.max_items, self.rules[decision.model].max_batch_size))
             return Fetch(decision.model, limit, decision.reason, decision.before)
         if isinstance(decision, Load):
-            computing = [n for n in decision.evict if ev.computing.get(n, 0) > 0]
+            computing = [n for n in decision.evict if n in self._computing]
             if computing and not revisit:
                 # Decided while a victim still computes (the next batch was gathered early):
                 # what arrives meanwhile would wait a whole cycle. Decide again once it is free.
@@ -213,8 +229,8 @@ class WorkerCore:
         # eviction (the core does not guess what to give up).
         return self._load(decision.model, [], "serve-non-resident", chosen)
 
-    def _has_room(self, ev: Turn, model: str) -> bool:
-        return pipeline_has_room(ev.in_flight.get(model, 0), ev.computing.get(model, 0), self.rules[model].max_concurrent_batches)
+    def _has_room(self, model: str) -> bool:
+        return pipeline_has_room(self.in_flight(model), self.computing(model), self.rules[model].max_concurrent_batches)
 
     def _recount(self) -> Recount:
         served, self.serving = self.serving, None
@@ -227,7 +243,7 @@ class WorkerCore:
         self._load_share[model] = chosen.backlog if chosen is not None else 0
         return LoadModel(model, evict, reason)
 
-    def _idle_unloads(self, state: SchedulerState, now: float, *, busy: list[str]) -> list[str]:
+    def _idle_unloads(self, state: SchedulerState, now: float, *, busy: Mapping[str, int]) -> list[str]:
         """Resident models idle past their limit (``Driver.idle_unloads``); notes when the next one
         falls due (``idle_wake``), which a sleep wakes for."""
         limits: dict[str, float] = {}
@@ -248,6 +264,9 @@ class WorkerCore:
     # --- what the executor reports --------------------------------------------------------------
 
     def _fetched(self, ev: Fetched) -> None:
+        if ev.n > 0:
+            self._in_flight[ev.model] = self._in_flight.get(ev.model, 0) + 1
+            self._computing[ev.model] = self._computing.get(ev.model, 0) + 1
         if ev.n == 0:
             if ev.held:
                 # A hold that came back empty (or was cut short) ends the serving: the next turn
@@ -260,6 +279,14 @@ class WorkerCore:
             self.serving = ev.model
             self.hold_missed = False
         self.current = ev.model
+        return None
+
+    def _computed(self, ev: Computed) -> None:
+        _decrement(self._computing, ev.model)
+        return None
+
+    def _settled(self, ev: Settled) -> None:
+        _decrement(self._in_flight, ev.model)
         return None
 
     def _checked(self, ev: BatchChecked) -> None:
@@ -304,3 +331,13 @@ class WorkerCore:
     def _warmed(self, ev: Warmed) -> None:
         self.driver.warmed(ev.model, ev.host_bytes)
         return None
+
+
+def _decrement(counts: dict[str, int], model: str) -> None:
+    """One batch of ``model`` fewer (an event with none counted, a forged or replayed one, is
+    ignored: a count never goes below zero)."""
+    n = counts.get(model, 0) - 1
+    if n > 0:
+        counts[model] = n
+    else:
+        counts.pop(model, None)

@@ -242,6 +242,7 @@ class Simulation:
             worker.quiet.pop((held, False), None)
             self.wake(worker, self.t + self.control_s("count_line_s"))
             return
+        self.execution.settle(worker)
         turn = self.views.turn(worker)
         action = core.handle(turn)
         # The decision's own CPU time delays what it starts, as it does live.

@@ -2,15 +2,15 @@
 (``policy.BatchWindow``, ``batch_line_first``), its deadline check at its start (the core's
 ``predicted_s``), its compute and answers on the cost model; a load's claim, consumer and cost;
 the warm tier and prefetch (``policy.warm_copy_value``, ``prefetch_choice``). What the core is
-told of each (``Fetched``, ``BatchChecked``, ``BatchDone``, ``LoadDue``, ``Loaded``, ``Evicted``)
-goes to it here."""
+told of each (``Fetched``, ``BatchChecked``, ``Computed``, ``BatchDone``, ``Settled``, ``LoadDue``,
+``Loaded``, ``Evicted``) goes to it here."""
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..core import BatchChecked, BatchDone, Evicted, Fetch, Fetched, LoadDue, Loaded, LoadModel, Reap
+from ..core import BatchChecked, BatchDone, Computed, Evicted, Fetch, Fetched, LoadDue, Loaded, LoadModel, Reap, Settled
 from ..policy import Tier, batch_line_first, cannot_finish, fits_host, listens, prefetch_choice, warm_copy_value
 
 from .workers import SimWorker
@@ -36,7 +36,8 @@ class SimExecution:
             return
         # As live: a batch computes while earlier ones' answers are stored, as many as the core's
         # turn allowed (its pipeline bound; the device is free here, so none is computing).
-        answering = worker.answering[decision.model] = [t for t in worker.answering.get(decision.model, ()) if t > self.sim.t]
+        self.settle(worker)
+        answering = worker.answering.setdefault(decision.model, [])
         window = self.sim.windows[decision.model]
         limit = max(1, min(decision.max_items, m.max_batch_size))
         # As live: the window opens at the first request the batch takes (its line's head) and
@@ -88,6 +89,7 @@ class SimExecution:
             # As live: a batch refused whole still counts as demand and as use of the model, and
             # stores its answers (the refusals) within the same pipeline bound.
             answering.append(start + self.sim.control_s("answer_s"))
+            worker.core.handle(Computed(decision.model))
             worker.core.handle(BatchDone(decision.model, taken=len(batch), computed=0, seconds=0.0, now=self.sim.t))
             self.sim.wake(worker, self.sim.t)
             return
@@ -192,11 +194,21 @@ class SimExecution:
         advert_s = self.sim.control_s("advert_s") if len(self.sim.workers) > 1 else 0.0  # before the load only when peers listen
         return self.sim.w.control.load_overhead_s + self.sim.control_s("claim_s") + advert_s
 
+    def settle(self, worker: SimWorker) -> None:
+        """Tell the core of each batch of ``worker`` whose answers are stored by now (it leaves
+        its model's pipeline); told before each turn, which is where the core reads them."""
+        for model, times in worker.answering.items():
+            left = [t for t in times if t > self.sim.t]
+            for _ in range(len(times) - len(left)):
+                worker.core.handle(Settled(model))
+            times[:] = left
+
     def finish(self, worker: SimWorker, kind: str) -> None:
         _, what, model, arg, duration_text = kind.split(":", 4)
         duration = float(duration_text)
         if what == "batch":
             computed, size, excess = arg.split("/")
+            worker.core.handle(Computed(model))
             worker.core.handle(BatchDone(model, taken=int(size), computed=int(computed), seconds=duration, now=self.sim.t, excess=int(excess)))
         else:
             worker.loading = None

@@ -88,11 +88,8 @@ class WorkerViews:
             while self.sim.arrival_log and self.sim.arrival_log[0].id in self.sim.served_ids:
                 self.sim.arrival_log.popleft()
             order = [r.model for r in list(self.sim.arrival_log)[:256] if r.id not in self.sim.served_ids]
-        # The device is free at every turn here: nothing computes; batches whose answers are
-        # still being stored are under way.
-        in_flight = {name: n for name, times in worker.answering.items() if (n := sum(1 for t in times if t > self.sim.t))}
         return Turn(
-            now=self.sim.t, facts=facts, in_flight=in_flight, defer_until=defer_until if math.isfinite(defer_until) else None, arrival_order=order,
+            now=self.sim.t, facts=facts, defer_until=defer_until if math.isfinite(defer_until) else None, arrival_order=order,
         )  # fmt: skip
 
     def next_cancel(self, worker: SimWorker, after: float) -> float:

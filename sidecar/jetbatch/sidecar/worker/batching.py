@@ -60,12 +60,15 @@ class Batcher:
         clock: Callable[[], float] = time.time,
         wakeup: Wakeup | None = None,
         filled: Callable[[Slot], bool] = lambda slot: False,
+        computing: Callable[[str], int] = lambda model: 0,
     ) -> None:
         """``clock``: wall-clock seconds (the stream's timestamps are on the same scale);
         ``wakeup``: what an open window waits on, woken by :meth:`arrived`. Tests pass fakes.
         ``filled``: whether a slot's interactive line is not listened to while its batches are
-        served (``policy/interest.py``): its open windows fill from a held pull instead."""
+        served (``policy/interest.py``): its open windows fill from a held pull instead.
+        ``computing``: a model's batches that may still run it (the core's count)."""
         self._filled = filled
+        self._computing = computing
         self._stopping = stopping
         self.poll_interval_s = poll_interval_s
         self._on_trouble = on_trouble
@@ -242,7 +245,7 @@ class Batcher:
                 first_wait_s = min(first_wait_s, _STORED_WAIT_S)
         while len(msgs) < max_items and not self._stopping.is_set():
             now = self._clock()
-            busy = slot.computing >= slot.config.max_concurrent_batches  # answers being stored need no device
+            busy = self._computing(slot.name) >= slot.config.max_concurrent_batches  # answers being stored need no device
             # Aimed before the close by the lead, so that the batch starts when the window is due.
             aim = close_at - lead_s if close_at is not None else None
             wait_s = window.wait_s(len(msgs), aim, now, device_busy=busy, idle_wait_s=first_wait_s)

@@ -19,7 +19,7 @@ import anyio.lowlevel
 from nats.aio.msg import Msg
 
 from ..config import Config
-from ..core import Fetch, Fetched, Hold, LoadModel, Recount, Sleep, Turn, Unload, WaitFree, WaitRoom, WorkerCore
+from ..core import Fetch, Fetched, Hold, LoadModel, Recount, Settled, Sleep, Turn, Unload, WaitFree, WaitRoom, WorkerCore
 from ..policy import visible_models
 from ..pulling import Puller
 from ..replies import settle
@@ -114,7 +114,7 @@ class Executor:
 
     def turn(self, now: float) -> Turn:
         """What the core is told at a turn: the facts of the models a decision looks at
-        (``policy.visible_models``), and the batches under way of the models on the device."""
+        (``policy.visible_models``)."""
         names = visible_models(
             self.slots, now,
             waiting=self.queues.waiting,
@@ -129,7 +129,6 @@ class Executor:
         on_device = [self.slots[n] for n in self.residency.resident_names()]
         return Turn(
             now=now, facts=facts,
-            in_flight={s.name: s.in_flight for s in on_device if s.in_flight}, computing={s.name: s.computing for s in on_device if s.computing},
             defer_until=defer_until if math.isfinite(defer_until) else None,
             arrival_order=self._arrival_order() if self.core.wants_arrival_order else None,
         )  # fmt: skip
@@ -162,7 +161,7 @@ class Executor:
 
     async def _do_wait_free(self, tg: anyio.abc.TaskGroup, action: WaitFree) -> None:
         for name in action.models:
-            await self.slots[name].wait_model_free()
+            await self.slots[name].wait_model_free(self.core)
 
     async def _do_wait_room(self, tg: anyio.abc.TaskGroup, action: WaitRoom) -> None:
         # Nothing yielded since the turn read the counts, so the next change is one it did not see.
@@ -233,7 +232,6 @@ class Executor:
             return
         self.lines.fetched_some(slot)
         self.state.in_flight.add(msgs)
-        slot.start_batch()
         loaded, load_record = self.residency.first_batch(slot)
         tg.start_soon(self.run_batch, slot, msgs, loaded, decision.reason, load_record)
         # Before the batch can settle (peers apply a take before its settle; the publish only
@@ -250,7 +248,7 @@ class Executor:
         # The batch starts here (its task runs before this loop's next gather): when its window
         # closed on its timer, how late after it teaches the lead of later windows.
         self.batcher.started()
-        turn = ModelTurn(slot)
+        turn = ModelTurn(slot, self.core)
         try:
             await self.runner.run(slot, msgs, loaded, reason, turn, load_record)
         except Exception:  # noqa: BLE001 - a bug in one batch must not end the sidecar
@@ -261,7 +259,8 @@ class Executor:
             self.lines.given_back(GIVE_BACK_DELAY_S)
         finally:
             turn.release()
-            slot.end_batch()
+            self.core.handle(Settled(slot.name))
+            slot.moved()
             with anyio.CancelScope(shield=True):
                 await self.settled(slot, msgs)
 

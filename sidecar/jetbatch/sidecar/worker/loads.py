@@ -96,7 +96,7 @@ class Loads:
             # up (its deadline, the SDK's timeout, passed), answer them without the load (the
             # simulator applies the same rule).
             for name in evict:
-                await self.slots[name].wait_model_free()
+                await self.slots[name].wait_model_free(self.core)
             due = LoadDue(slot.name, slot.tier, time.time(), _known_waiting(slot), peer_serves=self.peers.served().get(slot.name, 0.0) > 0)
             verdict = self.core.handle(due)
             if isinstance(verdict, Reap):

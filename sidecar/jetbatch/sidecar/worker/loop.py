@@ -137,6 +137,7 @@ class Worker:
             on_trouble=self._note_trouble,
             on_fetched=lambda slot, n, pending, bulk, seq, again: self.queues.fetched(slot, n, pending, bulk=bulk, last_seq=seq, redelivered=again),
             filled=lambda slot: slot.name == self.core.serving and self.arrivals.is_quiet(slot.name),
+            computing=self.core.computing,
         )
         self.runner = BatchRunner(
             worker_id=self.worker_id,
@@ -306,8 +307,8 @@ class Worker:
                     # Let in-flight batches finish within the drain bound, then stop the heartbeat.
                     with anyio.move_on_after(self.config.worker.drain_timeout_s) as scope:
                         scope.shield = True
-                        for slot in [s for s in self.slots.values() if s.in_flight]:
-                            await slot.wait_in_flight_at_most(0)
+                        for slot in [s for s in self.slots.values() if self.core.in_flight(s.name)]:
+                            await slot.wait_settled(self.core)
                     tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):

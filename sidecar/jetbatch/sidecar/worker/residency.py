@@ -170,7 +170,7 @@ class Residency:
         # Wait outside the device lock: the victims' in-flight batches need it to finish.
         for name in evict:
             victim = self.slots[name]
-            await victim.wait_model_free()
+            await victim.wait_model_free(self.core)
         self.loading = slot.name
         try:
             async with self.device_lock:
@@ -262,9 +262,9 @@ class Residency:
     async def evict(self, slot: Slot, *, reason: str) -> bool:
         """Evict one resident model on its own (an idle unload): to the warm tier where it fits,
         once its in-flight batches no longer need it. False if it was no longer resident."""
-        await slot.wait_model_free()
+        await slot.wait_model_free(self.core)
         async with self.device_lock:
-            if not slot.resident or slot.in_flight:
+            if not slot.resident or self.core.in_flight(slot.name):
                 return False
             await self._evict(slot)
         log.info("evicted %s (%s), now %s", slot.name, reason, slot.tier)

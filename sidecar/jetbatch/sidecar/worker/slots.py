@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from jetbatch.sdk.protocol import RequestMeta
 
 from ..config import ModelConfig
+from ..core import Computed, WorkerCore
 from ..handlers import Handler
 from ..policy import BatchWindow, Tier
 from ..replies import Answer
@@ -69,12 +70,9 @@ class Slot:
     arrivals: int = 0  # arrival events counted for this model, ever: an open window waits for the next
     oldest_enqueued_at: float | None = None
     head_deadline: float | None = None  # the oldest waiting request's deadline (Unix seconds)
-    in_flight: int = 0
-    # Batches that may still run the model (an eviction waits for none; the answers' I/O after
-    # the last forward pass does not hold the model).
-    computing: int = 0
-    # Set (and replaced) each time one of this model's batches ends, or stops needing the model:
-    # what the pipelining gate and an eviction wait on, instead of polling.
+    # Set (and replaced) each time one of this model's batches ends, or stops needing the model
+    # (the core counts them: ``WorkerCore.in_flight``, ``computing``): what a wait for room, an
+    # eviction and the drain wait on, instead of polling.
     batch_ended: anyio.Event = field(default_factory=anyio.Event)
     # Batches computing at once (``max_concurrent_batches``): held for the forward passes only.
     limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
@@ -144,28 +142,16 @@ class Slot:
             return self.unknown_head_at
         return self.known_times[0][0] if self.known_times else self.oldest_enqueued_at
 
-    def start_batch(self) -> None:
-        self.in_flight += 1
-        self.computing += 1
-
-    def end_computing(self) -> None:
-        """One batch no longer needs the model (its last forward pass is done)."""
-        self.computing -= 1
-        self._wake()
-
-    def end_batch(self) -> None:
-        """One batch of this model is over (answered and settled)."""
-        self.in_flight -= 1
-        self._wake()
-
-    def _wake(self) -> None:
+    def moved(self) -> None:
+        """One of this model's batches computed or was settled (the core was told): whoever
+        waits on its batches looks again."""
         ended, self.batch_ended = self.batch_ended, anyio.Event()
         ended.set()
 
-    async def wait_in_flight_at_most(self, n: int) -> None:
-        """Until at most ``n`` batches of this model are in flight. Batches end by themselves (a
-        batch is bounded by its requests' deadlines and the drain), so this needs no timer."""
-        while self.in_flight > n:
+    async def wait_settled(self, core: WorkerCore) -> None:
+        """Until none of this model's batches is in flight. Batches end by themselves (a batch is
+        bounded by its requests' deadlines and the drain), so this needs no timer."""
+        while core.in_flight(self.name) > 0:
             await self.batch_ended.wait()
 
     async def wait_batch_moves(self) -> None:
@@ -173,24 +159,25 @@ class Slot:
         are under way: ``WaitRoom``). Batches move on by themselves, so no timer."""
         await self.batch_ended.wait()
 
-    async def wait_model_free(self) -> None:
+    async def wait_model_free(self, core: WorkerCore) -> None:
         """Until no batch may still run the model (before it is evicted)."""
-        while self.computing > 0:
+        while core.computing(self.name) > 0:
             await self.batch_ended.wait()
 
 
 class ModelTurn:
-    """One batch's use of its model, from :meth:`Slot.start_batch` on.
+    """One batch's use of its model, from its fetch on.
 
     Only forward passes take the model's share (``max_concurrent_batches``, the slot's limiter):
     a batch's checks, decoding, stored-answer lookups and answers are I/O or host work that
     overlaps the forward passes of the batches around it. :meth:`take` before a forward pass
     (waits for the share), :meth:`lend` after one when the batch may run another (redelivered
     requests, after their lookups), :meth:`release` once it needs the model no more: then the
-    slot stops counting it as computing, and an eviction waiting for the model may go on."""
+    core stops counting it as computing, and an eviction waiting for the model may go on."""
 
-    def __init__(self, slot: Slot) -> None:
+    def __init__(self, slot: Slot, core: WorkerCore) -> None:
         self._slot = slot
+        self._core = core
         self._held = False
         self._done = False
 
@@ -214,7 +201,8 @@ class ModelTurn:
         self.lend()
         if not self._done:
             self._done = True
-            self._slot.end_computing()
+            self._core.handle(Computed(self._slot.name))
+            self._slot.moved()
 
 
 class AckInfo(NamedTuple):
