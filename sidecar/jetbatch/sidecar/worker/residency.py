@@ -75,6 +75,9 @@ class Residency:
         self._prefetching: set[str] = set()
         # Models warm or resident: what the host-budget sums walk (not every registered model).
         self._held: set[str] = {n for n, s in slots.items() if s.tier != "cold"}
+        # Of those, the models on the device: asked for several times a turn, and with an
+        # unbounded warm tier the held models grow toward every registered one.
+        self._resident: set[str] = {n for n in self._held if slots[n].resident}
         self._host_used: int | None = None
         # Models that cannot load, and why (``Slot.broken``, set only here): what the report
         # lists without walking every registered model each heartbeat.
@@ -112,8 +115,8 @@ class Residency:
         return sorted(self._held)
 
     def resident_names(self) -> list[str]:
-        """The models on the device (a walk over the held models, not every registered one)."""
-        return sorted(n for n in self._held if self.slots[n].resident)
+        """The models on the device."""
+        return sorted(self._resident)
 
     def _set_tier(self, slot: Slot, tier: Tier) -> None:
         if tier == "resident" and slot.tier != "resident":
@@ -124,6 +127,10 @@ class Residency:
             self._held.discard(slot.name)
         else:
             self._held.add(slot.name)
+        if tier == "resident":
+            self._resident.add(slot.name)
+        else:
+            self._resident.discard(slot.name)
 
     def check_models(self) -> None:
         """Report a model that cannot load (a missing file) now, in one line, not at its first request."""
