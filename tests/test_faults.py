@@ -319,10 +319,10 @@ async def test_repeated_kill_9_at_max_deliver_3_convicts_no_innocent(nats_url: s
 async def test_a_killed_workers_requests_are_taken_by_its_peer_within_seconds_at_the_default_ack_wait(
     nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    """Two workers serve m1 at the default ack wait; the one holding a batch is killed (-9). Its
-    requests are due a short ack wait after its last progress ack, and its peer answers them
-    all within 10 s of the kill (with the 30 s ack wait of before, none could be taken sooner
-    than 30 s after the last heartbeat)."""
+    """Two workers serve m1 at the default ack wait; once all four requests are held, the worker
+    holding the most is killed (-9). Its requests are due a short ack wait after its last progress
+    ack, and its peer answers them all within 10 s of the kill (with the 30 s ack wait of before,
+    none could be taken sooner than 30 s after the last heartbeat)."""
     path = tmp_path / f"{prefix}.toml"
     path.write_text(
         f'[nats]\nprefix = "{prefix}"\n'
@@ -336,11 +336,14 @@ async def test_a_killed_workers_requests_are_taken_by_its_peer_within_seconds_at
             calls = [asyncio.ensure_future(client.infer(f"r{i}".encode(), model="m1", timeout=60)) for i in range(4)]
             holder: list[str] = []
 
-            async def one_holds() -> bool:
-                holder[:] = [r.id for r in await worker_reports(nats_url, prefix, wait_s=0.2) if r.in_flight.get("m1") == 4]
+            async def all_held() -> bool:
+                # On a loaded machine the four may reach the two workers' fetches apart: the
+                # takeover is the same for a part of them.
+                held = {r.id: r.in_flight.get("m1", 0) for r in await worker_reports(nats_url, prefix, wait_s=0.2)}
+                holder[:] = [max(held, key=lambda w: held[w])] if sum(held.values()) == 4 else []
                 return bool(holder)
 
-            await wait_until(one_holds, timeout_s=30, what="a worker holding the batch")
+            await wait_until(all_held, timeout_s=30, what="the four requests held")
             [victim] = [name for name, wid in dep.ids.items() if wid == holder[0]]
             dep.stop_process(victim, kill=True)
             killed_at = time.monotonic()
