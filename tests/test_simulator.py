@@ -306,10 +306,8 @@ def test_control_costs_measured_by_live_workers_replace_the_defaults() -> None:
 
 def test_a_measured_compute_excess_lengthens_every_simulated_batch() -> None:
     """What a live forward pass took beyond its model's cost (the thread hop) is paid by each
-    simulated batch, and the estimator learns the longer batches as the live one does."""
+    simulated batch; a workload file may set it too."""
     from dataclasses import replace
-
-    from jetbatch.sidecar.simulator.workloads import Control
 
     raw = {
         "models": {"a": {"load_cost_s": 0.01, "batch_cost_s": 0.002, "item_cost_s": 0.0, "max_batch_size": 1}},

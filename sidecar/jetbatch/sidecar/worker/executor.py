@@ -126,7 +126,6 @@ class Executor:
         deferred = self.peers.deferred(now)
         defer_until = min(deferred.values(), default=math.inf)
         facts = view.queue_facts(names, slots=self.slots, residency=self.residency, served=self.peers.served(), deferred=deferred, last_used=self.core.last_used)
-        on_device = [self.slots[n] for n in self.residency.resident_names()]
         return Turn(
             now=now, facts=facts,
             defer_until=defer_until if math.isfinite(defer_until) else None,
