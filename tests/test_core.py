@@ -13,6 +13,7 @@ import pytest
 from jetbatch.sidecar.core import (
     BatchChecked,
     BatchDone,
+    ClaimLost,
     Computed,
     Evicted,
     Fetch,
@@ -131,6 +132,25 @@ def test_arrivals_during_compute_are_gathered_within_the_pipeline_bound() -> Non
     two.handle(Fetched("a", 4))
     two.handle(Fetched("a", 4))
     assert isinstance(two.handle(Turn(now=1.0, facts=facts)), Fetch)
+
+
+def test_a_lost_claim_leaves_the_queue_to_the_peer_until_its_advert_and_the_worker_goes_on() -> None:
+    """A peer holds the load claim of the model the core chose: until the peer's advert (live:
+    a heartbeat; simulated: the peer's load's end) the queue counts as the peer's, so the core
+    serves its own work at once, or sleeps until then, instead of deciding the same load again."""
+    rules = {n: ModelRules(max_batch_size=4, load_cost_s=0.5, batch_cost_s=0.01, item_cost_s=0.001) for n in ("a", "b")}
+    core = WorkerCore(Started(policy="cost-aware", options={"idle_s": 100.0}, models=rules, max_models=2))
+    _load(core, "a", 0.0, 0)
+    action = core.handle(Turn(now=5.0, facts=_facts({"b": 8}, resident=("a",), at=0.0)))
+    assert action == LoadModel("b", [], action.reason)  # type: ignore[union-attr]
+    core.handle(ClaimLost("b", 6.0))
+    assert core.stands_back("b", 5.5) and not core.stands_back("b", 6.0)
+    action = core.handle(Turn(now=5.1, facts=_facts({"b": 8, "a": 2}, resident=("a",), at=0.0)))
+    assert isinstance(action, Fetch) and action.model == "a"
+    sleep = core.handle(Turn(now=5.2, facts=_facts({"b": 8}, resident=("a",), at=0.0)))
+    assert isinstance(sleep, Sleep) and sleep.until == 6.0  # decides again when the peer has said
+    action = core.handle(Turn(now=6.0, facts=_facts({"b": 8}, resident=("a",), at=0.0)))
+    assert isinstance(action, LoadModel) and action.model == "b"
 
 
 def test_about_to_idle_while_serving_the_core_holds_then_recounts_after_an_empty_hold() -> None:
@@ -282,7 +302,7 @@ def _events(draw: st.DrawFn) -> list[Event]:
     t = 0.0
     for _ in range(draw(st.integers(1, 40))):
         t += draw(st.floats(0.0, 5.0))
-        kind = draw(st.sampled_from(["turn", "turn", "fetched", "computed", "settled", "done", "due", "loaded", "evicted", "checked"]))
+        kind = draw(st.sampled_from(["turn", "turn", "fetched", "computed", "settled", "done", "due", "loaded", "evicted", "checked", "lost"]))
         model = draw(st.sampled_from(_NAMES))
         if kind == "turn":
             facts = []
@@ -297,6 +317,8 @@ def _events(draw: st.DrawFn) -> list[Event]:
             out.append(Turn(now=t, facts=facts))
         elif kind == "fetched":
             out.append(Fetched(model, draw(st.integers(0, 4)), held=draw(st.booleans())))
+        elif kind == "lost":
+            out.append(ClaimLost(model, t + draw(st.floats(0.0, 2.0))))
         elif kind == "computed":
             out.append(Computed(model))
         elif kind == "settled":

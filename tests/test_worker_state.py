@@ -68,7 +68,7 @@ def test_a_peer_leaving_or_replaced_under_its_id_is_departed_once() -> None:
             return dict(self.live)
 
     view = View()
-    peers = Coordinator(view, worker_id="w0", **{k: None for k in ("slots", "queues", "residency", "driver", "budget", "counters", "report")}, heartbeat_s=1.0)  # type: ignore[arg-type]
+    peers = Coordinator(view, worker_id="w0", **{k: None for k in ("slots", "queues", "residency", "core", "budget", "counters", "report")}, heartbeat_s=1.0)  # type: ignore[arg-type]
     view.live = {"w1": SimpleNamespace(started_at=10.0), "w2": SimpleNamespace(started_at=11.0)}
     assert peers.departed(0.0) == []  # first seen
     assert peers.departed(1.0) == []
@@ -90,7 +90,7 @@ def test_take_events_are_heard_by_a_peer_in_view_or_by_unknown_peers_without_a_v
         def peers(self, now: float | None = None) -> dict[str, SimpleNamespace]:
             return dict(self.live)
 
-    nothing = {k: None for k in ("slots", "queues", "residency", "driver", "budget", "counters", "report")}
+    nothing = {k: None for k in ("slots", "queues", "residency", "core", "budget", "counters", "report")}
     view = View()
     peers = Coordinator(view, worker_id="w0", **nothing, heartbeat_s=1.0)  # type: ignore[arg-type]
     assert not peers.heard()
@@ -127,7 +127,7 @@ def test_a_queue_is_left_only_to_a_peer_that_serves_its_model() -> None:
     slot = SimpleNamespace(resident=False, oldest_enqueued_at=100.0, tier="cold")
     peers = Coordinator(
         view, worker_id="w0", slots={"m1": slot}, queues=SimpleNamespace(waiting={"m1": 3}),  # type: ignore[arg-type]
-        residency=SimpleNamespace(resident_names=lambda: [], load_cost_s=lambda s: 2.0), driver=SimpleNamespace(costs=SimpleNamespace(memory_bytes=lambda n: 1)),  # type: ignore[arg-type]
+        residency=SimpleNamespace(resident_names=lambda: [], load_cost_s=lambda s: 2.0), core=SimpleNamespace(costs=SimpleNamespace(memory_bytes=lambda n: 1)),  # type: ignore[arg-type]
         budget=Budget(), counters=None, heartbeat_s=1.0, report=None,  # type: ignore[arg-type]
     )  # fmt: skip
     view.live = {peer: advert(["m1"])}
@@ -166,7 +166,7 @@ async def test_a_claim_waits_for_the_last_loads_release_that_runs_beside_its_bat
 
     residency = SimpleNamespace(announce_loading=lambda name: None)
     peers = Coordinator(
-        View(), worker_id="w0", slots={}, queues=None, residency=residency, driver=None, budget=None, counters=Counters(),  # type: ignore[arg-type]
+        View(), worker_id="w0", slots={}, queues=None, residency=residency, core=None, budget=None, counters=Counters(),  # type: ignore[arg-type]
         heartbeat_s=1.0, report=lambda: None,  # type: ignore[arg-type,return-value]
     )  # fmt: skip
     async with anyio.create_task_group() as tg:

@@ -9,13 +9,14 @@ executors (docs/architecture.md); ``sidecar/recording.py`` records a core and re
 """
 
 from .actions import Action, Fetch, Hold, LoadModel, Proceed, Reap, Recount, Sleep, Unload, WaitFree, WaitRoom
-from .events import BatchChecked, BatchDone, Computed, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Settled, Started, Turn, Warmed
+from .events import BatchChecked, BatchDone, ClaimLost, Computed, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Settled, Started, Turn, Warmed
 from .turns import Recorder, WorkerCore
 
 __all__ = [
     "Action",
     "BatchChecked",
     "BatchDone",
+    "ClaimLost",
     "Computed",
     "Event",
     "Evicted",

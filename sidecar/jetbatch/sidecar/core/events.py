@@ -17,6 +17,7 @@ from ..policy import QueueFacts, Tier
 __all__ = [
     "BatchChecked",
     "BatchDone",
+    "ClaimLost",
     "Computed",
     "Event",
     "Evicted",
@@ -94,6 +95,15 @@ class Settled(msgspec.Struct, tag="settled", frozen=True, forbid_unknown_fields=
     model: str
 
 
+class ClaimLost(msgspec.Struct, tag="claim_lost", frozen=True, forbid_unknown_fields=True):
+    """A peer holds ``model``'s load claim (or held the model when this worker's view of its
+    peers went stale): its queue counts as the peers' to serve until ``until``, when their adverts
+    will have said what they hold (live: one heartbeat; simulated: the peer's load's end)."""
+
+    model: str
+    until: float
+
+
 class BatchChecked(msgspec.Struct, tag="checked", frozen=True, forbid_unknown_fields=True):
     """A batch's deadline check ran: ``refused_whole`` when every request was refused on the
     predicted batch time (none computed)."""
@@ -153,4 +163,4 @@ class Warmed(msgspec.Struct, tag="warmed", frozen=True, forbid_unknown_fields=Tr
     host_bytes: int
 
 
-Event = Union[Started, Turn, Fetched, Computed, Settled, BatchChecked, BatchDone, LoadDue, Loaded, Evicted, Warmed]
+Event = Union[Started, Turn, Fetched, Computed, Settled, BatchChecked, BatchDone, LoadDue, Loaded, Evicted, Warmed, ClaimLost]

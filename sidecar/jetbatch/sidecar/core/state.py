@@ -29,3 +29,4 @@ class CoreFields(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     forget_at: float = float("-inf")
     in_flight: dict[str, int] = {}
     computing: dict[str, int] = {}
+    standing_back: dict[str, float] = {}

@@ -11,13 +11,14 @@ next: each asks :meth:`WorkerCore.handle`. Everything handed to ``handle`` can b
 What the core owns and only it writes: the driver (policy and cost estimator), the model whose
 batches the worker serves from held pulls and whether its last hold came back empty, the model
 last served or loaded, when each model was last used and became resident, the backlog share each
-load owes, each model's batches under way (in flight, and of those computing), and the probe
-counters of refused batches and reaped loads.
+load owes, each model's batches under way (in flight, and of those computing), the models left to
+a peer that holds their load claim, and the probe counters of refused batches and reaped loads.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any, Callable, Mapping, Protocol
 
@@ -41,7 +42,7 @@ from ..policy import (
 )
 from ..policy.state import read_state, real, reals
 from .actions import Action, Fetch, Hold, LoadModel, Proceed, Reap, Recount, Sleep, Unload, WaitFree, WaitRoom
-from .events import BatchChecked, BatchDone, Computed, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Settled, Started, Turn, Warmed
+from .events import BatchChecked, BatchDone, ClaimLost, Computed, Event, Evicted, Fetched, LoadDue, Loaded, ModelRules, Settled, Started, Turn, Warmed
 from .state import CoreFields
 
 __all__ = ["Recorder", "WorkerCore"]
@@ -87,6 +88,7 @@ class WorkerCore:
         # the model (only models with some are keys).
         self._in_flight: dict[str, int] = {}
         self._computing: dict[str, int] = {}
+        self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers its queue
         self._handlers: dict[type, Callable[[Any], Action | None]] = {
             Turn: self._turn,
             Fetched: self._fetched,
@@ -98,6 +100,7 @@ class WorkerCore:
             Loaded: self._loaded,
             Evicted: self._evicted,
             Warmed: self._warmed,
+            ClaimLost: self._claim_lost,
         }
         self.recorder = recorder
         if recorder is not None:
@@ -130,6 +133,7 @@ class WorkerCore:
             "last_used": reals(self.last_used), "resident_since": reals(self.resident_since), "idle_wake": real(self.idle_wake),
             "revisit": self._revisit, "load_share": dict(self._load_share), "refusals": dict(self._refusals), "reaps": dict(self._reaps),
             "forget_at": real(self._forget_at), "in_flight": dict(self._in_flight), "computing": dict(self._computing),
+            "standing_back": reals(self._standing_back),
         }  # fmt: skip
         return {"core": core, "policy": export(), "costs": self.costs.export_state()}
 
@@ -151,6 +155,7 @@ class WorkerCore:
         self._revisit, self._load_share, self._refusals, self._reaps = core.revisit, dict(core.load_share), dict(core.refusals), dict(core.reaps)
         self._forget_at = core.forget_at
         self._in_flight, self._computing = dict(core.in_flight), dict(core.computing)
+        self._standing_back = dict(core.standing_back)
 
     def in_flight(self, model: str) -> int:
         """``model``'s batches gathered and not yet settled."""
@@ -159,6 +164,10 @@ class WorkerCore:
     def computing(self, model: str) -> int:
         """Of ``model``'s batches in flight, those that may still run the model."""
         return self._computing.get(model, 0)
+
+    def stands_back(self, model: str, now: float) -> bool:
+        """Whether ``model``'s queue is left to the peer that holds its load claim at ``now``."""
+        return self._standing_back.get(model, -math.inf) > now
 
     @property
     def wants_arrival_order(self) -> bool:
@@ -186,7 +195,15 @@ class WorkerCore:
             for name in [n for n, at in self.last_used.items() if at < now - RECENT_S]:
                 del self.last_used[name]
         order = tuple(ev.arrival_order) if ev.arrival_order is not None else None
-        state = self.driver.state(ev.facts, now, current=self.current, budget=self.budget, arrival_order=order)
+        facts = ev.facts
+        if self._standing_back:
+            # A queue whose load claim a peer holds counts as fully served by peers (its share of
+            # it none) until their adverts say more: the worker goes on with its own work at once
+            # instead of deciding the refused load again and again, or sleeping.
+            for name in [n for n, until in self._standing_back.items() if until <= now]:
+                del self._standing_back[name]
+            facts = [dataclasses.replace(f, served_rps=math.inf) if f.name in self._standing_back else f for f in facts]
+        state = self.driver.state(facts, now, current=self.current, budget=self.budget, arrival_order=order)
         idle = self._idle_unloads(state, now, busy=self._in_flight)
         if idle:
             return Unload(idle)
@@ -202,7 +219,7 @@ class WorkerCore:
                 return Hold(self.serving, self.rules[self.serving].max_batch_size, held_s)
             if self.serving is not None:
                 return self._recount()
-            until = min(decision.until, self.idle_wake, math.inf if ev.defer_until is None else ev.defer_until)
+            until = min(decision.until, self.idle_wake, math.inf if ev.defer_until is None else ev.defer_until, *self._standing_back.values())
             return Sleep(until if math.isfinite(until) else None, decision.reason)
         chosen = state.models.get(decision.model)
         resident = chosen is not None and chosen.resident
@@ -326,6 +343,10 @@ class WorkerCore:
     def _evicted(self, ev: Evicted) -> None:
         self.driver.evicted(ev.model, ev.now)
         self.resident_since.pop(ev.model, None)
+        return None
+
+    def _claim_lost(self, ev: ClaimLost) -> None:
+        self._standing_back[ev.model] = max(ev.until, self._standing_back.get(ev.model, -math.inf))
         return None
 
     def _warmed(self, ev: Warmed) -> None:

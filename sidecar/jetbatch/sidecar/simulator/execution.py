@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..core import BatchChecked, BatchDone, Computed, Evicted, Fetch, Fetched, LoadDue, Loaded, LoadModel, Reap, Settled
+from ..core import BatchChecked, BatchDone, ClaimLost, Computed, Evicted, Fetch, Fetched, LoadDue, Loaded, LoadModel, Reap, Settled
 from ..policy import Tier, batch_line_first, cannot_finish, fits_host, listens, prefetch_choice, warm_copy_value
 
 from .workers import SimWorker
@@ -160,8 +160,11 @@ class SimExecution:
                 self.sim.wake(worker, self.sim.t + cost_s)
                 return
         if any(p.loading == decision.model for p in self.sim.workers if p is not worker):
-            # Another worker holds the load claim: stand back until its load ends.
-            self.sim.wake(worker, max(p.busy_until for p in self.sim.workers if p.loading == decision.model) + 1e-6)
+            # Another worker holds the load claim: the core leaves the queue to it until its load
+            # ends (its advert then says it holds the model) and decides again at once.
+            until = max(p.busy_until for p in self.sim.workers if p.loading == decision.model) + 1e-6
+            worker.core.handle(ClaimLost(decision.model, until))
+            self.sim.wake(worker, self.sim.t + cost_s + self.sim.control_s("claim_s"))  # the claim that was refused
             return
         for victim in decision.evict:
             if victim in worker.resident:

@@ -18,7 +18,8 @@ import anyio
 from jetbatch.sdk.protocol import SidecarReport
 
 from ..cluster import ClusterView
-from ..policy import Budget, Driver, deferred_until, first_taker_rank, has_room
+from ..core import ClaimLost, WorkerCore
+from ..policy import Budget, deferred_until, first_taker_rank, has_room
 from .counters import Counters
 from .queues import QueueView
 from .residency import Residency
@@ -40,7 +41,7 @@ class Coordinator:
         slots: Mapping[str, Slot],
         queues: QueueView,
         residency: Residency,
-        driver: Driver,
+        core: WorkerCore,
         budget: Budget,
         counters: Counters,
         heartbeat_s: float,
@@ -51,12 +52,11 @@ class Coordinator:
         self._slots = slots
         self._queues = queues
         self._residency = residency
-        self._driver = driver
+        self._core = core
         self._budget = budget
         self._counters = counters
         self._heartbeat_s = heartbeat_s
         self._report = report
-        self._standing_back: dict[str, float] = {}  # model -> until when a peer's claim covers it
         self._live: dict[str, float] = {}  # the peers in view at the last departed() call, and when each started
         self._settling: anyio.Event | None = None  # set once the last load's advert and release are done
         self._names = list(slots or ())  # the registered models, as adverts name them (hashed once: cluster.py)
@@ -154,26 +154,24 @@ class Coordinator:
         """Per model, what peers drain (their adverts), and models a peer is claiming now counted
         as fully served until its advert says more (see :meth:`stand_back`)."""
         served = dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
-        if self._standing_back:
-            now = time.time()
-            for name, until in list(self._standing_back.items()):
-                if until <= now:
-                    del self._standing_back[name]
-                else:
-                    served[name] = math.inf
+        now = time.time()
+        for name in self._queues.waiting:
+            if self._core.stands_back(name, now):
+                served[name] = math.inf
         return served
 
     def stand_back(self, model: str) -> None:
         """Leave ``model`` to the peer that holds its claim (or held it when the view went stale)
         for one heartbeat: the next decisions count its backlog as served, so this worker goes on
         with its own work at once instead of deciding the same refused load again and again (the
-        failover bench saw thousands a second) or sleeping while its own queues wait."""
-        self._standing_back[model] = time.time() + self._heartbeat_s
+        failover bench saw thousands a second) or sleeping while its own queues wait. The core
+        keeps it and applies it (``ClaimLost``), as it does for the simulator's lost claims."""
+        self._core.handle(ClaimLost(model, time.time() + self._heartbeat_s))
 
     def share(self, slot: Slot, served: dict[str, float] | None = None) -> int:
         """The part of ``slot``'s backlog that is this worker's to serve (``Driver.share``)."""
         served = self.served() if served is None else served
-        return self._driver.share(
+        return self._core.driver.share(
             slot.backlog, served.get(slot.name, 0.0), self._residency.load_cost_s(slot), resident=slot.resident, max_batch_size=slot.config.max_batch_size,
         )  # fmt: skip
 
@@ -190,7 +188,7 @@ class Coordinator:
         # to it for a heartbeat or two).
         serves = {w: self.cluster.registered(w) or frozenset() for w in peers}
         out: dict[str, float] = {}
-        costs = self._driver.costs
+        costs = self._core.costs
         mine = self._residency.resident_names()
         used = sum(costs.memory_bytes(n) for n in mine)
         for name in self._queues.waiting:

@@ -178,7 +178,7 @@ class Worker:
             )  # fmt: skip
         self.peers = Coordinator(
             cluster, worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
-            driver=self.driver, budget=self.budget, counters=self.stats, heartbeat_s=config.worker.heartbeat_s, report=self.report,
+            core=self.core, budget=self.budget, counters=self.stats, heartbeat_s=config.worker.heartbeat_s, report=self.report,
         )  # fmt: skip
         self.telemetry.register_gauges(self.report, self.peers.reports_queues, self.queues)
         self.orphans = OrphanAnswers(self.js, self.subjects, config.streams, queues=self.queues, runner=self.runner, grace_s=config.worker.orphan_grace_s)
