@@ -326,8 +326,14 @@ async def test_the_next_batch_computes_while_the_answers_before_it_are_stored(na
             assert not first.done()
             await wait_until(lambda: worker.core.in_flight("m1") == 1, what="the second batch settled")
             assert worker.core.computing("m1") == 0  # the first still holds its request, not the model
-            info = await client.nats.jetstream().consumer_info(worker.subjects.models_stream, model_consumer_name("m1"))
-            assert info.num_ack_pending == 1  # unacked until its answer is stored
+
+            async def only_the_first_unacked() -> bool:
+                info = await client.nats.jetstream().consumer_info(worker.subjects.models_stream, model_consumer_name("m1"))
+                return bool(info.num_ack_pending == 1)
+
+            # The second's ack may still be on its way to the server; the first, its answer held
+            # at the store, cannot be acked meanwhile.
+            await wait_until(only_the_first_unacked, what="only the first request unacked")
             release.set()
             assert await first == b"first"
 
