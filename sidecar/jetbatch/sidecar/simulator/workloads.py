@@ -344,9 +344,7 @@ class _ControlSpec(_Spec):
     advert_s: Annotated[float, Meta(ge=0, le=60)] = Control.advert_s
     count_line_s: Annotated[float, Meta(ge=0, le=60)] = Control.count_line_s
     compute_excess_s: Annotated[float, Meta(ge=0, le=60)] = Control.compute_excess_s
-    cv: dict[
-        Literal["claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s", "compute_excess_s"], Annotated[float, Meta(ge=0, le=10)]
-    ] = {}
+    cv: dict[Literal["claim_s", "advert_s", "consumer_create_s", "answer_s", "batch_overhead_s", "compute_excess_s"], Annotated[float, Meta(ge=0, le=10)]] = {}
 
 
 class _SurgeSpec(_Spec):
