@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import types
 from typing import Any, Callable, Mapping, Protocol
 
 from ..policy import (
@@ -168,6 +169,12 @@ class WorkerCore:
     def stands_back(self, model: str, now: float) -> bool:
         """Whether ``model``'s queue is left to the peer that holds its load claim at ``now``."""
         return self._standing_back.get(model, -math.inf) > now
+
+    @property
+    def standing_back(self) -> Mapping[str, float]:
+        """The queues left to peers that hold their load claims, and until when (read it; expired
+        ones are dropped at the next turn)."""
+        return types.MappingProxyType(self._standing_back)
 
     @property
     def wants_arrival_order(self) -> bool:

@@ -200,11 +200,14 @@ class SimExecution:
     def settle(self, worker: SimWorker) -> None:
         """Tell the core of each batch of ``worker`` whose answers are stored by now (it leaves
         its model's pipeline); told before each turn, which is where the core reads them."""
-        for model, times in worker.answering.items():
+        for model, times in list(worker.answering.items()):
             left = [t for t in times if t > self.sim.t]
             for _ in range(len(times) - len(left)):
                 worker.core.handle(Settled(model))
-            times[:] = left
+            if left:
+                times[:] = left
+            else:
+                del worker.answering[model]  # a step walks only the models with answers on their way
 
     def finish(self, worker: SimWorker, kind: str) -> None:
         _, what, model, arg, duration_text = kind.split(":", 4)

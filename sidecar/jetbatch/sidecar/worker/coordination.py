@@ -155,8 +155,8 @@ class Coordinator:
         as fully served until its advert says more (see :meth:`stand_back`)."""
         served = dict(self.cluster.served_drain_rps()) if self.cluster is not None else {}
         now = time.time()
-        for name in self._queues.waiting:
-            if self._core.stands_back(name, now):
+        for name, until in self._core.standing_back.items():
+            if until > now:
                 served[name] = math.inf
         return served
 
