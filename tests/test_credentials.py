@@ -80,6 +80,7 @@ async def test_the_app_user_infers_and_reaches_nothing_else(secured: Deployment)
             SUBJECTS.cancel("other"),
             SUBJECTS.status_subject,
             f"$JS.API.DIRECT.GET.{SUBJECTS.results_stream}.jetbatch.result.other.k.r1",
+            f"$KV.{SUBJECTS.registry_bucket}.forged",  # the registry is read, never written, by a producer
         ]
         for subject in refused_publish:
             await client.nats.publish(subject, b"{}")

@@ -117,7 +117,7 @@ async def test_the_models_stream_takes_two_consumers_for_each_of_a_thousand_mode
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
-        old = models_stream_config(subjects, StreamsConfig(), models)
+        old = models_stream_config(subjects, StreamsConfig())
         old.max_consumers = None  # as an earlier release made it: the server's default
         await js.add_stream(StreamConfig.from_response(old.as_dict()))
         assert (await js.stream_info(subjects.models_stream)).config.max_consumers == -1

@@ -43,7 +43,7 @@ def test_sdk_imports_and_works_without_torch() -> None:
 
 def test_public_api_matches_all() -> None:
     exported = {name for name in dir(sdk) if not name.startswith("_")} - {
-        "admission", "blocking", "client", "connection", "errors", "failures", "protocol", "publishing", "telemetry", "timeouts", "validation",
+        "admission", "blocking", "client", "connection", "errors", "failures", "protocol", "publishing", "registry", "telemetry", "timeouts", "validation",
     }
     assert exported == set(sdk.__all__)
     for name in sdk.__all__:

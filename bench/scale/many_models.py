@@ -1,8 +1,9 @@
 """Many registered models on one worker: the live worker against its simulator on one trace.
 
 One worker process (`jetbatch worker`, the `sleep` handler: load and batch are sleeps of known
-length, so the device time is the workload's, not this machine's) or `--workers N`, one embedded
-nats-server or `--cluster` (3 nodes, streams with 3 replicas),
+length, so the device time is the workload's, not this machine's) or `--workers N`, one
+nats-server with its default configuration (1 MiB `max_payload`, as compose's) or `--cluster`
+(3 nodes, streams with 3 replicas),
 `--models N` registered models, Zipf(1.1) popularity and Poisson arrivals at `--rate` req/s for
 `--duration` s. The same arrivals are fed to the simulator (with the control plane's measured
 costs, ``Workload.control``) and, with ``--ideal``, to the simulator with a free control plane.
@@ -73,15 +74,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         prefix = f"scale{os.getpid()}"
         cluster = stack.enter_context(harness.cluster(3, base_dir=Path(tmp) / "cluster")) if args.cluster else None
+        # One server with nats-server's default configuration (1 MiB max_payload, as compose
+        # keeps it), not jetbatch's embedded 8 MiB one: a ceiling of the default must show here.
+        server = None if cluster else stack.enter_context(harness.server(store_dir=Path(tmp) / "nats", max_payload=None))
         sections = sleep_sections(prefix, args.models, args.slots, replicas=3 if cluster else 1, consumers=args.consumers, **shape)
         config = harness.write_config(sections, tmp, "scale")
         started = time.monotonic()
         dep = stack.enter_context(harness.processes(
-            config, cluster.url if cluster else None, classifier=False, store_dir=Path(tmp) / "store", http_port=-1, workers=args.workers,
+            config, cluster.url if cluster else server.url if server else None, classifier=False, store_dir=Path(tmp) / "store", http_port=-1, workers=args.workers,
         ))  # fmt: skip
         record["ready_s"] = time.monotonic() - started
         workers = [p.pid for name, p in dep.procs.items() if name.startswith("worker")]
-        servers = [n.pid for n in cluster.nodes] if cluster else [dep.server.pid]
+        servers = [n.pid for n in cluster.nodes] if cluster else [server.pid] if server else []
 
         def cores() -> dict[str, float]:
             return {"workers": sum(cpu_s(p) for p in workers), "nats_servers": sum(cpu_s(p) for p in servers)}

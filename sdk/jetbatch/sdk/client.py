@@ -28,6 +28,7 @@ from .errors import (
 )
 from .connection import connect_nats, guard_read_loop
 from .publishing import PubAcks, PublishRefused, publish_with_retries
+from .registry import RegisteredModels
 from .timeouts import Timeouts
 from .validation import check_timeout, user_headers
 from .protocol import (
@@ -107,6 +108,7 @@ class Client:
         # which applies the same rule).
         self._admission = Admission() if admission and tenant is None else None
         self._adverts_sub: Any = None
+        self._registry = RegisteredModels(self._js, self._subjects)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -290,6 +292,8 @@ class Client:
             refused = self._admission.refusal(model, timeout - (time.monotonic() - started))
             if refused is not None:
                 raise Overloaded(refused, request_id=rid)
+        if model is not None and self._tenant is None and await self._registry.check(model, timeout - (time.monotonic() - started)) is False:
+            raise UnknownModel(f"no model named {model!r} is served", request_id=rid)
         if request_id is not None:
             # A caller's own id is usually a retry: its answer may be stored already. JetStream
             # forgets the ids of finished requests when the server restarts, so the PubAck alone

@@ -16,7 +16,7 @@ import nats.js.errors
 
 __all__ = [
     "ALREADY_ACKED", "API_ERRORS", "BAD_HEADER", "BAD_REQUEST", "CLOSED", "CONFLICT", "DROPPED", "KEY_MISSING",
-    "NOT_FOUND", "NO_SERVERS", "NO_STREAM", "SLOW", "TIMEOUTS", "TOO_LARGE", "TRANSPORT_ERRORS", "UNAVAILABLE",
+    "NOT_FOUND", "NO_KEYS", "NO_SERVERS", "NO_STREAM", "SLOW", "TIMEOUTS", "TOO_LARGE", "TRANSPORT_ERRORS", "UNAVAILABLE",
     "UNREADABLE_REPLY", "api_error",
 ]  # fmt: skip
 
@@ -33,6 +33,8 @@ API_ERRORS: Errors = (nats.js.errors.APIError,)
 NOT_FOUND: Errors = (nats.js.errors.NotFoundError,)
 # A key-value entry that does not exist or was deleted.
 KEY_MISSING: Errors = (nats.js.errors.KeyNotFoundError,)
+# A key-value bucket with no keys (``keys()`` on an empty bucket).
+NO_KEYS: Errors = (nats.js.errors.NoKeysError,)
 # The request was malformed or conflicts with what exists (400: a config that cannot be updated).
 BAD_REQUEST: Errors = (nats.js.errors.BadRequestError,)
 # A compare-and-set lost: someone else wrote the key first.

@@ -8,9 +8,9 @@ change (for example a retention change, which JetStream forbids).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Any, Iterable
+import re
+from typing import Iterable
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -18,7 +18,6 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
-    KeyValueConfig,
     RePublish,
     RetentionPolicy,
     StorageType,
@@ -30,6 +29,7 @@ from jetbatch.sdk.protocol import Priority, Subjects
 
 from .config import RepliesConfig, StreamsConfig
 from .errors import SidecarError
+from .registry import register_models
 
 __all__ = [
     "StreamSetupError",
@@ -37,7 +37,6 @@ __all__ = [
     "classifier_consumer_name",
     "dead_letter_stream_config",
     "ensure_classifier_streams",
-    "ensure_key_value",
     "ensure_model_consumer",
     "ensure_model_consumers",
     "ensure_streams",
@@ -50,6 +49,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("jetbatch.streams")
+
+# A model's name in a listed queue subject (no wildcard): ``validate_model_name``'s rule.
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class StreamSetupError(SidecarError):
@@ -100,19 +102,22 @@ ROUTING_HEADROOM_BYTES = 1024
 MAX_MODEL_CONSUMERS = 100_000
 
 
-def models_stream_config(subjects: Subjects, cfg: StreamsConfig, models: Iterable[str]) -> StreamConfig:
-    """One stream holding every per-model queue ``<prefix>.model.<name>``.
+def models_stream_config(subjects: Subjects, cfg: StreamsConfig) -> StreamConfig:
+    """One stream holding every per-model queue: ``<prefix>.model.<name>`` (interactive) and
+    ``<prefix>.model.<name>.batch``.
 
-    Its subjects list names each served model explicitly (not a wildcard), so a publish to a model
-    nobody serves is refused by the server and the producer gets ``UnknownModel`` at once.
+    Its subjects are two wildcards, so its size and the server's work to create it stay the
+    same for ten models or a hundred thousand (an explicit list, two subjects a model, took the
+    server quadratic time and stopped fitting a default ``max_payload`` near 10 000 models). A
+    request for a model nobody registers is refused before it is sent, from the model registry
+    (``registry.py``), not by this stream.
 
     Every stored request's headers (no payload) are republished to ``<prefix>.arrived.<model>``,
     with the stream's sequence and timestamp: the workers learn of arrivals as events, so a
     decision never asks the server about every registered model (docs/scaleout.md). Only stored
     messages are republished: a refused or deduplicated publish is no arrival.
     """
-    subjects_list = sorted({subjects.model(m, p) for m in models for p in Priority})
-    config = _work_queue(subjects.models_stream, subjects_list, cfg, "jetbatch per-model queues")
+    config = _work_queue(subjects.models_stream, subjects.queue_wildcards, cfg, "jetbatch per-model queues")
     # A request the ingress took whole must fit once routed: the classifier adds the tenant it
     # arrived under and a tenant-scoped dedupe id (a tenant's request at the ingress's limit was
     # refused by this stream as too large).
@@ -233,12 +238,8 @@ _COMPARED = (
 )  # fmt: skip
 
 
-async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_subjects: bool) -> None:
-    """Create ``wanted`` or update the existing stream to match it.
-
-    With ``merge_subjects`` the existing subjects are kept and the wanted ones added: several
-    workers serving different model sets share the models stream.
-    """
+async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig) -> None:
+    """Create ``wanted`` or update the existing stream to match it."""
     assert wanted.name is not None
     for _attempt in range(_SETUP_ATTEMPTS):
         try:
@@ -252,26 +253,23 @@ async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_su
                 if exc.err_code == 10058:  # created concurrently by another sidecar: compare again
                     continue
                 raise StreamSetupError(f"cannot create stream {wanted.name}: {exc.description}") from exc
-            except failures.TOO_LARGE as exc:
-                raise _too_large(wanted) from exc
         current = info.config
-        subjects = list(wanted.subjects or [])
-        if merge_subjects:
-            subjects = sorted(set(current.subjects or []) | set(subjects))
+        subjects = sorted(wanted.subjects or [])
         diffs = [
             f"{key} {getattr(current, key)!r} -> {getattr(wanted, key)!r}"
             for key in _COMPARED
             if getattr(wanted, key) is not None and _norm(getattr(current, key)) != _norm(getattr(wanted, key))
         ]
         if sorted(current.subjects or []) != subjects:
-            diffs.append(f"subjects -> {subjects}")
+            # An explicit list of models (before the wildcards) is replaced whole: the wildcards
+            # take every subject it named, so what waits stays stored.
+            shown = current.subjects or []
+            diffs.append(f"subjects {shown[:4]!r}{f' and {len(shown) - 4} more' if len(shown) > 4 else ''} -> {subjects}")
         if not diffs:
             return
         updated = StreamConfig.from_response({**current.as_dict(), **wanted.as_dict(), "subjects": subjects})
         try:
             await js.update_stream(updated)
-        except failures.TOO_LARGE as exc:
-            raise _too_large(updated) from exc
         except failures.API_ERRORS as exc:
             if _attempt < _SETUP_ATTEMPTS - 1:
                 # Several sidecars starting together on a cluster update the same stream: read it
@@ -283,20 +281,8 @@ async def _ensure_stream(js: JetStreamContext, wanted: StreamConfig, *, merge_su
                 f"refused the update: {exc.description}. Delete the stream or fix the configuration."
             ) from exc
         log.info("updated stream %s: %s", wanted.name, "; ".join(diffs))
-        if not merge_subjects:
-            return
+        return
     raise StreamSetupError(f"stream {wanted.name} kept changing while it was being set up")
-
-
-def _too_large(config: StreamConfig) -> StreamSetupError:
-    """The server refused a stream's configuration as over its ``max_payload``: the models stream
-    lists two subjects a registered model (docs/scaleout.md)."""
-    size = len(json.dumps(config.as_dict()))
-    return StreamSetupError(
-        f"stream {config.name}: its configuration ({len(config.subjects or [])} subjects, {size} bytes) is over the "
-        "nats-server's max_payload; raise max_payload in the server's configuration (jetbatch's own server uses 8 MiB), "
-        "or register fewer models or shorter names on this prefix"
-    )
 
 
 def _norm(value: object) -> object:
@@ -312,15 +298,33 @@ def _norm(value: object) -> object:
 async def ensure_streams(
     js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig, models: Iterable[str], replies: RepliesConfig | None = None
 ) -> None:
-    """Create or update the models, dead-letter and results streams for a worker serving ``models``."""
-    models = list(models)
+    """Create or update the models, dead-letter and results streams for a worker serving
+    ``models``, and write ``models`` into the model registry first (with any model the models
+    stream still lists by name, from before its wildcards: their requests stay servable)."""
     try:
-        await _ensure_stream(js, models_stream_config(subjects, cfg, models), merge_subjects=True)
-        await _ensure_stream(js, dead_letter_stream_config(subjects, cfg), merge_subjects=False)
+        earlier = await _listed_models(js, subjects)
+        await register_models(js, subjects, cfg, {*models, *earlier})
+        await _ensure_stream(js, models_stream_config(subjects, cfg))
+        await _ensure_stream(js, dead_letter_stream_config(subjects, cfg))
         if replies is not None and replies.durable:
-            await _ensure_stream(js, results_stream_config(subjects, cfg, replies), merge_subjects=False)
+            await _ensure_stream(js, results_stream_config(subjects, cfg, replies))
     except failures.TIMEOUTS + failures.UNAVAILABLE as exc:
         raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?", transient=True) from exc
+
+
+async def _listed_models(js: JetStreamContext, subjects: Subjects) -> set[str]:
+    """The models an existing models stream names one by one (a stream made before the
+    wildcards); none for a new stream or one with the wildcards."""
+    try:
+        info = await js.stream_info(subjects.models_stream)
+    except failures.NOT_FOUND:
+        return set()
+    names = set()
+    for subject in info.config.subjects or []:
+        queue = subjects.queue_from_subject(subject)
+        if queue is not None and _NAME_RE.fullmatch(queue[0]):
+            names.add(queue[0])
+    return names
 
 
 async def ensure_classifier_streams(
@@ -328,10 +332,10 @@ async def ensure_classifier_streams(
 ) -> None:
     """Create or update the ingress, dead-letter and results streams and the classifier consumer."""
     try:
-        await _ensure_stream(js, ingress_stream_config(subjects, cfg), merge_subjects=False)
-        await _ensure_stream(js, dead_letter_stream_config(subjects, cfg), merge_subjects=False)
+        await _ensure_stream(js, ingress_stream_config(subjects, cfg))
+        await _ensure_stream(js, dead_letter_stream_config(subjects, cfg))
         if replies is not None and replies.durable:
-            await _ensure_stream(js, results_stream_config(subjects, cfg, replies), merge_subjects=False)
+            await _ensure_stream(js, results_stream_config(subjects, cfg, replies))
         await _ensure_consumer(js, subjects.ingress_stream, classifier_consumer_config(subjects, cfg))
     except failures.TIMEOUTS + failures.UNAVAILABLE as exc:
         raise StreamSetupError(f"JetStream did not answer while setting up streams ({exc!r}); is JetStream enabled?", transient=True) from exc
@@ -380,19 +384,3 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, wanted: ConsumerCo
                 ) from exc
             # Concurrent creation by another replica, or a cluster electing a leader: retry.
             await asyncio.sleep(0.2 * (attempt + 1))
-
-
-async def ensure_key_value(
-    js: JetStreamContext, bucket: str, *, description: str, ttl_s: float, storage: StorageType, replicas: int
-) -> Any:
-    """Open the key-value ``bucket``, creating it (one value per key) if it does not exist yet;
-    a peer creating it at the same moment is not an error."""
-    try:
-        return await js.key_value(bucket)
-    except failures.NOT_FOUND:
-        try:
-            return await js.create_key_value(
-                KeyValueConfig(bucket=bucket, description=description, history=1, ttl=ttl_s, storage=storage, replicas=replicas)
-            )
-        except failures.BAD_REQUEST:
-            return await js.key_value(bucket)  # created concurrently by a peer

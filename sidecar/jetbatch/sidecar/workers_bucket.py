@@ -16,7 +16,7 @@ from nats.js.api import StorageType
 from jetbatch.sdk import failures
 
 from .errors import TRANSPORT_ERRORS
-from .streams import ensure_key_value
+from .buckets import ensure_key_value
 
 __all__ = ["WorkersBucket"]
 

@@ -227,6 +227,12 @@ class Subjects:
     def models_wildcard(self) -> str:
         return f"{self.prefix}.model.>"
 
+    @property
+    def queue_wildcards(self) -> list[str]:
+        """The models stream's subjects: every model's interactive and batch queue, two
+        wildcards whatever the number of models (a model name is one token)."""
+        return [f"{self.prefix}.model.*", f"{self.prefix}.model.*.{BATCH_TOKEN}"]
+
     def model_from_subject(self, subject: str) -> str | None:
         return self._model_after("model", subject)
 
@@ -334,6 +340,22 @@ class Subjects:
         """Key-value bucket where workers record which redelivered request they ran alone (the
         evidence behind poison verdicts)."""
         return f"{self._stream_base}_ATTEMPTS"
+
+    @property
+    def registry_bucket(self) -> str:
+        """Key-value bucket of the model names the workers register, a key each: the models
+        stream takes any model's subject (two wildcards), so this is where "is anyone serving
+        this model?" is answered (docs/protocol.md#unknown-models)."""
+        return f"{self._stream_base}_REGISTERED"
+
+    @property
+    def registry_stream(self) -> str:
+        """The stream behind :attr:`registry_bucket` (what a direct get names)."""
+        return f"KV_{self.registry_bucket}"
+
+    def registry_key(self, model: str) -> str:
+        """The subject of ``model``'s entry in :attr:`registry_bucket`."""
+        return f"$KV.{self.registry_bucket}.{validate_model_name(model)}"
 
     @property
     def kv_bucket(self) -> str:

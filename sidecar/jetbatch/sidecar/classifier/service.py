@@ -46,6 +46,7 @@ from jetbatch.sdk.protocol import (
     parse_request_headers,
 )
 from jetbatch.sdk.publishing import AckGroup, PubAcks, publish_with_retries
+from jetbatch.sdk.registry import RegisteredModels
 
 from ..errors import TRANSPORT_ERRORS, pull, unsubscribe_all
 from ..config import Config, ConfigError
@@ -67,6 +68,7 @@ _tracer_name = "jetbatch.sidecar"
 # other name is counted under this one. At most this many models are named.
 OTHER_MODEL_LABEL = "_other"
 _MAX_MODEL_LABELS = 4096
+_REGISTRY_LOOKUP_S = 1.0  # a model's first lookup in the registry; then it is remembered
 _REPUBLISH_ACK_TIMEOUT_S = 5.0  # then the careful path retries (same Nats-Msg-Id: no duplicates)
 # How long an idle classifier waits for a request before it looks at its stop flag again.
 _IDLE_WAIT_S = 0.25
@@ -102,6 +104,7 @@ class Classifier:
         # the OpenTelemetry SDK allows, after which legitimate traffic was counted in its overflow
         # series, and /metrics took 30-55 ms to render on the event loop).
         self._stored_models: set[str] = set()
+        self._registry = RegisteredModels(self.js, self.subjects)
         self._puller: Puller | None = None
         self.replier = Replier(nc, self.subjects, config.replies, reply_nc=reply_nc)
         self.reply_policy = config.reply_policy
@@ -335,7 +338,11 @@ class Classifier:
         failed: list[tuple[Msg, RequestMeta, Route]] = []
         sent: list[tuple[Msg, RequestMeta, Route, str, dict[str, str], asyncio.Future[Any] | None]] = []
         pending = AckGroup()  # one wake-up once every PubAck of the batch came
+        unknown = await self._unregistered({route.model for _, _, route in routed if route.error is None and route.model is not None})
         for msg, meta, route in routed:
+            if route.error is None and route.model in unknown:
+                failed.append((msg, meta, Route(route.model, (ErrorCode.UNKNOWN_MODEL, f"no model named {route.model!r} is served"))))
+                continue
             prepared = self._prepare(msg, meta, route, excess=id(msg) in excess)
             if isinstance(prepared, tuple) and isinstance(prepared[0], ErrorCode):
                 failed.append((msg, meta, Route(route.model, prepared)))
@@ -360,6 +367,21 @@ class Classifier:
             else:
                 failed.append((msg, meta, Route(route.model, error)))
         return failed
+
+    async def _unregistered(self, models: AbstractSet[str]) -> set[str]:
+        """Which of a batch's models the model registry does not name: the models stream takes
+        any model's subject, so the registry is what refuses a model nobody serves. One lookup a
+        model not yet known, together; a registry that cannot be read names none."""
+
+        async def check(model: str) -> bool | None:
+            try:
+                return await self._registry.check(model, _REGISTRY_LOOKUP_S)
+            except ProtocolError:
+                return None  # an invalid name: _prepare answers it
+
+        names = list(models)
+        checked = await asyncio.gather(*(check(model) for model in names))
+        return {model for model, registered in zip(names, checked) if registered is False}
 
     def _prepare(self, msg: Msg, meta: RequestMeta, route: Route, *, excess: bool = False) -> tuple[str, dict[str, str]] | tuple[ErrorCode, str]:
         """The subject and headers a routed request is republished with, or why it cannot be."""

@@ -76,13 +76,15 @@ def role_permissions(subjects: Subjects) -> dict[str, Permissions | None]:
             subscribe=(f"{inbox_prefix('classifier')}.>", *listen, subjects.adverts),
         ),
         # A producer with no tenant: requests (classified or to a model), its cancel notices, the
-        # stream-name lookup behind StreamNotFound and a direct get of the answers with no tenant;
-        # it reads those answers and its own inbox. No arrival or take events, no bucket, no
-        # stream info, nothing under another tenant.
+        # stream-name lookup behind StreamNotFound, a direct get of the answers with no tenant
+        # and of the model registry's keys (is a model served: sdk/registry.py); it reads those
+        # answers and its own inbox. No arrival or take events, no bucket write, no stream info,
+        # nothing under another tenant.
         "app": Permissions(
             publish=(
                 f"{p}.in", f"{p}.model.>", f"{p}.cancel", "$JS.API.STREAM.NAMES",
                 f"$JS.API.DIRECT.GET.{subjects.results_stream}.{p}.result._.>",
+                f"$JS.API.DIRECT.GET.{subjects.registry_stream}.$KV.{subjects.registry_bucket}.>",
             ),
             subscribe=(f"{p}.result._.>", f"{inbox_prefix('app')}.>"),
         ),  # fmt: skip

@@ -1,8 +1,8 @@
 """Requests stored for a model that no live worker registers: answered ``unknown_model``.
 
-The models stream's subjects only grow (workers serving different model sets share it, each
-adding its own), so a model taken out of every worker's config keeps taking requests that no
-consumer will ever fetch: its callers waited out their timeouts and the requests stayed stored
+The models stream takes every model's subject (two wildcards) and the model registry keeps every
+name a worker once registered (``registry.py``), so a model taken out of every worker's config
+keeps taking requests that no consumer will ever fetch: its callers waited out their timeouts and the requests stayed stored
 for good, with no answer, no dead letter and nothing in any log. Every worker counts every
 queue (``QueueView.refresh``); one that sees requests stored for a model neither it nor any
 live peer registers (its advert's ``models``) says so at once (a warning a minute), and after

@@ -42,7 +42,7 @@ from jetbatch.sdk import failures
 from jetbatch.sdk.protocol import Subjects
 
 from ..errors import TRANSPORT_ERRORS
-from ..streams import ensure_key_value
+from ..buckets import ensure_key_value
 
 __all__ = ["FANOUT", "Evidence", "Quarantine", "Verdict", "give_up_after", "groups"]
 

@@ -1,0 +1,127 @@
+"""The models stream's two wildcards and the model registry behind ``UnknownModel``
+(sidecar/jetbatch/sidecar/registry.py, sdk/jetbatch/sdk/registry.py), on real nats-servers: one
+with the default configuration, as compose's, where the old layout stopped fitting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.js.api import StreamConfig
+
+from jetbatch import sdk
+from jetbatch.sdk.protocol import Priority, Subjects
+from jetbatch.sidecar.config import StreamsConfig
+from jetbatch.sidecar.dev.natsserver import EmbeddedNats
+from jetbatch.sidecar.registry import register_models
+from jetbatch.sidecar.streams import ensure_streams, models_stream_config
+from tests.helpers import make_config, running_worker, sleep_model
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """nats-server with its default configuration (``max_payload`` 1 MiB), JetStream on."""
+    with EmbeddedNats(store_dir=tmp_path_factory.mktemp("default-store"), max_payload=None) as server:
+        yield server
+
+
+async def _stored(js: object, subjects: Subjects) -> int:
+    return (await js.stream_info(subjects.models_stream)).state.messages  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
+async def test_more_models_than_the_listed_layout_allowed_register_on_a_default_server(default_server: EmbeddedNats, prefix: str) -> None:
+    """12 000 models of 40 characters: the stream that listed each model's two lines took a
+    1.5 MB create request here, past the default 1 MiB max_payload (refused at about 10 000)."""
+    subjects = Subjects(prefix)
+    models = [f"team-{i:05d}-".ljust(40, "v") for i in range(12_000)]
+    listed = sum(len(subjects.model(m, p)) + 3 for m in models for p in Priority)
+    assert listed > 1024 * 1024  # what the old create would have carried in its subjects alone
+    nc = await nats.connect(default_server.url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, subjects, StreamsConfig(), models)
+        info = await js.stream_info(subjects.models_stream)
+        assert sorted(info.config.subjects or []) == sorted(subjects.queue_wildcards)
+        kv = await js.key_value(subjects.registry_bucket)
+        assert len(await kv.keys()) == 12_000
+        assert await register_models(js, subjects, StreamsConfig(), models) == 0  # a restart writes nothing
+
+        async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+            with pytest.raises(sdk.UnknownModel, match="no-such-model"):
+                await client.infer(b"x", model="no-such-model", timeout=5)
+            assert await _stored(js, subjects) == 0  # refused before it was sent
+            with pytest.raises(sdk.RequestTimeout):  # registered, and no worker runs here
+                await client.infer(b"x", model=models[-1], timeout=0.5)
+            assert await _stored(js, subjects) == 1
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_a_stream_listing_its_models_is_upgraded_with_what_waits_on_it(nats_url: str, prefix: str) -> None:
+    """A models stream from before the wildcards (each model's lines by name) keeps its stored
+    requests, and the models it listed stay servable: they go into the registry first."""
+    subjects = Subjects(prefix)
+    old = models_stream_config(subjects, StreamsConfig())
+    old.subjects = sorted(subjects.model(m, p) for m in ("m1", "gone") for p in Priority)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig.from_response(old.as_dict()))
+        await js.publish(subjects.model("m1"), b"a")
+        await js.publish(subjects.model("gone", Priority.BATCH), b"b")
+        await ensure_streams(js, subjects, StreamsConfig(), ["m1", "new"])
+        info = await js.stream_info(subjects.models_stream)
+        assert sorted(info.config.subjects or []) == sorted(subjects.queue_wildcards)
+        assert info.state.messages == 2
+        kv = await js.key_value(subjects.registry_bucket)
+        assert sorted(await kv.keys()) == ["gone", "m1", "new"]
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_a_deleted_key_is_unknown_and_an_unreadable_registry_refuses_nothing(nats_url: str, prefix: str) -> None:
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(models_stream_config(subjects, StreamsConfig()))  # the stream, no registry yet
+        async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+            # No registry (a deployment whose workers predate it): the request is sent.
+            with pytest.raises(sdk.RequestTimeout):
+                await client.infer(b"x", model="m1", timeout=0.5)
+            assert await _stored(js, subjects) == 1
+        await register_models(js, subjects, StreamsConfig(), ["m1", "m2"])
+        kv = await js.key_value(subjects.registry_bucket)
+        await kv.delete("m2")
+        async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+            with pytest.raises(sdk.UnknownModel):
+                await client.infer(b"x", model="m2", timeout=5)
+            with pytest.raises(sdk.RequestTimeout):
+                await client.infer(b"x", model="m1", timeout=0.5)
+        assert await _stored(js, subjects) == 2
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_a_worker_serves_more_models_than_its_server_could_list(tmp_path: Path) -> None:
+    """Found by an attack: 1 000 models of 40 characters on a server whose max_payload (64 KiB,
+    standing for a default server's 1 MiB at ten times the models) the stream's subject list
+    outgrew: the worker exited at start. It now starts, and serves any of them."""
+    prefix = "big"
+    models = {f"model-{i:04d}".ljust(40, "x"): sleep_model() for i in range(1000)}
+    with EmbeddedNats(store_dir=tmp_path / "store", max_payload=65_536) as server:
+        config = make_config(prefix, models)
+        async with running_worker(config, server.url):
+            nc = await nats.connect(server.url)
+            try:
+                async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
+                    result = await client.infer_result(b"x", model=sorted(models)[-1], timeout=30)
+                    assert result.batch is not None and result.batch.model == sorted(models)[-1]
+            finally:
+                await nc.close()
