@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 from nats.js.api import StreamConfig
 
 from jetbatch import sdk
-from jetbatch.sdk.protocol import Priority, Subjects
+from jetbatch.sdk.protocol import Priority, SidecarReport, Subjects
 from jetbatch.sidecar.config import StreamsConfig
 from jetbatch.sidecar.dev.natsserver import EmbeddedNats
 from jetbatch.sidecar.registry import register_models
@@ -110,18 +111,22 @@ async def test_a_deleted_key_is_unknown_and_an_unreadable_registry_refuses_nothi
 
 @pytest.mark.anyio
 async def test_a_worker_serves_more_models_than_its_server_could_list(tmp_path: Path) -> None:
-    """Found by an attack: 1 000 models of 40 characters on a server whose max_payload (64 KiB,
-    standing for a default server's 1 MiB at ten times the models) the stream's subject list
-    outgrew: the worker exited at start. It now starts, and serves any of them."""
+    """Found by an attack: 1 000 models of 40 characters on a server whose max_payload (32 KiB,
+    standing for a default server's 1 MiB at thirty times the models) the stream's subject list
+    outgrew: the worker exited at start. It now starts, and serves any of them; its advert, whose
+    names no longer fit either, still goes out every heartbeat, without the names."""
     prefix = "big"
     models = {f"model-{i:04d}".ljust(40, "x"): sleep_model() for i in range(1000)}
-    with EmbeddedNats(store_dir=tmp_path / "store", max_payload=65_536) as server:
+    with EmbeddedNats(store_dir=tmp_path / "store", max_payload=32_768) as server:
         config = make_config(prefix, models)
-        async with running_worker(config, server.url):
+        async with running_worker(config, server.url) as worker:
             nc = await nats.connect(server.url)
             try:
                 async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
                     result = await client.infer_result(b"x", model=sorted(models)[-1], timeout=30)
                     assert result.batch is not None and result.batch.model == sorted(models)[-1]
+                entry = await (await nc.jetstream().key_value(Subjects(prefix).kv_bucket)).get(worker.worker_id)
+                advert = msgspec.json.decode(entry.value, type=SidecarReport)
+                assert advert.models_count == 1000 and advert.models == []
             finally:
                 await nc.close()

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 import msgspec
 from nats.js import JetStreamContext
@@ -43,6 +43,8 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SidecarReport)
 # How often a second live worker's adverts under this worker's id are logged, at most.
 DUPLICATE_LOG_EVERY_S = 30.0
+# Room in a put for the headers and the protocol line beside an advert's body.
+_ADVERT_HEADROOM_BYTES = 4096
 
 
 class DuplicateWorkerId(SidecarError):
@@ -62,6 +64,8 @@ class ClusterView:
     # A peer silent this long, while we hear ourselves, is gone. Longer than a NATS reconnect or a
     # stream leader election: a peer that cannot advertise for a few seconds is usually alive.
     peer_timeout_s: float = 5.0
+    # The server's max_payload, read at each advert (a reconnect may reach another server).
+    max_payload: Callable[[], int] = lambda: 1 << 20
 
     def __post_init__(self) -> None:
         self._peers: dict[str, SidecarReport] = {}
@@ -85,6 +89,7 @@ class ClusterView:
         self._sets = KnownSets()
         self._shipping = Shipping()
         self._digest: tuple[list[str], str] | None = None  # the names' list last hashed, and its digest
+        self._names_too_many = False  # said once: the names did not fit an advert
 
     @property
     def ttl_s(self) -> float:
@@ -210,6 +215,14 @@ class ClusterView:
         full = self._shipping.due(digest, now)
         advert = msgspec.structs.replace(advert, models=list(names) if full else [], models_digest=digest, models_count=len(names))
         data = _encoder.encode(advert)
+        if full and len(data) > self.max_payload() - _ADVERT_HEADROOM_BYTES:
+            # Names past the server's max_payload (some 25 000 of 40 characters on a default
+            # server): a put that fails each heartbeat would silence this worker for good. Its
+            # peers keep its set unknown, which holds back their orphan check, nothing else.
+            if not self._names_too_many:
+                log.warning("this worker's %d registered model names do not fit an advert (max_payload %d): peers will not know them", len(names), self.max_payload())
+            self._names_too_many = True
+            data = _encoder.encode(msgspec.structs.replace(advert, models=[]))
         self._own_started_at = advert.started_at
         try:
             revision = await self._bucket.kv.put(self.worker_id, data)

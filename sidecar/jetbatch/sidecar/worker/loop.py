@@ -174,7 +174,7 @@ class Worker:
             cluster = ClusterView(
                 advert_js, self.subjects, self.worker_id,
                 heartbeat_s=config.worker.heartbeat_s, replicas=config.streams.replicas,
-                peer_timeout_s=config.worker.peer_timeout_s,
+                peer_timeout_s=config.worker.peer_timeout_s, max_payload=lambda: nc.max_payload,
             )  # fmt: skip
         self.peers = Coordinator(
             cluster, worker_id=self.worker_id, slots=self.slots, queues=self.queues, residency=self.residency,
