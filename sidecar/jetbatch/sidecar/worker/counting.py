@@ -38,8 +38,7 @@ class _ApiError(msgspec.Struct):
 
 
 class _StreamInfo(msgspec.Struct):
-    """The fields of a stream-info answer a count reads; the configuration (two subjects a
-    registered model) is skipped unparsed."""
+    """The fields of a stream-info answer a count reads; the configuration is skipped unparsed."""
 
     state: _State | None = None
     error: _ApiError | None = None
@@ -50,10 +49,10 @@ _decode_info = msgspec.json.Decoder(_StreamInfo)
 
 class StreamCounts:
     """Stream-info requests for the stored counts alone. The answer carries the stream's whole
-    configuration: at 10 000 registered models about 700 KB of listed subjects, which nats-py
-    parsed into objects at each count, each line count and each look before a load (8% of a busy
-    worker's samples, ``json.decoder.raw_decode``). Here the bytes are read by msgspec, which
-    skips what it is not asked for. Raises what ``js.stream_info`` raises: an API error as nats-py's
+    configuration and, with a subjects filter, a count for each subject holding requests, which
+    nats-py parsed into objects at each count, each line count and each look before a load (8% of
+    a busy worker's samples, ``json.decoder.raw_decode``, when the models stream still listed
+    each model). Here the bytes are read by msgspec, which skips what it is not asked for. Raises what ``js.stream_info`` raises: an API error as nats-py's
     exception for it (``failures.api_error``), a timeout, a closed connection."""
 
     def __init__(self, nc: Any, *, timeout_s: float = 5.0, api_prefix: str = "$JS.API") -> None:
