@@ -572,3 +572,28 @@ def test_every_number_in_a_workload_file_is_bounded(key: str, is_int: bool) -> N
     named = key if sections[:2] == ["models", "m1"] or len(sections) < 2 else ".".join(sections)
     with pytest.raises(WorkloadError, match=named.replace(".", r"\.")):
         build_workload(raw)
+
+
+def test_sharded_workers_each_see_and_load_only_their_own_models() -> None:
+    """``[workers] shards``: model i is registered by worker i mod count, as worker configs that
+    split the models between them. Each worker's core is told only its models, and with room for
+    all of them each model is loaded once, by its own worker."""
+    from jetbatch.sidecar.simulator.engine import Simulation
+    from jetbatch.sidecar.policy import make_policy
+
+    raw: dict[str, Any] = {
+        "models": {f"m{i}": {"load_cost_s": 0.2, "batch_cost_s": 0.002, "item_cost_s": 0.0002, "max_batch_size": 16} for i in range(6)},
+        "budget": {"max_models": 3},
+        "workers": {"count": 2, "shards": True},
+        "arrivals": {"kind": "poisson", "rate": 60, "duration_s": 20, "seed": 3},
+    }
+    workload = build_workload(raw)
+    sim = Simulation(workload, lambda: make_policy("cost-aware"), max_events=10_000_000)
+    result = sim.run()
+    assert result.completed == len(workload.arrivals)
+    assert [sorted(w.core.rules) for w in sim.workers] == [["m0", "m2", "m4"], ["m1", "m3", "m5"]]
+    assert all(set(w.resident) <= set(w.core.rules) for w in sim.workers)
+    assert result.loads == 6
+    shared = Simulation(build_workload({**raw, "workers": {"count": 2}}), lambda: make_policy("cost-aware"), max_events=10_000_000)
+    assert shared.run().completed == len(workload.arrivals)
+    assert [len(w.core.rules) for w in shared.workers] == [6, 6]

@@ -81,14 +81,17 @@ async def classifier_in_process(cfg: Config, url: str, *, ready_timeout_s: float
 
 
 @contextlib.contextmanager
-def processes(config_path: str | os.PathLike[str], url: str | None = None, **kwargs: Any) -> Iterator[Deployment]:
+def processes(config_path: str | os.PathLike[str], url: str | None = None, *, ready_timeout_s: float = 60.0, **kwargs: Any) -> Iterator[Deployment]:
     """The sidecars of the config at ``config_path`` (:func:`bench.harness.write_config`) as
     separate ``jetbatch`` processes against ``url`` (an embedded server of their own when None),
     ready on entry and stopped on exit. ``kwargs`` go to :class:`Deployment` (``workers``,
     ``classifier``, ``store_dir``, ``http_port``, ``extra_env``...); the deployment yielded can
-    stop, kill and restart each process (``stop_process``, ``start_worker``)."""
-    with Deployment(Path(config_path), nats_url=url, **kwargs) as deployment:
-        yield deployment
+    stop, kill and restart each process (``stop_process``, ``start_worker``). ``ready_timeout_s``:
+    how long the sidecars have to report ready."""
+    deployment = Deployment(Path(config_path), nats_url=url, **kwargs)
+    with contextlib.ExitStack() as stack:
+        stack.push(deployment.__exit__)
+        yield deployment.start(ready_timeout_s)
 
 
 @contextlib.contextmanager

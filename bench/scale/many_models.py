@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     costs = {**COSTS, **{k: getattr(args, k) for k in COSTS if getattr(args, k, None) is not None}}
     shape = {"costs": costs, "warm": not args.no_warm, "max_wait_s": args.max_wait_s}
     raw = scale_workload(args.models, args.rate, args.duration, args.seed, args.slots, args.workers, zipf=args.zipf, **shape)
+    raw["workers"]["shards"] = args.shards
     if args.consumers == "eager" or args.consumer_create_s is not None:
         # What the simulated workers pay for a model's first load: nothing when the consumers
         # were all made at startup, else the cost given.
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record: dict[str, Any] = {
         "bench": "scale", "models": args.models, "rate": args.rate, "duration_s": args.duration,
         "requests": len(workload.arrivals), "slots": args.slots, "seed": args.seed, "zipf": args.zipf, "costs": costs,
-        "workers": args.workers, "cluster": args.cluster, "consumers": args.consumers,
+        "workers": args.workers, "shards": args.shards, "cluster": args.cluster, "consumers": args.consumers,
     }  # fmt: skip
     if args.trace_out:
         Path(args.trace_out).write_text(json.dumps({
@@ -73,15 +74,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         record["simulated_ideal"] = {"p50_s": percentile(ideal.latencies_s, 0.5), "p99_s": percentile(ideal.latencies_s, 0.99), "loads": ideal.loads}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         prefix = f"scale{os.getpid()}"
-        cluster = stack.enter_context(harness.cluster(3, base_dir=Path(tmp) / "cluster")) if args.cluster else None
-        # One server with nats-server's default configuration (1 MiB max_payload, as compose
-        # keeps it), not jetbatch's embedded 8 MiB one: a ceiling of the default must show here.
+        # Servers with nats-server's default configuration (1 MiB max_payload, as compose keeps
+        # it), not jetbatch's embedded 8 MiB one: a ceiling of the default must show here.
+        cluster = stack.enter_context(harness.cluster(3, base_dir=Path(tmp) / "cluster", max_payload=None)) if args.cluster else None
         server = None if cluster else stack.enter_context(harness.server(store_dir=Path(tmp) / "nats", max_payload=None))
         sections = sleep_sections(prefix, args.models, args.slots, replicas=3 if cluster else 1, consumers=args.consumers, **shape)
         config = harness.write_config(sections, tmp, "scale")
+        # Sharded: worker i registers models m_i, m_(i + workers)..., as the simulated ones do.
+        shards = [
+            harness.write_config({**sections, "models": dict(list(sections["models"].items())[i :: args.workers])}, tmp, f"scale-{i}")
+            for i in range(args.workers)
+        ] if args.shards else None  # fmt: skip
         started = time.monotonic()
         dep = stack.enter_context(harness.processes(
             config, cluster.url if cluster else server.url if server else None, classifier=False, store_dir=Path(tmp) / "store", http_port=-1, workers=args.workers,
+            worker_config_paths=shards, ready_timeout_s=args.startup_timeout,
         ))  # fmt: skip
         record["ready_s"] = time.monotonic() - started
         workers = [p.pid for name, p in dep.procs.items() if name.startswith("worker")]
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--cluster", action="store_true", help="a 3-node cluster, streams with 3 replicas")
+    parser.add_argument("--shards", action="store_true", help="each model registered by one worker only (model i by worker i mod N)")
+    parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds the workers have to report ready")
     parser.add_argument("--consumers", choices=["on-demand", "eager"], default="on-demand")
     parser.add_argument("--consumer-create-s", type=float, default=None, help="the simulator's cost of making a consumer (default: the workload's)")
     parser.add_argument("--seed", type=int, default=1)

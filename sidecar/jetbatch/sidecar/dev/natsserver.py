@@ -296,8 +296,11 @@ class NatsCluster:
     """``size`` nats-servers on loopback joined by routes into one JetStream cluster, each with
     its own client port and store dir (for tests and benchmarks of scale-out)."""
 
-    def __init__(self, size: int = 3, *, base_dir: str | os.PathLike[str] | None = None, name: str = "jetbatch") -> None:
+    def __init__(
+        self, size: int = 3, *, base_dir: str | os.PathLike[str] | None = None, name: str = "jetbatch", max_payload: int | None = MAX_PAYLOAD_BYTES
+    ) -> None:
         self.size = size
+        self.max_payload = max_payload  # None: nats-server's default (1 MiB)
         self.name = name
         self._own_dir = base_dir is None
         self.base_dir = Path(base_dir) if base_dir is not None else Path(tempfile.mkdtemp(prefix="jetbatch-cluster-"))
@@ -320,7 +323,8 @@ class NatsCluster:
             )
             self.nodes.append(
                 EmbeddedNats(
-                    store_dir=self.base_dir / f"a{attempt}-n{i}", name=f"{self.name}-n{i}", port=_free_port(), extra_config=extra
+                    store_dir=self.base_dir / f"a{attempt}-n{i}", name=f"{self.name}-n{i}", port=_free_port(), extra_config=extra,
+                    max_payload=self.max_payload,
                 )
             )
 

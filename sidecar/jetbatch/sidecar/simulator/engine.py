@@ -102,6 +102,8 @@ class Simulation:
         self.consumers: dict[str, float] = {}  # model -> when its shared consumer was last used
 
     def _worker(self, index: int, policy: Policy) -> SimWorker:
+        # Each worker's own models (Workload.shards: its config lists only those, as live).
+        serves = dict.fromkeys(list(self.w.models)[index :: max(1, self.w.workers)]) if self.w.shards else None
         # Seeded with the *configured* costs; the true ones only reach it as measurements.
         models = {
             name: ModelRules(
@@ -115,14 +117,15 @@ class Simulation:
                 max_concurrent_batches=m.max_concurrent_batches,
             )
             for name, m in self.w.models.items()
+            if serves is None or name in serves
         }
         started = Started(
             policy=policy.name, options=self.options, models=models,
             max_bytes=self.w.budget.max_bytes, max_models=self.w.budget.max_models, worker=f"w{index}",
         )  # fmt: skip
-        worker = SimWorker(index, WorkerCore(started, policy=policy, recorder=self.recorder if index == 0 else None))
+        worker = SimWorker(index, WorkerCore(started, policy=policy, recorder=self.recorder if index == 0 else None), serves=serves)
         if index == 0:
-            worker.resident = list(self.w.resident_at_start)
+            worker.resident = [name for name in self.w.resident_at_start if worker.registers(name)]
         return worker
 
     # --- the event loop -------------------------------------------------------------------------

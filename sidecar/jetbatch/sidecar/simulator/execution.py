@@ -269,7 +269,7 @@ class SimExecution:
         if not self.sim.w.prefetch or self.sim.w.host_budget_bytes <= 0 or worker.prefetching is not None:
             return
         # The live worker's rule, on the backlog that is this worker's (the cluster share).
-        cold = [n for n in self.sim.nonempty if n != serving and n not in worker.resident and n not in worker.warm]
+        cold = [n for n in self.sim.nonempty if n != serving and n not in worker.resident and n not in worker.warm and worker.registers(n)]
         nxt = prefetch_choice((n, self._share(worker, n)) for n in cold)
         if nxt is None:
             return

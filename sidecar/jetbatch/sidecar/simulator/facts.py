@@ -50,7 +50,7 @@ class WorkerViews:
             resident = name in worker.resident
             tier: Tier = "resident" if resident else ("warm" if name in worker.warm else "cold")
             deferred = False
-            if q and not resident and name not in served_by and len(self.sim.workers) > 1:
+            if q and not resident and name not in served_by and len(self.sim.workers) > 1 and worker.serves is None:
                 # Nobody holds it: left to its first taker for a while (the live worker's rule).
                 if slots is None:
                     slots = {
@@ -101,7 +101,7 @@ class WorkerViews:
         if not self.sim.cancels:
             return math.inf
         first = math.inf
-        for name in self.sim.nonempty:
+        for name in self._waiting(worker):
             q = self.sim.queues[name]
             for bulk, line in ((False, q.urgent), (True, q.bulk)):
                 if (name, bulk) in worker.quiet or (not bulk and name == worker.core.serving):
@@ -124,10 +124,14 @@ class WorkerViews:
         rank = first_taker_rank(name, worker.id, by_id, has_warm=lambda w: name in by_id[w].warm, has_room=room)
         return deferred_until(rank, head_at, load_cost_s) if rank else -math.inf
 
+    def _waiting(self, worker: SimWorker) -> set[str]:
+        """The models with requests queued that ``worker`` registers (all, unless sharded)."""
+        return self.sim.nonempty if worker.serves is None else {n for n in self.sim.nonempty if n in worker.serves}
+
     def _visible(self, worker: SimWorker) -> Any:
         """The models a decision looks at: the live worker's rule (``policy.visible_models``)."""
         return visible_models(
-            self.sim.w.models, self.sim.t,
-            waiting=self.sim.nonempty, on_device=worker.resident,
+            self.sim.w.models if worker.serves is None else worker.serves, self.sim.t,
+            waiting=self._waiting(worker), on_device=worker.resident,
             current=worker.core.current, last_used=worker.core.last_used, demand=worker.driver.demand if worker.driver.has_demand else None,
         )  # fmt: skip

@@ -36,6 +36,10 @@ class SimWorker:
     # to its close before the next turn, as the live worker's gather is.
     gathering: tuple[Fetch, bool] | None = None
     served_by: dict[str, float] = field(default_factory=dict)  # what its peers drain per model, at its last turn
+    serves: dict[str, None] | None = None  # the models it registers, in the workload's order (None: every one)
+
+    def registers(self, name: str) -> bool:
+        return self.serves is None or name in self.serves
 
     @property
     def id(self) -> str:

@@ -8,6 +8,8 @@ the memory budget, workers, noise and policy options, from TOML or JSON files.
     prefetch = false                    # read the next model into the warm tier during batches
     [workers]
     count = 1                           # workers sharing the queues
+    shards = false                      # each model registered by one worker only (the i-th listed
+                                        # model by worker i mod count), as configs split between workers
     [noise]
     cv = 0.0                            # multiplicative noise on load and batch times
     seed = 1
@@ -212,6 +214,7 @@ class Workload:
     closed: bool = False  # every request present at t=0 (a burst)
     resident_at_start: tuple[str, ...] = ()
     workers: int = 1
+    shards: bool = False  # model i is registered by worker i mod workers only
     host_budget_bytes: int = 0
     prefetch: bool = False
     noise_cv: float = 0.0
@@ -312,6 +315,7 @@ class _NoiseSpec(_Spec):
 
 class _WorkersSpec(_Spec):
     count: Annotated[int, Meta(ge=1, le=10_000)] = 1
+    shards: bool = False
 
 
 class _ArrivalsSpec(_Spec):
@@ -445,6 +449,7 @@ def build_workload(raw: Any, base: Path = Path("."), *, strict: bool = False) ->
         closed=closed,
         resident_at_start=tuple(start),
         workers=spec.workers.count,
+        shards=spec.workers.shards,
         host_budget_bytes=spec.host.budget_bytes,
         prefetch=spec.host.prefetch,
         noise_cv=spec.noise.cv,
