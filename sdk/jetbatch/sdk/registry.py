@@ -41,6 +41,10 @@ class RegisteredModels:
         self._known: set[str] = set()
         self._unreadable_until = -1.0
 
+    def remembers(self, model: str) -> bool:
+        """Whether ``model`` was found registered (no lookup)."""
+        return model in self._known
+
     async def check(self, model: str, timeout_s: float) -> bool | None:
         """True: registered; False: the registry is there and does not name ``model``; None:
         cannot tell (no registry, no permission to read it, or no answer within ``timeout_s``)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from typing import Iterable
 
 from nats.js import JetStreamContext
@@ -25,7 +24,7 @@ from nats.js.api import (
 )
 
 from jetbatch.sdk import failures
-from jetbatch.sdk.protocol import Priority, Subjects
+from jetbatch.sdk.protocol import Priority, ProtocolError, Subjects, validate_model_name
 
 from .config import RepliesConfig, StreamsConfig
 from .errors import SidecarError
@@ -49,9 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("jetbatch.streams")
-
-# A model's name in a listed queue subject (no wildcard): ``validate_model_name``'s rule.
-_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class StreamSetupError(SidecarError):
@@ -322,8 +318,12 @@ async def _listed_models(js: JetStreamContext, subjects: Subjects) -> set[str]:
     names = set()
     for subject in info.config.subjects or []:
         queue = subjects.queue_from_subject(subject)
-        if queue is not None and _NAME_RE.fullmatch(queue[0]):
-            names.add(queue[0])
+        if queue is None:
+            continue
+        try:
+            names.add(validate_model_name(queue[0]))
+        except ProtocolError:
+            continue  # a wildcard
     return names
 
 

@@ -379,7 +379,9 @@ class Classifier:
             except ProtocolError:
                 return None  # an invalid name: _prepare answers it
 
-        names = list(models)
+        names = [model for model in models if not self._registry.remembers(model)]
+        if not names:
+            return set()  # the usual batch: every model looked up before
         checked = await asyncio.gather(*(check(model) for model in names))
         return {model for model, registered in zip(names, checked) if registered is False}
 
