@@ -69,3 +69,23 @@ async def test_a_model_a_live_peer_registers_is_left_to_it(nats_url: str, prefix
     async with running_worker(b, nats_url), running_worker(a, nats_url):
         async with sdk.Client.connect(nats_url, prefix=prefix) as client:
             assert await client.infer(b"kept", model="m3", timeout=30) == b"kept"
+
+
+@pytest.mark.anyio
+async def test_a_model_no_worker_ever_registered_is_answered_at_once(nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The models stream takes any model's subject (two wildcards), so a producer that skips the
+    model registry's lookup (an older SDK, a bare NATS client; here the SDK with its lookup made
+    to say "cannot tell") gets its request for a model nobody ever registered stored. The
+    worker finds the registry does not name it and answers it unknown_model at its next count,
+    not after the ten-minute grace, though it hears no peers (coordination off)."""
+    from jetbatch.sdk.registry import RegisteredModels
+
+    async def cannot_tell(self: RegisteredModels, model: str, timeout_s: float) -> None:
+        return None
+
+    monkeypatch.setattr(RegisteredModels, "check", cannot_tell)
+    config = make_config(prefix, {"m1": sleep_model()}, worker={"coordinate": False})
+    async with running_worker(config, nats_url), sdk.Client.connect(nats_url, prefix=prefix) as client:
+        with pytest.raises(sdk.UnknownModel, match="no worker has ever registered it"):
+            await client.infer(b"lost", model="ghost", timeout=30)
+        assert await client.infer(b"served", model="m1", timeout=10) == b"served"

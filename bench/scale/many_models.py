@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -95,8 +96,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workers = [p.pid for name, p in dep.procs.items() if name.startswith("worker")]
         servers = [n.pid for n in cluster.nodes] if cluster else [server.pid] if server else []
 
+        def alive(pids: list[int]) -> list[int]:
+            return [p for p in pids if Path(f"/proc/{p}").exists()]  # a node killed on purpose (--kill-node-at) is not read
+
         def cores() -> dict[str, float]:
-            return {"workers": sum(cpu_s(p) for p in workers), "nats_servers": sum(cpu_s(p) for p in servers)}
+            return {"workers": sum(cpu_s(p) for p in workers), "nats_servers": sum(cpu_s(p) for p in alive(servers))}
 
         time.sleep(2.0)  # let startup's last calls settle before reading idle CPU
         c0, t0 = cores(), time.monotonic()
@@ -104,6 +108,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = time.monotonic() - t0
         record["idle_cores"] = {k: (v - c0[k]) / elapsed for k, v in cores().items()}
         c0, t0 = cores(), time.monotonic()
+        if cluster is not None and args.kill_node_at is not None:
+            # A node lost mid-traffic: whoever was connected to it reconnects to the others, its
+            # streams elect new leaders where it led, and nothing may be lost.
+            killer = threading.Timer(args.kill_node_at, cluster.nodes[-1].kill)
+            killer.start()
+            stack.callback(killer.cancel)
+            record["killed_node_at_s"] = args.kill_node_at
         replayed = asyncio.run(harness.replay(dep.url, prefix, workload.arrivals, args.timeout))
         latencies, timed_out, failed = replayed.latencies_s, replayed.timed_out, replayed.failed
         elapsed = time.monotonic() - t0
@@ -118,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         record["rss_mib"] = {
             "workers": [round(harness.rss_kib(p) / 1024, 1) for p in workers],
             "workers_peak": [round(harness.rss_kib(p, "VmHWM") / 1024, 1) for p in workers],
-            "nats_servers": [round(harness.rss_kib(p) / 1024, 1) for p in servers],
+            "nats_servers": [round(harness.rss_kib(p) / 1024, 1) for p in alive(servers)],
         }  # fmt: skip
     decisions = max(stats.get("decisions", 0), 1)
     record["live"]["loads"] = stats.get("loads")
@@ -159,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--cluster", action="store_true", help="a 3-node cluster, streams with 3 replicas")
+    parser.add_argument("--kill-node-at", type=float, default=None, help="with --cluster: kill -9 one node this many seconds into the traffic")
     parser.add_argument("--shards", action="store_true", help="each model registered by one worker only (model i by worker i mod N)")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds the workers have to report ready")
     parser.add_argument("--consumers", choices=["on-demand", "eager"], default="on-demand")

@@ -74,6 +74,8 @@ class Lines:
             mine_bulk=lambda: self.state.in_flight.by_model(self._bulk_model), counts=self.counts,
         )  # fmt: skip
         await self.hand_back_leftovers()
+        if ok and self.queues.unregistered:
+            self.orphans.check_registry()  # a model no worker ever registered: answered at once
         if ok and (self.queues.unregistered or self.orphans.watched) and self.peers.knows_peers(now):
             # Only when something is stored for a model this worker does not register (rare):
             # the peers' model sets are not gathered on every count. And only with a fresh view

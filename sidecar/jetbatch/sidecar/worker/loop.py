@@ -297,10 +297,10 @@ class Worker:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat_loop)
                 tg.start_soon(self.arrivals.late.run)  # the refusals the arrival screen decides
+                tg.start_soon(self.orphans.run)  # with no peers heard, for models no worker ever registered
                 if self.peers.cluster is not None:
                     tg.start_soon(self.peers.advertise_forever)
                     tg.start_soon(self.peers.cluster.watch)
-                    tg.start_soon(self.orphans.run)
                 try:
                     await self.executor.serve_loop(tg)
                 finally:

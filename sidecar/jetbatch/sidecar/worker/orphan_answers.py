@@ -1,6 +1,11 @@
 """Answering orphaned queues: requests stored for a model no live worker registers
 (``worker/orphans.py`` says when a queue is due) are answered ``unknown_model`` by a task of
-their own, off the serve loop: its fetches and stores must not hold the worker's turns."""
+their own, off the serve loop: its fetches and stores must not hold the worker's turns.
+
+A model the model registry (``registry.py``) does not name at all was never registered by any
+worker: its requests (sent by a producer that skipped the registry's lookup, such as an older
+SDK or a bare NATS client, which the models stream's wildcards take) are answered at once, not
+after the grace, and whether or not this worker hears its peers."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from typing import Any
 import anyio
 
 from jetbatch.sdk import failures
-from jetbatch.sdk.protocol import ErrorCode, Priority, Subjects
+from jetbatch.sdk.protocol import ErrorCode, Priority, ProtocolError, Subjects
 
 from ..config import StreamsConfig
 from ..errors import TRANSPORT_ERRORS
@@ -44,6 +49,10 @@ class OrphanAnswers:
         self.runner = runner
         self.orphans = Orphans(grace_s)
         self._due: set[str] = set()
+        # Stored, unregistered models looked up in the model registry: whether it names them
+        # (a model it does not name is answered at once); and those to look up.
+        self._in_registry: dict[str, bool] = {}
+        self._lookups: set[str] = set()
         self._wake = anyio.Event()
         self._warned_at = -math.inf
 
@@ -59,6 +68,30 @@ class OrphanAnswers:
         if due:
             self._due.update(due)
             self._wake.set()
+
+    def check_registry(self) -> None:
+        """After a count: the unregistered queues the registry does not name are due now; the
+        ones not looked up yet are handed to the task to look up."""
+        stored = self.queues.unregistered
+        for model in [m for m in self._in_registry if m not in stored]:
+            del self._in_registry[model]  # answered or gone: looked up again if it comes back
+        never = {m for m in stored if self._in_registry.get(m) is False}
+        fresh = {m for m in stored if m not in self._in_registry}
+        if never or fresh:
+            self._due.update(never)
+            self._lookups.update(fresh)
+            self._wake.set()
+
+    async def _named_in_registry(self, model: str) -> bool | None:
+        """Whether the model registry names ``model`` (None: it did not answer, or the name is
+        none a worker could register, which the grace leaves to the warning)."""
+        try:
+            await self.js.get_msg(self.subjects.registry_stream, subject=self.subjects.registry_key(model), direct=True)
+        except failures.NOT_FOUND:
+            return False
+        except TRANSPORT_ERRORS + (ProtocolError,):
+            return None
+        return True
 
     def _warn(self, now: float) -> None:
         """Say at once, and once a minute after, which models have requests stored that no live
@@ -80,6 +113,13 @@ class OrphanAnswers:
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
+            lookups, self._lookups = sorted(self._lookups), set()
+            for model in lookups:
+                named = await self._named_in_registry(model)
+                if named is not None:
+                    self._in_registry[model] = named
+                if named is False:
+                    self._due.add(model)
             due, self._due = sorted(self._due), set()
             for model in due:
                 try:
@@ -111,10 +151,8 @@ class OrphanAnswers:
                 requests = [self.runner.parse(m, now) for m in msgs]
                 for r in requests:
                     r.action = "term"
-                    r.answer = Answer.failure(
-                        r.meta, ErrorCode.UNKNOWN_MODEL,
-                        f"no worker serves model {model!r} (none has registered it for {self.orphans.grace_s or 0:g} s)", {},
-                    )  # fmt: skip
+                    why = "no worker has ever registered it" if self._in_registry.get(model) is False else f"none has registered it for {self.orphans.grace_s or 0:g} s"
+                    r.answer = Answer.failure(r.meta, ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r} ({why})", {})
                 if requests:
                     log.warning("answered %d requests for model %s unknown_model: no live worker registers it", len(requests), model)
                     await self.runner.finish(model, requests)
