@@ -158,13 +158,14 @@ SLOT_OWNERS = {
         ("arrivals", "bulk", "doubted", "head_deadline", "hold_until", "oldest_enqueued_at", "stranded", "stranded_since", "unfetchable", "unknown_head_at", "unknown_head_deadline"),
         "worker/queues.py",
     ),
-    # where the model is and what its load left for the first batch
-    **dict.fromkeys(("broken", "fresh_load", "pending_load", "resident_since", "tier"), "worker/residency.py"),
-    # its consumers and pull subscriptions
-    **dict.fromkeys(("bulk_consumer_ready_at", "bulk_psub", "consumer_ready_at", "psub"), "worker/pullers.py"),
-    # what empty fetches said
-    **dict.fromkeys(("missed_fetch", "unreachable_seen_at", "unreachable_warned_at"), "worker/lines.py"),
     "interactive_run": "worker/batching.py",
+}
+# The records a slot holds (``worker/slots.py``), each written by one module: a write is an
+# assignment to ``<obj>.<record>.<field>``.
+RECORD_OWNERS = {
+    "place": ("Placement", "worker/residency.py"),  # where the model is, what its load left for the first batch
+    "lines": ("PullLines", "worker/pullers.py"),  # its consumers and pull subscriptions
+    "fetches": ("FetchHealth", "worker/lines.py"),  # what its empty fetches said
 }
 CORE_FIELDS = {"serving", "hold_missed", "current", "last_used", "resident_since", "idle_wake", "driver", "budget", "rules"}
 
@@ -186,10 +187,17 @@ def _foreign_writes() -> set[tuple[str, str, str]]:
 def test_each_field_of_a_slot_and_of_the_core_has_one_writer() -> None:
     from jetbatch.sidecar.worker.slots import Slot
 
+    from jetbatch.sidecar.worker import slots as slots_module
+
     fields = set(Slot.__dataclass_fields__)
+    record_fields = {name: set(getattr(slots_module, record).__dataclass_fields__) for name, (record, _) in RECORD_OWNERS.items()}
     offenders = []
     for module, receiver, attr in _foreign_writes():
         last = receiver.rsplit(".", 1)[-1]
+        if last in RECORD_OWNERS and attr in record_fields[last] and module != RECORD_OWNERS[last][1]:
+            offenders.append(f"{module} writes {receiver}.{attr} (owner: {RECORD_OWNERS[last][1]})")
+        if attr in RECORD_OWNERS and module != "worker/slots.py":
+            offenders.append(f"{module} replaces {receiver}.{attr} (made with its slot)")
         if last in ("slot", "victim", "held", "s") and attr in fields:
             owner = SLOT_OWNERS.get(attr, "worker/queues.py" if attr == "backlog" else None)
             if module != owner:

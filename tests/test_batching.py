@@ -481,7 +481,7 @@ async def test_a_request_stored_during_the_first_fetch_joins_the_batch_though_it
                 return [Msg(None, subject="m", reply=f"$JS.ACK.S.C.1.2.2.{at_ns}.0", data=b"")]  # type: ignore[arg-type]
             raise nats.errors.TimeoutError
 
-    slot.psub = Racing()
+    slot.lines.psub = Racing()
     batcher = _viewed_batcher(clock, view)
     view.arrived(slot, clock(), None, seq=1)  # A
     msgs = await batcher.gather(slot, 64)
@@ -542,7 +542,7 @@ async def test_a_batch_line_arrival_during_an_empty_top_up_keeps_the_line_counte
             view.arrived(slot, clock(), None, bulk=True, seq=9)  # stored just after this pull was answered
             raise nats.errors.TimeoutError
 
-    slot.psub, slot.bulk_psub = interactive, BatchLine()
+    slot.lines.psub, slot.lines.bulk_psub = interactive, BatchLine()
     batcher = _viewed_batcher(clock, view)
     view.arrived(slot, clock(), None, bulk=True, seq=7)  # counted, but a peer took it
     view.arrived(slot, clock(), None, seq=8)

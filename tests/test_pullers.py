@@ -77,7 +77,7 @@ async def test_a_quiet_batch_line_keeps_its_puller_while_it_holds_a_delivery_the
 
         slot.bulk = 0
         assert await pullers.ready(slot) and slot.bulk_psub is psub  # recently made: kept
-        slot.bulk_consumer_ready_at = time.time() - streams.consumer_idle_s  # long ago
+        slot.lines.bulk_consumer_ready_at = time.time() - streams.consumer_idle_s  # long ago
         assert await pullers.ready(slot) and slot.bulk_psub is psub and psub.buffered == 1  # holds one: kept
         (msg,) = await psub.fetch(1, timeout=5.0)  # the next fetch's, from the buffer
         assert msg.data == b"left over"

@@ -373,7 +373,7 @@ def test_a_hold_ends_one_ack_wait_after_the_requests_were_first_seen_stranded() 
 def test_a_resident_models_stranded_requests_are_looked_for_every_second() -> None:
     view, slots = _view("m1")
     s = slots["m1"]
-    s.tier = "resident"  # a fetch costs no load: look again soon, the redelivery may be due now
+    s.place.tier = "resident"  # a fetch costs no load: look again soon, the redelivery may be due now
     view.reconcile(s, 1, now=0.0, mine=0, not_ours=0)
     view.found_empty(s, now=5.0, ack_wait_s=30.0)
     assert s.hold_until == pytest.approx(6.0) and s.backlog == 0
@@ -384,7 +384,7 @@ def test_a_resident_models_stranded_requests_are_looked_for_every_second() -> No
 def test_requests_no_consumer_will_deliver_are_held_back_until_they_are_gone() -> None:
     view, slots = _view("m1")
     s = slots["m1"]
-    s.tier = "resident"
+    s.place.tier = "resident"
     view.reconcile(s, 1, now=0.0, mine=0, not_ours=0)  # left behind in the stream after a leader loss
     view.found_empty(s, now=1.0, ack_wait_s=30.0, unreachable=True)
     view.reconcile(s, 1, now=1000.0, mine=0, not_ours=0)
@@ -821,7 +821,7 @@ def test_requests_a_consumer_still_has_to_deliver_are_fetched_again_after_a_rech
 
     view, slots = _view("m1")
     s = slots["m1"]
-    s.tier = "resident"
+    s.place.tier = "resident"
     view.reconcile(s, 8, now=0.0, mine=0, not_ours=0)
     why = empty_fetch(pending=8, ack_pending=0, missed_before=True, in_our_puller=False)
     view.found_empty(s, now=1.0, ack_wait_s=30.0, unreachable=why == "unreachable")

@@ -765,15 +765,15 @@ async def test_an_empty_fetch_with_requests_in_our_own_puller_holds_nothing_back
         worker.lines.refresh = counted  # type: ignore[method-assign]
         try:
             worker.queues.arrived(slot, 0.0, None)  # the count says one waits
-            slot.psub = SimpleNamespace(buffered=1)  # ... and it sits in our puller
+            slot.lines.psub = SimpleNamespace(buffered=1)  # ... and it sits in our puller
             await worker.lines.found_nothing(slot)
             assert slot.hold_until == 0.0 and me not in counts
             worker.queues.arrived(slot, 0.0, None)
-            slot.psub = SimpleNamespace(buffered=0)  # nowhere: counted again, not held back
+            slot.lines.psub = SimpleNamespace(buffered=0)  # nowhere: counted again, not held back
             await worker.lines.found_nothing(slot)
             assert me in counts and slot.hold_until == 0.0 and slot.backlog == 0
         finally:
-            slot.psub = real
+            slot.lines.psub = real
 
 
 async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats_url: str, prefix: str) -> None:
@@ -799,11 +799,11 @@ async def test_leftovers_of_a_model_no_longer_resident_go_back_to_the_queue(nats
         await wait_until(lambda: puller.buffered == 1, timeout_s=10, what="the late delivery in the buffer")
 
         assert not slot.resident
-        real, slot.psub = slot.psub, puller
+        real, slot.lines.psub = slot.lines.psub, puller
         try:
             await worker.lines.hand_back_leftovers()
         finally:
-            slot.psub = real
+            slot.lines.psub = real
         assert puller.buffered == 0 and worker.stats["leftovers_handed_back"] == 1
         again = await puller.fetch(1, timeout=5.0)
         assert [m.data for m in again] == [b"late"] and again[0].metadata.num_delivered == 2

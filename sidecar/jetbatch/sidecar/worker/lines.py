@@ -137,7 +137,7 @@ class Lines:
         for name in due:
             self._takes_checked[name] = now
             slot = self.slots[name]
-            for priority in (Priority.INTERACTIVE, Priority.BATCH) if slot.bulk_consumer_ready_at is not None else (Priority.INTERACTIVE,):
+            for priority in (Priority.INTERACTIVE, Priority.BATCH) if slot.lines.bulk_consumer_ready_at is not None else (Priority.INTERACTIVE,):
                 try:
                     info = await self.js.consumer_info(self.subjects.models_stream, model_consumer_name(name, priority))
                 except TRANSPORT_ERRORS as exc:
@@ -222,7 +222,7 @@ class Lines:
     def fetched_some(slot: Slot) -> None:
         """A fetch of ``slot`` brought requests (or a load made it new): an empty fetch after it is
         a first miss again, not a second in a row."""
-        slot.missed_fetch = False
+        slot.fetches.missed = False
 
     async def found_nothing(self, slot: Slot) -> None:
         """A fetch came back empty although the count said requests wait. One consumer-info call
@@ -238,7 +238,7 @@ class Lines:
         try:
             for line in lines:
                 info = await self.js.consumer_info(self.subjects.models_stream, model_consumer_name(slot.name, line))
-                if info.num_pending and not slot.missed_fetch:
+                if info.num_pending and not slot.fetches.missed:
                     self.queues.fetched(slot, 0, int(info.num_pending), bulk=line is Priority.BATCH)
                 pending += int(info.num_pending or 0)
                 ack_pending += int(info.num_ack_pending or 0)
@@ -249,23 +249,23 @@ class Lines:
         # busy host), so counted as unacked elsewhere. Held back as a peer's, they waited a whole
         # recheck (1.6 s in bench.overhead.in_process's classified runs).
         in_our_puller = any(p is not None and p.buffered for p in (slot.psub, slot.bulk_psub))
-        why = empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=slot.missed_fetch, in_our_puller=in_our_puller)
+        why = empty_fetch(pending=pending, ack_pending=ack_pending, missed_before=slot.fetches.missed, in_our_puller=in_our_puller)
         now = time.time()
         if why == "fetch again":
-            slot.missed_fetch = True
+            slot.fetches.missed = True
         elif why == "in our puller":
             return
-        elif why == "unreachable" and now - slot.unreachable_seen_at > RECHECK_S:
+        elif why == "unreachable" and now - slot.fetches.unreachable_seen_at > RECHECK_S:
             # Held back for good only if the stream still stores them and a fetch on that count
             # misses them again: the count itself may be what is wrong (arrival and take events
             # applied out of order after a paused process counted 60 requests that were never
             # there, and the hold was advertised to peers).
-            slot.unreachable_seen_at = now
+            slot.fetches.unreachable_seen_at = now
             await self.refresh(now)
         else:
-            if why == "unreachable" and now - slot.unreachable_warned_at > 60.0:
+            if why == "unreachable" and now - slot.fetches.unreachable_warned_at > 60.0:
                 # Once a minute a model at most: forged arrival events can bring this on at will.
-                slot.unreachable_warned_at = now
+                slot.fetches.unreachable_warned_at = now
                 log.warning("%s: %d requests stored that its consumer will never deliver: not counted until they are gone", slot.name, slot.backlog)
             self.held_back(slot, unreachable=why == "unreachable")
 

@@ -67,7 +67,7 @@ class Pullers:
     def made(slots: Iterable[Slot], now: float) -> None:
         """Both lines' consumers of ``slots`` were made at ``now`` (at start, with eager consumers)."""
         for slot in slots:
-            slot.consumer_ready_at = slot.bulk_consumer_ready_at = now
+            slot.lines.consumer_ready_at = slot.lines.bulk_consumer_ready_at = now
 
     async def ready(self, slot: Slot) -> bool:
         """Make sure ``slot``'s consumers exist and this worker is subscribed to them: the
@@ -76,32 +76,32 @@ class Pullers:
         the idle limit ago, loses its puller. False (logged) when the server did not answer:
         the caller backs off as for any trouble."""
         streams = self._streams
-        async with slot.consumer_lock:
+        async with slot.lines.lock:
             now = time.time()
             try:
-                if self._stale(slot.consumer_ready_at, now):
+                if self._stale(slot.lines.consumer_ready_at, now):
                     started = time.perf_counter()
                     await ensure_model_consumer(self._js, self._subjects, streams, slot.name)
                     self._counters.sample("consumer_create", time.perf_counter() - started)
-                    slot.consumer_ready_at = now
+                    slot.lines.consumer_ready_at = now
                 if slot.psub is None:
-                    slot.psub = await self._puller(slot, Priority.INTERACTIVE)
+                    slot.lines.psub = await self._puller(slot, Priority.INTERACTIVE)
                 # The batch line's consumer: made while batch requests are seen (most models get
                 # none); left to the server's idle removal once they stop.
-                bulk_stale = self._stale(slot.bulk_consumer_ready_at, now)
+                bulk_stale = self._stale(slot.lines.bulk_consumer_ready_at, now)
                 if slot.bulk > 0:
                     if bulk_stale:
                         await ensure_model_consumer(self._js, self._subjects, streams, slot.name, Priority.BATCH)
-                        slot.bulk_consumer_ready_at = now
+                        slot.lines.bulk_consumer_ready_at = now
                     if slot.bulk_psub is None:
-                        slot.bulk_psub = await self._puller(slot, Priority.BATCH)
+                        slot.lines.bulk_psub = await self._puller(slot, Priority.BATCH)
                 elif slot.bulk_psub is not None and bulk_stale and not slot.bulk_psub.buffered:
                     # No batch request counted, and its consumer last made sure of half the idle
                     # limit ago: the line's puller goes (while it holds deliveries, the next fetch
                     # takes them first: it stays). What its requests still deliver while it goes
                     # goes back to the queue now (it used to wait out its ack wait: nobody
                     # fetches from a puller that is gone), even if a stop cancels this.
-                    psub, slot.bulk_psub, slot.bulk_consumer_ready_at = slot.bulk_psub, None, None
+                    psub, slot.lines.bulk_psub, slot.lines.bulk_consumer_ready_at = slot.lines.bulk_psub, None, None
                     with anyio.CancelScope(shield=True):
                         await self._give_back(await psub.close(CLOSE_WAIT_S))
                     self._retire(psub)

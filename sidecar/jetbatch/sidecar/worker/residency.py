@@ -119,9 +119,7 @@ class Residency:
         return sorted(self._resident)
 
     def _set_tier(self, slot: Slot, tier: Tier) -> None:
-        if tier == "resident" and slot.tier != "resident":
-            slot.resident_since = time.time()
-        slot.tier = tier
+        slot.place.tier = tier
         self._host_used = None
         if tier == "cold":
             self._held.discard(slot.name)
@@ -142,7 +140,7 @@ class Residency:
                 log.error("%s: its requests will get model_failed until it can load", exc.detail)
 
     def _set_broken(self, slot: Slot, reason: str | None) -> None:
-        slot.broken = reason
+        slot.place.broken = reason
         if reason is None:
             self.broken.pop(slot.name, None)
         else:
@@ -156,8 +154,8 @@ class Residency:
     def first_batch(self, slot: Slot) -> tuple[bool, LoadRecord | None]:
         """For the batch about to run on ``slot``: whether it is the first since the load (it
         "paid" it), and the load's record to report under it (once)."""
-        fresh, record = slot.fresh_load, slot.pending_load
-        slot.fresh_load, slot.pending_load = False, None
+        fresh, record = slot.place.fresh_load, slot.place.pending_load
+        slot.place.fresh_load, slot.place.pending_load = False, None
         return fresh, record if fresh else None
 
     # --- moves ----------------------------------------------------------------------------------
@@ -227,9 +225,9 @@ class Residency:
         # Measured: the handler's own count (parameters and buffers, or the CUDA allocator delta
         # around its load), else the allocator delta seen from here.
         memory = slot.handler.memory_bytes() or max(0, _device_bytes(self.device) - before)
-        slot.pending_load = LoadRecord(slot.name, started_ns, time.time_ns(), memory, tuple(evict), unloads)
+        slot.place.pending_load = LoadRecord(slot.name, started_ns, time.time_ns(), memory, tuple(evict), unloads)
         self._set_tier(slot, "resident")
-        slot.fresh_load = True
+        slot.place.fresh_load = True
         self.core.handle(Loaded(slot.name, tier, seconds, time.time(), slot.backlog, memory_bytes=memory, host_bytes=slot.handler.host_bytes()))
         self._counters.add("loads")
         self._counters.add(f"loads_{tier}")  # from the host's warm copy, or cold from disk
@@ -258,8 +256,8 @@ class Residency:
             # drop frees it, and a full collection would cost ~0.1 s per switch.
             await anyio.to_thread.run_sync(_collect, self.device)
         self._set_tier(victim, "warm" if keep_warm and victim.handler.warm else "cold")
-        victim.pending_load = None
-        victim.fresh_load = False
+        victim.place.pending_load = None
+        victim.place.fresh_load = False
         self.core.handle(Evicted(victim.name, time.time()))
         self._counters.add("evictions")
         self.telemetry.evictions.add(1, {"jetbatch.model": victim.name, "jetbatch.model.tier": victim.tier})

@@ -21,7 +21,7 @@ from ..policy import BatchWindow, Tier
 from ..replies import Answer
 from ..telemetry import LoadRecord
 
-__all__ = ["AckInfo", "BatchReport", "ModelTurn", "Request", "Slot", "ack_info", "enqueued_at"]
+__all__ = ["AckInfo", "BatchReport", "FetchHealth", "ModelTurn", "Placement", "PullLines", "Request", "Slot", "ack_info", "enqueued_at"]
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,53 @@ class Request:
 
 
 @dataclass
+class Placement:
+    """Where the model is, and what its load left for the first batch. Written by
+    ``worker/residency.py`` only."""
+
+    tier: Tier = "cold"
+    fresh_load: bool = False  # the next batch is the first after a load: it "paid" the load
+    pending_load: LoadRecord | None = None  # reported under the first batch after the load
+    broken: str | None = None  # why the model cannot load (a missing file), reported at startup
+
+
+@dataclass
+class PullLines:
+    """The model's consumers and pull subscriptions. Written by ``worker/pullers.py`` only."""
+
+    psub: Any = None
+    bulk_psub: Any = None
+    consumer_ready_at: float | None = None  # when this worker last made sure the consumer exists
+    bulk_consumer_ready_at: float | None = None  # the same for the batch-class consumer
+    lock: anyio.Lock = field(default_factory=anyio.Lock)  # one creation at a time
+
+
+@dataclass
+class FetchHealth:
+    """What the model's empty fetches said. Written by ``worker/lines.py`` only."""
+
+    # The last fetch came back empty while the consumer said requests were undelivered: the next
+    # such miss holds them back like any other (a fetch that never delivers must not spin).
+    missed: bool = False
+    # When an empty fetch last looked "unreachable" (nothing undelivered, nothing unacked): the
+    # stream is counted and the queue fetched again before that is believed.
+    unreachable_seen_at: float = -math.inf
+    unreachable_warned_at: float = -math.inf  # when the worker last warned of them (once a minute)
+
+
+@dataclass
 class Slot:
-    """One model this worker serves."""
+    """One model this worker serves: its configuration, and its state in records that one
+    module each writes (``place``, ``lines``, ``fetches``; the queue's fields below are
+    ``worker/queues.py``'s). Others read them, also through the properties below."""
 
     name: str
     config: ModelConfig
     handler: Handler
     window: BatchWindow
-    psub: Any = None
-    tier: Tier = "cold"
-    fresh_load: bool = False  # the next batch is the first after a load: it "paid" the load
+    place: Placement = field(default_factory=Placement)
+    lines: PullLines = field(default_factory=PullLines)
+    fetches: FetchHealth = field(default_factory=FetchHealth)
     backlog: int = 0
     arrivals: int = 0  # arrival events counted for this model, ever: an open window waits for the next
     oldest_enqueued_at: float | None = None
@@ -76,9 +113,6 @@ class Slot:
     batch_ended: anyio.Event = field(default_factory=anyio.Event)
     # Batches computing at once (``max_concurrent_batches``): held for the forward passes only.
     limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
-    resident_since: float | None = None  # when it last became resident (idle unloads count from it too)
-    pending_load: LoadRecord | None = None  # reported under the first batch after the load
-    broken: str | None = None  # why the model cannot load (a missing file), reported at startup
     # Stored messages nobody we know of holds and this worker never saw arrive: a dead worker's
     # in-flight (due for redelivery within the ack wait), or requests stored before we listened.
     # Counted as backlog until a fetch comes back empty; then held back (``unfetchable``) for one
@@ -86,13 +120,6 @@ class Slot:
     stranded: int = 0
     unfetchable: int = 0
     hold_until: float = 0.0
-    # The last fetch came back empty while the consumer said requests were undelivered: the next
-    # such miss holds them back like any other (a fetch that never delivers must not spin).
-    missed_fetch: bool = False
-    # When an empty fetch last looked "unreachable" (nothing undelivered, nothing unacked): the
-    # stream is counted and the queue fetched again before that is believed.
-    unreachable_seen_at: float = -math.inf
-    unreachable_warned_at: float = -math.inf  # when the worker last warned of them (once a minute)
     stranded_since: float | None = None  # when the count first showed stranded messages
     # A look before a load found nothing stored for this model: its arrival events are not
     # counted (anyone who may publish there can forge them) until a count of the stream shows
@@ -113,15 +140,27 @@ class Slot:
     # Of the backlog, requests of the batch class (their own subject and consumer, pulled after
     # the interactive ones): counted like the backlog, from events and the bulk count.
     bulk: int = 0
-    bulk_psub: Any = None
     interactive_run: int = 0  # batches in a row that took the interactive line first while both waited
-    consumer_ready_at: float | None = None  # when this worker last made sure the consumer exists
-    bulk_consumer_ready_at: float | None = None  # the same for the batch-class consumer
-    consumer_lock: anyio.Lock = field(default_factory=anyio.Lock)  # one creation at a time
+
+    @property
+    def tier(self) -> Tier:
+        return self.place.tier
 
     @property
     def resident(self) -> bool:
-        return self.tier == "resident"
+        return self.place.tier == "resident"
+
+    @property
+    def broken(self) -> str | None:
+        return self.place.broken
+
+    @property
+    def psub(self) -> Any:
+        return self.lines.psub
+
+    @property
+    def bulk_psub(self) -> Any:
+        return self.lines.bulk_psub
 
     @property
     def known(self) -> int:
