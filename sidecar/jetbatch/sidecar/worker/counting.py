@@ -52,7 +52,8 @@ class StreamCounts:
     configuration and, with a subjects filter, a count for each subject holding requests, which
     nats-py parsed into objects at each count, each line count and each look before a load (8% of
     a busy worker's samples, ``json.decoder.raw_decode``, when the models stream still listed
-    each model). Here the bytes are read by msgspec, which skips what it is not asked for. Raises what ``js.stream_info`` raises: an API error as nats-py's
+    each model). Here the bytes are read by msgspec, which skips what it is not asked for.
+    Raises what ``js.stream_info`` raises: an API error as nats-py's
     exception for it (``failures.api_error``), a timeout, a closed connection."""
 
     def __init__(self, nc: Any, *, timeout_s: float = 5.0, api_prefix: str = "$JS.API") -> None:

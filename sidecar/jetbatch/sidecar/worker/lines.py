@@ -75,7 +75,9 @@ class Lines:
         )  # fmt: skip
         await self.hand_back_leftovers()
         if ok and self.queues.unregistered:
-            self.orphans.check_registry()  # a model no worker ever registered: answered at once
+            # A model no worker ever registered is answered at once; not one a live peer is known
+            # to register (a registry emptied by hand).
+            self.orphans.check_registry((self.peers.registered_by_peers(now) if self.peers.knows_peers(now) else None) or set())
         if ok and (self.queues.unregistered or self.orphans.watched) and self.peers.knows_peers(now):
             # Only when something is stored for a model this worker does not register (rare):
             # the peers' model sets are not gathered on every count. And only with a fresh view

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Collection
 from typing import Any
 
 import anyio
@@ -69,10 +70,11 @@ class OrphanAnswers:
             self._due.update(due)
             self._wake.set()
 
-    def check_registry(self) -> None:
+    def check_registry(self, peers: Collection[str]) -> None:
         """After a count: the unregistered queues the registry does not name are due now; the
-        ones not looked up yet are handed to the task to look up."""
-        stored = self.queues.unregistered
+        ones not looked up yet are handed to the task to look up. ``peers``: models live peers
+        are known to register, left alone whatever the registry says."""
+        stored = {m: n for m, n in self.queues.unregistered.items() if m not in peers}
         for model in [m for m in self._in_registry if m not in stored]:
             del self._in_registry[model]  # answered or gone: looked up again if it comes back
         never = {m for m in stored if self._in_registry.get(m) is False}

@@ -2,8 +2,9 @@
 
 The models stream takes every model's subject (two wildcards) and the model registry keeps every
 name a worker once registered (``registry.py``), so a model taken out of every worker's config
-keeps taking requests that no consumer will ever fetch: its callers waited out their timeouts and the requests stayed stored
-for good, with no answer, no dead letter and nothing in any log. Every worker counts every
+keeps taking requests that no consumer will ever fetch: its callers waited out their timeouts
+and the requests stayed stored for good, with no answer, no dead letter and nothing in any log.
+(A model the registry never named is answered at once: ``orphan_answers.py``.) Every worker counts every
 queue (``QueueView.refresh``); one that sees requests stored for a model neither it nor any
 live peer registers (its advert's ``models``) says so at once (a warning a minute), and after
 ``worker.orphan_grace_s`` (10 minutes) in a row answers them ``unknown_model``. The grace rides
