@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from . import failures
-from .protocol import Subjects
+from .protocol import ProtocolError, Subjects
 
 __all__ = ["RegisteredModels"]
 
@@ -40,10 +41,6 @@ class RegisteredModels:
         self._subjects = subjects
         self._known: set[str] = set()
         self._unreadable_until = -1.0
-
-    def remembers(self, model: str) -> bool:
-        """Whether ``model`` was found registered (no lookup)."""
-        return model in self._known
 
     async def check(self, model: str, timeout_s: float) -> bool | None:
         """True: registered; False: the registry is there and does not name ``model``; None:
@@ -72,3 +69,18 @@ class RegisteredModels:
             self._known.clear()
         self._known.add(model)
         return True
+
+    async def unregistered(self, models: Iterable[str], timeout_s: float) -> set[str]:
+        """Which of ``models`` the registry does not name: one lookup for each not found before,
+        together (none when every one was); an invalid name, or a registry that cannot be read,
+        is not among them (the caller refuses an invalid name on its own)."""
+
+        async def check(model: str) -> bool | None:
+            try:
+                return await self.check(model, timeout_s)
+            except ProtocolError:
+                return None
+
+        names = [model for model in models if model not in self._known]
+        checked = await asyncio.gather(*(check(model) for model in names))
+        return {model for model, registered in zip(names, checked) if registered is False}

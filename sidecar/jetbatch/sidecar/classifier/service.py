@@ -338,7 +338,7 @@ class Classifier:
         failed: list[tuple[Msg, RequestMeta, Route]] = []
         sent: list[tuple[Msg, RequestMeta, Route, str, dict[str, str], asyncio.Future[Any] | None]] = []
         pending = AckGroup()  # one wake-up once every PubAck of the batch came
-        unknown = await self._unregistered({route.model for _, _, route in routed if route.error is None and route.model is not None})
+        unknown = await self._registry.unregistered({route.model for _, _, route in routed if route.error is None and route.model is not None}, _REGISTRY_LOOKUP_S)
         for msg, meta, route in routed:
             if route.error is None and route.model in unknown:
                 failed.append((msg, meta, Route(route.model, (ErrorCode.UNKNOWN_MODEL, f"no model named {route.model!r} is served"))))
@@ -367,23 +367,6 @@ class Classifier:
             else:
                 failed.append((msg, meta, Route(route.model, error)))
         return failed
-
-    async def _unregistered(self, models: AbstractSet[str]) -> set[str]:
-        """Which of a batch's models the model registry does not name: the models stream takes
-        any model's subject, so the registry is what refuses a model nobody serves. One lookup a
-        model not yet known, together; a registry that cannot be read names none."""
-
-        async def check(model: str) -> bool | None:
-            try:
-                return await self._registry.check(model, _REGISTRY_LOOKUP_S)
-            except ProtocolError:
-                return None  # an invalid name: _prepare answers it
-
-        names = [model for model in models if not self._registry.remembers(model)]
-        if not names:
-            return set()  # the usual batch: every model looked up before
-        checked = await asyncio.gather(*(check(model) for model in names))
-        return {model for model, registered in zip(names, checked) if registered is False}
 
     def _prepare(self, msg: Msg, meta: RequestMeta, route: Route, *, excess: bool = False) -> tuple[str, dict[str, str]] | tuple[ErrorCode, str]:
         """The subject and headers a routed request is republished with, or why it cannot be."""
