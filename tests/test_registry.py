@@ -130,3 +130,21 @@ async def test_a_worker_serves_more_models_than_its_server_could_list(tmp_path: 
                 assert advert.models_count == 1000 and advert.models == []
             finally:
                 await nc.close()
+
+
+@pytest.mark.anyio
+async def test_a_batch_of_models_is_looked_up_together_and_an_invalid_name_is_left_to_the_caller(nats_url: str, prefix: str) -> None:
+    from jetbatch.sdk.registry import RegisteredModels
+
+    subjects = Subjects(prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await register_models(js, subjects, StreamsConfig(), ["m1", "m2"])
+        registry = RegisteredModels(js, subjects)
+        assert await registry.unregistered(["m1", "ghost", "not a name", "m2"], 1.0) == {"ghost"}
+        assert registry.remembers("m1") and registry.remembers("m2") and not registry.remembers("ghost")
+        await (await js.key_value(subjects.registry_bucket)).delete("m1")
+        assert await registry.unregistered(["m1"], 1.0) == set()  # remembered for the client's life
+    finally:
+        await nc.close()

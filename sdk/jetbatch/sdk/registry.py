@@ -42,6 +42,10 @@ class RegisteredModels:
         self._known: set[str] = set()
         self._unreadable_until = -1.0
 
+    def remembers(self, model: str) -> bool:
+        """Whether ``model`` was found registered before (no lookup)."""
+        return model in self._known
+
     async def check(self, model: str, timeout_s: float) -> bool | None:
         """True: registered; False: the registry is there and does not name ``model``; None:
         cannot tell (no registry, no permission to read it, or no answer within ``timeout_s``)."""
@@ -81,6 +85,6 @@ class RegisteredModels:
             except ProtocolError:
                 return None
 
-        names = [model for model in models if model not in self._known]
+        names = [model for model in models if not self.remembers(model)]
         checked = await asyncio.gather(*(check(model) for model in names))
         return {model for model, registered in zip(names, checked) if registered is False}
