@@ -4,8 +4,10 @@ with the default configuration, as compose's, where the old layout stopped fitti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
@@ -28,6 +30,15 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedde
         yield server
 
 
+@contextlib.asynccontextmanager
+async def _connected(url: str) -> AsyncIterator[Any]:
+    nc = await nats.connect(url)
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
 async def _stored(js: object, subjects: Subjects) -> int:
     return (await js.stream_info(subjects.models_stream)).state.messages  # type: ignore[attr-defined]
 
@@ -40,8 +51,7 @@ async def test_more_models_than_the_listed_layout_allowed_register_on_a_default_
     models = [f"team-{i:05d}-".ljust(40, "v") for i in range(12_000)]
     listed = sum(len(subjects.model(m, p)) + 3 for m in models for p in Priority)
     assert listed > 1024 * 1024  # what the old create would have carried in its subjects alone
-    nc = await nats.connect(default_server.url)
-    try:
+    async with _connected(default_server.url) as nc:
         js = nc.jetstream()
         await ensure_streams(js, subjects, StreamsConfig(), models)
         info = await js.stream_info(subjects.models_stream)
@@ -57,8 +67,6 @@ async def test_more_models_than_the_listed_layout_allowed_register_on_a_default_
             with pytest.raises(sdk.RequestTimeout):  # registered, and no worker runs here
                 await client.infer(b"x", model=models[-1], timeout=0.5)
             assert await _stored(js, subjects) == 1
-    finally:
-        await nc.close()
 
 
 @pytest.mark.anyio
@@ -68,8 +76,7 @@ async def test_a_stream_listing_its_models_is_upgraded_with_what_waits_on_it(nat
     subjects = Subjects(prefix)
     old = models_stream_config(subjects, StreamsConfig())
     old.subjects = sorted(subjects.model(m, p) for m in ("m1", "gone") for p in Priority)
-    nc = await nats.connect(nats_url)
-    try:
+    async with _connected(nats_url) as nc:
         js = nc.jetstream()
         await js.add_stream(StreamConfig.from_response(old.as_dict()))
         await js.publish(subjects.model("m1"), b"a")
@@ -80,15 +87,12 @@ async def test_a_stream_listing_its_models_is_upgraded_with_what_waits_on_it(nat
         assert info.state.messages == 2
         kv = await js.key_value(subjects.registry_bucket)
         assert sorted(await kv.keys()) == ["gone", "m1", "new"]
-    finally:
-        await nc.close()
 
 
 @pytest.mark.anyio
 async def test_a_deleted_key_is_unknown_and_an_unreadable_registry_refuses_nothing(nats_url: str, prefix: str) -> None:
     subjects = Subjects(prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with _connected(nats_url) as nc:
         js = nc.jetstream()
         await js.add_stream(models_stream_config(subjects, StreamsConfig()))  # the stream, no registry yet
         async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
@@ -105,8 +109,6 @@ async def test_a_deleted_key_is_unknown_and_an_unreadable_registry_refuses_nothi
             with pytest.raises(sdk.RequestTimeout):
                 await client.infer(b"x", model="m1", timeout=0.5)
         assert await _stored(js, subjects) == 2
-    finally:
-        await nc.close()
 
 
 @pytest.mark.anyio
@@ -120,16 +122,13 @@ async def test_a_worker_serves_more_models_than_its_server_could_list(tmp_path: 
     with EmbeddedNats(store_dir=tmp_path / "store", max_payload=32_768) as server:
         config = make_config(prefix, models)
         async with running_worker(config, server.url) as worker:
-            nc = await nats.connect(server.url)
-            try:
+            async with _connected(server.url) as nc:
                 async with await sdk.Client.from_connection(nc, prefix=prefix) as client:
                     result = await client.infer_result(b"x", model=sorted(models)[-1], timeout=30)
                     assert result.batch is not None and result.batch.model == sorted(models)[-1]
                 entry = await (await nc.jetstream().key_value(Subjects(prefix).kv_bucket)).get(worker.worker_id)
                 advert = msgspec.json.decode(entry.value, type=SidecarReport)
                 assert advert.models_count == 1000 and advert.models == []
-            finally:
-                await nc.close()
 
 
 @pytest.mark.anyio
@@ -137,8 +136,7 @@ async def test_a_batch_of_models_is_looked_up_together_and_an_invalid_name_is_le
     from jetbatch.sdk.registry import RegisteredModels
 
     subjects = Subjects(prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with _connected(nats_url) as nc:
         js = nc.jetstream()
         await register_models(js, subjects, StreamsConfig(), ["m1", "m2"])
         registry = RegisteredModels(js, subjects)
@@ -146,5 +144,3 @@ async def test_a_batch_of_models_is_looked_up_together_and_an_invalid_name_is_le
         assert registry.remembers("m1") and registry.remembers("m2") and not registry.remembers("ghost")
         await (await js.key_value(subjects.registry_bucket)).delete("m1")
         assert await registry.unregistered(["m1"], 1.0) == set()  # remembered for the client's life
-    finally:
-        await nc.close()

@@ -25,7 +25,7 @@ from jetbatch.sdk import failures
 from jetbatch.sdk.protocol import SidecarReport, Subjects
 
 from .errors import TRANSPORT_ERRORS, SidecarError
-from .registered import KnownSets, Shipping, models_digest
+from .registered import KnownSets, Shipping
 from .workers_bucket import WorkersBucket
 
 __all__ = ["CLAIM_PREFIX", "ClusterView", "DuplicateWorkerId"]
@@ -39,12 +39,9 @@ log = logging.getLogger("jetbatch.cluster")
 # who may write to it) costs the view's memory and every decision's scan of it.
 MAX_PEERS = 4096
 
-_encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SidecarReport)
 # How often a second live worker's adverts under this worker's id are logged, at most.
 DUPLICATE_LOG_EVERY_S = 30.0
-# Room in a put for the headers and the protocol line beside an advert's body.
-_ADVERT_HEADROOM_BYTES = 4096
 
 
 class DuplicateWorkerId(SidecarError):
@@ -88,8 +85,6 @@ class ClusterView:
         # Adverts name the registered models only when a peer may not know them (registered.py).
         self._sets = KnownSets()
         self._shipping = Shipping()
-        self._digest: tuple[list[str], str] | None = None  # the names' list last hashed, and its digest
-        self._names_too_many = False  # said once: the names did not fit an advert
 
     @property
     def ttl_s(self) -> float:
@@ -208,25 +203,12 @@ class ClusterView:
         once; by default its ``models``) only when a peer may not know them (registered.py)."""
         if self._bucket.kv is None:
             return
-        names = advert.models if names is None else names
-        if self._digest is None or self._digest[0] is not names:
-            self._digest = (names, models_digest(names))
-        digest, now = self._digest[1], time.time()
-        full = self._shipping.due(digest, now)
-        advert = msgspec.structs.replace(advert, models=list(names) if full else [], models_digest=digest, models_count=len(names))
-        data = _encoder.encode(advert)
-        if full and len(data) > self.max_payload() - _ADVERT_HEADROOM_BYTES:
-            # Names past the server's max_payload (some 25 000 of 40 characters on a default
-            # server): a put that fails each heartbeat would silence this worker for good. Its
-            # peers keep its set unknown, which holds back their orphan check, nothing else.
-            if not self._names_too_many:
-                log.warning("this worker's %d registered model names do not fit an advert (max_payload %d): peers will not know them", len(names), self.max_payload())
-            self._names_too_many = True
-            data = _encoder.encode(msgspec.structs.replace(advert, models=[]))
+        now = time.time()
+        data, shipped = self._shipping.encode(advert, advert.models if names is None else names, now, self.max_payload())
         self._own_started_at = advert.started_at
         try:
             revision = await self._bucket.kv.put(self.worker_id, data)
-            self._shipping.sent(digest, now, full)
+            self._shipping.sent(*shipped)
             if self._first_revision is None:
                 self._first_revision = revision
         except TRANSPORT_ERRORS as exc:

@@ -11,6 +11,7 @@ missed one, and a reader of an older version, which takes ``models`` as the whol
 orphan check starts its grace over at each full advert). A reader keeps the last names heard
 with their digest; an advert whose digest is not the one kept leaves the set unknown until the
 names come, and a caller that needs every peer's set (the orphan check) decides nothing then.
+Names that would not fit the server's ``max_payload`` are left out (:meth:`Shipping.encode`).
 
 Pure: no I/O, the time passed in.
 """
@@ -18,8 +19,11 @@ Pure: no I/O, the time passed in.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Iterable
+
+import msgspec
 
 from jetbatch.sdk.protocol import SidecarReport
 
@@ -27,6 +31,11 @@ __all__ = ["FULL_MODELS_EVERY_S", "KnownSets", "Shipping", "models_digest"]
 
 # How often an advert names every registered model even when no peer is new to it.
 FULL_MODELS_EVERY_S = 30.0
+# Room in a put for the headers and the protocol line beside an advert's body.
+_ADVERT_HEADROOM_BYTES = 4096
+
+log = logging.getLogger("jetbatch.cluster")
+_encoder = msgspec.json.Encoder()
 
 
 def models_digest(names: Iterable[str]) -> str:
@@ -46,6 +55,28 @@ class Shipping:
         self._sent_digest: str | None = None  # the digest of the names last put
         self._sent_at = -math.inf
         self._newcomer = True  # a peer joined the view since the names were last put
+        self._digest: tuple[list[str], str] | None = None  # the names' list last hashed, and its digest
+        self._too_many = False  # said once: the names did not fit an advert
+
+    def encode(self, advert: SidecarReport, names: list[str], now: float, max_payload: int) -> tuple[bytes, tuple[str, float, bool]]:
+        """``advert``'s bytes with the digest and count of ``names`` (a list the caller keeps:
+        hashed once), naming them when :meth:`due` and when they fit ``max_payload``; and what
+        to pass to :meth:`sent` once it is put."""
+        if self._digest is None or self._digest[0] is not names:
+            self._digest = (names, models_digest(names))
+        digest = self._digest[1]
+        full = self.due(digest, now)
+        advert = msgspec.structs.replace(advert, models=list(names) if full else [], models_digest=digest, models_count=len(names))
+        data = _encoder.encode(advert)
+        if full and len(data) > max_payload - _ADVERT_HEADROOM_BYTES:
+            # Names past the server's max_payload (some 25 000 of 40 characters on a default
+            # server): a put that fails each heartbeat would silence this worker for good. Its
+            # peers keep its set unknown, which holds back their orphan check, nothing else.
+            if not self._too_many:
+                log.warning("this worker's %d registered model names do not fit an advert (max_payload %d): peers will not know them", len(names), max_payload)
+            self._too_many = True
+            data = _encoder.encode(msgspec.structs.replace(advert, models=[]))
+        return data, (digest, now, full)
 
     def newcomer(self) -> None:
         """A peer this worker had not heard (or a restarted one) joined the view."""

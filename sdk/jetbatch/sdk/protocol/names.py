@@ -229,8 +229,7 @@ class Subjects:
 
     @property
     def queue_wildcards(self) -> list[str]:
-        """The models stream's subjects: every model's interactive and batch queue, two
-        wildcards whatever the number of models (a model name is one token)."""
+        """The models stream's subjects: every model's two queues, whatever their number."""
         return [f"{self.prefix}.model.*", f"{self.prefix}.model.*.{BATCH_TOKEN}"]
 
     def model_from_subject(self, subject: str) -> str | None:
@@ -343,9 +342,7 @@ class Subjects:
 
     @property
     def registry_bucket(self) -> str:
-        """Key-value bucket of the model names the workers register, a key each: the models
-        stream takes any model's subject (two wildcards), so this is where "is anyone serving
-        this model?" is answered (docs/protocol.md#unknown-models)."""
+        """Key-value bucket of the models the workers register, a key each (docs/protocol.md#unknown-models)."""
         return f"{self._stream_base}_REGISTERED"
 
     @property
